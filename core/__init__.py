@@ -1,0 +1,41 @@
+"""kvloom: an LLM inference and serving engine built as a minimal core plus plugins."""
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Heavy modules load on first use so that `kvloom --help` and plugin discovery stay fast.
+_LAZY = {
+    "LLM": "kvloom.entrypoints.llm",
+    "SamplingParams": "kvloom.sampling_params",
+    "PoolingParams": "kvloom.sampling_params",
+    "RequestOutputKind": "kvloom.sampling_params",
+    "RequestOutput": "kvloom.outputs",
+    "CompletionOutput": "kvloom.outputs",
+    "PoolingRequestOutput": "kvloom.outputs",
+    "EngineArgs": "kvloom.config",
+    "LoRARequest": "kvloom.lora.request",
+    "ModelRegistry": "kvloom.models.registry",
+    "AsyncLLM": "kvloom.engine.async_llm",
+}
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineArgs
+    from kvloom.engine.async_llm import AsyncLLM
+    from kvloom.entrypoints.llm import LLM
+    from kvloom.lora.request import LoRARequest
+    from kvloom.models.registry import ModelRegistry
+    from kvloom.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+    from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvloom' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["__version__", *_LAZY]

@@ -1,0 +1,376 @@
+"""The attention backend contract.
+
+An attention backend is a plugin (entry-point group ``kvloom.attention_backends``,
+entry-point name == the backend's ``NAME``) that tells the engine three things:
+
+1. What it supports, declared as class attributes (dtypes, KV-cache dtypes, block sizes,
+   head sizes, compute capability, device types, MLA or not, attention types, CUDA-graph
+   support). ``validate_configuration`` turns those declarations into human-readable
+   reasons; selection never guesses.
+2. How its KV cache is laid out (``get_kv_cache_shape``).
+3. Which classes do the work: an ``AttentionMetadataBuilder`` that turns the model
+   runner's ``CommonAttentionMetadata`` into whatever the kernels need (once per step,
+   shared by all layers), and an ``AttentionImpl`` whose ``forward`` writes the new keys
+   and values into the paged cache through the slot mapping and computes attention.
+
+Data layout every backend receives (N = tokens in the step, B = requests in the step):
+
+- ``query``  ``[N, num_heads, head_size]``, ``key``/``value`` ``[N, num_kv_heads, head_size]``
+  (N may be padded beyond ``num_actual_tokens`` for CUDA graphs; the padding must not be
+  written to the cache: its ``slot_mapping`` entries are ``-1``).
+- Requests are laid out contiguously: request ``i`` owns tokens
+  ``query_start_loc[i]:query_start_loc[i+1]``; its tokens are the *last* ``query_len``
+  tokens of a sequence of ``seq_lens[i]`` tokens, so token ``j`` of the request sits at
+  position ``seq_lens[i] - query_len + j`` and attends causally to positions ``<=`` it.
+  The first ``seq_lens[i] - query_len`` positions (the context: prefix-cache hits, earlier
+  prefill chunks, earlier decode steps) are already in the cache.
+- ``block_table[i, k]`` is the physical block holding positions
+  ``k*block_size : (k+1)*block_size`` of request ``i``; ``slot_mapping[t]`` is
+  ``block * block_size + offset`` of token ``t``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from kvloom.platform_types import DeviceCapability
+
+
+class AttentionType(str, enum.Enum):
+    """Which attention pattern a layer uses (vLLM's names)."""
+
+    DECODER = "decoder"  # causal self-attention over the KV cache
+    ENCODER = "encoder"  # bidirectional, encoder of an encoder-decoder model
+    ENCODER_ONLY = "encoder_only"  # bidirectional, no KV cache (embedding models)
+    ENCODER_DECODER = "encoder_decoder"  # cross-attention
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of a step a backend can run inside a captured CUDA graph.
+
+    Ordered: ALWAYS > UNIFORM_BATCH > UNIFORM_SINGLE_TOKEN_DECODE > NEVER.
+    """
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # only batches where every request has query_len == 1
+    UNIFORM_BATCH = 2  # batches where every request has the same query_len
+    ALWAYS = 3  # any batch, including mixed prefill/decode
+
+
+@dataclass(frozen=True)
+class MultipleOf:
+    """A block-size declaration meaning "any positive multiple of ``base``"."""
+
+    base: int
+
+    def accepts(self, block_size: int) -> bool:
+        return block_size > 0 and block_size % self.base == 0
+
+    def __str__(self) -> str:
+        return f"multiples of {self.base}"
+
+
+BlockSizeSpec = int | MultipleOf
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class AttentionSelectorConfig:
+    """Everything selection needs to know about the model and the run.
+
+    ``block_size`` is ``None`` when the user did not choose one: the engine then asks the
+    selected backend for its preferred size (block-size negotiation).
+    """
+
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    use_mla: bool = False
+    attn_type: AttentionType = AttentionType.DECODER
+    device_type: str = "cpu"
+    device_capability: DeviceCapability | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-step batch description built by the model runner, shared by all backends.
+
+    Device tensors live on the model's device; the ``*_cpu`` copies are there for
+    builders that plan on the host (e.g. FlashInfer) so they need not synchronise.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]: context + this step's tokens
+    block_table: torch.Tensor  # int32 [B, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [N]; -1 = do not write (padding)
+    num_reqs: int
+    num_actual_tokens: int  # tokens before CUDA-graph padding
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: torch.Tensor  # int32 [B + 1]
+    seq_lens_cpu: torch.Tensor  # int32 [B]
+    causal: bool = True
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def is_uniform_single_token_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """The static shape of the attention layers a builder serves."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    scale: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+M = TypeVar("M")
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Turns ``CommonAttentionMetadata`` into backend metadata, once per step.
+
+    ``cudagraph_support`` is what this builder's metadata can do inside a captured graph.
+    Builders that keep persistent buffers for graphs should size them from
+    ``spec.max_num_seqs`` and ``max_num_blocks`` at construction.
+    """
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
+        self.spec = spec
+        self.device = device
+        self.max_num_blocks = max_num_blocks
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M:
+        """Metadata for one step (called outside of CUDA-graph capture and replay)."""
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
+        """Metadata used while capturing a graph. Defaults to ``build``."""
+        return self.build(common)
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """Computes attention for one layer. One instance per layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` into ``kv_cache`` at ``slot_mapping`` (skipping -1),
+        then write attention for the first ``num_actual_tokens`` queries into ``output``
+        (``[N, num_heads, head_size]``) and return it."""
+
+
+class AttentionBackend(ABC):
+    """Declares what a backend supports and which classes implement it.
+
+    Subclasses set the class attributes below and implement the three static methods.
+    ``validate_configuration`` has a complete default built from the declarations;
+    override ``extra_validation`` for checks the declarations cannot express.
+    """
+
+    NAME: ClassVar[str]
+    #: Model dtypes the kernels accept.
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    #: KV-cache dtypes ("auto" = same as the model dtype).
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    #: Block sizes: exact ints and/or ``MultipleOf(n)``. The first entry is the preferred
+    #: size when the user does not choose (a ``MultipleOf(n)`` first entry prefers
+    #: the smallest multiple of n that is >= 16).
+    supported_block_sizes: ClassVar[tuple[BlockSizeSpec, ...]] = (MultipleOf(16),)
+    #: Head sizes; ``None`` means any size up to ``max_head_size``.
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    max_head_size: ClassVar[int] = 256
+    #: torch device types this backend runs on ("cpu", "cuda", ...).
+    supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    #: Inclusive compute-capability range (CUDA only); ``None`` = no bound.
+    min_compute_capability: ClassVar[DeviceCapability | None] = None
+    max_compute_capability: ClassVar[DeviceCapability | None] = None
+    is_mla: ClassVar[bool] = False
+    supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    #: Python modules the kernels import, with the pip distribution that provides each,
+    #: e.g. ``{"flashinfer": "flashinfer-python"}``. A missing one is a reason, not a crash.
+    required_modules: ClassVar[dict[str, str]] = {}
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+
+    # ------------------------------------------------------------------ validation
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        return any(
+            spec.accepts(block_size) if isinstance(spec, MultipleOf) else spec == block_size
+            for spec in cls.supported_block_sizes
+        )
+
+    @classmethod
+    def describe_block_sizes(cls) -> str:
+        return ", ".join(str(s) for s in cls.supported_block_sizes)
+
+    @classmethod
+    def preferred_block_size(cls, default: int = 16) -> int:
+        """The block size the engine uses with this backend when the user sets none."""
+        if cls.supports_block_size(default):
+            return default
+        first = cls.supported_block_sizes[0]
+        if isinstance(first, MultipleOf):
+            return -(-default // first.base) * first.base
+        return first
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        if cls.supported_head_sizes is not None:
+            return head_size in cls.supported_head_sizes
+        return 0 < head_size <= cls.max_head_size
+
+    @classmethod
+    def missing_modules(cls) -> list[str]:
+        """Reasons for each required module that cannot be imported."""
+        reasons = []
+        for module, dist in cls.required_modules.items():
+            if importlib.util.find_spec(module) is None:
+                reasons.append(f"{module} is not installed (pip install {dist})")
+        return reasons
+
+    @classmethod
+    def validate_configuration(cls, config: AttentionSelectorConfig) -> list[str]:
+        """Every reason this backend cannot serve ``config``; empty means valid."""
+        reasons: list[str] = []
+        if config.device_type not in cls.supported_device_types:
+            reasons.append(
+                f"device type {config.device_type} not supported "
+                f"(supports {', '.join(cls.supported_device_types)})"
+            )
+        if config.dtype not in cls.supported_dtypes:
+            reasons.append(
+                f"dtype {dtype_name(config.dtype)} not supported "
+                f"(supports {', '.join(dtype_name(d) for d in cls.supported_dtypes)})"
+            )
+        if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(
+                f"kv cache dtype {config.kv_cache_dtype} not supported "
+                f"(supports {', '.join(cls.supported_kv_cache_dtypes)})"
+            )
+        if config.block_size is not None and not cls.supports_block_size(config.block_size):
+            reasons.append(
+                f"block size {config.block_size} not supported (supports {cls.describe_block_sizes()})"
+            )
+        if not cls.supports_head_size(config.head_size):
+            allowed = (
+                ", ".join(map(str, cls.supported_head_sizes))
+                if cls.supported_head_sizes is not None
+                else f"1..{cls.max_head_size}"
+            )
+            reasons.append(f"head size {config.head_size} not supported (supports {allowed})")
+        if config.use_mla != cls.is_mla:
+            reasons.append("MLA not supported" if config.use_mla else "only MLA models supported")
+        if config.attn_type not in cls.supported_attn_types:
+            reasons.append(
+                f"attention type {config.attn_type.value} not supported "
+                f"(supports {', '.join(t.value for t in cls.supported_attn_types)})"
+            )
+        cap = config.device_capability
+        if cap is not None and config.device_type == "cuda":
+            lo, hi = cls.min_compute_capability, cls.max_compute_capability
+            if (lo is not None and cap < lo) or (hi is not None and cap > hi):
+                reasons.append(
+                    f"compute capability {cap} not supported (supports "
+                    f"{lo or 'any'}..{hi or 'any'})"
+                )
+        reasons.extend(cls.missing_modules())
+        reasons.extend(cls.extra_validation(config))
+        return reasons
+
+    @classmethod
+    def extra_validation(cls, config: AttentionSelectorConfig) -> list[str]:
+        """Backend-specific reasons beyond the declared support. Default: none."""
+        return []
+
+    @classmethod
+    def support_summary(cls) -> dict[str, Any]:
+        """The declared support as plain data (for ``kvloom backends`` and docs)."""
+        return {
+            "dtypes": [dtype_name(d) for d in cls.supported_dtypes],
+            "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
+            "block_sizes": [str(s) for s in cls.supported_block_sizes],
+            "head_sizes": list(cls.supported_head_sizes)
+            if cls.supported_head_sizes is not None
+            else f"<= {cls.max_head_size}",
+            "device_types": list(cls.supported_device_types),
+            "compute_capability": [
+                str(cls.min_compute_capability) if cls.min_compute_capability else None,
+                str(cls.max_compute_capability) if cls.max_compute_capability else None,
+            ],
+            "mla": cls.is_mla,
+            "attention_types": [t.value for t in cls.supported_attn_types],
+            "cudagraph_support": cls.cudagraph_support.name,
+        }

@@ -1,0 +1,70 @@
+"""The IO processor plugin contract (pre/post-processing around pooling models).
+
+A plugin registers in ``kvloom.io_processor_plugins``; the entry point names an
+``IOProcessor`` subclass. It is chosen with ``--io-processor-plugin NAME`` or the model
+config's ``io_processor_plugin`` field, and runs parse_data -> pre_process -> encode
+-> post_process for ``LLM.encode`` and ``POST /pooling``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.outputs import PoolingRequestOutput
+
+IOProcessorInput = TypeVar("IOProcessorInput")
+IOProcessorOutput = TypeVar("IOProcessorOutput")
+
+#: A prompt as the engine accepts it: text, or {"prompt_token_ids": [...]}, or {"prompt": str}.
+PromptType = str | dict[str, Any]
+
+
+class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
+    def __init__(self, config: "EngineConfig") -> None:
+        self.config = config
+
+    @abstractmethod
+    def parse_data(self, data: object) -> IOProcessorInput:
+        """Validate the user's raw input; raise ValueError naming what is wrong."""
+
+    def merge_sampling_params(self, params: SamplingParams | None = None) -> SamplingParams:
+        return params or SamplingParams()
+
+    def merge_pooling_params(self, params: PoolingParams | None = None) -> PoolingParams:
+        return params or PoolingParams()
+
+    @abstractmethod
+    def pre_process(
+        self, prompt: IOProcessorInput, request_id: str | None = None, **kwargs: Any
+    ) -> PromptType | Sequence[PromptType]:
+        """Turn the parsed input into one or more model prompts."""
+
+    async def pre_process_async(
+        self, prompt: IOProcessorInput, request_id: str | None = None, **kwargs: Any
+    ) -> PromptType | Sequence[PromptType]:
+        return self.pre_process(prompt, request_id, **kwargs)
+
+    @abstractmethod
+    def post_process(
+        self,
+        model_output: Sequence["PoolingRequestOutput"],
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> IOProcessorOutput:
+        """Turn the pooled outputs (in prompt order) into the plugin's output."""
+
+    async def post_process_async(
+        self,
+        model_output: AsyncGenerator[tuple[int, "PoolingRequestOutput"], None],
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> IOProcessorOutput:
+        # Outputs may arrive in any order: sort by prompt index first.
+        collected = sorted([(i, item) async for i, item in model_output], key=lambda x: x[0])
+        return self.post_process([item for _, item in collected], request_id=request_id, **kwargs)

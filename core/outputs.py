@@ -1,0 +1,164 @@
+"""Outputs at each boundary: model runner -> scheduler -> front end -> user."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvloom.request import EngineCoreEvent, FinishReason
+
+# ----------------------------------------------------------------- model runner -> scheduler
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one position: the chosen token first, then the top-N.
+
+    ``token_ids[0]`` is the sampled (or prompt) token and ``ranks[0]`` its rank in the
+    vocabulary (1 = most likely); entries 1..N are the top-N tokens, ranks 1..N.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    #: Per request, in ``req_ids`` order: the accepted tokens of this step
+    #: ([] while a prompt is still being prefilled in chunks).
+    sampled_token_ids: list[list[int]]
+    #: Per request: one TokenLogprobs per sampled token, or None if not requested.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    #: Per request id: prompt logprobs computed this step (one entry per prompt position
+    #: after the first, in order; chunked prefill delivers them in pieces).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    #: Per request: the pooled vector for pooling requests whose prompt is complete.
+    pooler_output: list[torch.Tensor | None] | None = None
+
+
+# ----------------------------------------------------------------- scheduler -> front end
+
+
+@dataclass
+class PrefixCacheStats:
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+    reset: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_preemptions: int = 0  # preemptions in this step
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    pooling_output: torch.Tensor | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[EngineCoreEvent] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    #: Monotonic time (engine-core process) at which these outputs were produced.
+    timestamp: float = 0.0
+    finished_requests: set[str] = field(default_factory=set)
+
+
+# ----------------------------------------------------------------- front end -> user
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One dict per position: token id -> Logprob (vLLM's shape).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    lora_request: Any = None
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -1,0 +1,82 @@
+"""The platform contract: one active platform describes the device kvloom runs on.
+
+A platform is a plugin (entry-point group ``kvloom.platform_plugins``; the entry point
+names a ``Platform`` subclass). Exactly one platform is active: ``KVLOOM_PLATFORM=name``
+forces one; otherwise an available out-of-tree platform wins over the built-in ones
+(``builtin = True``), and two available out-of-tree platforms are an error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvloom.platform_types import DeviceCapability
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.worker.worker_base import WorkerBase
+
+
+@dataclass(frozen=True)
+class BackendCandidate:
+    """An attention backend named in a platform's priority list.
+
+    ``provider`` is the pip distribution to install when no installed plugin registers
+    ``name`` (so ``kvloom backends`` can say what to install).
+    """
+
+    name: str
+    provider: str
+
+
+class Platform(ABC):
+    """Describes a device type: capability, dtypes, worker class, backend priorities."""
+
+    #: Unique platform name ("cpu", "cuda", ...), used by KVLOOM_PLATFORM.
+    name: ClassVar[str]
+    #: The torch device type tensors are placed on.
+    device_type: ClassVar[str]
+    #: True only for the first-party platforms shipped with kvloom.
+    builtin: ClassVar[bool] = False
+    #: Model dtypes the platform can run, preferred first (used for dtype="auto").
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    #: Whether the worker can capture and replay CUDA graphs.
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this platform's device is usable in the current process."""
+
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
+        """Compute capability (CUDA-like devices); ``None`` when the notion does not apply."""
+        return None
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return cls.device_type
+
+    @classmethod
+    @abstractmethod
+    def get_attn_backend_priority(
+        cls, use_mla: bool, capability: DeviceCapability | None
+    ) -> list[BackendCandidate]:
+        """Backends to try, highest priority first."""
+
+    @classmethod
+    @abstractmethod
+    def get_worker_cls(cls) -> type["WorkerBase"]:
+        """The worker class that runs models on this platform."""
+
+    @classmethod
+    def check_and_update_config(cls, config: "EngineConfig") -> None:
+        """Adjust the engine config for this platform (called once, early). Default: no-op."""
+
+    @classmethod
+    def device(cls, device_id: int = 0) -> torch.device:
+        return torch.device(cls.device_type, device_id) if cls.device_type != "cpu" else torch.device("cpu")

@@ -1,0 +1,205 @@
+"""Requests as the engine core sees them, with their statuses and lifecycle events."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvloom.lora.request import LoRARequest
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request finished (the string is what the OpenAI API reports)."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by the client or the engine
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its lifecycle. Everything after PREEMPTED is finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # waiting for a structured-output grammar to compile
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # rejected (e.g. prompt longer than max_model_len)
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """Per-request events the core timestamps so the front end can compute intervals."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+@dataclass
+class EngineCoreEvent:
+    """An event with a monotonic timestamp taken in the engine-core process."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None) -> "EngineCoreEvent":
+        return cls(event_type, time.monotonic() if timestamp is None else timestamp)
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the front end sends to the engine core: a tokenized, validated request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None = None
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+
+class Request:
+    """A request inside the engine core: tokens so far, progress, status and events.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix-cache hits
+    included); ``num_tokens`` counts prompt + output tokens. Draft tokens from speculative
+    decoding (``spec_token_ids``) are scheduled as extra new tokens but are not part of
+    ``all_token_ids`` until accepted.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        pooling_params: PoolingParams | None = None,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.lora_request = lora_request
+        self.cache_salt = cache_salt
+        self.priority = priority
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.events: list[EngineCoreEvent] = []
+        # Block hashes of the full blocks of all_token_ids, computed incrementally by the
+        # KV cache manager (prefix caching).
+        self.block_hashes: list[bytes | int] = []
+
+        if sampling_params is not None:
+            self.max_tokens = sampling_params.max_tokens
+        else:  # pooling: the prompt is all there is
+            self.max_tokens = 1
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            pooling_params=req.pooling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            lora_request=req.lora_request,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        self.events.append(EngineCoreEvent.new_event(event_type, timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
+
+    def __lt__(self, other: "Request") -> bool:
+        """Priority order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

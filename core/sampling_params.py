@@ -1,0 +1,110 @@
+"""User-facing generation and pooling parameters, with vLLM's names and validation."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Upper bound for ``seed`` so it fits a torch generator seed.
+_MAX_SEED = 2**63 - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """How outputs are delivered while a request runs."""
+
+    CUMULATIVE = 0  # every output carries all text/tokens so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters for text generation (vLLM's ``SamplingParams``).
+
+    Invalid values raise ``pydantic.ValidationError`` (a ``ValueError``) naming the field
+    and its allowed range.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True)
+
+    n: int = Field(1, ge=1, le=128, description="Number of output sequences per prompt.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-_MAX_SEED, le=_MAX_SEED)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = Field(16, ge=1, description="None = up to max_model_len.")
+    min_tokens: int = Field(0, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20, description="Top-N logprobs per output token.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids_as_list(cls, v: Any) -> Any:
+        return [] if v is None else v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "SamplingParams":
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be less than or equal to "
+                f"max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids)
+
+
+class PoolingParams(BaseModel):
+    """Parameters for pooling (embedding) requests.
+
+    ``pooling_type`` overrides the model's default ("LAST" or "MEAN"); ``normalize``
+    L2-normalises the pooled vector; ``dimensions`` truncates it (Matryoshka-style).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    pooling_type: str | None = Field(None, pattern="^(LAST|MEAN|CLS)$")
+    normalize: bool | None = None
+    dimensions: int | None = Field(None, ge=1)

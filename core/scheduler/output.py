@@ -1,0 +1,56 @@
+"""What the scheduler hands the worker each step (vLLM V1's SchedulerOutput).
+
+The worker keeps a persistent copy of every running request (tokens, block table), so a
+step only carries differences: new requests in full, running ones as new block ids.
+A request that was preempted and is scheduled again comes back as a *new* request with
+all its tokens (prompt + output so far); ``finished_req_ids`` also lists preempted ids so
+the worker drops their state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloom.lora.request import LoRARequest
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    #: Tokens generated before a preemption (recomputed together with the prompt).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    #: Blocks appended to the request's block table this step (may be empty).
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    #: Tokens to compute this step per request id (draft tokens included).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    #: Draft tokens per request id (speculative decoding), verified this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    #: Requests finished, aborted or preempted since the last step: drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,61 @@
+"""The worker contract: what the engine core asks of the device-side process.
+
+A platform names its worker class (``Platform.get_worker_cls``). kvloom's generic
+``kvloom.worker.worker.Worker`` runs any torch device and is what the CPU and CUDA
+platforms build on; an out-of-tree platform may subclass it or implement this ABC.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.lora.request import LoRARequest
+    from kvloom.outputs import ModelRunnerOutput
+    from kvloom.platform import Platform
+    from kvloom.scheduler.output import SchedulerOutput
+
+
+class WorkerBase(ABC):
+    """Owns one device: loads the model, owns the KV cache, runs steps."""
+
+    def __init__(self, config: "EngineConfig", platform: type["Platform"]) -> None:
+        self.config = config
+        self.platform = platform
+
+    @abstractmethod
+    def init_device(self) -> None:
+        """Select and set up the device (threads, seeds, streams)."""
+
+    @abstractmethod
+    def load_model(self) -> None:
+        """Build the model and load its weights onto the device."""
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV-cache blocks fit in the memory budget (after profiling)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache with ``num_blocks`` blocks per layer."""
+
+    def compile_or_warm_up_model(self) -> None:
+        """Warm up, and capture CUDA graphs where the platform supports them."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+        """Run one step: forward the scheduled tokens and sample."""
+
+    def add_lora(self, lora_request: "LoRARequest") -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        """Release device resources."""
