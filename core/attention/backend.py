@@ -264,6 +264,17 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
 
+    @staticmethod
+    def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer's cache as ``(key_cache, value_cache)``, each indexed
+        ``[block, offset_in_block, kv_head, dim]`` (a permuted view is fine).
+
+        The default matches the layout ``(2, num_blocks, block_size, num_kv_heads,
+        head_size)``; backends with another layout override it. The conformance suite and
+        debugging tools use it to read what ``forward`` wrote.
+        """
+        return kv_cache[0], kv_cache[1]
+
     # ------------------------------------------------------------------ validation
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:

