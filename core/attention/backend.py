@@ -173,7 +173,16 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         """Metadata for one step (called outside of CUDA-graph capture and replay)."""
 
     def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
-        """Metadata used while capturing a graph. Defaults to ``build``."""
+        """Metadata for a CUDA-graph batch: called once when the graph for batch size
+        ``common.num_reqs`` is captured and again before every replay of it.
+
+        ``common``'s tensors are views of the model runner's persistent buffers. Any device
+        tensor the builder derives must be written into builder-owned buffers that are the
+        same for every call with the same batch size (the captured kernels keep pointing at
+        them), and launch parameters must depend only on the batch size and fixed limits,
+        never on this step's lengths. Defaults to ``build`` (fine for builders that derive
+        no device tensors and use no host lengths).
+        """
         return self.build(common)
 
 

@@ -1,0 +1,174 @@
+"""AsyncLLM: the asyncio front end used by the OpenAI server.
+
+Requests from concurrent clients are admitted between engine steps (continuous
+batching). One output-handler task turns engine-core outputs into ``RequestOutput``s and
+routes each to its request's queue; ``generate``/``encode`` are async generators over
+that queue. Cancelling a generator (a client disconnecting) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvloom.config import EngineArgs, EngineConfig
+from kvloom.engine.core_client import EngineDeadError, ThreadedClient
+from kvloom.engine.frontend import Frontend
+from kvloom.engine.input_processor import PromptInput
+from kvloom.lora.request import LoRARequest
+from kvloom.outputs import PoolingRequestOutput, RequestOutput
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        stat_loggers: list[Any] | None = None,
+        with_prometheus: bool = True,
+    ) -> None:
+        self.config = config
+        self.log_stats = log_stats and not config.observability.disable_log_stats
+        self.frontend = Frontend(config, log_stats=self.log_stats)
+        self.tokenizer = self.frontend.tokenizer
+        self.engine_core = ThreadedClient(config, log_stats=self.log_stats)
+        self.frontend.start_stat_loggers(stat_loggers, with_prometheus=with_prometheus)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException]] = {}
+        self._output_handler: asyncio.Task | None = None
+        self._log_task: asyncio.Task | None = None
+        self.errored: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, stat_loggers: list[Any] | None = None, with_prometheus: bool = True
+    ) -> "AsyncLLM":
+        return cls(args.create_engine_config(), stat_loggers=stat_loggers, with_prometheus=with_prometheus)
+
+    # ------------------------------------------------------------------ plumbing
+    def _ensure_running(self) -> None:
+        if self.errored is not None:
+            raise EngineDeadError(f"engine is dead: {self.errored!r}") from self.errored
+        if self._output_handler is None:
+            loop = asyncio.get_running_loop()
+            self.engine_core.attach(loop)
+            self._output_handler = loop.create_task(self._handle_outputs(), name="kvloom-output-handler")
+            if self.frontend.stat_loggers:
+                self._log_task = loop.create_task(self._log_periodically(), name="kvloom-stat-logger")
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                core_outputs = await self.engine_core.get_output_async()
+                request_outputs, to_abort = self.frontend.process(core_outputs)
+                for out in request_outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                if to_abort:
+                    self.engine_core.abort_requests(to_abort)
+        except Exception as e:  # propagate to every waiting request
+            logger.exception("AsyncLLM output handler failed")
+            self.errored = e
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+
+    async def _log_periodically(self) -> None:
+        interval = self.config.observability.log_stats_interval
+        while True:
+            await asyncio.sleep(interval)
+            self.frontend.maybe_log_stats(time.monotonic())
+
+    async def _run(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | PoolingParams,
+        lora_request: LoRARequest | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> AsyncIterator[Any]:
+        self._ensure_running()
+        queue: asyncio.Queue = asyncio.Queue()
+        core_requests = self.frontend.add_request(
+            request_id, prompt, params, lora_request=lora_request, priority=priority, cache_salt=cache_salt
+        )
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for core_request in core_requests:
+                self.engine_core.add_request(core_request)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine failed while serving {request_id}: {item!r}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # cancelled, disconnected or failed: free its blocks
+                self._abort_now(request_id)
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        return self._run(request_id, prompt, sampling_params, lora_request, priority, cache_salt)
+
+    def encode(
+        self,
+        prompt: PromptInput,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        return self._run(request_id, prompt, pooling_params, lora_request, 0, None)
+
+    def _abort_now(self, request_id: str) -> None:
+        core_ids = self.frontend.abort([request_id])
+        self.engine_core.abort_requests(core_ids)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    async def check_health(self) -> None:
+        if self.errored is not None or self.engine_core.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.errored or self.engine_core.dead!r}")
+
+    async def _utility(self, fn: Any) -> Any:
+        self._ensure_running()
+        return await asyncio.wrap_future(self.engine_core.utility(fn))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self._utility(lambda core: core.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._utility(lambda core: core.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._utility(lambda core: core.list_loras())
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._utility(lambda core: core.reset_prefix_cache())
+
+    def get_stat_loggers(self) -> list[Any]:
+        return self.frontend.stat_loggers
+
+    def shutdown(self) -> None:
+        for task in (self._output_handler, self._log_task):
+            if task is not None:
+                task.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,117 @@
+"""The front-end half shared by ``LLMEngine`` and ``AsyncLLM``.
+
+It owns the tokenizer, turns prompts into ``EngineCoreRequest``s (fanning out n > 1 into
+child requests), turns ``EngineCoreOutputs`` into ``RequestOutput``s, computes the
+front-end stats (the seeds' interval metrics) and feeds the stat loggers. It never runs
+the model: the engines decide where the core runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvloom.config import EngineConfig
+from kvloom.engine.input_processor import InputProcessor, PromptInput
+from kvloom.engine.output_processor import OutputProcessor
+from kvloom.engine.parallel_sampling import ParentRequest
+from kvloom.lora.request import LoRARequest
+from kvloom.metrics.stats import IterationStats
+from kvloom.outputs import EngineCoreOutputs, PoolingRequestOutput, RequestOutput
+from kvloom.request import EngineCoreRequest
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    if config.model.skip_tokenizer_init:
+        return None
+    from kvloom.loader.tokenizer import get_tokenizer
+
+    return get_tokenizer(config.model)
+
+
+class Frontend:
+    def __init__(self, config: EngineConfig, log_stats: bool) -> None:
+        self.config = config
+        self.log_stats = log_stats
+        self.tokenizer = load_tokenizer(config)
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.stat_loggers: list[Any] = []
+        self._children: dict[str, list[str]] = {}  # parent request id -> child ids
+        self._last_log = time.monotonic()
+
+    # ------------------------------------------------------------------ stats
+    def start_stat_loggers(self, stat_loggers: list[Any] | None, with_prometheus: bool) -> None:
+        if not self.log_stats:
+            return
+        from kvloom.metrics.loggers import make_stat_loggers
+
+        self.stat_loggers = make_stat_loggers(self.config, extra=stat_loggers, with_prometheus=with_prometheus)
+        for stat_logger in self.stat_loggers:
+            stat_logger.log_engine_initialized()
+
+    def maybe_log_stats(self, now: float) -> None:
+        if self.stat_loggers and now - self._last_log >= self.config.observability.log_stats_interval:
+            self._last_log = now
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[EngineCoreRequest]:
+        """Validate, tokenize and register a request; returns what to send to the core."""
+        if request_id in self._children or self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        request, text = self.input_processor.process(
+            request_id, prompt, params, arrival_time, lora_request, priority, cache_salt
+        )
+        sampling = request.sampling_params
+        if sampling is None or sampling.n == 1:
+            self.output_processor.add_request(request, text)
+            return [request]
+        parent = ParentRequest(request)
+        children = []
+        for index in range(sampling.n):
+            child = parent.make_child(index)
+            self.output_processor.add_request(child, text, parent=parent, index=index)
+            children.append(child)
+        self._children[request_id] = [c.request_id for c in children]
+        return children
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Forget requests in the front end; returns the engine-core ids to abort."""
+        core_ids: list[str] = []
+        for rid in request_ids:
+            core_ids.extend(self._children.pop(rid, [rid]))
+        self.output_processor.abort_requests(core_ids)
+        return core_ids
+
+    def process(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
+        iteration_stats = IterationStats() if self.log_stats else None
+        processed = self.output_processor.process_outputs(
+            core_outputs.outputs, core_outputs.timestamp, iteration_stats
+        )
+        for out in processed.request_outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(core_outputs.scheduler_stats, iteration_stats)
+        return processed.request_outputs, processed.reqs_to_abort
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()

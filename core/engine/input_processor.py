@@ -1,0 +1,124 @@
+"""InputProcessor: validate and tokenize a prompt into an ``EngineCoreRequest``.
+
+Bad input is rejected here, in the front end, with a ``ValueError`` that names the field
+and the allowed range, so it never reaches (or disturbs) the engine core.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvloom.config import EngineConfig
+from kvloom.lora.request import LoRARequest
+from kvloom.request import EngineCoreRequest
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+PromptInput = str | dict[str, Any]
+
+
+def _generation_eos_ids(hf_config: Any, model_path: str) -> list[int]:
+    """EOS ids from generation_config.json (Llama 3 lists several), if present."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_path) / "generation_config.json"
+    ids: Any = None
+    if path.is_file():
+        try:
+            ids = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            ids = None
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.vocab_size
+        eos_ids = _generation_eos_ids(config.model.hf_config, config.model.model)
+        tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_id: int | None = tok_eos if tok_eos is not None else (eos_ids[0] if eos_ids else None)
+        # Further EOS ids (e.g. Llama 3's <|eot_id|>) act as stop tokens.
+        self.extra_eos_ids = [i for i in eos_ids if i != self.eos_token_id]
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                "prompt: text prompts need a tokenizer, but the engine runs with skip_tokenizer_init=True; "
+                'pass {"prompt_token_ids": [...]} instead'
+            )
+        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+
+    def prompt_token_ids(self, prompt: PromptInput) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenize(prompt), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids: must be a list of integers")
+                if not ids:
+                    raise ValueError("prompt_token_ids: must not be empty")
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(
+                        f"prompt_token_ids: token id {bad[0]} is out of range (allowed: 0..{self.vocab_size - 1})"
+                    )
+                return list(ids), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self.prompt_token_ids(prompt["prompt"])
+            raise ValueError('prompt: a dict prompt needs "prompt" or "prompt_token_ids"')
+        raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        token_ids, text = self.prompt_token_ids(prompt)
+        n = len(token_ids)
+        pooling = isinstance(params, PoolingParams)
+        limit = self.max_model_len if pooling else self.max_model_len - 1
+        if n > limit:
+            raise ValueError(
+                f"prompt: {n} tokens is longer than the maximum of {limit} "
+                f"(max_model_len={self.max_model_len}{'' if pooling else ', leaving room for one output token'})"
+            )
+        if lora_request is not None and not self.config.lora.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with --enable-lora")
+        sampling_params = None
+        pooling_params = None
+        if pooling:
+            pooling_params = params  # type: ignore[assignment]
+        else:
+            sampling_params = params.model_copy()  # type: ignore[union-attr]
+            if sampling_params.max_tokens is None:
+                sampling_params.max_tokens = self.max_model_len - n
+            if self.extra_eos_ids and not sampling_params.ignore_eos:
+                sampling_params.stop_token_ids = sorted(set(sampling_params.stop_token_ids) | set(self.extra_eos_ids))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=sampling_params,
+            pooling_params=pooling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+            priority=priority,
+        )
+        return request, text

@@ -1,0 +1,85 @@
+"""LLMEngine: the synchronous front end (input processing -> core -> output processing).
+
+Used by ``LLM`` for offline batches. The engine core runs in this thread, one step per
+``step()`` call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvloom.config import EngineArgs, EngineConfig
+from kvloom.engine.core_client import InprocClient
+from kvloom.engine.frontend import Frontend
+from kvloom.engine.input_processor import PromptInput
+from kvloom.lora.request import LoRARequest
+from kvloom.outputs import PoolingRequestOutput, RequestOutput
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        self.config = config
+        self.log_stats = log_stats
+        self.frontend = Frontend(config, log_stats=log_stats)
+        self.tokenizer = self.frontend.tokenizer
+        self.engine_core = InprocClient(config, log_stats=log_stats)
+        self.frontend.start_stat_loggers(stat_loggers=None, with_prometheus=False)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
+        return cls(args.create_engine_config(), log_stats=log_stats)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        for core_request in self.frontend.add_request(
+            request_id, prompt, params, arrival_time, lora_request, priority, cache_salt
+        ):
+            self.engine_core.add_request(core_request)
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        core_outputs = self.engine_core.get_output()
+        request_outputs, to_abort = self.frontend.process(core_outputs)
+        self.engine_core.abort_requests(to_abort)
+        self.frontend.maybe_log_stats(time.monotonic())
+        return request_outputs
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.frontend.abort(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.frontend.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.frontend.num_unfinished_requests()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine_core.utility(lambda core: core.add_lora(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine_core.utility(lambda core: core.remove_lora(lora_id))
+
+    def list_loras(self) -> set[int]:
+        return self.engine_core.utility(lambda core: core.list_loras())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.utility(lambda core: core.reset_prefix_cache())
+
+    def get_metrics(self) -> Any:
+        return self.frontend.stat_loggers
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

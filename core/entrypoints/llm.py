@@ -1,0 +1,159 @@
+"""``LLM``: offline batch inference (vLLM's class of the same name).
+
+    from kvloom import LLM, SamplingParams
+    llm = LLM()                                  # the default SmolLM2 model
+    outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvloom.config import EngineArgs
+from kvloom.engine.input_processor import PromptInput
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.lora.request import LoRARequest
+from kvloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline inference over a batch of prompts. Keyword arguments are ``EngineArgs``
+    fields (``dtype``, ``max_model_len``, ``block_size``, ``attention_backend``, ...)."""
+
+    def __init__(self, model: str | None = None, *, disable_log_stats: bool = True, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, disable_log_stats=disable_log_stats, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args, log_stats=not disable_log_stats)
+        self._counter = itertools.count()
+
+    @property
+    def config(self):  # type: ignore[no-untyped-def]
+        return self.llm_engine.config
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        return self._run(prompt_list, params, use_tqdm, lora_request, priority)  # type: ignore[return-value]
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (OpenAI-style messages)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
+        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def apply_chat_template(
+        self, messages: ChatMessages, chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> PromptInput:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, but the engine runs with skip_tokenizer_init=True")
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("chat: the model's tokenizer has no chat template; pass chat_template=...")
+        ids = tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return {"prompt_token_ids": list(ids)}
+
+    # ------------------------------------------------------------------ pooling
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        if self.config.model.runner != "pooling":
+            raise ValueError("encode: this model runs as a generator; start it with runner='pooling'")
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        return self._run(prompt_list, params, use_tqdm, lora_request, None)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        outputs = self.encode(prompts, pooling_params, use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
+            for o in outputs
+        ]
+
+    # ------------------------------------------------------------------ engine loop
+    def _run(
+        self,
+        prompts: list[PromptInput],
+        params: Any,
+        use_tqdm: bool,
+        lora_request: Any,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput | PoolingRequestOutput]:
+        n = len(prompts)
+        param_list = list(params) if isinstance(params, Sequence) else [params] * n
+        if len(param_list) != n:
+            raise ValueError(f"sampling_params: got {len(param_list)} for {n} prompts (pass one, or one per prompt)")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * n
+        priorities = list(priority) if priority is not None else [0] * n
+        if len(loras) != n or len(priorities) != n:
+            raise ValueError("lora_request and priority: pass one per prompt")
+
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            # Everything is validated before the first request runs: a bad prompt in a batch
+            # raises here and the requests added so far are aborted, leaving the engine idle.
+            for prompt, p, lora, prio in zip(prompts, param_list, loras, priorities):
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, p, lora_request=lora, priority=prio)
+                request_ids.append(request_id)
+        except Exception:
+            if request_ids:
+                engine.abort_request(request_ids)
+            raise
+
+        results: dict[str, Any] = {}
+        bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,117 @@
+"""Full CUDA graphs for uniform single-token decode batches (FULL_DECODE_ONLY).
+
+kvloom has no torch.compile piecewise path, so every mode's PIECEWISE part runs
+eagerly: NONE and PIECEWISE -> eager; FULL_DECODE_ONLY, FULL_AND_PIECEWISE and FULL ->
+decode batches replay a captured full graph, everything else is eager. The mode is
+downgraded by the backend's declared ``cudagraph_support`` (NEVER -> eager).
+
+A decode batch of b requests is padded up to the smallest capture size B >= b with
+dummy requests (query length 1, seq_len 1, block-table row 0, slot -1); the graph covers
+the model forward and the LM head, so a replay yields logits for the B rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvloom.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from kvloom.config import CUDAGraphMode
+from kvloom.forward_context import set_forward_context
+
+if TYPE_CHECKING:
+    from kvloom.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def effective_decode_graphs(mode: CUDAGraphMode, support: AttentionCGSupport) -> bool:
+    """Whether uniform decode batches run as full graphs for this mode and backend."""
+    if mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        return False
+    return support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+class CUDAGraphRunner:
+    def __init__(self, runner: "ModelRunner", capture_sizes: list[int]) -> None:
+        self.runner = runner
+        self.sizes = sorted(s for s in capture_sizes if s <= runner.max_num_reqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def can_run(self, num_reqs: int) -> bool:
+        return bool(self.sizes) and num_reqs <= self.sizes[-1]
+
+    def _padded_metadata(self, b: int, size: int) -> CommonAttentionMetadata:
+        """Pad the runner's buffers (already holding b real decode rows) to ``size``."""
+        r = self.runner
+        pad = size - b
+        if pad:
+            qsl = r.query_start_loc_cpu.numpy()
+            qsl[b + 1 : size + 1] = np.arange(b + 1, size + 1)
+            r.seq_lens_cpu.numpy()[b:size] = 1
+            r.slot_mapping_cpu.numpy()[b:size] = -1
+            r.input_ids_cpu.numpy()[b:size] = 0
+            r.positions_cpu.numpy()[b:size] = 0
+            r.block_table_cpu[b:size].zero_()
+            r.query_start_loc[b + 1 : size + 1].copy_(r.query_start_loc_cpu[b + 1 : size + 1], non_blocking=True)
+            r.seq_lens[b:size].copy_(r.seq_lens_cpu[b:size], non_blocking=True)
+            r.slot_mapping[b:size].copy_(r.slot_mapping_cpu[b:size], non_blocking=True)
+            r.input_ids[b:size].copy_(r.input_ids_cpu[b:size], non_blocking=True)
+            r.positions[b:size].copy_(r.positions_cpu[b:size], non_blocking=True)
+            r.block_table[b:size].copy_(r.block_table_cpu[b:size], non_blocking=True)
+        max_seq = int(r.seq_lens_cpu[:size].max())
+        return CommonAttentionMetadata(
+            query_start_loc=r.query_start_loc[: size + 1],
+            seq_lens=r.seq_lens[:size],
+            block_table=r.block_table[:size],
+            slot_mapping=r.slot_mapping[:size],
+            num_reqs=size,
+            num_actual_tokens=size,
+            max_query_len=1,
+            max_seq_len=max_seq,
+            query_start_loc_cpu=r.query_start_loc_cpu[: size + 1],
+            seq_lens_cpu=r.seq_lens_cpu[:size],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        r = self.runner
+        assert r.model is not None and r.builder is not None
+        start = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        # Largest first so smaller graphs reuse the larger ones' memory pool.
+        for size in reversed(self.sizes):
+            common = r.dummy_metadata(np.ones(size, dtype=np.int64))
+            r.input_ids[:size].zero_()
+            r.positions[:size].zero_()
+            metadata = r.builder.build_for_cudagraph_capture(common)
+            for _ in range(2):  # warm up (Triton JIT, cuBLAS handles) outside the graph
+                with set_forward_context(metadata):
+                    r.model.compute_logits(r.model(r.input_ids[:size], r.positions[:size]))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                with set_forward_context(metadata):
+                    logits = r.model.compute_logits(r.model(r.input_ids[:size], r.positions[:size]))
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info(
+            "Captured %d CUDA graphs for decode batch sizes %s in %.1f s",
+            len(self.graphs),
+            self.sizes,
+            time.perf_counter() - start,
+        )
+
+    def run(self, b: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        padded = self._padded_metadata(b, size)
+        self.runner.builder.build_for_cudagraph_capture(padded)  # refresh persistent state
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:b]

@@ -1,0 +1,120 @@
+"""The model runner's persistent per-request state.
+
+Each running request owns one row of two host arrays: its token ids (prompt + outputs)
+and its block table. Rows are kept across steps so a decode step only appends a token
+and, sometimes, a block id; building a step's inputs is then a few numpy gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvloom.lora.request import LoRARequest
+from kvloom.sampling_params import PoolingParams, SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None
+    num_computed_tokens: int
+    num_blocks: int
+    lora_request: LoRARequest | None = None
+    generator: torch.Generator | None = None
+    #: Running sum of hidden states for MEAN pooling across prefill chunks.
+    pooling_sum: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    """Row-indexed token ids and block tables of the running requests."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = max_blocks_per_req
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.requests[req_id]
+
+    def add(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        pooling_params: PoolingParams | None,
+        block_ids: list[int],
+        num_computed_tokens: int,
+        lora_request: LoRARequest | None,
+        generator: torch.Generator | None,
+    ) -> CachedRequestState:
+        if req_id in self.requests:
+            raise RuntimeError(f"request {req_id} is already in the batch")
+        if not self._free_rows:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_reqs} requests in the batch")
+        num_tokens = len(prompt_token_ids) + len(output_token_ids)
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {req_id} has {num_tokens} tokens, more than max_model_len {self.max_model_len}")
+        row = self._free_rows.pop()
+        self.token_ids[row, : len(prompt_token_ids)] = prompt_token_ids
+        self.token_ids[row, len(prompt_token_ids) : num_tokens] = output_token_ids
+        state = CachedRequestState(
+            req_id=req_id,
+            row=row,
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            sampling_params=sampling_params,
+            pooling_params=pooling_params,
+            num_computed_tokens=num_computed_tokens,
+            num_blocks=0,
+            lora_request=lora_request,
+            generator=generator,
+        )
+        self.requests[req_id] = state
+        self.append_blocks(state, block_ids)
+        return state
+
+    def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        end = state.num_blocks + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise RuntimeError(f"request {state.req_id} needs {end} blocks, more than {self.max_blocks_per_req}")
+        self.block_table[state.row, state.num_blocks : end] = block_ids
+        state.num_blocks = end
+
+    def append_token(self, state: CachedRequestState, token_id: int) -> None:
+        n = state.num_tokens
+        if n < self.max_model_len:
+            self.token_ids[state.row, n] = token_id
+        state.output_token_ids.append(token_id)
+
+    def remove(self, req_id: str) -> CachedRequestState | None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+        return state

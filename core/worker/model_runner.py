@@ -1,0 +1,390 @@
+"""The model runner: one step's inputs, the forward pass, sampling.
+
+Per step it (1) applies the scheduler's differences to the persistent ``InputBatch``,
+(2) flattens the scheduled tokens of all requests into one batch (input ids, positions,
+slot mapping, query_start_loc, seq_lens, block table), (3) asks the attention backend's
+builder for metadata, (4) runs the model (replaying a CUDA graph for uniform decode
+batches when graphs are on), (5) computes last-token logits and samples, and (6) records
+the sampled tokens in its own copy of each request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
+from kvloom.attention.layer import Attention
+from kvloom.config import EngineConfig
+from kvloom.forward_context import set_forward_context
+from kvloom.outputs import ModelRunnerOutput, TokenLogprobs
+from kvloom.scheduler.output import SchedulerOutput
+from kvloom.worker.input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepBatch:
+    """The flattened inputs of one step (host side) plus what postprocessing needs."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    num_tokens: int
+    query_lens: np.ndarray  # [B]
+    seq_lens: np.ndarray  # [B]
+    logits_indices: np.ndarray  # [B]: index of each request's last scheduled token
+    uniform_decode: bool
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.backend = config.attention_backend
+        self.block_size = config.cache.block_size
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_model_len = config.model.max_model_len
+        self.max_num_tokens = max(config.scheduler.max_num_batched_tokens, self.max_num_reqs)
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        self.pin_memory = device.type == "cuda"
+
+        self.model: nn.Module | None = None
+        self.attn_layers: list[Attention] = []
+        self.kv_caches: list[torch.Tensor] = []
+        self.builder = None
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
+
+        from kvloom.sample.sampler import Sampler
+
+        self.sampler = Sampler()
+        self.cudagraphs = None  # set by enable_cudagraphs()
+
+        # Host staging buffers (pinned on CUDA) and persistent device buffers. CUDA graphs
+        # read the device buffers, so they must never be reallocated.
+        def host(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=self.pin_memory)
+
+        def dev(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        n, b = self.max_num_tokens, self.max_num_reqs
+        self.input_ids_cpu, self.input_ids = host(n, torch.int64), dev(n, dtype=torch.int64)
+        self.positions_cpu, self.positions = host(n, torch.int64), dev(n, dtype=torch.int64)
+        self.slot_mapping_cpu, self.slot_mapping = host(n, torch.int64), dev(n, dtype=torch.int64)
+        self.query_start_loc_cpu, self.query_start_loc = host(b + 1, torch.int32), dev(b + 1, dtype=torch.int32)
+        self.seq_lens_cpu, self.seq_lens = host(b, torch.int32), dev(b, dtype=torch.int32)
+        self.block_table_cpu = torch.zeros(b, self.max_blocks_per_req, dtype=torch.int32, pin_memory=self.pin_memory)
+        self.block_table = dev(b, self.max_blocks_per_req, dtype=torch.int32)
+        self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ setup
+    def load_model(self) -> None:
+        from kvloom.loader.model_loader import get_model
+
+        self.model = get_model(self.config, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not self.attn_layers:
+            raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
+
+    def kv_cache_bytes_per_block(self) -> int:
+        dtype = self.kv_cache_dtype()
+        per_layer = [
+            int(np.prod(self.backend.get_kv_cache_shape(1, self.block_size, a.num_kv_heads, a.head_size)))
+            for a in self.attn_layers
+        ]
+        return sum(per_layer) * torch.empty((), dtype=dtype).element_size()
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        name = self.config.cache.cache_dtype
+        return self.config.model.dtype if name == "auto" else getattr(torch, name)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.kv_cache_dtype()
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+        first = self.attn_layers[0]
+        spec = AttentionLayerSpec(
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            dtype=self.config.model.dtype,
+            kv_cache_dtype=dtype,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            scale=first.scale,
+        )
+        self.builder = self.backend.get_builder_cls()(spec, self.device, self.max_blocks_per_req)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB, %s) for %d layers",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**30,
+            str(dtype).removeprefix("torch."),
+            len(self.attn_layers),
+        )
+
+    # ------------------------------------------------------------------ state updates
+    def _make_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed % (2**63))
+        return gen
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.input_batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            self.input_batch.remove(new.req_id)  # a resumed request replaces its old state
+            params = new.sampling_params
+            self.input_batch.add(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=new.output_token_ids,
+                sampling_params=params,
+                pooling_params=new.pooling_params,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                lora_request=new.lora_request,
+                generator=self._make_generator(params.seed if params is not None else None),
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.input_batch[cached.req_id]
+            self.input_batch.append_blocks(state, cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepBatch, CommonAttentionMetadata]:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.input_batch[r] for r in req_ids]
+        b = len(req_ids)
+        query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=b)
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=b)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=b)
+        seq_lens = starts + query_lens
+        n = int(query_lens.sum())
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+
+        # positions: for each token, its request's start + its index within the request
+        token_rows = np.repeat(rows, query_lens)
+        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(n)
+        self.positions_cpu.numpy()[:n] = positions
+        self.input_ids_cpu.numpy()[:n] = self.input_batch.token_ids[token_rows, positions]
+        blocks = self.input_batch.block_table[token_rows, positions // self.block_size]
+        self.slot_mapping_cpu.numpy()[:n] = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        self.query_start_loc_cpu.numpy()[: b + 1] = cu
+        self.seq_lens_cpu.numpy()[:b] = seq_lens
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        self.block_table_cpu.numpy()[:b, :max_blocks] = self.input_batch.block_table[rows, :max_blocks]
+        logits_indices = cu[1:] - 1
+        self.logits_indices_cpu.numpy()[:b] = logits_indices
+
+        # One host->device copy per buffer (asynchronous from pinned memory on CUDA).
+        nb = self.pin_memory
+        self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=nb)
+        self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=nb)
+        self.slot_mapping[:n].copy_(self.slot_mapping_cpu[:n], non_blocking=nb)
+        self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1], non_blocking=nb)
+        self.seq_lens[:b].copy_(self.seq_lens_cpu[:b], non_blocking=nb)
+        self.block_table[:b, :max_blocks].copy_(self.block_table_cpu[:b, :max_blocks], non_blocking=nb)
+        self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
+
+        max_query_len = int(query_lens.max())
+        common = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_table=self.block_table[:b],
+            slot_mapping=self.slot_mapping[:n],
+            num_reqs=b,
+            num_actual_tokens=n,
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:b],
+        )
+        batch = StepBatch(
+            req_ids=req_ids,
+            states=states,
+            num_tokens=n,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            logits_indices=logits_indices,
+            uniform_decode=max_query_len == 1,
+        )
+        return batch, common
+
+    # ------------------------------------------------------------------ forward
+    def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        assert self.model is not None and self.builder is not None
+        attn_metadata = self.builder.build(common)
+        with set_forward_context(attn_metadata):
+            return self.model(self.input_ids[:n], self.positions[:n])
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch, common = self._prepare_inputs(so)
+        b = len(batch.req_ids)
+
+        logits = None
+        hidden = None
+        if self.cudagraphs is not None and batch.uniform_decode and self.cudagraphs.can_run(b):
+            logits = self.cudagraphs.run(b, common)
+        else:
+            hidden = self._forward_eager(batch.num_tokens, common)
+        if logits is None:
+            assert hidden is not None and self.model is not None
+            logits = self.model.compute_logits(hidden[self.logits_indices[:b]])
+        return self._postprocess(batch, logits, hidden)
+
+    # ------------------------------------------------------------------ sampling
+    def _postprocess(
+        self, batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> ModelRunnerOutput:
+        from kvloom.sample.metadata import SamplingMetadata
+
+        states = batch.states
+        # A request still prefilling its prompt produces no token this step.
+        done_prefill = [
+            int(batch.seq_lens[i]) >= s.num_tokens for i, s in enumerate(states)
+        ]
+        gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
+        sampled: list[list[int]] = [[] for _ in states]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        pooler_output: list[torch.Tensor | None] | None = None
+
+        if gen_idx:
+            rows = gen_idx if len(gen_idx) < len(states) else None
+            gen_states = [states[i] for i in gen_idx]
+            metadata = SamplingMetadata.build(
+                params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
+                prompt_token_ids=[s.prompt_token_ids for s in gen_states],
+                output_token_ids=[s.output_token_ids for s in gen_states],
+                generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
+                vocab_size=logits.shape[-1],
+                device=logits.device,
+                eos_token_ids=[s.extra.get("eos_token_id") for s in gen_states],
+            )
+            gen_logits = logits if rows is None else logits[torch.as_tensor(rows, device=logits.device)]
+            out = self.sampler(gen_logits.float(), metadata)
+            tokens = out.sampled_token_ids.tolist()
+            for j, i in enumerate(gen_idx):
+                if done_prefill[i]:
+                    sampled[i] = [tokens[j]]
+                    if out.logprobs is not None and out.logprobs[j] is not None:
+                        logprobs[i] = out.logprobs[j]
+            self._prompt_logprobs(batch, hidden, prompt_logprobs)
+
+        if len(gen_idx) < len(states):
+            pooler_output = self._pool(batch, hidden, done_prefill)
+
+        for i, s in enumerate(states):
+            if sampled[i]:
+                self.input_batch.append_token(s, sampled[i][0])
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs=prompt_logprobs,
+            pooler_output=pooler_output,
+        )
+
+    def _prompt_logprobs(
+        self, batch: StepBatch, hidden: torch.Tensor | None, out: dict[str, list[TokenLogprobs]]
+    ) -> None:
+        """Logprobs of prompt tokens 1..P-1 computed in this step's chunk."""
+        from kvloom.sample.sampler import compute_prompt_logprobs
+
+        assert self.model is not None
+        start_of = np.zeros(len(batch.states) + 1, dtype=np.int64)
+        np.cumsum(batch.query_lens, out=start_of[1:])
+        for i, s in enumerate(batch.states):
+            params = s.sampling_params
+            if params is None or params.prompt_logprobs is None or hidden is None:
+                continue
+            first_pos = int(batch.seq_lens[i] - batch.query_lens[i])
+            # token at position p predicts prompt token p+1; only prompt targets count
+            last_pos = min(int(batch.seq_lens[i]), s.num_prompt_tokens - 1)
+            if last_pos <= first_pos:
+                continue
+            idx = torch.arange(start_of[i], start_of[i] + (last_pos - first_pos), device=hidden.device)
+            targets = torch.as_tensor(s.prompt_token_ids[first_pos + 1 : last_pos + 1], device=hidden.device)
+            logits = self.model.compute_logits(hidden[idx]).float()
+            out[s.req_id] = compute_prompt_logprobs(logits, targets, params.prompt_logprobs)
+
+    def _pool(
+        self, batch: StepBatch, hidden: torch.Tensor | None, done_prefill: list[bool]
+    ) -> list[torch.Tensor | None]:
+        from kvloom.pooling.pooler import pool_request
+
+        results: list[torch.Tensor | None] = [None] * len(batch.states)
+        if hidden is None:
+            return results
+        start = 0
+        for i, s in enumerate(batch.states):
+            n = int(batch.query_lens[i])
+            if s.pooling_params is not None:
+                chunk = hidden[start : start + n]
+                results[i] = pool_request(self.config, s, chunk, done_prefill[i])
+            start += n
+        return results
+
+    # ------------------------------------------------------------------ warm-up
+    @torch.inference_mode()
+    def dummy_forward(self, num_tokens: int, num_reqs: int | None = None) -> torch.Tensor:
+        """A forward over ``num_tokens`` tokens spread over ``num_reqs`` requests, with
+        every KV write disabled (slot -1), for memory profiling and warm-up."""
+        num_reqs = min(num_reqs or 1, num_tokens, self.max_num_reqs)
+        query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        query_lens[: num_tokens % num_reqs] += 1
+        common = self.dummy_metadata(query_lens)
+        self.input_ids[:num_tokens].zero_()
+        self.positions[:num_tokens].copy_(torch.arange(num_tokens, device=self.device) % self.max_model_len)
+        hidden = self._forward_eager(num_tokens, common)
+        assert self.model is not None
+        return self.model.compute_logits(hidden[self.logits_indices[:num_reqs]])
+
+    def dummy_metadata(self, query_lens: np.ndarray) -> CommonAttentionMetadata:
+        """Metadata for padding/warm-up requests: block-table rows 0, no KV writes."""
+        b = len(query_lens)
+        n = int(query_lens.sum())
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        self.query_start_loc_cpu.numpy()[: b + 1] = cu
+        self.seq_lens_cpu.numpy()[:b] = query_lens
+        self.logits_indices_cpu.numpy()[:b] = cu[1:] - 1
+        self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1])
+        self.seq_lens[:b].copy_(self.seq_lens_cpu[:b])
+        self.logits_indices[:b].copy_(self.logits_indices_cpu[:b])
+        self.block_table[:b].zero_()
+        self.slot_mapping[:n].fill_(-1)
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_table=self.block_table[:b],
+            slot_mapping=self.slot_mapping[:n],
+            num_reqs=b,
+            num_actual_tokens=n,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(query_lens.max()),
+            query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:b],
+        )

@@ -1,0 +1,85 @@
+"""The generic torch worker: runs on any device torch supports.
+
+The CPU platform uses it as is; the CUDA platform subclasses it to size the KV cache by
+profiling and to capture CUDA graphs. Out-of-tree platforms can do the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvloom.config import EngineConfig
+from kvloom.lora.request import LoRARequest
+from kvloom.outputs import ModelRunnerOutput
+from kvloom.platform import Platform
+from kvloom.scheduler.output import SchedulerOutput
+from kvloom.worker.model_runner import ModelRunner
+from kvloom.worker.worker_base import WorkerBase
+
+logger = logging.getLogger(__name__)
+
+#: KV-cache budget on devices without a memory-utilisation notion (CPU), unless
+#: --kv-cache-memory says otherwise.
+DEFAULT_HOST_KV_CACHE_BYTES = 2 * 2**30
+
+
+class Worker(WorkerBase):
+    def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
+        super().__init__(config, platform)
+        self.device = platform.device()
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        torch.manual_seed(self.config.model.seed)
+        if self.device.type == "cpu":
+            threads = os.environ.get("KVLOOM_CPU_THREADS")
+            if threads:
+                torch.set_num_threads(int(threads))
+        self.model_runner = ModelRunner(self.config, self.device)
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("init_device() must run before the worker is used")
+        return self.model_runner
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes for the KV cache. Devices with memory profiling override this."""
+        return self.config.cache.kv_cache_memory or DEFAULT_HOST_KV_CACHE_BYTES
+
+    def determine_num_kv_blocks(self) -> int:
+        if self.config.cache.num_gpu_blocks_override is not None:
+            return self.config.cache.num_gpu_blocks_override
+        per_block = self.runner.kv_cache_bytes_per_block()
+        return max(self.kv_cache_budget_bytes() // per_block, 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        # One eager forward so lazy initialisation (kernels, allocator) happens before the
+        # first request's timings.
+        self.runner.dummy_forward(min(16, self.runner.max_num_tokens), 1)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        manager = getattr(self.runner, "lora_manager", None)
+        if manager is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
+        return manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        manager = getattr(self.runner, "lora_manager", None)
+        return manager.remove_adapter(lora_id) if manager is not None else False
+
+    def list_loras(self) -> set[int]:
+        manager = getattr(self.runner, "lora_manager", None)
+        return manager.list_adapters() if manager is not None else set()

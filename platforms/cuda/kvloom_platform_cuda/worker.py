@@ -1,0 +1,107 @@
+"""The CUDA worker: the generic torch worker plus memory profiling and CUDA graphs.
+
+KV-cache sizing follows vLLM: run one forward at the largest batch the scheduler can
+produce (``max_num_batched_tokens`` tokens over ``max_num_seqs`` requests) plus a sampler
+pass, record the peak of torch's allocator, and give the KV cache what is left of
+``gpu_memory_utilization * total`` after that peak and after memory that torch does not
+own (CUDA context, cuBLAS workspaces, other processes).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from kvloom.sampling_params import SamplingParams
+from kvloom.worker.cudagraph import CUDAGraphRunner, effective_decode_graphs
+from kvloom.worker.worker import Worker
+
+KVLOOM_PLUGIN_API = "1.0"
+
+logger = logging.getLogger(__name__)
+
+#: Headroom for CUDA-graph memory pools and allocator fragmentation.
+GRAPH_AND_FRAGMENTATION_RESERVE = 512 * 2**20
+
+
+class CUDAWorker(Worker):
+    def init_device(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the CUDA platform is active but torch sees no CUDA device")
+        torch.cuda.set_device(self.device)
+        torch.cuda.empty_cache()
+        # fp32 runs must be real fp32 (HF parity); TF32 would round matmul inputs.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        super().init_device()
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        from kvloom.sample.metadata import SamplingMetadata
+
+        runner = self.runner
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        num_reqs = runner.max_num_reqs
+        logits = runner.dummy_forward(runner.max_num_tokens, num_reqs)
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_reqs
+        metadata = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=[[0]] * num_reqs,
+            output_token_ids=[[]] * num_reqs,
+            generators={},
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            eos_token_ids=[None] * num_reqs,
+        )
+        runner.sampler(logits.float(), metadata)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del logits, metadata
+        gc.collect()
+        torch.cuda.empty_cache()
+        return peak
+
+    def kv_cache_budget_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        peak = self._profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory in use that torch's allocator does not account for: CUDA context,
+        # library workspaces, other processes.
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * cache.gpu_memory_utilization) - peak - non_torch - GRAPH_AND_FRAGMENTATION_RESERVE
+        logger.info(
+            "Memory profile: total %.1f GiB x %.2f, torch peak %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB",
+            total / 2**30,
+            cache.gpu_memory_utilization,
+            peak / 2**30,
+            non_torch / 2**30,
+            budget / 2**30,
+        )
+        if budget <= 0:
+            raise ValueError(
+                f"No memory left for the KV cache: gpu_memory_utilization={cache.gpu_memory_utilization} of "
+                f"{total / 2**30:.1f} GiB minus the model's peak {peak / 2**30:.2f} GiB is not enough; "
+                "raise --gpu-memory-utilization or lower --max-num-batched-tokens / --max-num-seqs"
+            )
+        return budget
+
+    def compile_or_warm_up_model(self) -> None:
+        super().compile_or_warm_up_model()
+        compilation = self.config.compilation
+        support = self.config.attention_backend.cudagraph_support
+        if compilation.enforce_eager or not effective_decode_graphs(compilation.cudagraph_mode, support):
+            logger.info(
+                "CUDA graphs off (mode %s, backend %s supports %s)",
+                compilation.cudagraph_mode.value,
+                self.config.attention_backend.NAME,
+                support.name,
+            )
+            return
+        runner = CUDAGraphRunner(self.runner, compilation.cudagraph_capture_sizes)
+        runner.capture()
+        self.runner.cudagraphs = runner
