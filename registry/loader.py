@@ -280,13 +280,16 @@ def load_entry_points(
     loaded = LoadedPlugins(allowlist=allowlist)
     for group in ALL_GROUPS:
         eps = sorted(entry_points.get(group, ()), key=lambda ep: ep.name)
-        entries = [_entry_of(ep, group) for ep in eps]
-        if group in _NAMED_GROUPS:
-            _check_unique_names(group, entries)
-        for ep, entry in zip(eps, entries):
+        kept: list[tuple[EntryPoint, PluginEntry]] = []
+        for ep in eps:
+            entry = _entry_of(ep, group)
             if allowlist is not None and ep.name not in allowlist:
-                loaded.excluded.setdefault(group, []).append(entry)
-                continue
+                loaded.excluded.setdefault(group, []).append(entry)  # never imported
+            else:
+                kept.append((ep, entry))
+        if group in _NAMED_GROUPS:
+            _check_unique_names(group, [entry for _, entry in kept])
+        for ep, entry in kept:
             target = _load_target(ep, entry)
             _check_target(entry, target)
             entry = dataclasses.replace(entry, target=target)

@@ -164,7 +164,9 @@ def _unknown_backend_message(
     return f"Unknown attention backend {requested!r}. Valid names: {known}."
 
 
-def _no_valid_message(platform: type[Platform], config: AttentionSelectorConfig, candidates: list[CandidateReport]) -> str:
+def _no_valid_message(
+    platform: type[Platform], config: AttentionSelectorConfig, candidates: list[CandidateReport]
+) -> str:
     lines = [
         f"No valid attention backend found for {describe_config(platform, config)}. "
         "Candidates in priority order:"

@@ -84,7 +84,7 @@ def load_plugins() -> None:
             _register_lora_resolvers(plugins)
             general = GeneralPlugins()
             general.load(plugins.general, model_registry=ModelRegistry, resolver_registry=LoRAResolverRegistry)
-        except BaseException as exc:
+        except Exception as exc:
             _failure = exc
             raise
         _loaded, _general = plugins, general

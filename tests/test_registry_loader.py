@@ -38,6 +38,7 @@ from kvloom.registry.loader import (
 )
 
 API = 'KVLOOM_PLUGIN_API = "1.0"\n'
+HOOKS = API + "from kvloom.interfaces import hookimpl\n"
 
 
 class FakeSite:
@@ -120,6 +121,25 @@ def backend_source(name: str) -> str:
     )
 
 
+def add_backend(
+    site: FakeSite, distribution: str, module: str, name: str, *, source: str | None = None,
+    entry_point: str | None = None, version: str = "1.0",
+) -> None:
+    """A distribution with one backend: entry point ``entry_point or name`` -> ``module:Backend``."""
+    site.add(
+        distribution,
+        {module: source if source is not None else backend_source(name)},
+        {ATTENTION_BACKENDS: {entry_point or name: f"{module}:Backend"}},
+        version=version,
+    )
+
+
+def add_plugin(site: FakeSite, distribution: str, group: str, name: str, module: str, source: str,
+               attr: str | None = None, version: str = "1.0") -> None:
+    """A distribution with one plugin: entry point ``name`` -> ``module[:attr]``."""
+    site.add(distribution, {module: source}, {group: {name: f"{module}:{attr}" if attr else module}}, version=version)
+
+
 def load(site: FakeSite, allowlist: str | None = None) -> loader.LoadedPlugins:
     return load_entry_points(site.entry_points(), parse_allowlist(allowlist))
 
@@ -134,15 +154,15 @@ def test_parse_allowlist() -> None:
 
 
 def test_loads_backend_with_distribution_and_version(site: FakeSite) -> None:
-    site.add("fake-backend", {"fake_backend_a": backend_source("FAKE_A")}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}}, version="2.3.1")
+    add_backend(site, "fake-backend", "fake_backend_a", "FAKE_A", version="2.3.1")
     plugins = load(site)
     entry = plugins.attention_backends["FAKE_A"]
     assert (entry.cls.NAME, entry.distribution, entry.version) == ("FAKE_A", "fake-backend", "2.3.1")
 
 
 def test_allowlist_filters_and_records_excluded(site: FakeSite) -> None:
-    site.add("fake-a", {"fake_backend_a": backend_source("FAKE_A")}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}})
-    site.add("fake-b", {"fake_backend_b": backend_source("FAKE_B")}, {ATTENTION_BACKENDS: {"FAKE_B": "fake_backend_b:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A")
+    add_backend(site, "fake-b", "fake_backend_b", "FAKE_B")
     plugins = load(site, "FAKE_B")
     assert list(plugins.attention_backends) == ["FAKE_B"]
     assert [e.name for e in plugins.excluded[ATTENTION_BACKENDS]] == ["FAKE_A"]
@@ -152,7 +172,7 @@ def test_allowlist_filters_and_records_excluded(site: FakeSite) -> None:
 
 
 def test_allowlisted_name_not_installed_is_an_error(site: FakeSite) -> None:
-    site.add("fake-a", {"fake_backend_a": backend_source("FAKE_A")}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A")
     with pytest.raises(registry.PluginAllowlistError) as e:
         load(site, "FAKE_A,NOT_THERE")
     assert "NOT_THERE" in str(e.value) and "Installed plugins: FAKE_A" in str(e.value)
@@ -160,7 +180,7 @@ def test_allowlisted_name_not_installed_is_an_error(site: FakeSite) -> None:
 
 def test_plugin_raising_on_import_is_reported_with_traceback(site: FakeSite) -> None:
     source = API + "def helper():\n    raise KeyError('missing setting')\nhelper()\n"
-    site.add("fake-broken", {"fake_broken": source}, {GENERAL_PLUGINS: {"broken": "fake_broken:register"}}, version="0.9")
+    add_plugin(site, "fake-broken", GENERAL_PLUGINS, "broken", "fake_broken", source, "register", version="0.9")
     with pytest.raises(registry.PluginLoadError) as e:
         load(site)
     err = e.value
@@ -171,7 +191,7 @@ def test_plugin_raising_on_import_is_reported_with_traceback(site: FakeSite) -> 
 
 
 def test_missing_attribute_is_reported(site: FakeSite) -> None:
-    site.add("fake-a", {"fake_backend_a": backend_source("FAKE_A")}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Nope"}})
+    add_plugin(site, "fake-a", ATTENTION_BACKENDS, "FAKE_A", "fake_backend_a", backend_source("FAKE_A"), "Nope")
     with pytest.raises(registry.PluginLoadError, match="has no attribute 'Nope'"):
         load(site)
 
@@ -181,7 +201,7 @@ def test_missing_attribute_is_reported(site: FakeSite) -> None:
 
 def test_missing_api_declaration_tells_author_what_to_add(site: FakeSite) -> None:
     source = backend_source("FAKE_A").replace(API, "")
-    site.add("fake-a", {"fake_backend_a": source}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
     with pytest.raises(registry.PluginAPIVersionError) as e:
         load(site)
     assert 'KVLOOM_PLUGIN_API = "1.0"' in str(e.value) and "fake_backend_a" in str(e.value)
@@ -190,7 +210,7 @@ def test_missing_api_declaration_tells_author_what_to_add(site: FakeSite) -> Non
 @pytest.mark.parametrize("declared", ["2.0", "0.9"])
 def test_other_major_version_is_refused_naming_both(site: FakeSite, declared: str) -> None:
     source = backend_source("FAKE_A").replace('"1.0"', f'"{declared}"')
-    site.add("fake-a", {"fake_backend_a": source}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
     with pytest.raises(registry.PluginAPIVersionError) as e:
         load(site)
     assert f"plugin API {declared}" in str(e.value) and "plugin API 1.0" in str(e.value)
@@ -199,14 +219,14 @@ def test_other_major_version_is_refused_naming_both(site: FakeSite, declared: st
 
 def test_malformed_api_version_is_refused(site: FakeSite) -> None:
     source = backend_source("FAKE_A").replace('"1.0"', "1.0")  # a float, not a string
-    site.add("fake-a", {"fake_backend_a": source}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
     with pytest.raises(registry.PluginAPIVersionError, match="MAJOR.MINOR"):
         load(site)
 
 
 def test_newer_minor_version_loads_with_a_warning(site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
     source = backend_source("FAKE_A").replace('"1.0"', '"1.7"')
-    site.add("fake-a", {"fake_backend_a": source}, {ATTENTION_BACKENDS: {"FAKE_A": "fake_backend_a:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
     with caplog.at_level(logging.WARNING, logger="kvloom.registry.loader"):
         plugins = load(site)
     assert "FAKE_A" in plugins.attention_backends
@@ -217,35 +237,44 @@ def test_newer_minor_version_loads_with_a_warning(site: FakeSite, caplog: pytest
 
 
 def test_two_backends_with_one_name_name_both_distributions(site: FakeSite) -> None:
-    site.add("first-dist", {"fake_backend_a": backend_source("SAME")}, {ATTENTION_BACKENDS: {"SAME": "fake_backend_a:Backend"}})
-    site.add("second-dist", {"fake_backend_b": backend_source("SAME")}, {ATTENTION_BACKENDS: {"SAME": "fake_backend_b:Backend"}})
+    add_backend(site, "first-dist", "fake_backend_a", "SAME")
+    add_backend(site, "second-dist", "fake_backend_b", "SAME")
     with pytest.raises(registry.DuplicatePluginError) as e:
         load(site)
     assert "first-dist" in str(e.value) and "second-dist" in str(e.value) and "'SAME'" in str(e.value)
 
 
+def test_duplicate_names_left_out_by_the_allowlist_do_not_conflict(site: FakeSite) -> None:
+    add_backend(site, "first-dist", "fake_backend_a", "SAME")
+    add_backend(site, "second-dist", "fake_backend_b", "SAME")
+    add_backend(site, "third-dist", "fake_backend_c", "OTHER")
+    assert list(load(site, "OTHER").attention_backends) == ["OTHER"]
+
+
 def test_entry_point_name_must_equal_backend_name(site: FakeSite) -> None:
-    site.add("fake-a", {"fake_backend_a": backend_source("REAL_NAME")}, {ATTENTION_BACKENDS: {"OTHER_NAME": "fake_backend_a:Backend"}})
+    add_backend(site, "fake-a", "fake_backend_a", "REAL_NAME", entry_point="OTHER_NAME")
     with pytest.raises(registry.PluginLoadError, match="NAME is 'REAL_NAME'"):
         load(site)
 
 
 def test_many_out_of_tree_backends_coexist(site: FakeSite) -> None:
     for i in range(4):
-        site.add(f"fake-{i}", {f"fake_backend_{i}": backend_source(f"FAKE_{i}")}, {ATTENTION_BACKENDS: {f"FAKE_{i}": f"fake_backend_{i}:Backend"}})
+        add_backend(site, f"fake-{i}", f"fake_backend_{i}", f"FAKE_{i}")
     assert sorted(load(site).attention_backends) == ["FAKE_0", "FAKE_1", "FAKE_2", "FAKE_3"]
 
 
 def test_stat_logger_must_subclass_stat_logger_base(site: FakeSite) -> None:
-    site.add("fake-stats", {"fake_stats": API + "class NotALogger:\n    pass\n"}, {STAT_LOGGER_PLUGINS: {"bad_logger": "fake_stats:NotALogger"}})
+    source = API + "class NotALogger:\n    pass\n"
+    add_plugin(site, "fake-stats", STAT_LOGGER_PLUGINS, "bad_logger", "fake_stats", source, "NotALogger")
     with pytest.raises(TypeError) as e:
         load(site)
     assert "bad_logger" in str(e.value) and "NotALogger" in str(e.value) and "StatLoggerBase" in str(e.value)
 
 
 def test_abstract_backend_is_refused(site: FakeSite) -> None:
-    source = API + "from kvloom.interfaces import AttentionBackend\nclass Backend(AttentionBackend):\n    NAME = 'HALF'\n"
-    site.add("fake-half", {"fake_half": source}, {ATTENTION_BACKENDS: {"HALF": "fake_half:Backend"}})
+    source = API + "from kvloom.interfaces import AttentionBackend\n"
+    source += "class Backend(AttentionBackend):\n    NAME = 'HALF'\n"
+    add_backend(site, "fake-half", "fake_half", "HALF", source=source)
     with pytest.raises(TypeError, match="get_builder_cls, get_impl_cls, get_kv_cache_shape"):
         load(site)
 
@@ -314,7 +343,7 @@ def test_platform_entry_point_name_must_equal_platform_name(site: FakeSite) -> N
                 raise NotImplementedError
         """
     )
-    site.add("fake-p", {"fake_p": source}, {PLATFORM_PLUGINS: {"alias": "fake_p:P"}})
+    add_plugin(site, "fake-p", PLATFORM_PLUGINS, "alias", "fake_p", source, "P")
     with pytest.raises(registry.PluginLoadError, match="name is 'real'"):
         load(site)
 
@@ -387,53 +416,55 @@ def test_general_hook_class_is_instantiated(site: FakeSite) -> None:
                 model_registry.register_model(self.arch, "kvloom.models.llama:LlamaForCausalLM")
         """
     )
-    site.add("fake-class", {"fake_class_hooks": source}, {GENERAL_PLUGINS: {"cls": "fake_class_hooks:Hooks"}})
+    add_plugin(site, "fake-class", GENERAL_PLUGINS, "cls", "fake_class_hooks", source, "Hooks")
     _, models, _ = run_general(site)
     assert models.is_supported("ClassArchForCausalLM")
 
 
 def test_misspelt_hook_fails_loudly(site: FakeSite) -> None:
-    source = API + "from kvloom.interfaces import hookimpl\n@hookimpl\ndef kvloom_register_model(model_registry):\n    pass\n"
-    site.add("fake-typo", {"fake_typo": source}, {GENERAL_PLUGINS: {"typo": "fake_typo"}})
+    source = HOOKS + "@hookimpl\ndef kvloom_register_model(model_registry):\n    pass\n"
+    add_plugin(site, "fake-typo", GENERAL_PLUGINS, "typo", "fake_typo", source)
     with pytest.raises(registry.PluginLoadError) as e:
         run_general(site)
     assert "typo" in str(e.value) and "kvloom_register_model" in str(e.value)
 
 
 def test_misspelt_hook_argument_fails_loudly(site: FakeSite) -> None:
-    source = API + "from kvloom.interfaces import hookimpl\n@hookimpl\ndef kvloom_register_models(registry):\n    pass\n"
-    site.add("fake-arg", {"fake_arg": source}, {GENERAL_PLUGINS: {"badarg": "fake_arg"}})
+    source = HOOKS + "@hookimpl\ndef kvloom_register_models(registry):\n    pass\n"
+    add_plugin(site, "fake-arg", GENERAL_PLUGINS, "badarg", "fake_arg", source)
     with pytest.raises(registry.PluginLoadError, match="registry"):
         run_general(site)
 
 
 def test_hook_without_marker_fails_loudly(site: FakeSite) -> None:
-    source = API + "from kvloom.interfaces import hookimpl\n@hookimpl\ndef kvloom_register_models(model_registry):\n    pass\ndef kvloom_update_engine_config(config):\n    pass\n"
-    site.add("fake-nomark", {"fake_nomark": source}, {GENERAL_PLUGINS: {"nomark": "fake_nomark"}})
-    with pytest.raises(registry.PluginLoadError, match="kvloom_update_engine_config lack the @kvloom.interfaces.hookimpl"):
+    source = HOOKS + "@hookimpl\ndef kvloom_register_models(model_registry):\n    pass\n"
+    source += "def kvloom_update_engine_config(config):\n    pass\n"
+    add_plugin(site, "fake-nomark", GENERAL_PLUGINS, "nomark", "fake_nomark", source)
+    with pytest.raises(registry.PluginLoadError, match="kvloom_update_engine_config lack the @kvloom.interfaces.hookim"):
         run_general(site)
 
 
 def test_module_without_hooks_fails_loudly(site: FakeSite) -> None:
-    site.add("fake-empty", {"fake_empty": API + "def register():\n    pass\n"}, {GENERAL_PLUGINS: {"empty": "fake_empty"}})
+    add_plugin(site, "fake-empty", GENERAL_PLUGINS, "empty", "fake_empty", API + "def register():\n    pass\n")
     with pytest.raises(registry.PluginLoadError, match="no @kvloom.interfaces.hookimpl functions"):
         run_general(site)
 
 
 def test_register_raising_names_the_plugin(site: FakeSite) -> None:
     source = API + "def register():\n    raise ValueError('cannot register')\n"
-    site.add("fake-raise", {"fake_raise": source}, {GENERAL_PLUGINS: {"raiser": "fake_raise:register"}})
+    add_plugin(site, "fake-raise", GENERAL_PLUGINS, "raiser", "fake_raise", source, "register")
     with pytest.raises(registry.PluginLoadError) as e:
         run_general(site)
     assert "raiser" in str(e.value) and "fake-raise" in str(e.value) and "cannot register" in str(e.value)
 
 
 def test_hook_raising_names_the_plugin(site: FakeSite) -> None:
-    source = API + "from kvloom.interfaces import hookimpl\n@hookimpl\ndef kvloom_register_models(model_registry):\n    raise RuntimeError('hook broke')\n"
-    site.add("fake-hookraise", {"fake_hookraise": source}, {GENERAL_PLUGINS: {"hookraiser": "fake_hookraise"}})
+    source = HOOKS + "@hookimpl\ndef kvloom_register_models(model_registry):\n    raise RuntimeError('hook broke')\n"
+    add_plugin(site, "fake-hookraise", GENERAL_PLUGINS, "hookraiser", "fake_hookraise", source)
     with pytest.raises(registry.PluginLoadError) as e:
         run_general(site)
-    assert "hookraiser" in str(e.value) and "kvloom_register_models" in str(e.value) and "hook broke" in str(e.value)
+    message = str(e.value)
+    assert "hookraiser" in message and "kvloom_register_models" in message and "hook broke" in message
 
 
 # ---------------------------------------------------------------------- process state
@@ -488,7 +519,8 @@ def test_load_plugins_is_idempotent_and_registers_lora_resolvers(
 
 
 def test_a_failed_load_keeps_failing(site: FakeSite, monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
-    site.add("fake-broken", {"fake_broken2": API + "raise OSError('no device file')\n"}, {GENERAL_PLUGINS: {"broken2": "fake_broken2:register"}})
+    source = API + "raise OSError('no device file')\n"
+    add_plugin(site, "fake-broken", GENERAL_PLUGINS, "broken2", "fake_broken2", source, "register")
     use_site(monkeypatch, site)
     for _ in range(2):
         with pytest.raises(registry.PluginLoadError, match="no device file"):
@@ -501,7 +533,9 @@ def test_a_failed_load_keeps_failing(site: FakeSite, monkeypatch: pytest.MonkeyP
     assert registry.attention_backends() == {}
 
 
-def test_io_processor_and_stat_logger_accessors(site: FakeSite, monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
+def test_io_processor_and_stat_logger_accessors(
+    site: FakeSite, monkeypatch: pytest.MonkeyPatch, fresh_state: None
+) -> None:
     source = API + textwrap.dedent(
         """
         from kvloom.interfaces import IOProcessor, StatLoggerBase
@@ -517,7 +551,11 @@ def test_io_processor_and_stat_logger_accessors(site: FakeSite, monkeypatch: pyt
                 pass
         """
     )
-    site.add("fake-acc", {"fake_acc": source}, {IO_PROCESSOR_PLUGINS: {"proc": "fake_acc:Processor"}, STAT_LOGGER_PLUGINS: {"log": "fake_acc:Logger"}})
+    site.add(
+        "fake-acc",
+        {"fake_acc": source},
+        {IO_PROCESSOR_PLUGINS: {"proc": "fake_acc:Processor"}, STAT_LOGGER_PLUGINS: {"log": "fake_acc:Logger"}},
+    )
     use_site(monkeypatch, site)
     assert registry.get_io_processor_cls("proc").__name__ == "Processor"
     assert [c.__name__ for c in registry.stat_logger_classes()] == ["Logger"]

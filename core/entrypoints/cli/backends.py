@@ -51,7 +51,10 @@ def register_subparser(subparsers: Any) -> None:
         "--block-size", type=int, default=None, help="tokens per KV block (default: the backend's choice)"
     )
     parser.add_argument(
-        "--head-size", type=int, default=None, help=f"attention head size (default: the model's, else {DEFAULT_HEAD_SIZE})"
+        "--head-size",
+        type=int,
+        default=None,
+        help=f"attention head size (default: the model's, else {DEFAULT_HEAD_SIZE})",
     )
     parser.add_argument("--use-mla", action="store_true", help="select for multi-head latent attention (MLA)")
     parser.add_argument(

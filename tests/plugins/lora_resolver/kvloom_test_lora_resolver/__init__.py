@@ -29,4 +29,6 @@ class DirectoryLoRAResolver(LoRAResolver):
             raise ValueError(f"adapter {lora_name}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
         # A stable positive id per name, so the same adapter keeps its prefix-cache identity.
         lora_id = zlib.crc32(lora_name.encode()) % (2**31 - 1) + 1
-        return LoRARequest(lora_name=lora_name, lora_int_id=lora_id, lora_path=str(path), base_model_name=base_model_name)
+        return LoRARequest(
+            lora_name=lora_name, lora_int_id=lora_id, lora_path=str(path), base_model_name=base_model_name
+        )

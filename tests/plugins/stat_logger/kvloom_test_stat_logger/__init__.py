@@ -24,4 +24,6 @@ class StepCountingLogger(StatLoggerBase):
             self.peak_running = max(self.peak_running, scheduler_stats.num_running_reqs)
 
     def log(self) -> None:
-        logger.info("engine %d: %d steps, peak %d running requests", self.engine_index, self.num_steps, self.peak_running)
+        logger.info(
+            "engine %d: %d steps, peak %d running requests", self.engine_index, self.num_steps, self.peak_running
+        )
