@@ -1,0 +1,208 @@
+"""``kvloom backends``: which attention backend would run a configuration, and why.
+
+``kvloom backends [options]`` prints the active platform, the priority table (every
+candidate with valid/invalid, every reason, and the distribution that provides it),
+the backend that would be selected and the block size it would use.
+``--json`` prints ``{"platform", "selected", "block_size", "candidates": [{"name",
+"priority", "valid", "reasons", "distribution", "version"}]}``. Exit status: 0 when a
+backend is selected, 1 otherwise.
+
+Without ``--model`` the configuration is ``--head-size`` (default 128, the head size of
+most current LLMs) and ``--dtype`` (default: the platform's preferred dtype).
+``--device-capability X.Y`` simulates a GPU generation (e.g. 10.0 for Blackwell) and
+``--platform NAME`` shows any installed platform's table even where its device is
+absent, so the CUDA priorities can be inspected on a laptop.
+
+``kvloom backends test NAME`` runs the backend conformance suite against an installed
+backend (``kvloom.testing.conformance``); exit status 0 when it passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvloom.attention.backend import AttentionSelectorConfig
+    from kvloom.platform import Platform
+    from kvloom.registry import SelectionReport
+
+#: Head size used when neither --model nor --head-size is given (Llama/Qwen/Mistral's).
+DEFAULT_HEAD_SIZE = 128
+
+_DTYPE_CHOICES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+
+
+def register_subparser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "backends",
+        help="show the attention backends, their priority and validity for a configuration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", help="HF model directory or .gguf file to read head size and dtype from")
+    parser.add_argument("--dtype", default="auto", choices=_DTYPE_CHOICES, help="model dtype (default: auto)")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV-cache dtype, e.g. auto, float16, fp8 (default: auto)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default: the backend's choice)"
+    )
+    parser.add_argument(
+        "--head-size",
+        type=int,
+        default=None,
+        help=f"attention head size (default: the model's, else {DEFAULT_HEAD_SIZE})",
+    )
+    parser.add_argument("--use-mla", action="store_true", help="select for multi-head latent attention (MLA)")
+    parser.add_argument(
+        "--device-capability",
+        default=None,
+        metavar="X.Y",
+        help="simulate a CUDA compute capability (forms: 9.0, 90, sm90); default: the device's",
+    )
+    parser.add_argument(
+        "--platform",
+        default=None,
+        metavar="NAME",
+        help="show the table of this installed platform, even if its device is absent here "
+        "(default: the active platform)",
+    )
+    parser.add_argument(
+        "--attention-backend", default=None, metavar="NAME", help="check an explicit choice instead of priority order"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=run_backends)
+
+    sub = parser.add_subparsers(dest="backends_command", metavar="{test}")
+    test = sub.add_parser(
+        "test",
+        help="run the backend conformance suite against an installed backend",
+        description="Run kvloom's attention backend conformance suite against backend NAME "
+        "(KV-cache writes, prefill, chunked prefill, decode, mixed batches, every declared "
+        "dtype/head size/block size) against a float64 reference.",
+    )
+    test.add_argument("name", metavar="NAME", help="the backend's NAME, e.g. CPU_ATTN")
+    test.add_argument("--device", choices=("cpu", "cuda"), default=None, help="device (default: the active platform's)")
+    test.add_argument("--quick", action="store_true", help="a reduced set of cases")
+    test.set_defaults(func=run_backend_test)
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{flag}: {value} is not a positive integer (allowed: 1 and above)")
+
+
+def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) -> "AttentionSelectorConfig":
+    """The selection inputs from the flags (and the model's config with --model)."""
+    from kvloom.attention.backend import AttentionSelectorConfig
+    from kvloom.config_resolve import _resolve_dtype
+    from kvloom.platform_types import DeviceCapability
+
+    _positive(args.block_size, "--block-size")
+    _positive(args.head_size, "--head-size")
+    hf_config = None
+    head_size = num_heads = num_kv_heads = None
+    if args.model:
+        from kvloom.loader.model_source import load_hf_config, resolve_model_source
+
+        hf_config = load_hf_config(resolve_model_source(args.model))
+        text = getattr(hf_config, "text_config", None) or hf_config
+        num_heads = text.num_attention_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    if args.head_size is not None:
+        head_size = args.head_size
+    capability = (
+        DeviceCapability.parse(args.device_capability)
+        if args.device_capability
+        else platform.get_device_capability() if platform.is_available() else None
+    )
+    return AttentionSelectorConfig(
+        head_size=head_size or DEFAULT_HEAD_SIZE,
+        dtype=_resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name),
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        use_mla=args.use_mla,
+        device_type=platform.device_type,
+        device_capability=capability,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )
+
+
+def _print_table(report: "SelectionReport", platform_label: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvloom.attention.backend import dtype_name
+
+    config = report.config
+    # Piped output gets 120 columns rather than rich's 80, so reasons stay readable.
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    capability = config.device_capability if config.device_capability is not None else "n/a"
+    console.print(
+        f"Platform: {platform_label}, device {config.device_type}, capability {capability}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    console.print(
+        f"Configuration: head_size={config.head_size}, dtype={dtype_name(config.dtype)}, "
+        f"kv_cache_dtype={config.kv_cache_dtype}, "
+        f"block_size={config.block_size if config.block_size is not None else 'auto'}, use_mla={config.use_mla}"
+        + (f", requested={report.requested}" if report.requested else ""),
+        soft_wrap=True,
+        highlight=False,
+    )
+    table = Table(title="Attention backends in priority order", title_justify="left")
+    for column in ("#", "Backend", "Status", "Distribution", "Version"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("Reasons", overflow="fold")
+    colors = {"valid": "green", "invalid": "red", "excluded": "yellow", "not installed": "yellow"}
+    for c in report.candidates:
+        status = f"[{colors[c.status]}]{c.status}[/]"
+        if c.name == report.selected:
+            status += " [bold](selected)[/]"
+        table.add_row(
+            str(c.priority), c.name, status, c.distribution or "-", c.version or "-", "\n".join(c.reasons) or "-"
+        )
+    console.print(table)
+    if report.selected is not None:
+        console.print(f"Selected: [bold]{report.selected}[/] (block size {report.block_size})")
+    else:
+        console.print("Selected: [bold red]none[/]")
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    from kvloom import registry
+
+    if args.platform:
+        platform = registry.get_platform_by_name(args.platform)
+    else:
+        platform = registry.current_platform()
+    entry = registry.platforms()[platform.name]
+    config = build_selector_config(args, platform)
+    report = registry.report_attention_backends(platform, config, requested=args.attention_backend)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        _print_table(report, f"{platform.name} ({entry.distribution} {entry.version})")
+    if report.error is not None:
+        print(f"kvloom: error: {report.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_backend_test(args: argparse.Namespace) -> int:
+    from kvloom import registry
+    from kvloom.testing.conformance import run_conformance
+
+    device = args.device or registry.current_platform().device_type
+    kwargs: dict[str, Any] = {"device": device}
+    if args.quick:
+        kwargs["quick"] = True
+    report = run_conformance(args.name, **kwargs)
+    print(report.format())
+    return 0 if report.passed else 1

@@ -1,0 +1,71 @@
+"""The CPU platform: torch on the host CPU, attention by the CPU_ATTN backend.
+
+Config adjustments (``check_and_update_config``):
+
+- the worker is kvloom's generic torch ``Worker``;
+- CUDA graphs do not exist on the CPU, so ``cudagraph_mode`` becomes NONE (logged when
+  the user had asked for another mode).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.worker.worker_base import WorkerBase
+
+KVLOOM_PLUGIN_API = "1.0"
+
+logger = logging.getLogger(__name__)
+
+WORKER_CLS = "kvloom.worker.worker.Worker"
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    builtin = True
+    # float32 first: "auto" runs in float32 on the CPU, where half-precision matmuls are
+    # slower on most processors and less accurate.
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supports_cuda_graphs = False
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_attn_backend_priority(
+        cls, use_mla: bool, capability: DeviceCapability | None
+    ) -> list[BackendCandidate]:
+        # One list for MLA and standard attention: CPU_ATTN explains itself when it cannot
+        # serve an MLA model ("MLA not supported").
+        return [
+            BackendCandidate("CPU_ATTN", "kvloom-backend-cpu"),
+            BackendCandidate("FLEX_ATTENTION", "kvloom-backend-flex-attention"),
+        ]
+
+    @classmethod
+    def get_worker_cls(cls) -> type["WorkerBase"]:
+        # Imported here: the worker pulls in the whole model runner.
+        from kvloom.worker.worker import Worker
+
+        return Worker
+
+    @classmethod
+    def check_and_update_config(cls, config: "EngineConfig") -> None:
+        from kvloom.config import CUDAGraphMode
+
+        config.parallel.worker_cls = WORKER_CLS
+        if config.compilation.cudagraph_mode != CUDAGraphMode.NONE:
+            logger.info(
+                "cudagraph_mode %s is not available on the CPU platform; running eagerly (NONE).",
+                config.compilation.cudagraph_mode.value,
+            )
+            config.compilation.cudagraph_mode = CUDAGraphMode.NONE

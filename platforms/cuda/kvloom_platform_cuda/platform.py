@@ -1,0 +1,108 @@
+"""The CUDA platform: NVIDIA GPUs, with vLLM's attention backend priority lists.
+
+Priorities (1 = tried first), from vLLM's "Attention Backend Feature Support" tables:
+
+============  ==========================================================================
+Standard      SM 10.x: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION
+              otherwise (Ampere/Hopper, SM 8.x-9.x): FLASH_ATTN, FLASHINFER,
+              TRITON_ATTN, FLEX_ATTENTION
+MLA           SM 10.x: FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA,
+              FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE
+              otherwise: FLASH_ATTN_MLA, FLASHMLA, FLASHINFER_MLA, TRITON_MLA,
+              FLASHMLA_SPARSE
+============  ==========================================================================
+
+Each backend's own declarations (compute capability, head sizes, ...) then decide
+whether it is valid; the list only fixes the order. Each entry names the distribution
+that provides the backend, so ``kvloom backends`` can say what to install.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.worker.worker_base import WorkerBase
+
+KVLOOM_PLUGIN_API = "1.0"
+
+WORKER_CLS = "kvloom_platform_cuda.worker.CUDAWorker"
+
+_FLASH_ATTN = BackendCandidate("FLASH_ATTN", "kvloom-backend-flash-attn")
+_FLASHINFER = BackendCandidate("FLASHINFER", "kvloom-backend-flashinfer")
+_TRITON_ATTN = BackendCandidate("TRITON_ATTN", "kvloom-backend-triton")
+_FLEX_ATTENTION = BackendCandidate("FLEX_ATTENTION", "kvloom-backend-flex-attention")
+
+_MLA_PROVIDER = "kvloom-backend-mla"
+_FLASHINFER_MLA = BackendCandidate("FLASHINFER_MLA", _MLA_PROVIDER)
+_CUTLASS_MLA = BackendCandidate("CUTLASS_MLA", _MLA_PROVIDER)
+_FLASH_ATTN_MLA = BackendCandidate("FLASH_ATTN_MLA", _MLA_PROVIDER)
+_FLASHMLA = BackendCandidate("FLASHMLA", _MLA_PROVIDER)
+_TRITON_MLA = BackendCandidate("TRITON_MLA", _MLA_PROVIDER)
+_FLASHMLA_SPARSE = BackendCandidate("FLASHMLA_SPARSE", _MLA_PROVIDER)
+_FLASHINFER_MLA_SPARSE = BackendCandidate("FLASHINFER_MLA_SPARSE", _MLA_PROVIDER)
+
+STANDARD_BLACKWELL = (_FLASHINFER, _FLASH_ATTN, _TRITON_ATTN, _FLEX_ATTENTION)
+STANDARD_DEFAULT = (_FLASH_ATTN, _FLASHINFER, _TRITON_ATTN, _FLEX_ATTENTION)
+MLA_BLACKWELL = (
+    _FLASHINFER_MLA,
+    _CUTLASS_MLA,
+    _FLASH_ATTN_MLA,
+    _FLASHMLA,
+    _TRITON_MLA,
+    _FLASHMLA_SPARSE,
+    _FLASHINFER_MLA_SPARSE,
+)
+MLA_DEFAULT = (_FLASH_ATTN_MLA, _FLASHMLA, _FLASHINFER_MLA, _TRITON_MLA, _FLASHMLA_SPARSE)
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    device_type = "cuda"
+    builtin = True
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    supports_cuda_graphs = True
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return DeviceCapability(major, minor)
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        if not torch.cuda.is_available():
+            return cls.device_type
+        return torch.cuda.get_device_name(device_id)
+
+    @classmethod
+    def get_attn_backend_priority(
+        cls, use_mla: bool, capability: DeviceCapability | None
+    ) -> list[BackendCandidate]:
+        # Blackwell datacenter parts (SM 10.x) prefer FlashInfer (TRT-LLM kernels); every
+        # other capability, and an unknown one, uses the Ampere/Hopper order.
+        blackwell = capability is not None and capability.major == 10
+        if use_mla:
+            return list(MLA_BLACKWELL if blackwell else MLA_DEFAULT)
+        return list(STANDARD_BLACKWELL if blackwell else STANDARD_DEFAULT)
+
+    @classmethod
+    def get_worker_cls(cls) -> type["WorkerBase"]:
+        # Imported here: the worker pulls in the model runner and CUDA-graph machinery.
+        from kvloom_platform_cuda.worker import CUDAWorker
+
+        return CUDAWorker
+
+    @classmethod
+    def check_and_update_config(cls, config: "EngineConfig") -> None:
+        config.parallel.worker_cls = WORKER_CLS

@@ -1,0 +1,58 @@
+"""Errors raised by plugin discovery, platform resolution and backend selection.
+
+Every message names what went wrong, which plugin (entry-point name, group,
+distribution) it concerns and what the user can do about it: plugin problems are
+never skipped silently.
+"""
+
+from __future__ import annotations
+
+
+class PluginError(RuntimeError):
+    """Base class of the registry's plugin errors."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin raised while it was imported or initialised.
+
+    The message carries the plugin's name, group, distribution and the traceback text
+    (also available as ``traceback_text``).
+    """
+
+    def __init__(
+        self, message: str, *, plugin: str, group: str, distribution: str, traceback_text: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.group = group
+        self.distribution = distribution
+        self.traceback_text = traceback_text
+
+
+class PluginAPIVersionError(PluginError):
+    """A plugin declares no ``KVLOOM_PLUGIN_API`` or an incompatible one."""
+
+
+class PluginTypeError(PluginError, TypeError):
+    """A plugin's entry point names an object of the wrong kind (e.g. a stat logger
+    that is not a ``StatLoggerBase`` subclass)."""
+
+
+class PluginAllowlistError(PluginError):
+    """``KVLOOM_PLUGINS`` names a plugin that no installed distribution provides."""
+
+
+class DuplicatePluginError(PluginError):
+    """Two plugins claim the same name in a group where names must be unique."""
+
+
+class PlatformResolutionError(PluginError):
+    """No platform, or more than one, could be made the active platform."""
+
+
+class BackendSelectionError(ValueError):
+    """No attention backend can serve the configuration, or the requested one cannot.
+
+    A ``ValueError`` because it is caused by the user's configuration (model, dtype,
+    block size, requested backend), not by a broken plugin.
+    """

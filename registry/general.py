@@ -1,0 +1,145 @@
+"""General plugins (``kvloom.general_plugins``): ``register()`` callables and pluggy hooks.
+
+An entry point names one of:
+
+- a function ``register()``: called once per process with no arguments;
+- a module: its ``@hookimpl`` functions are registered with pluggy;
+- a class: it is instantiated with no arguments and the instance's ``@hookimpl``
+  methods are registered.
+
+pluggy validates every hook implementation against ``kvloom.hookspecs.GeneralPluginSpec``:
+an unknown hook name or argument is an error at load time. A function whose name starts
+with ``kvloom_`` but lacks the ``@hookimpl`` marker is also an error, because pluggy would
+ignore it without a word.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
+from kvloom.registry.errors import PluginLoadError, PluginTypeError
+from kvloom.registry.loader import PluginEntry
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_HOOK_PREFIX = "kvloom_"
+
+
+def _load_error(entry: PluginEntry, what: str, exc: BaseException) -> PluginLoadError:
+    tb = traceback.format_exc()
+    return PluginLoadError(
+        f"{entry.describe()} failed {what}: {type(exc).__name__}: {exc}\n{tb}",
+        plugin=entry.name,
+        group=entry.group,
+        distribution=entry.distribution,
+        traceback_text=tb,
+    )
+
+
+class GeneralPlugins:
+    """The process's general plugins and the pluggy manager that holds their hooks."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(PROJECT_NAME)
+        self._pm.add_hookspecs(GeneralPluginSpec)
+        self._entries: dict[str, PluginEntry] = {}  # pluggy plugin name -> entry
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        return self._pm
+
+    def load(self, entries: list[PluginEntry], **registries: Any) -> None:
+        """Run every ``register()`` and register every hook plugin, then call the
+        registration hooks (``kvloom_register_models`` etc.) with ``registries``."""
+        for entry in entries:
+            target = entry.target
+            if inspect.ismodule(target) or inspect.isclass(target):
+                self._register_hooks(entry, target)
+            elif callable(target):
+                self._run_register(entry, target)
+            else:
+                raise PluginTypeError(
+                    f"{entry.describe()} names {entry.value} = {target!r}; a general plugin must "
+                    "name a register() callable, a module or a class with @hookimpl functions"
+                )
+        self.call_hook("kvloom_register_models", model_registry=registries["model_registry"])
+        self.call_hook("kvloom_register_lora_resolvers", resolver_registry=registries["resolver_registry"])
+
+    def _run_register(self, entry: PluginEntry, register: Callable[[], object]) -> None:
+        try:
+            register()
+        except Exception as exc:
+            raise _load_error(entry, f"while running {entry.value}()", exc) from exc
+        logger.debug("Ran %s", entry.describe())
+
+    def _register_hooks(self, entry: PluginEntry, target: ModuleType | type) -> None:
+        try:
+            plugin = target() if inspect.isclass(target) else target
+        except Exception as exc:
+            raise _load_error(entry, f"while instantiating {entry.value}", exc) from exc
+        try:
+            self._pm.register(plugin, name=entry.name)
+            # Hooks that match no spec are "pending"; kvloom has no optional hooks, so a
+            # pending hook is a misspelling.
+            self._pm.check_pending()
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            if self._pm.is_registered(plugin):
+                self._pm.unregister(plugin)
+            raise PluginLoadError(
+                f"{entry.describe()} has an invalid hook implementation: {exc}",
+                plugin=entry.name,
+                group=entry.group,
+                distribution=entry.distribution,
+            ) from exc
+        registered = {
+            impl.function.__name__
+            for caller in self._pm.get_hookcallers(plugin) or []
+            for impl in caller.get_hookimpls()
+            if impl.plugin is plugin
+        }
+        unmarked = sorted(
+            name
+            for name, member in inspect.getmembers(plugin, callable)
+            if name.startswith(_HOOK_PREFIX) and name not in registered and not inspect.isclass(member)
+        )
+        if unmarked or not registered:
+            self._pm.unregister(plugin)
+            hint = (
+                f"{', '.join(unmarked)} lack the @kvloom.interfaces.hookimpl decorator"
+                if unmarked
+                else "it has no @kvloom.interfaces.hookimpl functions; name a register() callable "
+                "(module:register) or decorate its hook functions"
+            )
+            raise PluginLoadError(
+                f"{entry.describe()} names {entry.value}, but {hint}",
+                plugin=entry.name,
+                group=entry.group,
+                distribution=entry.distribution,
+            )
+        self._entries[entry.name] = entry
+        logger.debug("Registered hooks %s of %s", sorted(registered), entry.describe())
+
+    def call_hook(self, hook_name: str, **kwargs: Any) -> None:
+        """Call one hook on every plugin that implements it, in registration order;
+        an exception is reported with the plugin that raised it."""
+        caller = getattr(self._pm.hook, hook_name)
+        for impl in caller.get_hookimpls():
+            entry = self._entries[impl.plugin_name]
+            try:
+                impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except Exception as exc:
+                raise _load_error(entry, f"in hook {hook_name}", exc) from exc
+
+    def update_engine_config(self, config: "EngineConfig") -> None:
+        self.call_hook("kvloom_update_engine_config", config=config)

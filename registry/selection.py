@@ -1,0 +1,235 @@
+"""Attention backend selection: the platform's priority order, every candidate validated,
+first valid wins.
+
+Candidates, highest priority first:
+
+1. The backends the platform lists for (MLA or not, device capability), in its order.
+   A listed backend that no loaded plugin provides is still a candidate, invalid with
+   the reason "not installed (pip install <provider>)" (or "KVLOOM_PLUGINS does not
+   list it" when it is installed but was left out).
+2. Every other installed backend (out-of-tree backends the platform does not know), by
+   name. They rank below the platform's list, so any number of them can coexist and one
+   of them is chosen when nothing the platform lists is valid.
+
+An explicitly requested backend is validated the same way; if it is invalid, selection
+fails with its reasons and never falls back to another backend.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig, dtype_name
+from kvloom.config_resolve import DEFAULT_BLOCK_SIZE
+from kvloom.platform import Platform
+from kvloom.registry.errors import BackendSelectionError, PluginLoadError
+from kvloom.registry.loader import PLUGINS_ENV, PluginEntry
+
+
+@dataclass(frozen=True)
+class CandidateReport:
+    """One row of the priority table."""
+
+    name: str
+    priority: int  # 1 = tried first
+    valid: bool
+    reasons: tuple[str, ...]  # empty when valid
+    distribution: str | None  # the providing distribution (the one to install, if missing)
+    version: str | None  # None when not installed
+    installed: bool  # a loaded plugin provides it
+    excluded: bool = False  # installed, but KVLOOM_PLUGINS left it out
+
+    @property
+    def status(self) -> str:
+        """"valid", "invalid", "excluded" (by KVLOOM_PLUGINS) or "not installed"."""
+        if self.installed:
+            return "valid" if self.valid else "invalid"
+        return "excluded" if self.excluded else "not installed"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "priority": self.priority,
+            "valid": self.valid,
+            "reasons": list(self.reasons),
+            "distribution": self.distribution,
+            "version": self.version,
+        }
+
+
+@dataclass(frozen=True)
+class SelectionResult:
+    """The selected backend class, the whole priority table, and the block size the
+    engine will use with it (the user's, or the backend's preferred one)."""
+
+    selected: type[AttentionBackend]
+    candidates: list[CandidateReport]
+    block_size: int
+
+
+@dataclass(frozen=True)
+class SelectionReport:
+    """What ``kvloom backends`` shows; ``error`` is set instead of raising."""
+
+    platform: str
+    config: AttentionSelectorConfig
+    selected: str | None
+    candidates: list[CandidateReport]
+    block_size: int | None
+    error: str | None = None
+    requested: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "selected": self.selected,
+            "block_size": self.block_size,
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def describe_config(platform: type[Platform], config: AttentionSelectorConfig) -> str:
+    capability = config.device_capability if config.device_capability is not None else "n/a"
+    return (
+        f"platform {platform.name} (device {config.device_type}, capability {capability}): "
+        f"head_size={config.head_size}, dtype={dtype_name(config.dtype)}, "
+        f"kv_cache_dtype={config.kv_cache_dtype}, "
+        f"block_size={config.block_size if config.block_size is not None else 'auto'}, "
+        f"use_mla={config.use_mla}, attn_type={config.attn_type.value}"
+    )
+
+
+def _validate(entry: PluginEntry, config: AttentionSelectorConfig) -> list[str]:
+    backend: type[AttentionBackend] = entry.target
+    try:
+        return [str(r) for r in backend.validate_configuration(config)]
+    except Exception as exc:
+        # A crash in validation is a bug in the plugin; hiding it as a "reason" would
+        # make the backend silently unselectable.
+        tb = traceback.format_exc()
+        raise PluginLoadError(
+            f"{entry.describe()}: {backend.__qualname__}.validate_configuration raised "
+            f"{type(exc).__name__}: {exc}\n{tb}",
+            plugin=entry.name,
+            group=entry.group,
+            distribution=entry.distribution,
+            traceback_text=tb,
+        ) from exc
+
+
+def rank_candidates(
+    platform: type[Platform],
+    config: AttentionSelectorConfig,
+    installed: Mapping[str, PluginEntry],
+    excluded: Sequence[PluginEntry] = (),
+) -> list[CandidateReport]:
+    """Every candidate in priority order, each validated (see the module docstring)."""
+    order: dict[str, str | None] = {}  # name -> provider (None: not in the platform's list)
+    for candidate in platform.get_attn_backend_priority(config.use_mla, config.device_capability):
+        order.setdefault(candidate.name, candidate.provider)
+    excluded_by_name = {e.name: e for e in excluded}
+    for name in sorted(set(installed) | set(excluded_by_name)):
+        order.setdefault(name, None)
+
+    reports = []
+    for priority, (name, provider) in enumerate(order.items(), start=1):
+        entry = installed.get(name)
+        if entry is not None:
+            reasons = _validate(entry, config)
+            reports.append(
+                CandidateReport(name, priority, not reasons, tuple(reasons), entry.distribution, entry.version, True)
+            )
+        elif name in excluded_by_name:
+            ex = excluded_by_name[name]
+            reason = f"installed ({ex.distribution} {ex.version}) but {PLUGINS_ENV} does not list it"
+            reports.append(
+                CandidateReport(name, priority, False, (reason,), ex.distribution, ex.version, False, excluded=True)
+            )
+        else:
+            reason = f"not installed (pip install {provider})"
+            reports.append(CandidateReport(name, priority, False, (reason,), provider, None, False))
+    return reports
+
+
+def _unknown_backend_message(
+    requested: str, candidates: list[CandidateReport], installed: Mapping[str, PluginEntry]
+) -> str:
+    known = ", ".join(sorted(installed)) or "none"
+    listed = next((c for c in candidates if c.name == requested), None)
+    if listed is not None:  # a candidate, but no loaded plugin provides it
+        return f"Attention backend {requested} is {listed.reasons[0]}. Valid names: {known}."
+    return f"Unknown attention backend {requested!r}. Valid names: {known}."
+
+
+def _no_valid_message(
+    platform: type[Platform], config: AttentionSelectorConfig, candidates: list[CandidateReport]
+) -> str:
+    lines = [
+        f"No valid attention backend found for {describe_config(platform, config)}. "
+        "Candidates in priority order:"
+    ]
+    for c in candidates:
+        lines.append(f"  {c.priority}. {c.name} ({c.distribution}): {'; '.join(c.reasons)}")
+    return "\n".join(lines)
+
+
+def select_backend(
+    platform: type[Platform],
+    config: AttentionSelectorConfig,
+    requested: str | None,
+    installed: Mapping[str, PluginEntry],
+    excluded: Sequence[PluginEntry] = (),
+) -> SelectionResult:
+    """Select a backend; raises ``BackendSelectionError`` (a ``ValueError``) when the
+    requested backend is unknown or invalid, or when no candidate is valid."""
+    candidates = rank_candidates(platform, config, installed, excluded)
+    if requested is not None:
+        if requested not in installed:
+            raise BackendSelectionError(_unknown_backend_message(requested, candidates, installed))
+        report = next(c for c in candidates if c.name == requested)
+        if not report.valid:
+            raise BackendSelectionError(
+                f"Selected backend {requested} is not valid for this configuration. "
+                f"Reasons: {list(report.reasons)!r}"
+            )
+        chosen = installed[requested].target
+    else:
+        first_valid = next((c for c in candidates if c.valid), None)
+        if first_valid is None:
+            raise BackendSelectionError(_no_valid_message(platform, config, candidates))
+        chosen = installed[first_valid.name].target
+    block_size = config.block_size if config.block_size is not None else chosen.preferred_block_size(DEFAULT_BLOCK_SIZE)
+    return SelectionResult(selected=chosen, candidates=candidates, block_size=block_size)
+
+
+def report_backends(
+    platform: type[Platform],
+    config: AttentionSelectorConfig,
+    requested: str | None,
+    installed: Mapping[str, PluginEntry],
+    excluded: Sequence[PluginEntry] = (),
+) -> SelectionReport:
+    """Like ``select_backend`` but a selection failure is returned in ``error``."""
+    try:
+        result = select_backend(platform, config, requested, installed, excluded)
+    except BackendSelectionError as exc:
+        return SelectionReport(
+            platform=platform.name,
+            config=config,
+            selected=None,
+            candidates=rank_candidates(platform, config, installed, excluded),
+            block_size=None,
+            error=str(exc),
+            requested=requested,
+        )
+    return SelectionReport(
+        platform=platform.name,
+        config=config,
+        selected=result.selected.NAME,
+        candidates=result.candidates,
+        block_size=result.block_size,
+        requested=requested,
+    )

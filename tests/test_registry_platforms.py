@@ -1,0 +1,150 @@
+"""Platform resolution rules and the built-in CPU and CUDA platforms."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvloom.config import CompilationConfig, CUDAGraphMode, ParallelConfig
+from kvloom.interfaces import BackendCandidate, Platform
+from kvloom.registry import PLATFORM_PLUGINS, PlatformResolutionError, PluginEntry, PluginLoadError
+from kvloom.registry.platforms import resolve_platform
+
+CpuPlatform = pytest.importorskip("kvloom_platform_cpu.platform").CpuPlatform
+CudaPlatform = pytest.importorskip("kvloom_platform_cuda.platform").CudaPlatform
+
+
+def fake_platform(name: str, *, builtin: bool, available: bool, device_type: str = "cpu") -> type[Platform]:
+    def is_available(cls: type) -> bool:
+        return available
+
+    def priority(cls: type, use_mla: bool, capability: Any) -> list[BackendCandidate]:
+        return []
+
+    def worker(cls: type) -> type:
+        raise NotImplementedError("resolution tests never build a worker")
+
+    return type(
+        name,
+        (Platform,),
+        {
+            "name": name,
+            "device_type": device_type,
+            "builtin": builtin,
+            "is_available": classmethod(is_available),
+            "get_attn_backend_priority": classmethod(priority),
+            "get_worker_cls": classmethod(worker),
+        },
+    )
+
+
+def entries(*platforms: type[Platform]) -> dict[str, PluginEntry]:
+    return {
+        p.name: PluginEntry(p.name, PLATFORM_PLUGINS, f"dist-{p.name}", "1.0", f"fake:{p.name}", p) for p in platforms
+    }
+
+
+CPU = fake_platform("cpu", builtin=True, available=True)
+GPU = fake_platform("gpu", builtin=True, available=True, device_type="cuda")
+GPU_ABSENT = fake_platform("gpu", builtin=True, available=False, device_type="cuda")
+OOT = fake_platform("oot", builtin=False, available=True)
+OOT2 = fake_platform("oot2", builtin=False, available=True)
+OOT_ABSENT = fake_platform("oot_absent", builtin=False, available=False)
+
+
+def test_out_of_tree_platform_wins_over_builtin() -> None:
+    assert resolve_platform(entries(CPU, GPU, OOT)).target is OOT
+
+
+def test_unavailable_out_of_tree_platform_is_ignored() -> None:
+    assert resolve_platform(entries(CPU, OOT_ABSENT)).target is CPU
+
+
+def test_accelerator_wins_over_host_cpu() -> None:
+    assert resolve_platform(entries(CPU, GPU)).target is GPU
+    assert resolve_platform(entries(CPU, GPU_ABSENT)).target is CPU
+
+
+def test_two_available_out_of_tree_platforms_is_an_error_naming_both() -> None:
+    with pytest.raises(PlatformResolutionError) as e:
+        resolve_platform(entries(CPU, OOT, OOT2))
+    assert "oot (dist-oot 1.0)" in str(e.value) and "oot2 (dist-oot2 1.0)" in str(e.value)
+    assert "KVLOOM_PLATFORM" in str(e.value)
+
+
+def test_kvloom_platform_forces_one() -> None:
+    assert resolve_platform(entries(CPU, OOT, OOT2), forced="cpu").target is CPU
+    assert resolve_platform(entries(CPU, OOT, OOT2), forced="oot2").target is OOT2
+
+
+def test_forced_platform_must_be_installed_and_available() -> None:
+    with pytest.raises(PlatformResolutionError, match="KVLOOM_PLATFORM=tpu: no installed plugin provides it. Loaded platforms: cpu, oot."):
+        resolve_platform(entries(CPU, OOT), forced="tpu")
+    with pytest.raises(PlatformResolutionError, match="KVLOOM_PLATFORM=gpu: platform gpu .* not available"):
+        resolve_platform(entries(CPU, GPU_ABSENT), forced="gpu")
+    excluded = list(entries(OOT).values())
+    with pytest.raises(PlatformResolutionError, match="installed but KVLOOM_PLUGINS does not list it"):
+        resolve_platform(entries(CPU), forced="oot", excluded=excluded)
+
+
+def test_no_available_platform_mentions_kvloom_plugins() -> None:
+    with pytest.raises(PlatformResolutionError) as e:
+        resolve_platform({}, excluded=list(entries(CPU, GPU).values()))
+    assert "No kvloom platform is available" in str(e.value)
+    assert "KVLOOM_PLUGINS leaves out the installed platform plugins cpu, gpu" in str(e.value)
+    with pytest.raises(PlatformResolutionError, match="none available here: gpu"):
+        resolve_platform(entries(GPU_ABSENT))
+
+
+def test_crashing_is_available_is_a_plugin_error() -> None:
+    class Crashing(fake_platform("crashing", builtin=False, available=True)):  # type: ignore[misc]
+        @classmethod
+        def is_available(cls) -> bool:
+            raise OSError("driver library missing")
+
+    with pytest.raises(PluginLoadError, match="crashing.*driver library missing"):
+        resolve_platform(entries(CPU, Crashing))
+
+
+# ---------------------------------------------------------------------- built-in platforms
+
+
+def test_cpu_platform_declarations() -> None:
+    assert (CpuPlatform.name, CpuPlatform.device_type, CpuPlatform.builtin) == ("cpu", "cpu", True)
+    assert CpuPlatform.supported_dtypes[0] == torch.float32
+    assert set(CpuPlatform.supported_dtypes) == {torch.float32, torch.bfloat16, torch.float16}
+    assert CpuPlatform.is_available() and not CpuPlatform.supports_cuda_graphs
+    assert CpuPlatform.get_attn_backend_priority(False, None)[0] == BackendCandidate("CPU_ATTN", "kvloom-backend-cpu")
+    assert CpuPlatform.get_device_capability() is None
+    assert CpuPlatform.device() == torch.device("cpu")
+
+
+def test_cpu_platform_config_defaults() -> None:
+    config = SimpleNamespace(
+        parallel=ParallelConfig(),
+        compilation=CompilationConfig(
+            optimization_level=2, enforce_eager=False, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+            cudagraph_capture_sizes=[1, 2],
+        ),
+    )
+    CpuPlatform.check_and_update_config(config)  # type: ignore[arg-type]
+    assert config.parallel.worker_cls == "kvloom.worker.worker.Worker"
+    assert config.compilation.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_cuda_platform_declarations() -> None:
+    assert (CudaPlatform.name, CudaPlatform.device_type, CudaPlatform.builtin) == ("cuda", "cuda", True)
+    assert CudaPlatform.supported_dtypes == (torch.bfloat16, torch.float16, torch.float32)
+    assert CudaPlatform.supports_cuda_graphs
+    assert CudaPlatform.is_available() == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert CudaPlatform.get_device_capability() is None
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        assert tuple(CudaPlatform.get_device_capability()) == (major, minor)
+    config = SimpleNamespace(parallel=ParallelConfig())
+    CudaPlatform.check_and_update_config(config)  # type: ignore[arg-type]
+    assert config.parallel.worker_cls == "kvloom_platform_cuda.worker.CUDAWorker"
