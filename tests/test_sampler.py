@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvloom.sample import Sampler, SamplingMetadata, compute_prompt_logprobs, make_generator
-from kvloom.sample.sampler import apply_penalties, apply_top_k_top_p, sampling_probs
+from kvloom.sample.sampler import TOP_P_CANDIDATES, apply_penalties, apply_top_k, apply_top_p, sampling_probs
 from kvloom.sampling_params import SamplingParams
 
 V = 32
@@ -155,7 +155,7 @@ def test_truncation_masks_exactly_the_reference_tokens(top_k, top_p, min_p):
 
 def test_top_k_keeps_ties_at_the_boundary():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
-    masked = apply_top_k_top_p(logits, torch.tensor([2]), None, 2)
+    masked = apply_top_k(logits, torch.tensor([2]), 2)
     assert torch.isfinite(masked).tolist() == [[True, False, True, True, False]]
 
 
@@ -163,11 +163,27 @@ def test_top_p_per_row_values_and_disabled_rows():
     # row 0: probs 0.5,0.3,0.2 -> top_p 0.6 keeps two; row 1: top_p 1.0 keeps all.
     probs = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]], dtype=torch.float32)
     logits = probs.log()
-    masked = apply_top_k_top_p(logits, None, torch.tensor([0.6, 1.0]), 0)
+    masked = apply_top_p(logits, torch.tensor([0.6, 1.0]))
     assert torch.isfinite(masked).tolist() == [[True, True, False], [True, True, True]]
-    # exactly reaching p with the first token keeps only it
-    masked = apply_top_k_top_p(logits, None, torch.tensor([0.5, 0.8]), 0)
-    assert torch.isfinite(masked).tolist()[0] == [True, False, False]
+    # the first token alone reaches p=0.45; p=0.85 needs all three
+    masked = apply_top_p(logits, torch.tensor([0.45, 0.85]))
+    assert torch.isfinite(masked).tolist() == [[True, False, False], [True, True, True]]
+
+
+def test_top_p_on_flat_rows_beyond_the_candidates():
+    # Row 0 is so flat that the nucleus needs more than TOP_P_CANDIDATES tokens (the
+    # full-sort fallback); row 1 is peaked (candidates suffice); row 2 mixes top-k in.
+    vocab = 4 * TOP_P_CANDIDATES
+    g = torch.Generator().manual_seed(8)
+    logits = torch.stack([torch.rand(vocab, generator=g) * 0.1, torch.randn(vocab, generator=g) * 4.0,
+                          torch.randn(vocab, generator=g)])
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.7, top_k=600)]
+    probs = sampling_probs(logits, build(params, prompts=[[0]] * 3, vocab=vocab))
+    kept = (probs > 0).sum(dim=1).tolist()
+    assert kept[0] > TOP_P_CANDIDATES and kept[1] < TOP_P_CANDIDATES and kept[2] > TOP_P_CANDIDATES
+    for row, p in enumerate(params):
+        ref = ref_allowed(logits[row].double().tolist(), 1.0, p.top_k, p.top_p, 0.0)
+        assert (probs[row] > 0).tolist() == [r > 0 for r in ref]
 
 
 # --------------------------------------------------------------- statistics

@@ -32,12 +32,9 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 def _pad_token_lists(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     """[B, max_len] long tensor of the rows, right-padded with ``pad``."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device, non_blocking=True)
+    width = max(max((len(r) for r in rows), default=0), 1)
+    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
 
 
 def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -125,35 +125,50 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int) -> torch.Tensor:
-    """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus.
+#: Candidates examined for top-p before falling back to a full sort of the row: the
+#: nucleus of a peaked distribution lies within its few hundred most likely tokens.
+TOP_P_CANDIDATES = 256
 
-    top-k keeps tokens whose logit is >= the k-th largest (ties at the boundary stay).
-    top-p, on the distribution renormalised after top-k, keeps the smallest set of most
-    likely tokens whose probability reaches p (the token that crosses p is kept).
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Mask (-inf) tokens below each row's k-th largest logit (ties at the boundary stay).
+    Rows with ``top_k >= vocab`` are left alone; ``max_top_k`` is the largest enabled k."""
+    vocab = logits.shape[1]
+    enabled = top_k < vocab
+    k = torch.where(enabled, top_k, 1)
+    kth = logits.topk(max_top_k, dim=1).values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill((logits < kth) & enabled.unsqueeze(1), float("-inf"))
+
+
+def _nucleus_threshold(sorted_logits: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] smallest logit kept by top-p, from each row's logits sorted descending."""
+    probs = (sorted_logits - log_norm).exp()
+    mass_before = torch.cumsum(probs, dim=1) - probs
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=1).clamp(min=1)
+    return sorted_logits.gather(1, (num_kept - 1).unsqueeze(1))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's nucleus: the smallest set of most likely
+    tokens whose probability reaches p (the token that crosses p is kept, and so are
+    tokens tied with it). Rows with p = 1 keep everything.
+
+    Only the top ``TOP_P_CANDIDATES`` logits are sorted, unless their mass falls short of
+    p; those rows (flat distributions) are sorted in full.
     """
     vocab = logits.shape[1]
-    if top_p is None:
-        assert top_k is not None
-        enabled = top_k < vocab
-        k = torch.where(enabled, top_k, 1).clamp(min=1)
-        top_values = logits.topk(max_top_k, dim=1).values
-        kth = top_values.gather(1, (k - 1).unsqueeze(1))
-        drop = (logits < kth) & enabled.unsqueeze(1)
-        return logits.masked_fill(drop, float("-inf"))
-
-    sorted_logits, sorted_idx = logits.sort(dim=1, descending=True)
-    if top_k is not None:
-        enabled = top_k < vocab
-        k = torch.where(enabled, top_k, vocab).clamp(min=1)
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=1)
-    mass_before = torch.cumsum(probs, dim=1) - probs
-    # Rows with p == 1 keep everything (rounding could otherwise drop the far tail).
-    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop_sorted, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    active = top_p < 1.0
+    log_norm = torch.logsumexp(logits, dim=1, keepdim=True)
+    candidates = logits.topk(min(vocab, TOP_P_CANDIDATES), dim=1).values
+    threshold = _nucleus_threshold(candidates, log_norm, top_p)
+    candidate_mass = (candidates - log_norm).exp().sum(dim=1)
+    short = active & (candidate_mass < top_p)
+    if candidates.shape[1] < vocab and bool(short.any()):
+        rows = short.nonzero().squeeze(1)
+        full = logits[rows].sort(dim=1, descending=True).values
+        threshold[rows] = _nucleus_threshold(full, log_norm[rows], top_p[rows])
+    drop = (logits < threshold) & active.unsqueeze(1)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -163,14 +178,18 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row from (unnormalised) ``probs``; seeded rows use their generator."""
-    noise = torch.empty_like(probs)
+    """Draw one token per row from (unnormalised) ``probs``; seeded rows use their generator.
+
+    The Exponential(1) noise is ``-log(u)`` with u uniform in [0, 1) (twice as fast as
+    ``exponential_`` on CPU). It is never 0 (u < 1), so no 0/0 NaN can win the argmax;
+    u = 0 gives infinite noise, which only makes that token lose.
+    """
+    uniform = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        noise.exponential_()
+        uniform.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        uniform[row].uniform_(generator=generator)
+    noise = uniform.log_().neg_()
     return probs.div_(noise).argmax(dim=1)
 
 
@@ -217,8 +236,10 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     """The (unnormalised after min-p) distribution the sampled rows draw from:
     temperature -> top-k -> top-p -> softmax -> min-p."""
     logits = logits / metadata.temperature.unsqueeze(1)
-    if metadata.top_k is not None or metadata.top_p is not None:
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+    if metadata.top_k is not None:
+        logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+    if metadata.top_p is not None:
+        logits = apply_top_p(logits, metadata.top_p)
     probs = torch.softmax(logits, dim=1)
     if metadata.min_p is not None:
         probs = apply_min_p(probs, metadata.min_p)
