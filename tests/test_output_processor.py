@@ -91,6 +91,17 @@ def test_stop_string_finishes_and_asks_core_to_abort(tok):
     assert step(op, [EngineCoreOutput("r", [42])]).request_outputs == []
 
 
+def test_stop_string_before_the_core_finished_wins(tok):
+    ids = tok.encode(" one two three", add_special_tokens=False)
+    op = OutputProcessor(tok)
+    op.add_request(make_request(tok, stop=["two"], output_kind=FINAL), None)
+    # the core finished the request for length in the same step: no abort needed
+    res = step(op, [EngineCoreOutput("r", ids, finish_reason=FinishReason.LENGTH)])
+    c = res.request_outputs[0].outputs[0]
+    assert res.reqs_to_abort == []
+    assert c.text == " one " and c.finish_reason == "stop" and c.stop_reason == "two"
+
+
 def test_stop_token_id_from_core_is_kept_but_not_shown(tok):
     body = tok.encode(" yes", add_special_tokens=False)
     op = OutputProcessor(tok)
@@ -329,3 +340,43 @@ def test_request_metrics_are_wall_clock(tok):
     assert m.first_scheduled_time == pytest.approx(1003.0)  # 2 s before the first token's step
     assert m.first_token_time == 1005.0 and m.last_token_time == 1006.0 and m.finished_time == 1006.0
     assert math.isclose(stats.finished_requests[0].e2e_latency, 6.0)
+
+
+def test_sampler_logprobs_flow_into_request_outputs(tok):
+    # The sampler's per-request logprobs (ModelRunnerOutput.logprobs) are what the core
+    # forwards as EngineCoreOutput.new_logprobs; the user sees them as vLLM dicts.
+    from kvloom.sample import Sampler, SamplingMetadata
+
+    vocab = len(tok)
+    op = OutputProcessor(tok)
+    params = [SamplingParams(temperature=0.0, logprobs=2, max_tokens=3, output_kind=FINAL), SamplingParams(max_tokens=3)]
+    reqs = [make_request(tok, f"r{i}", **p.model_dump()) for i, p in enumerate(params)]
+    for r in reqs:
+        op.add_request(r, None)
+    g = torch.Generator().manual_seed(0)
+    outputs_so_far = [[], []]
+    all_logits = []
+    for s in range(3):
+        logits = torch.randn(2, vocab, generator=g) * 3
+        all_logits.append(logits[0])
+        meta = SamplingMetadata.build(params, [r.prompt_token_ids for r in reqs], outputs_so_far, {}, vocab, "cpu",
+                                      [tok.eos_token_id] * 2)
+        out = Sampler()(logits, meta)
+        sampled = out.sampled_token_ids.tolist()
+        lps = out.logprobs_lists()
+        assert lps[1] is None
+        finish = FinishReason.LENGTH if s == 2 else None
+        core_outs = [EngineCoreOutput(r.request_id, [t], new_logprobs=lp, finish_reason=finish)
+                     for r, t, lp in zip(reqs, sampled, lps)]
+        for i, t in enumerate(sampled):
+            outputs_so_far[i].append(t)
+        res = step(op, core_outs)
+    (final,) = [o for o in res.request_outputs if o.request_id == "r0"]
+    c = final.outputs[0]
+    assert c.token_ids == outputs_so_far[0]
+    ref = [torch.log_softmax(x.double(), dim=0) for x in all_logits]
+    assert c.cumulative_logprob == pytest.approx(sum(ref[i][t].item() for i, t in enumerate(c.token_ids)), abs=1e-4)
+    for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert next(iter(entry)) == t and entry[t].rank == 1  # greedy, raw logits: the argmax
+        assert len(entry) == 2  # sampled token == top-1, plus top-2
+        assert entry[t].decoded_token == tok.decode([t])

@@ -12,12 +12,10 @@ the prompt's last few tokens so the first output token keeps its leading space.
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 from kvloom.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
 
 #: Prompt tokens used as decoding context for the first output token.
 PROMPT_CONTEXT_TOKENS = 5

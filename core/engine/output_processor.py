@@ -209,9 +209,8 @@ class RequestState:
 class OutputProcessor:
     """Front-end request states; see the module docstring."""
 
-    def __init__(self, tokenizer: Tokenizer | None, log_stats: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         self._token_decoder = TokenDecoder(tokenizer)
@@ -320,9 +319,12 @@ class OutputProcessor:
                 num_before = state.detokenizer.num_output_tokens
                 stop_string = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
                 num_kept = state.detokenizer.num_output_tokens - num_before
-                if stop_string is not None and finish_reason is None:
+                if stop_string is not None:
+                    # The stop string came first, even if the core also finished the
+                    # request later in this step (a stop token, max_tokens).
+                    if finish_reason is None:
+                        result.reqs_to_abort.append(state.request_id)
                     finish_reason, stop_reason = FinishReason.STOP, stop_string
-                    result.reqs_to_abort.append(state.request_id)
                 if output.new_logprobs:
                     state.logprobs.add_sample_logprobs(output.new_logprobs[:num_kept])
                 if output.new_prompt_logprobs:

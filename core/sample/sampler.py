@@ -70,6 +70,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprob
     token_ids = token_ids.to(torch.long).unsqueeze(1)
     chosen = logprobs.gather(1, token_ids)
     ranks = (logprobs >= chosen).sum(dim=1)
+    num_logprobs = min(num_logprobs, logprobs.shape[1])
     if num_logprobs > 0:
         top_values, top_ids = logprobs.topk(num_logprobs, dim=1)
         ids = torch.cat([token_ids, top_ids], dim=1)
@@ -163,6 +164,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     threshold = _nucleus_threshold(candidates, log_norm, top_p)
     candidate_mass = (candidates - log_norm).exp().sum(dim=1)
     short = active & (candidate_mass < top_p)
+    # bool() syncs with the device; acceptable once per step (the sampled ids sync anyway).
     if candidates.shape[1] < vocab and bool(short.any()):
         rows = short.nonzero().squeeze(1)
         full = logits[rows].sort(dim=1, descending=True).values
