@@ -16,7 +16,6 @@ from typing import Protocol
 
 from kvloom.sampling_params import SamplingParams
 
-
 #: Prompt tokens used as decoding context for the first output token.
 PROMPT_CONTEXT_TOKENS = 5
 
