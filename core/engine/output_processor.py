@@ -1,0 +1,434 @@
+"""The front end's per-request state: engine-core outputs in, user-facing outputs out.
+
+For every running request the ``OutputProcessor`` keeps the prompt, the sampling
+parameters, an incremental detokenizer, the logprobs received so far and the timing
+stats. ``process_outputs`` turns one step's ``EngineCoreOutput``s into ``RequestOutput``s
+(or ``PoolingRequestOutput``s) according to each request's ``output_kind``:
+
+* CUMULATIVE: every output carries all text / tokens / logprobs so far;
+* DELTA: every output carries only what is new since the previous one (streaming);
+* FINAL_ONLY: one output, when the request finishes.
+
+Stop strings are detected here (the core cannot see text): such a request finishes with
+``finish_reason="stop"`` and ``stop_reason`` = the string, and its id is returned in
+``reqs_to_abort`` so the caller aborts it in the engine core.
+
+Streaming hook: ``add_request(..., queue=q)`` with any object that has a non-blocking
+``put(output)`` method (e.g. a wrapper around ``asyncio.Queue.put_nowait``). The outputs
+of such a request (for n > 1: of its parent) are ``put`` there, in order, and not returned
+by ``process_outputs``; its last one has ``finished=True``. ``abort_requests`` also puts a
+final aborted output there so a waiting consumer wakes up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvloom.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvloom.engine.parallel_sampling import ParentRequest
+from kvloom.metrics.stats import IterationStats, RequestStateStats
+from kvloom.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    TokenLogprobs,
+)
+from kvloom.request import EngineCoreEventType, EngineCoreRequest, FinishReason
+from kvloom.sampling_params import RequestOutputKind
+
+AnyRequestOutput = RequestOutput | PoolingRequestOutput
+
+
+class OutputQueue(Protocol):
+    """Where a streaming request's outputs go; ``put`` must not block."""
+
+    def put(self, output: AnyRequestOutput) -> None: ...
+
+
+@dataclass
+class OutputProcessorOutput:
+    #: Outputs of requests that have no queue, in the order of the step's outputs.
+    request_outputs: list[AnyRequestOutput] = field(default_factory=list)
+    #: Requests finished here (stop strings) that the engine core must abort.
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class TokenDecoder:
+    """Decodes single token ids for logprobs (``Logprob.decoded_token``), with a cache.
+
+    Each id is decoded alone, special tokens included, as vLLM does; a token holding part
+    of a multi-byte character decodes to replacement characters.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._cache[token_id] = text
+        return text
+
+
+class LogprobsAccumulator:
+    """One request's sample and prompt logprobs, in vLLM's list-of-dicts form."""
+
+    def __init__(self, decode: Callable[[int], str | None], num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
+        self._decode = decode
+        self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if num_logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = [] if num_prompt_logprobs is not None else None
+        self._num_prompt_logprobs_sent = 0
+
+    def _as_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        # The chosen token first, then the top-N (a top-N token equal to the chosen one
+        # keeps the chosen one's place).
+        out: dict[int, Logprob] = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._decode(token_id))
+        return out
+
+    def add_sample_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        if self.logprobs is None:
+            return
+        assert self.cumulative_logprob is not None
+        for entry in entries:
+            self.logprobs.append(self._as_dict(entry))
+            self.cumulative_logprob += entry.logprobs[0]
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        if self.prompt_logprobs is None:
+            return
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first prompt token has no logprob
+        self.prompt_logprobs.extend(self._as_dict(e) for e in entries)
+
+    def take_prompt_logprobs(self, delta: bool) -> PromptLogprobs | None:
+        """All prompt logprobs, or for DELTA only those not yet delivered (None if none)."""
+        if self.prompt_logprobs is None:
+            return None
+        if not delta:
+            return list(self.prompt_logprobs)
+        new = self.prompt_logprobs[self._num_prompt_logprobs_sent :]
+        self._num_prompt_logprobs_sent = len(self.prompt_logprobs)
+        return new or None
+
+
+class RequestState:
+    """Everything the front end tracks for one engine-core request."""
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        tokenizer: Tokenizer | None,
+        token_decoder: TokenDecoder,
+        parent: ParentRequest | None,
+        index: int,
+        queue: OutputQueue | None,
+    ) -> None:
+        self.request_id = request.request_id
+        self.request = request
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.parent = parent
+        self.index = index
+        self.queue = queue
+        self.params = request.sampling_params
+        self.is_pooling = self.params is None
+        self.output_kind = self.params.output_kind if self.params is not None else RequestOutputKind.FINAL_ONLY
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.logprobs: LogprobsAccumulator | None = None
+        if self.params is not None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, self.params)
+            self.logprobs = LogprobsAccumulator(token_decoder, self.params.logprobs, self.params.prompt_logprobs)
+        self.stats = RequestStateStats(arrival_time=request.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.is_prefilling = True
+        self.num_cached_tokens = 0
+        self._num_tokens_sent = 0
+        self._num_logprobs_sent = 0
+
+    @property
+    def delta(self) -> bool:
+        return self.output_kind == RequestOutputKind.DELTA
+
+    def make_completion_output(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> CompletionOutput | None:
+        """This request's CompletionOutput for the step, or None when nothing is due
+        (FINAL_ONLY before the end)."""
+        assert self.detokenizer is not None and self.logprobs is not None
+        finished = finish_reason is not None
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        detok = self.detokenizer
+        text = detok.get_next_output_text(finished, self.delta)
+        logprobs = self.logprobs.logprobs
+        if self.delta:
+            token_ids = detok.token_ids[self._num_tokens_sent :]
+            if logprobs is not None:
+                logprobs = logprobs[self._num_logprobs_sent :]
+        else:
+            token_ids = list(detok.token_ids)
+            if logprobs is not None:
+                logprobs = list(logprobs)
+        self._num_tokens_sent = len(detok.token_ids)
+        self._num_logprobs_sent = len(self.logprobs.logprobs or [])
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.logprobs.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=finish_reason.value if finish_reason is not None else None,
+            stop_reason=stop_reason,
+            lora_request=self.request.lora_request,
+        )
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        return self.logprobs.take_prompt_logprobs(self.delta) if self.logprobs is not None else None
+
+    def metrics_snapshot(self) -> RequestMetrics:
+        return dataclasses.replace(self.metrics)
+
+
+class OutputProcessor:
+    """Front-end request states; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+        self._token_decoder = TokenDecoder(tokenizer)
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: OutputQueue | None = None,
+    ) -> None:
+        """Track a request sent to the core. For n > 1, call once per child (from
+        ``parent.child_requests()``) with its parent and index; the parent's outputs go to
+        ``queue`` (given with any child) when one is set."""
+        request_id = request.request_id
+        if request_id in self.request_states:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if parent is not None:
+            if not 0 <= index < parent.n:
+                raise ValueError(f"index: {index} is outside 0..{parent.n - 1} for parent request {parent.request_id!r}")
+            if queue is not None:
+                parent.queue = queue
+            queue = None  # outputs are the parent's
+            self.parent_requests[parent.request_id] = parent
+        self.request_states[request_id] = RequestState(
+            request, prompt, self.tokenizer, self._token_decoder, parent, index, queue
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def abort_requests(self, request_ids: Iterable[str], iteration_stats: IterationStats | None = None) -> list[str]:
+        """Forget requests (a parent id stands for all its children). Returns the engine-core
+        request ids that were running, for the caller to abort in the core. Requests with a
+        queue get a final output with finish_reason "abort"; with ``iteration_stats`` their
+        finished-request stats are recorded too."""
+        core_ids: list[str] = []
+        for request_id in request_ids:
+            parent = self.parent_requests.get(request_id)
+            if parent is not None:
+                core_ids.extend(s.request_id for s in self.request_states.values() if s.parent is parent)
+            elif request_id in self.request_states:
+                core_ids.append(request_id)
+        if not core_ids:
+            return []
+        aborted = [EngineCoreOutput(request_id=i, new_token_ids=[], finish_reason=FinishReason.ABORT) for i in core_ids]
+        # Finishing them the ordinary way feeds the queues and the parents; outputs of
+        # requests without a queue are dropped (the caller asked for the abort).
+        self.process_outputs(aborted, engine_core_timestamp=time.monotonic(), iteration_stats=iteration_stats)
+        return core_ids
+
+    # ----------------------------------------------------------------- outputs
+
+    def process_outputs(
+        self,
+        outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float,
+        iteration_stats: IterationStats | None,
+    ) -> OutputProcessorOutput:
+        """Process one step's outputs. ``engine_core_timestamp`` is
+        ``EngineCoreOutputs.timestamp`` (the core's monotonic clock); ``iteration_stats``
+        (None when stats are off) is updated in place."""
+        result = OutputProcessorOutput()
+        now = iteration_stats.iteration_timestamp if iteration_stats is not None else time.time()
+        # Emission slots in step order: a ready output, or a parent resolved at the end.
+        slots: list[AnyRequestOutput | ParentRequest] = []
+        touched_parents: set[str] = set()
+
+        for output in outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:
+                continue  # aborted in the front end already
+            finish_reason = output.finish_reason
+            stop_reason = output.stop_reason
+            produced = bool(output.new_token_ids) or output.pooling_output is not None
+
+            if iteration_stats is not None:
+                iteration_stats.update_from_output(
+                    output, engine_core_timestamp, state.is_prefilling, len(state.prompt_token_ids), state.stats
+                )
+            self._update_metrics(state, output, engine_core_timestamp, now, produced)
+            if produced:
+                state.is_prefilling = False
+            if output.num_cached_tokens:
+                state.num_cached_tokens = output.num_cached_tokens
+
+            if state.is_pooling:
+                request_output: AnyRequestOutput | None = None
+                if output.pooling_output is not None:
+                    state.metrics.finished_time = now
+                    request_output = PoolingRequestOutput(
+                        request_id=state.request_id,
+                        outputs=PoolingOutput(data=output.pooling_output),
+                        prompt_token_ids=state.prompt_token_ids,
+                        finished=True,
+                    )
+                    finish_reason = finish_reason or FinishReason.STOP
+            else:
+                assert state.detokenizer is not None and state.logprobs is not None
+                num_before = state.detokenizer.num_output_tokens
+                stop_string = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
+                num_kept = state.detokenizer.num_output_tokens - num_before
+                if stop_string is not None:
+                    # The stop string came first, even if the core also finished the
+                    # request later in this step (a stop token, max_tokens).
+                    if finish_reason is None:
+                        result.reqs_to_abort.append(state.request_id)
+                    finish_reason, stop_reason = FinishReason.STOP, stop_string
+                if output.new_logprobs:
+                    state.logprobs.add_sample_logprobs(output.new_logprobs[:num_kept])
+                if output.new_prompt_logprobs:
+                    state.logprobs.add_prompt_logprobs(output.new_prompt_logprobs)
+                if not produced and finish_reason is None:
+                    continue  # e.g. a prompt-logprobs chunk of a chunked prefill: nothing to show yet
+                if finish_reason is not None:
+                    state.metrics.finished_time = now
+                request_output = self._make_output(state, finish_reason, stop_reason, touched_parents, slots)
+
+            if request_output is not None:
+                if state.queue is not None:
+                    state.queue.put(request_output)
+                else:
+                    slots.append(request_output)
+
+            if finish_reason is not None:
+                self._finish(state, finish_reason, iteration_stats)
+
+        for slot in slots:
+            if isinstance(slot, ParentRequest):
+                parent_output = slot.make_request_output(slot.request.prompt_token_ids)
+                if parent_output is None:
+                    continue
+                if slot.queue is not None:
+                    slot.queue.put(parent_output)
+                else:
+                    result.request_outputs.append(parent_output)
+                if parent_output.finished:
+                    self.parent_requests.pop(slot.request_id, None)
+                    if iteration_stats is not None:
+                        iteration_stats.update_from_finished_user_request(slot.n, slot.max_num_generation_tokens)
+            else:
+                result.request_outputs.append(slot)
+        return result
+
+    # ----------------------------------------------------------------- helpers
+
+    def _make_output(
+        self,
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        touched_parents: set[str],
+        slots: list[AnyRequestOutput | ParentRequest],
+    ) -> RequestOutput | None:
+        finished = finish_reason is not None
+        completion = state.make_completion_output(finish_reason, stop_reason)
+        parent = state.parent
+        if parent is not None:
+            parent.record_child_output(
+                state.index,
+                completion,
+                finished,
+                state.detokenizer.num_output_tokens if state.detokenizer else 0,
+                state.metrics_snapshot(),
+                state.prompt,
+                state.take_prompt_logprobs() if state.index == 0 else None,
+                state.num_cached_tokens,
+            )
+            if parent.request_id not in touched_parents:
+                touched_parents.add(parent.request_id)
+                slots.append(parent)
+            return None
+        if completion is None:
+            return None
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.take_prompt_logprobs(),
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics_snapshot(),
+            lora_request=state.request.lora_request,
+        )
+
+    @staticmethod
+    def _update_metrics(state: RequestState, output: EngineCoreOutput, core_ts: float, now: float, produced: bool) -> None:
+        """Wall-clock RequestMetrics. The core's SCHEDULED time is on its monotonic clock:
+        it is mapped to wall clock by its age relative to the step's timestamp."""
+        m = state.metrics
+        if m.first_scheduled_time is None and output.events:
+            for event in output.events:
+                if event.type == EngineCoreEventType.SCHEDULED:
+                    m.first_scheduled_time = now - max(core_ts - event.timestamp, 0.0)
+                    break
+        if produced:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+
+    def _finish(self, state: RequestState, finish_reason: FinishReason, iteration_stats: IterationStats | None) -> None:
+        self.request_states.pop(state.request_id, None)
+        if iteration_stats is None:
+            return
+        params = state.params
+        iteration_stats.update_from_finished_request(
+            finish_reason,
+            len(state.prompt_token_ids),
+            params.max_tokens if params is not None else None,
+            state.stats,
+            state.num_cached_tokens,
+        )
+        if state.parent is None:
+            iteration_stats.update_from_finished_user_request(1, state.stats.num_generation_tokens)

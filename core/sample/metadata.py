@@ -1,0 +1,187 @@
+"""Per-step sampling inputs for a batch, as tensors.
+
+The model runner builds one ``SamplingMetadata`` per step from the per-request state of
+the rows it samples (row i = request i). Building is cheap when every row is greedy or
+plain temperature sampling: the penalty, min-tokens and top-k/top-p/min-p tensors are
+only made when some row needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvloom.sampling_params import SamplingParams
+
+#: Temperatures below this are greedy (same threshold as ``SamplingParams.greedy``).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request, on the device that samples it.
+
+    The runner makes one when the request is added and keeps it for the request's
+    lifetime, so the request's noise stream depends only on its seed and its own
+    step count, not on which other requests share its batches.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _pad_token_lists(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
+    """[B, max_len] long tensor of the rows, right-padded with ``pad``."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+
+
+def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] counts of each token id per row; the pad id ``vocab_size`` is dropped."""
+    counts = torch.zeros(padded_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=padded_ids.device)
+    counts.scatter_add_(1, padded_ids, torch.ones_like(padded_ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplingMetadata:
+    """What the sampler needs for one batch. Optional tensors are None when no row uses them."""
+
+    #: [B] float32; greedy rows hold 1.0 here (they are argmaxed, never divided).
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    #: [B] bool, True for greedy rows; None when all rows are greedy or all random.
+    greedy_mask: torch.Tensor | None
+    #: [B] long, vocab_size where top-k is off; None when no row uses top-k.
+    top_k: torch.Tensor | None
+    #: [B] float32, 1.0 where top-p is off; None when no row uses top-p.
+    top_p: torch.Tensor | None
+    #: [B] float32, 0.0 where min-p is off; None when no row uses min-p.
+    min_p: torch.Tensor | None
+    #: row -> generator of the rows whose request has a seed.
+    generators: dict[int, torch.Generator]
+
+    #: [B] float32 penalties; None when no row has any penalty.
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    #: [B, V] int32 counts of each token in the output so far (penalties only).
+    output_token_counts: torch.Tensor | None = None
+    #: [B, V] bool, token appears in the prompt (repetition penalty only).
+    prompt_token_mask: torch.Tensor | None = None
+
+    #: Largest enabled top-k (a Python int, so the sampler needs no device sync).
+    max_top_k: int = 0
+
+    #: (rows, token ids) to set to -inf: for rows with fewer than min_tokens outputs, their
+    #: stop token ids and, unless ignore_eos, their EOS. None when no row needs it.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    #: Per row: top-N logprobs requested (0 = only the sampled token), or None.
+    num_logprobs: list[int | None] = field(default_factory=list)
+    #: max over rows of num_logprobs, or None when no row wants logprobs.
+    max_num_logprobs: int | None = None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_counts is None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: list[int | None],
+    ) -> "SamplingMetadata":
+        """Build the batch's tensors. All lists are indexed by row (request)."""
+        batch = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(eos_token_ids) == batch):
+            raise ValueError(
+                "SamplingMetadata.build: params, prompt_token_ids, output_token_ids and "
+                f"eos_token_ids must have one entry per row (got {batch}, {len(prompt_token_ids)}, "
+                f"{len(output_token_ids)}, {len(eos_token_ids)})"
+            )
+        for row in generators:
+            if not 0 <= row < batch:
+                raise ValueError(f"generators: row {row} is outside the batch (0..{batch - 1})")
+
+        greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+        temperature = torch.tensor(
+            [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32
+        ).to(device, non_blocking=True)
+        greedy_mask = None
+        if not all_greedy and not all_random:
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+
+        # Truncation only matters for sampled rows.
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            ks = [p.top_k if (p.top_k > 0 and not g) else vocab_size for g, p in zip(greedy, params)]
+            if any(k < vocab_size for k in ks):
+                top_k = torch.tensor(ks, dtype=torch.long).to(device, non_blocking=True)
+            ps = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+            if any(p < 1.0 for p in ps):
+                top_p = torch.tensor(ps, dtype=torch.float32).to(device, non_blocking=True)
+            mps = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+            if any(m > 0.0 for m in mps):
+                min_p = torch.tensor(mps, dtype=torch.float32).to(device, non_blocking=True)
+
+        meta = cls(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=generators,
+        )
+
+        if any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0 for p in params
+        ):
+            meta.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(
+                device, non_blocking=True
+            )
+            meta.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(
+                device, non_blocking=True
+            )
+            meta.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).to(
+                device, non_blocking=True
+            )
+            meta.output_token_counts = token_counts(_pad_token_lists(output_token_ids, vocab_size, device), vocab_size)
+            if any(p.repetition_penalty != 1.0 for p in params):
+                meta.prompt_token_mask = token_counts(_pad_token_lists(prompt_token_ids, vocab_size, device), vocab_size) > 0
+
+        if top_k is not None:
+            meta.max_top_k = max(k for k in ks if k < vocab_size)
+
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for row, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids)):
+            if p.min_tokens > 0 and len(out) < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if eos is not None and not p.ignore_eos:
+                    banned.add(eos)
+                for t in sorted(banned):
+                    if 0 <= t < vocab_size:
+                        banned_rows.append(row)
+                        banned_ids.append(t)
+        if banned_rows:
+            meta.min_tokens_mask = (
+                torch.tensor(banned_rows, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(banned_ids, dtype=torch.long).to(device, non_blocking=True),
+            )
+
+        meta.num_logprobs = [p.logprobs for p in params]
+        requested = [n for n in meta.num_logprobs if n is not None]
+        meta.max_num_logprobs = max(requested) if requested else None
+        return meta
