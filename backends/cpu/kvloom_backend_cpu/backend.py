@@ -170,6 +170,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         token_start = int(rows[0])
         contiguous = bool((rows == torch.arange(token_start, token_start + num)).all())
         dec_seq_lens = seq_lens[req_idx]
+        if bool((dec_seq_lens < 1).any()):
+            raise ValueError(f"seq_lens: decode requests need seq_lens >= 1, got {dec_seq_lens.tolist()}")
         blocks_needed = (dec_seq_lens + block_size - 1) // block_size
         blocks_per_req = int(blocks_needed.max())
         table = common.block_table.index_select(0, req_idx.to(common.block_table.device))
