@@ -1,0 +1,373 @@
+"""CPU_ATTN: paged attention on the CPU in plain torch.
+
+KV-cache layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``: K and V of one
+token at one head are ``head_size`` contiguous elements, and one block of one cache is one
+contiguous chunk, so gathering a request's context is a block-granular ``index_select``.
+
+How a step is computed (the builder plans it once per step; every layer reuses the plan):
+
+- KV write: ``index_copy_`` of the step's keys/values to their slots (``-1`` slots, the
+  padding, are dropped by the builder).
+- Decode requests (query_len == 1) run as one batch: their blocks are gathered into a
+  padded ``[B, L, Hkv, D]`` workspace and a single ``scaled_dot_product_attention`` call
+  treats the ``num_heads // num_kv_heads`` query heads that share a KV head as that KV
+  head's "query rows" (no K/V replication for GQA/MQA); a key mask hides the padding
+  past each request's ``seq_len``.
+- Prefill requests (query_len > 1) run one SDPA call each: without context on the step's
+  own keys/values with ``is_causal``; with context (prefix-cache hits, earlier chunks)
+  over the request's blocks gathered from the cache with a causal mask shifted by the
+  context length.
+
+torch's CPU SDPA kernel computes in the input dtype and accumulates the softmax and the
+products in fp32 for fp16/bf16 inputs, which is what we want for half dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.interfaces import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+KVLOOM_PLUGIN_API = "1.0"
+
+
+class Workspace:
+    """A grow-only scratch buffer shared by all layers of a step.
+
+    Layers run one after another, so one buffer serves every layer's K/V gather. Reusing
+    it matters on the CPU: a fresh multi-megabyte tensor per layer costs page faults
+    that can exceed the attention math itself.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffer
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            # Grow with headroom: decode contexts grow one token per step.
+            capacity = max(numel, int(buffer.numel() * 1.25) if buffer is not None and buffer.dtype == dtype else 0)
+            buffer = torch.empty(capacity, dtype=dtype, device=self.device)
+            self._buffer = buffer
+        return buffer[:numel].view(shape)
+
+
+@dataclass
+class DecodeBatch:
+    """All requests of the step with query_len == 1, attended in one batched call."""
+
+    num_reqs: int
+    #: Token rows of the decode queries; ``None`` when they are the contiguous rows
+    #: ``token_start : token_start + num_reqs`` (the common case; avoids a gather).
+    token_rows: torch.Tensor | None
+    token_start: int
+    #: Blocks gathered per request (enough for the longest decode sequence).
+    blocks_per_req: int
+    #: int64 ``[num_reqs * blocks_per_req]``: physical blocks, row-major by request;
+    #: entries past a request's last block point at block 0 (masked out).
+    block_ids: torch.Tensor
+    #: bool ``[num_reqs, 1, 1, blocks_per_req * block_size]``: True = key position < seq_len.
+    key_mask: torch.Tensor
+
+
+@dataclass
+class PrefillRequest:
+    """One request with query_len > 1."""
+
+    token_start: int
+    token_end: int
+    context_len: int
+    seq_len: int
+    #: int64 ``[ceil(seq_len / block_size)]`` when ``context_len > 0``, else ``None``
+    #: (no context: attention runs on the step's own keys and values).
+    block_ids: torch.Tensor | None
+    #: bool ``[query_len, seq_len]`` causal mask shifted by the context, when context > 0.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class CPUAttentionMetadata:
+    num_actual_tokens: int
+    block_size: int
+    #: int64 slots to write; the matching token rows are ``write_rows`` or, when that is
+    #: ``None``, the first ``len(write_slots)`` rows.
+    write_slots: torch.Tensor
+    write_rows: torch.Tensor | None
+    decode: DecodeBatch | None
+    prefills: list[PrefillRequest]
+    #: The builder's scratch buffer for K/V gathers (shared by all layers).
+    workspace: Workspace
+
+
+class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
+    cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
+        super().__init__(spec, device, max_num_blocks)
+        self.workspace = Workspace(device)
+
+    def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
+        block_size = self.spec.block_size
+        num_actual = common.num_actual_tokens
+        num_reqs = common.num_reqs
+
+        slots = common.slot_mapping[:num_actual].to(torch.int64)
+        writable = slots >= 0
+        if bool(writable.all()):
+            write_rows = None
+        else:
+            write_rows = writable.nonzero().squeeze(1)
+            slots = slots[write_rows]
+
+        starts = common.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        query_lens = starts[1:] - starts[:-1]
+        seq_lens = common.seq_lens_cpu[:num_reqs].to(torch.int64)
+        # Requests past num_actual_tokens are CUDA-graph padding: nothing to compute.
+        real = starts[1:] <= num_actual
+        decode_idx = ((query_lens == 1) & real).nonzero().squeeze(1)
+        prefill_idx = ((query_lens > 1) & real).nonzero().squeeze(1)
+
+        decode = self._plan_decode(common, decode_idx, starts, seq_lens) if decode_idx.numel() else None
+        prefills = [
+            self._plan_prefill(common, i, int(starts[i]), int(starts[i + 1]), int(seq_lens[i]))
+            for i in prefill_idx.tolist()
+        ]
+        return CPUAttentionMetadata(
+            num_actual_tokens=num_actual,
+            block_size=block_size,
+            write_slots=slots,
+            write_rows=write_rows,
+            decode=decode,
+            prefills=prefills,
+            workspace=self.workspace,
+        )
+
+    def _plan_decode(
+        self,
+        common: CommonAttentionMetadata,
+        req_idx: torch.Tensor,
+        starts: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> DecodeBatch:
+        block_size = self.spec.block_size
+        num = req_idx.numel()
+        rows = starts[req_idx]
+        token_start = int(rows[0])
+        contiguous = bool((rows == torch.arange(token_start, token_start + num)).all())
+        dec_seq_lens = seq_lens[req_idx]
+        if bool((dec_seq_lens < 1).any()):
+            raise ValueError(f"seq_lens: decode requests need seq_lens >= 1, got {dec_seq_lens.tolist()}")
+        blocks_needed = (dec_seq_lens + block_size - 1) // block_size
+        blocks_per_req = int(blocks_needed.max())
+        table = common.block_table.index_select(0, req_idx.to(common.block_table.device))
+        table = table[:, :blocks_per_req].to(torch.int64)
+        # Entries past a request's last block may hold anything: point them at block 0
+        # (always a valid index); the key mask hides what they contain.
+        in_use = torch.arange(blocks_per_req)[None, :] < blocks_needed[:, None]
+        table = torch.where(in_use, table, torch.zeros_like(table))
+        positions = torch.arange(blocks_per_req * block_size)
+        key_mask = (positions[None, :] < dec_seq_lens[:, None]).view(num, 1, 1, -1)
+        return DecodeBatch(
+            num_reqs=num,
+            token_rows=None if contiguous else rows,
+            token_start=token_start,
+            blocks_per_req=blocks_per_req,
+            block_ids=table.reshape(-1),
+            key_mask=key_mask,
+        )
+
+    def _plan_prefill(
+        self, common: CommonAttentionMetadata, req: int, start: int, end: int, seq_len: int
+    ) -> PrefillRequest:
+        query_len = end - start
+        context_len = seq_len - query_len
+        if context_len < 0:
+            raise ValueError(
+                f"request {req}: seq_lens ({seq_len}) must be >= its query length ({query_len})"
+            )
+        block_ids = mask = None
+        if context_len > 0:
+            num_blocks = -(-seq_len // self.spec.block_size)
+            block_ids = common.block_table[req, :num_blocks].to(torch.int64)
+            # Query j sits at position context_len + j and sees keys at positions <= it.
+            mask = torch.arange(seq_len)[None, :] <= torch.arange(context_len, seq_len)[:, None]
+        return PrefillRequest(start, end, context_len, seq_len, block_ids, mask)
+
+
+class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
+        )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"CPU_ATTN: attn_type {attn_type.value} not supported (supports decoder)")
+        if sliding_window is not None:
+            raise ValueError(f"CPU_ATTN: sliding_window={sliding_window} not supported (must be None)")
+        if logits_soft_cap is not None:
+            raise ValueError(f"CPU_ATTN: logits_soft_cap={logits_soft_cap} not supported (must be None)")
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"CPU_ATTN: kv_cache_dtype {kv_cache_dtype!r} not supported (supports 'auto')")
+        self.queries_per_kv = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if attn_metadata is None:
+            # Profiling run (the runner's dummy forward has no batch to attend over).
+            return output.fill_(0)
+        md = attn_metadata
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self._write_kv(key, value, key_cache, value_cache, md)
+        if md.decode is not None:
+            self._decode(query, key_cache, value_cache, md, md.decode, output)
+        for request in md.prefills:
+            self._prefill(query, key, value, key_cache, value_cache, md, request, output)
+        return output
+
+    def _write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: CPUAttentionMetadata,
+    ) -> None:
+        count = md.write_slots.numel()
+        if count == 0:
+            return
+        if md.write_rows is None:
+            new_keys, new_values = key[:count], value[:count]
+        else:
+            new_keys, new_values = key.index_select(0, md.write_rows), value.index_select(0, md.write_rows)
+        flat_shape = (-1, self.num_kv_heads, self.head_size)
+        key_cache.view(flat_shape).index_copy_(0, md.write_slots, new_keys)
+        value_cache.view(flat_shape).index_copy_(0, md.write_slots, new_values)
+
+    def _gather_blocks(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        md: CPUAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the given blocks, ``[len(block_ids), block_size, Hkv, D]`` each."""
+        shape = (2, block_ids.numel(), *key_cache.shape[1:])
+        buffer = md.workspace.get(shape, key_cache.dtype)
+        torch.index_select(key_cache, 0, block_ids, out=buffer[0])
+        torch.index_select(value_cache, 0, block_ids, out=buffer[1])
+        return buffer[0], buffer[1]
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: CPUAttentionMetadata,
+        batch: DecodeBatch,
+        output: torch.Tensor,
+    ) -> None:
+        num, kv_heads = batch.num_reqs, self.num_kv_heads
+        keys, values = self._gather_blocks(key_cache, value_cache, batch.block_ids, md)
+        # [B * blocks, block_size, Hkv, D] -> [B, Hkv, L, D] (a strided view, no copy)
+        keys = keys.view(num, -1, kv_heads, self.head_size).transpose(1, 2)
+        values = values.view(num, -1, kv_heads, self.head_size).transpose(1, 2)
+        if batch.token_rows is None:
+            q = query[batch.token_start : batch.token_start + num]
+        else:
+            q = query.index_select(0, batch.token_rows)
+        # Query heads sharing a KV head become that head's rows: [B, Hkv, H/Hkv, D].
+        q = q.unflatten(1, (kv_heads, self.queries_per_kv))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.key_mask, scale=self.scale)
+        out = out.flatten(1, 2)
+        if batch.token_rows is None:
+            output[batch.token_start : batch.token_start + num] = out
+        else:
+            output.index_copy_(0, batch.token_rows, out)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: CPUAttentionMetadata,
+        request: PrefillRequest,
+        output: torch.Tensor,
+    ) -> None:
+        start, end = request.token_start, request.token_end
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        gqa = self.num_heads != self.num_kv_heads
+        if request.block_ids is None:
+            k = key[start:end].transpose(0, 1).unsqueeze(0)
+            v = value[start:end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            keys, values = self._gather_blocks(key_cache, value_cache, request.block_ids, md)
+            k = keys.view(-1, self.num_kv_heads, self.head_size)[: request.seq_len].transpose(0, 1).unsqueeze(0)
+            v = values.view(-1, self.num_kv_heads, self.head_size)[: request.seq_len].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=request.mask, scale=self.scale, enable_gqa=gqa
+            )
+        output[start:end] = out[0].transpose(0, 1)
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Paged attention for the CPU in plain torch (any block size, head sizes 1..256)."""
+
+    NAME = "CPU_ATTN"
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supported_kv_cache_dtypes = ("auto",)
+    supported_block_sizes = (MultipleOf(1),)
+    supported_head_sizes = None
+    max_head_size = 256
+    supported_device_types = ("cpu",)
+    supported_attn_types = (AttentionType.DECODER,)
+    cudagraph_support = AttentionCGSupport.NEVER
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionImpl]:
+        return CPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
+        return CPUAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -1,0 +1,170 @@
+"""CPU_ATTN: the full conformance suite plus the backend's own contract details."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvloom.attention.backend import (
+    AttentionLayerSpec,
+    AttentionSelectorConfig,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from kvloom.attention.layer import Attention
+from kvloom.forward_context import set_forward_context
+from kvloom.testing import ConformanceCase, check_case, conformance_cases, run_case
+from kvloom_backend_cpu import CPUAttentionBackend
+from kvloom_backend_cpu.backend import CPUAttentionImpl, CPUAttentionMetadataBuilder
+
+
+@pytest.mark.parametrize("case", conformance_cases(CPUAttentionBackend), ids=str)
+def test_conformance(case: ConformanceCase) -> None:
+    check_case(CPUAttentionBackend, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_smollm2_head_layout(scenario: str, dtype: torch.dtype) -> None:
+    # 9 query heads over 3 KV heads (SmolLM2-135M): a GQA ratio the standard layouts lack.
+    case = ConformanceCase(scenario, dtype, num_heads=9, num_kv_heads=3, head_size=64, block_size=16)
+    result = run_case(CPUAttentionBackend, case, seed=0)
+    assert result.passed, result.format()
+
+
+def test_registered_through_its_entry_point() -> None:
+    eps = importlib.metadata.entry_points(group="kvloom.attention_backends")
+    (ep,) = [e for e in eps if e.name == "CPU_ATTN"]
+    assert ep.load() is CPUAttentionBackend
+    assert ep.dist is not None and ep.dist.name == "kvloom-backend-cpu"
+    import kvloom_backend_cpu
+
+    assert kvloom_backend_cpu.KVLOOM_PLUGIN_API == "1.0"
+
+
+def _config(**kw) -> AttentionSelectorConfig:
+    base = dict(head_size=64, dtype=torch.float32, block_size=16, device_type="cpu")
+    return AttentionSelectorConfig(**{**base, **kw})
+
+
+def test_declared_support() -> None:
+    assert CPUAttentionBackend.NAME == "CPU_ATTN"
+    for ok in (_config(), _config(dtype=torch.bfloat16, block_size=7, head_size=80),
+               _config(dtype=torch.float16, block_size=1, head_size=256), _config(block_size=None)):
+        assert CPUAttentionBackend.validate_configuration(ok) == []
+    assert CPUAttentionBackend.preferred_block_size() == 16
+    assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 3, 64) == (2, 10, 16, 3, 64)
+    reasons = CPUAttentionBackend.validate_configuration(
+        _config(device_type="cuda", head_size=512, kv_cache_dtype="fp8", use_mla=True,
+                attn_type=AttentionType.ENCODER_ONLY, dtype=torch.float64)
+    )
+    joined = "; ".join(reasons)
+    for expected in ("device type cuda not supported", "head size 512 not supported (supports 1..256)",
+                     "kv cache dtype fp8 not supported", "MLA not supported", "attention type encoder_only",
+                     "dtype float64 not supported"):
+        assert expected in joined
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"sliding_window": 128}, "sliding_window"), ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"), ({"attn_type": AttentionType.ENCODER}, "attn_type"),
+     ({"num_kv_heads": 3}, "num_kv_heads")],
+)
+def test_impl_refuses_what_it_does_not_implement(kwargs: dict, field: str) -> None:
+    args = {"num_heads": 8, "head_size": 64, "scale": 0.125, "num_kv_heads": 2, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        CPUAttentionImpl(**args)
+
+
+def _common(query_lens: list[int], seq_lens: list[int], block_size: int, num_tokens: int | None = None):
+    """Metadata for requests laid out in consecutive blocks (block tables 0, 1, 2, ...)."""
+    blocks_per_req = max(-(-s // block_size) for s in seq_lens)
+    table = torch.arange(len(seq_lens) * blocks_per_req, dtype=torch.int32).view(len(seq_lens), -1)
+    slots = []
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        slots += [int(table[i, p // block_size]) * block_size + p % block_size for p in range(s - q, s)]
+    num_actual = len(slots)
+    slots += [-1] * ((num_tokens or num_actual) - num_actual)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seqs = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=starts, seq_lens=seqs, block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), num_reqs=len(seq_lens),
+        num_actual_tokens=num_actual, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seqs,
+    ), table.numel()
+
+
+def _builder(block_size: int = 16, num_heads: int = 8, num_kv_heads: int = 2, head_size: int = 64):
+    spec = AttentionLayerSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                              dtype=torch.float32, kv_cache_dtype=torch.float32, block_size=block_size,
+                              max_num_seqs=8, max_model_len=256, scale=head_size**-0.5)
+    return CPUAttentionMetadataBuilder(spec, torch.device("cpu"), max_num_blocks=16)
+
+
+def test_builder_batches_decodes_and_splits_prefills() -> None:
+    builder = _builder()
+    common, _ = _common([1, 1, 1], [40, 3, 17], 16)
+    md = builder.build(common)
+    assert md.prefills == [] and md.decode is not None
+    assert md.decode.num_reqs == 3 and md.decode.token_rows is None and md.decode.blocks_per_req == 3
+    assert md.write_rows is None and md.write_slots.tolist() == common.slot_mapping.tolist()
+    # Only the keys before each seq_len are visible.
+    assert md.decode.key_mask.view(3, -1).sum(1).tolist() == [40, 3, 17]
+    # Decodes around a prefill: gathered by row; the prefill with context gets a mask.
+    common, _ = _common([1, 5, 1], [9, 20, 33], 16, num_tokens=10)
+    md = builder.build(common)
+    assert md.decode.token_rows.tolist() == [0, 6]
+    (prefill,) = md.prefills
+    assert (prefill.token_start, prefill.token_end, prefill.context_len) == (1, 6, 15)
+    assert prefill.mask.shape == (5, 20) and prefill.mask.sum().item() == sum(range(16, 21))
+    assert md.write_slots.numel() == 7  # the 3 padding rows (slot -1) are dropped
+
+
+def test_workspace_is_shared_by_layers_and_reused_across_steps() -> None:
+    torch.manual_seed(0)
+    builder = _builder()
+    impl = CPUAttentionImpl(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2)
+    caches = [torch.randn(CPUAttentionBackend.get_kv_cache_shape(64, 16, 2, 64)) for _ in range(2)]
+    pointers = set()
+    for seq in (100, 101):  # two decode steps
+        common, _ = _common([1] * 4, [seq] * 4, 16)
+        md = builder.build(common)
+        for cache in caches:  # two layers
+            q, k, v = torch.randn(4, 8, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64)
+            impl.forward(q, k, v, cache, md, torch.empty(4, 8, 64))
+            pointers.add(md.workspace._buffer.data_ptr())
+    assert len(pointers) == 1
+
+
+def test_profiling_run_without_metadata_zeroes_the_output() -> None:
+    impl = CPUAttentionImpl(num_heads=4, head_size=8, scale=0.3, num_kv_heads=4)
+    out = torch.full((3, 4, 8), float("nan"))
+    impl.forward(torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.empty(0), None, out)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_through_the_attention_layer() -> None:
+    """The model-facing Attention layer with CPU_ATTN: one prompt, then one decode step,
+    against torch SDPA on the whole sequence in float64."""
+    torch.manual_seed(0)
+    H, Hkv, D, bs = 6, 2, 32, 4
+    layer = Attention(H, D, D**-0.5, Hkv, CPUAttentionBackend, prefix="layers.0.attn")
+    layer.kv_cache = torch.zeros(CPUAttentionBackend.get_kv_cache_shape(8, bs, Hkv, D))
+    builder = _builder(block_size=bs, num_heads=H, num_kv_heads=Hkv, head_size=D)
+    q, k, v = torch.randn(11, H * D), torch.randn(11, Hkv * D), torch.randn(11, Hkv * D)
+    outputs = []
+    for query_lens, seq_len, rows in (([10], 10, slice(0, 10)), ([1], 11, slice(10, 11))):
+        common, _ = _common(query_lens, [seq_len], bs)
+        with set_forward_context(builder.build(common)):
+            outputs.append(layer(q[rows], k[rows], v[rows]))
+    got = torch.cat(outputs).view(11, H, D).transpose(0, 1).double()
+    qd = q.view(11, H, D).transpose(0, 1).double()
+    kd = k.view(11, Hkv, D).transpose(0, 1).double().repeat_interleave(H // Hkv, 0)
+    vd = v.view(11, Hkv, D).transpose(0, 1).double().repeat_interleave(H // Hkv, 0)
+    ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
