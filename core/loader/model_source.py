@@ -78,7 +78,10 @@ def resolve_model_source(model: str | None, load_format: str = "auto", tokenizer
     )
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
+def gguf_cache_dir(gguf_path: str | Path) -> Path:
+    """The per-file cache directory of a GGUF model (converted config, tokenizer and
+    dequantized weights), keyed by the file's path, size and mtime."""
+    gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
@@ -89,7 +92,7 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     """An HF-style directory (config.json + tokenizer files) converted once from the GGUF
     metadata and cached, so later loads take milliseconds instead of seconds."""
     gguf_path = Path(gguf_path)
-    out = _gguf_cache_dir(gguf_path)
+    out = gguf_cache_dir(gguf_path)
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     from transformers import AutoConfig, AutoTokenizer
@@ -114,8 +117,17 @@ def load_hf_config(source: ModelSource) -> Any:
 
     config_dir = gguf_hf_dir(source.path) if source.is_gguf else Path(source.path)
     try:
-        return AutoConfig.from_pretrained(config_dir)
+        config = AutoConfig.from_pretrained(config_dir)
     except (ValueError, KeyError) as e:
         with open(config_dir / "config.json") as f:
             arch = json.load(f).get("architectures")
         raise ValueError(f"model: cannot read the config of {source.path} (architectures={arch}): {e}") from e
+    if source.is_gguf and not getattr(config, "architectures", None):
+        # Configs converted from GGUF metadata carry a model_type but no architectures.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if architecture is None:
+            raise ValueError(f"model: GGUF model type {config.model_type!r} of {source.path} is not a causal LM")
+        config.architectures = [architecture]
+    return config
