@@ -10,6 +10,7 @@ Reusable by any test module:
 * ``make_test_engine_config(model)`` builds an ``EngineConfig`` directly (no platform, no
   registry) whose ``attention_backend`` is the given class (default: the test
   ``ReferenceBackend``).
+* ``hf_logits`` / ``assert_logits_close``: the HF reference and the comparison the parity tests use.
 * ``PagedRunner`` drives a kvloom model step by step the way the model runner does
   (KV caches bound to the ``Attention`` layers, contiguous blocks per request, slot
   mapping, ``CommonAttentionMetadata``, forward context) and returns logits.
@@ -176,6 +177,19 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, **k
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **kwargs).eval()
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
+    """Max abs difference within ``rel`` of the logit scale, and the same argmax per row."""
+    scale = expected.abs().max().item()
+    diff = (actual - expected).abs().max().item()
+    assert diff <= rel * max(scale, 1.0), f"max abs diff {diff:.3g} (logit scale {scale:.3g})"
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
 
 # ---------------------------------------------------------------------- engine config

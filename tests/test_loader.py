@@ -174,3 +174,20 @@ def test_separate_tokenizer_directory(tmp_path):
     config.model.tokenizer = str(tiny_model_dir("qwen2"))
     assert get_tokenizer(config.model).eos_token == EOS_TOKEN
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_out_of_tree_architecture_registered_in_model_registry(tmp_path, monkeypatch):
+    """A plugin's ``ModelRegistry.register_model`` is what ``get_model`` builds."""
+    from kvloom.models.llama import LlamaForCausalLM
+
+    class PluginLlama(LlamaForCausalLM):
+        pass
+
+    monkeypatch.setitem(ModelRegistry._models, "PluginLlamaForCausalLM", PluginLlama)
+    config = make_test_engine_config(tiny_model_dir("llama"))
+    config.model.architecture = "PluginLlamaForCausalLM"
+    model = get_model(config, "cpu")
+    assert type(model) is PluginLlama
+    reference = get_model(make_test_engine_config(tiny_model_dir("llama")), "cpu")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name

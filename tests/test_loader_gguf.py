@@ -15,8 +15,14 @@ from kvloom.loader.gguf_loader import gguf_weights, unpermute_qk
 from kvloom.loader.model_loader import checkpoint_weight_names, get_model
 from kvloom.loader.model_source import default_model_path, gguf_cache_dir
 from kvloom.loader.tokenizer import get_tokenizer
-from model_fixtures import PagedRunner, load_hf_model, make_test_engine_config, tiny_model_dir
-from test_models_parity import assert_logits_close, hf_logits
+from model_fixtures import (
+    PagedRunner,
+    assert_logits_close,
+    hf_logits,
+    load_hf_model,
+    make_test_engine_config,
+    tiny_model_dir,
+)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

@@ -14,6 +14,8 @@ from kvloom.loader.model_loader import get_model
 from model_fixtures import (
     ARCHITECTURES,
     PagedRunner,
+    assert_logits_close,
+    hf_logits,
     load_hf_model,
     make_test_engine_config,
     make_tiny_model,
@@ -25,18 +27,6 @@ PROMPTS = {
     "medium": [int(x) for x in torch.randint(3, 500, (23,), generator=torch.Generator().manual_seed(1))],
     "long": [int(x) for x in torch.randint(3, 500, (61,), generator=torch.Generator().manual_seed(2))],
 }
-
-
-def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
-
-
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
-    scale = expected.abs().max().item()
-    diff = (actual - expected).abs().max().item()
-    assert diff <= rel * max(scale, 1.0), f"max abs diff {diff:.3g} (logit scale {scale:.3g})"
-    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

@@ -185,23 +185,21 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
     @staticmethod
-    def rotate(
-        query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query [N, Hq, D]``, ``key [N, Hk, D]`` -> rotated copies (same shapes)."""
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotated contiguous copy of ``x [N, heads, D]`` (query and key heads may come
+        in one tensor: they rotate the same way)."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        # Same arithmetic as HF's x*cos + rotate_half(x)*sin, without materialising rotate_half.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(query, key, *self.cos_sin(positions))
+        """``query [N, Hq, D]``, ``key [N, Hk, D]`` -> rotated copies (same shapes)."""
+        cos, sin = self.cos_sin(positions)
+        return self.rotate_heads(query, cos, sin), self.rotate_heads(key, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, rope_type={self.rope_type}"
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same arithmetic as HF's q*cos + rotate_half(q)*sin, without materialising rotate_half.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -93,7 +93,7 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     metadata and cached, so later loads take milliseconds instead of seconds."""
     gguf_path = Path(gguf_path)
     out = gguf_cache_dir(gguf_path)
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+    if (out / "config.json").is_file():
         return out
     from transformers import AutoConfig, AutoTokenizer
 
@@ -102,12 +102,19 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config.save_pretrained(tmp)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tok.save_pretrained(tmp)
     try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        pass
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tok.save_pretrained(tmp)
+    except (ValueError, KeyError, OSError) as e:
+        # The weights may still be served from token ids (skip_tokenizer_init) or with a
+        # separate tokenizer; get_tokenizer reports the missing files if one is needed.
+        logger.warning("No tokenizer could be read from the metadata of %s: %s", gguf_path.name, e)
+    # The directory may already hold other cached files (dequantized weights), so files
+    # move in one by one; config.json last, as it marks the conversion complete.
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
     return out
 
 

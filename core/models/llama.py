@@ -99,15 +99,20 @@ class LlamaAttention(nn.Module):
             kv_cache_dtype=config.cache.cache_dtype,
         )
 
-    def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = hidden_states.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rope.rotate(q, k, *cos_sin)
+            qk = torch.cat(
+                (self.q_norm(q.view(n, self.num_heads, self.head_dim)), self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))),
+                dim=1,
+            )
+        else:
+            # Query and key heads are adjacent in the fused output: rotate them in one pass.
+            qk = qkv[:, : self.qkv_proj.q_size + self.qkv_proj.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.rotate_heads(qk, *cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v)
         return self.o_proj(out)
 
@@ -140,7 +145,6 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_output, residual)``; the caller adds them (in the next layer's
@@ -150,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, rope, cos_sin)
+        hidden_states = self.self_attn(hidden_states, cos_sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -177,7 +181,7 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, self.rotary_emb, cos_sin)
+            hidden_states, residual = layer(hidden_states, residual, cos_sin)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
