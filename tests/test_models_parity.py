@@ -138,3 +138,15 @@ def test_qwen2_sliding_layers_are_refused(tmp_path):
     )
     with pytest.raises(NotImplementedError, match="layer 1 uses sliding-window"):
         get_model(make_test_engine_config(model_dir), "cpu")
+
+
+def test_llama_attention_and_mlp_biases_match_hf(tmp_path):
+    model_dir = make_tiny_model("llama", tmp_path, with_tokenizer=False, attention_bias=True, mlp_bias=True)
+    config = make_test_engine_config(model_dir)
+    model = get_model(config, "cpu")
+    assert model.model.layers[0].self_attn.o_proj.bias is not None
+    assert model.model.layers[0].mlp.down_proj.bias is not None
+    out = PagedRunner(model, config).step(PROMPTS)
+    hf = load_hf_model(model_dir)
+    for name, ids in PROMPTS.items():
+        assert_logits_close(out[name], hf_logits(hf, ids))
