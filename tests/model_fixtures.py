@@ -132,7 +132,9 @@ def make_hf_config(arch: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides: Any) -> Path:
+def make_tiny_model(
+    arch: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides: Any
+) -> Path:
     """Save a tiny random ``arch`` model (``llama``, ``mistral``, ``qwen2``, ``qwen3``)
     into ``out_dir``; returns the directory. ``overrides`` change config fields."""
     from transformers import AutoModelForCausalLM
@@ -270,7 +272,9 @@ class PagedRunner:
     each request's next tokens and returns ``{req: float32 logits [len(new_tokens), V]}``.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig, max_requests: int = 8, blocks_per_request: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: EngineConfig, max_requests: int = 8, blocks_per_request: int | None = None
+    ) -> None:
         self.model = model
         self.config = config
         self.block_size = config.cache.block_size

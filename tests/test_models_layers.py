@@ -129,7 +129,7 @@ def test_qkv_linear_loads_slices_and_splits_output():
     q, k, v = layer.split(layer(x))
     for shard, part in zip("qkv", (q, k, v)):
         torch.testing.assert_close(part, x @ w[shard].T + b[shard])
-    with pytest.raises(ValueError, match=r"attn.qkv_proj: checkpoint tensor for shard k has shape \(9, 8\), expected \(8, 8\)"):
+    with pytest.raises(ValueError, match=r"qkv_proj: checkpoint tensor for shard k has shape \(9, 8\), expected \(8, 8\)"):
         layer.weight_loader(layer.weight, torch.randn(9, 8), "k")
     with pytest.raises(KeyError, match="unknown shard 'x'"):
         layer.weight_loader(layer.weight, torch.randn(8, 8), "x")

@@ -25,7 +25,9 @@ from torch import nn
 class LinearBase(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight ``[output_size, input_size]`` (HF layout)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, shard_names: list[str], prefix: str = "") -> None:
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool, shard_names: list[str], prefix: str = ""
+    ) -> None:
         super().__init__()
         if len(output_sizes) != len(shard_names):
             raise ValueError(f"{prefix}: {len(output_sizes)} output sizes but {len(shard_names)} shard names")

@@ -19,7 +19,9 @@ class VocabEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         if tuple(param.shape) != tuple(loaded.shape):
-            raise ValueError(f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+            raise ValueError(
+                f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+            )
         param.data.copy_(loaded)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

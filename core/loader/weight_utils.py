@@ -96,7 +96,9 @@ DUMMY_WEIGHT_RANGE = 1e-3
 
 
 @torch.no_grad()
-def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -DUMMY_WEIGHT_RANGE, high: float = DUMMY_WEIGHT_RANGE) -> None:
+def initialize_dummy_weights(
+    model: nn.Module, seed: int = 0, low: float = -DUMMY_WEIGHT_RANGE, high: float = DUMMY_WEIGHT_RANGE
+) -> None:
     """Fill every parameter with reproducible random values, generated on its device.
 
     Norm weights are 1 (the identity scale); everything else is uniform in

@@ -78,12 +78,14 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.model.num_heads
         self.num_kv_heads = config.model.num_kv_heads
         self.head_dim = config.model.head_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         check_sliding_window(hf, layer_idx, config.model.max_model_len)
         self.qkv_proj = QKVLinear(
             hf.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias,
             prefix=_join(prefix, "qkv_proj"),
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, hf.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj"))
+        self.o_proj = Linear(self.q_size, hf.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj"))
         if qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
@@ -102,16 +104,16 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat(
-                (self.q_norm(q.view(n, self.num_heads, self.head_dim)), self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))),
-                dim=1,
-            )
+            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
         else:
             # Query and key heads are adjacent in the fused output: rotate them in one pass.
-            qk = qkv[:, : self.qkv_proj.q_size + self.qkv_proj.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = RotaryEmbedding.rotate_heads(qk, *cos_sin)
+        # q and k are strided views of qk, v of qkv: backends must honour strides.
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v)
         return self.o_proj(out)
