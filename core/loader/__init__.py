@@ -1,0 +1,10 @@
+"""Model sources, weights and tokenizers.
+
+* ``model_source``: where a model comes from (HF directory, GGUF file, default SmolLM2)
+  and its transformers config.
+* ``model_loader.get_model(config, device)``: the model class from ``ModelRegistry``,
+  built on the device in the run dtype, weights loaded (or dummy).
+* ``weight_utils``: safetensors / ``.bin`` iterators and dummy weights.
+* ``gguf_loader``: dequantized, HF-named GGUF tensors (with a dequantized-weight cache).
+* ``tokenizer.get_tokenizer(model_config)``.
+"""

@@ -78,7 +78,10 @@ def resolve_model_source(model: str | None, load_format: str = "auto", tokenizer
     )
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
+def gguf_cache_dir(gguf_path: str | Path) -> Path:
+    """The per-file cache directory of a GGUF model (converted config, tokenizer and
+    dequantized weights), keyed by the file's path, size and mtime."""
+    gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
@@ -89,8 +92,8 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     """An HF-style directory (config.json + tokenizer files) converted once from the GGUF
     metadata and cached, so later loads take milliseconds instead of seconds."""
     gguf_path = Path(gguf_path)
-    out = _gguf_cache_dir(gguf_path)
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+    out = gguf_cache_dir(gguf_path)
+    if (out / "config.json").is_file():
         return out
     from transformers import AutoConfig, AutoTokenizer
 
@@ -99,12 +102,19 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config.save_pretrained(tmp)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tok.save_pretrained(tmp)
     try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        pass
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tok.save_pretrained(tmp)
+    except (ValueError, KeyError, OSError) as e:
+        # The weights may still be served from token ids (skip_tokenizer_init) or with a
+        # separate tokenizer; get_tokenizer reports the missing files if one is needed.
+        logger.warning("No tokenizer could be read from the metadata of %s: %s", gguf_path.name, e)
+    # The directory may already hold other cached files (dequantized weights), so files
+    # move in one by one; config.json last, as it marks the conversion complete.
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
     return out
 
 
@@ -114,8 +124,17 @@ def load_hf_config(source: ModelSource) -> Any:
 
     config_dir = gguf_hf_dir(source.path) if source.is_gguf else Path(source.path)
     try:
-        return AutoConfig.from_pretrained(config_dir)
+        config = AutoConfig.from_pretrained(config_dir)
     except (ValueError, KeyError) as e:
         with open(config_dir / "config.json") as f:
             arch = json.load(f).get("architectures")
         raise ValueError(f"model: cannot read the config of {source.path} (architectures={arch}): {e}") from e
+    if source.is_gguf and not getattr(config, "architectures", None):
+        # Configs converted from GGUF metadata carry a model_type but no architectures.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if architecture is None:
+            raise ValueError(f"model: GGUF model type {config.model_type!r} of {source.path} is not a causal LM")
+        config.architectures = [architecture]
+    return config

@@ -1,0 +1,39 @@
+"""RMSNorm, computed the way HF transformers computes it (so bf16 results match)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / sqrt(mean(x^2) + eps))`` with the normalisation in float32.
+
+    Like HF's ``LlamaRMSNorm``: the normalised value is cast back to the input dtype
+    *before* the multiplication by ``weight``. ``forward(x, residual)`` first adds
+    ``residual`` (in the model dtype, as HF's decoder layers do) and returns
+    ``(normed, new_residual)``; one call site for a fused add+norm kernel later.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -1,0 +1,82 @@
+"""Build the model of an ``EngineConfig`` on a device and load its weights.
+
+The model class comes from ``ModelRegistry`` (architecture name). It is constructed
+directly on the target device in the run dtype (no CPU copy, no random init: parameters
+are ``torch.empty``), then filled from the model source:
+
+* ``load.source_kind == "hf"``: safetensors or ``.bin`` files of the HF directory
+  (``load_format`` "auto", "safetensors" or "pt");
+* ``"gguf"``: the GGUF file, dequantized (``kvloom.loader.gguf_loader``);
+* ``load_format == "dummy"``: random weights made on the device from ``model.seed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from kvloom.config import EngineConfig
+from kvloom.loader.gguf_loader import gguf_weights
+from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
+from kvloom.models.registry import ModelRegistry
+from kvloom.models.utils import checkpoint_names
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def checkpoint_weight_names(model: nn.Module) -> list[str]:
+    """The HF names ``model.load_weights`` expects (merged projections expanded)."""
+    return list(checkpoint_names(model, getattr(model, "stacked_params", ())))
+
+
+def model_weights(config: EngineConfig, model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of ``config``'s model source, HF-named, on the CPU."""
+    kind = config.load.source_kind
+    if kind == "gguf":
+        return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
+    if kind == "hf":
+        return hf_dir_weights(config.model.model, config.load.load_format)
+    raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
+
+
+def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
+    """The model of ``config`` on ``device`` in ``config.model.dtype``, weights loaded, in eval mode."""
+    device = torch.device(device)
+    model_cls = ModelRegistry.load_model_cls(config.model.architecture)
+    start = time.perf_counter()
+    with default_dtype(config.model.dtype), device:
+        model = model_cls(config)
+    # Layers that allocate in their own way (or out-of-tree models) end up here too.
+    model = model.to(device=device)
+    if config.load.load_format == "dummy":
+        initialize_dummy_weights(model, seed=config.model.seed)
+        source = "dummy weights"
+    else:
+        model.load_weights(model_weights(config, model))
+        source = config.model.model
+    model.eval()
+    model.requires_grad_(False)
+    logger.info(
+        "Loaded %s (%s, %s) from %s in %.2f s",
+        config.model.architecture,
+        str(config.model.dtype).removeprefix("torch."),
+        device,
+        source,
+        time.perf_counter() - start,
+    )
+    return model

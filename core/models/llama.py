@@ -1,0 +1,222 @@
+"""Llama (SmolLM2, TinyLlama, Llama 2/3/3.1 incl. rope scaling) and Mistral.
+
+The decoder is built from kvloom layers so that it matches HF transformers' arithmetic:
+fused ``qkv_proj`` and ``gate_up_proj`` GEMMs, RoPE from a precomputed cos/sin table,
+paged attention through the selected backend, RMSNorm in float32.
+
+Mistral is the same network (``MistralForCausalLM`` maps here): its ``head_dim`` may
+differ from ``hidden_size / num_attention_heads`` (handled) and it may declare a
+``sliding_window``. kvloom's attention backends have no sliding-window masks yet, so a
+window smaller than ``max_model_len`` is refused (``NotImplementedError``) instead of
+silently attending to the whole context; a window at least as long as ``max_model_len``
+never takes effect and is accepted (e.g. Mistral-7B-v0.1 with ``--max-model-len 4096``).
+
+Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) subclass these classes and only
+change the flags in ``LlamaAttention``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.layer import Attention
+from kvloom.config import EngineConfig
+from kvloom.layers.activation import get_gated_activation
+from kvloom.layers.layernorm import RMSNorm
+from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
+from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
+from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
+    """The sliding window of one layer (Mistral: every layer; Qwen2/3: ``layer_types``)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def check_sliding_window(hf_config: Any, layer_idx: int, max_model_len: int) -> None:
+    window = sliding_window_of(hf_config, layer_idx)
+    if window is not None and window < max_model_len:
+        raise NotImplementedError(
+            f"layer {layer_idx} uses sliding-window attention (sliding_window={window}), which kvloom "
+            f"does not support yet; set max_model_len <= {window} (now {max_model_len}) so the window "
+            "never takes effect"
+        )
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused QKV projection, optional per-head q/k RMSNorm (Qwen3),
+    RoPE, paged attention, output projection."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        layer_idx: int,
+        prefix: str,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.num_heads = config.model.num_heads
+        self.num_kv_heads = config.model.num_kv_heads
+        self.head_dim = config.model.head_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        check_sliding_window(hf, layer_idx, config.model.max_model_len)
+        self.qkv_proj = QKVLinear(
+            hf.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias,
+            prefix=_join(prefix, "qkv_proj"),
+        )
+        self.o_proj = Linear(self.q_size, hf.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj"))
+        if qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(
+            num_heads=self.num_heads,
+            head_size=self.head_dim,
+            scale=self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            backend=config.attention_backend,
+            prefix=_join(prefix, "attn"),
+            kv_cache_dtype=config.cache.cache_dtype,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            # Query and key heads are adjacent in the fused output: rotate them in one pass.
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.rotate_heads(qk, *cos_sin)
+        # q and k are strided views of qk, v of qkv: backends must honour strides.
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: EngineConfig, prefix: str) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        bias = bool(getattr(hf, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(
+            hf.hidden_size, [hf.intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj")
+        )
+        self.down_proj = Linear(hf.intermediate_size, hf.hidden_size, bias=bias, prefix=_join(prefix, "down_proj"))
+        self.act_fn = get_gated_activation(hf.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: EngineConfig, layer_idx: int, prefix: str, attention_kwargs: dict[str, bool]) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.self_attn = LlamaAttention(config, layer_idx, _join(prefix, "self_attn"), **attention_kwargs)
+        self.mlp = LlamaMLP(config, _join(prefix, "mlp"))
+        self.input_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp_output, residual)``; the caller adds them (in the next layer's
+        input norm or the final norm), exactly where HF adds them."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: EngineConfig, prefix: str, attention_kwargs: dict[str, bool]) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), attention_kwargs)
+            for i in range(hf.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim=config.model.head_size,
+            max_position=config.model.max_model_len,
+            rope_parameters=get_rope_parameters(hf),
+            max_position_embeddings=hf.max_position_embeddings,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """kvloom's model contract: ``forward(input_ids [N], positions [N]) -> hidden [N, H]``,
+    ``compute_logits(hidden [M, H]) -> float32 [M, vocab]``, ``load_weights`` by HF names."""
+
+    stacked_params = LLAMA_STACKED_PARAMS
+    packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        hf = config.model.hf_config
+        self.model = LlamaModel(config, _join(prefix, "model"), self.attention_kwargs(hf))
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def attention_kwargs(cls, hf_config: Any) -> dict[str, bool]:
+        """Bias and norm flags of the attention block (what Qwen2/Qwen3 change)."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=tied)

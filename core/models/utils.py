@@ -1,0 +1,117 @@
+"""Weight-name bookkeeping shared by the model classes.
+
+kvloom models keep HF's module names except for the merged projections (``qkv_proj``,
+``gate_up_proj``). ``checkpoint_names`` lists every HF checkpoint name a model needs and
+where it goes; ``load_checkpoint_weights`` loads by that map and reports what is missing.
+The GGUF loader uses the same map to translate llama.cpp tensor names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvloom.layers.linear import LinearBase
+
+logger = logging.getLogger(__name__)
+
+#: (merged module name, checkpoint module name, shard) of the Llama family.
+LLAMA_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "0"),
+    ("gate_up_proj", "up_proj", "1"),
+)
+
+
+def packed_modules_mapping(stacked: Sequence[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}`` (vLLM's attribute, used by LoRA)."""
+    mapping: dict[str, list[str]] = {}
+    for merged, original, _ in stacked:
+        mapping.setdefault(merged, []).append(original)
+    return mapping
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: a parameter of a module, and its shard if merged."""
+
+    param_name: str
+    module: nn.Module
+    param: nn.Parameter
+    shard: str | None
+
+
+def checkpoint_names(model: nn.Module, stacked: Sequence[tuple[str, str, str]]) -> dict[str, WeightTarget]:
+    """Every HF checkpoint name ``model`` needs, mapped to its target.
+
+    Shared (tied) parameters appear once, under the name of their first owner.
+    """
+    modules = dict(model.named_modules())
+    shard_to_original = {(merged, shard): original for merged, original, shard in stacked}
+    names: dict[str, WeightTarget] = {}
+    for param_name, param in model.named_parameters():
+        module_name, _, leaf = param_name.rpartition(".")
+        module = modules[module_name]
+        if isinstance(module, LinearBase) and len(module.shard_names) > 1:
+            parent, _, merged = module_name.rpartition(".")
+            for shard in module.shard_names:
+                original = shard_to_original.get((merged, shard))
+                if original is None:
+                    raise ValueError(f"{module_name}: no checkpoint name for shard {shard!r} of {merged!r}")
+                hf_name = f"{parent}.{original}.{leaf}" if parent else f"{original}.{leaf}"
+                names[hf_name] = WeightTarget(param_name, module, param, shard)
+        else:
+            names[param_name] = WeightTarget(param_name, module, param, None)
+    return names
+
+
+def load_checkpoint_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Sequence[tuple[str, str, str]],
+    ignored: Sequence[str] = ("rotary_emb.inv_freq",),
+    tied_names: Sequence[str] = (),
+) -> set[str]:
+    """Load HF-named ``weights`` into ``model``; returns the names loaded.
+
+    Names containing one of ``ignored`` (e.g. old checkpoints' rotary buffers) and
+    ``tied_names`` (e.g. ``lm_head.weight`` of a tied model, a copy of the embedding)
+    are skipped; other unknown names are logged and skipped. A required weight that
+    never arrived is an error naming it.
+    """
+    targets = checkpoint_names(model, stacked)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                if name in tied_names or any(part in name for part in ignored):
+                    continue
+                unexpected.append(name)
+                continue
+            loader = getattr(target.module, "weight_loader", None)
+            if loader is not None:
+                loader(target.param, tensor, target.shard)
+            else:
+                if tuple(target.param.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(target.param.shape)}"
+                    )
+                target.param.data.copy_(tensor)
+            loaded.add(name)
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:10])
+        logger.warning("Ignored %d checkpoint tensors the model does not use: %s", len(unexpected), shown)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise ValueError(f"checkpoint is missing weights required by {type(model).__name__}: {shown}")
+    return loaded
