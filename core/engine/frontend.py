@@ -39,9 +39,8 @@ class Frontend:
         self.log_stats = log_stats
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[Any] = []
-        self._children: dict[str, list[str]] = {}  # parent request id -> child ids
         self._last_log = time.monotonic()
 
     # ------------------------------------------------------------------ stats
@@ -72,7 +71,8 @@ class Frontend:
         cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate, tokenize and register a request; returns what to send to the core."""
-        if request_id in self._children or self.output_processor.has_request(request_id):
+        op = self.output_processor
+        if request_id in op.request_states or request_id in op.parent_requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request, text = self.input_processor.process(
             request_id, prompt, params, arrival_time, lora_request, priority, cache_salt
@@ -83,29 +83,21 @@ class Frontend:
             return [request]
         parent = ParentRequest(request)
         children = []
-        for index in range(sampling.n):
-            child = parent.make_child(index)
+        for index, child in parent.child_requests():
             self.output_processor.add_request(child, text, parent=parent, index=index)
             children.append(child)
-        self._children[request_id] = [c.request_id for c in children]
         return children
 
     def abort(self, request_ids: list[str]) -> list[str]:
-        """Forget requests in the front end; returns the engine-core ids to abort."""
-        core_ids: list[str] = []
-        for rid in request_ids:
-            core_ids.extend(self._children.pop(rid, [rid]))
-        self.output_processor.abort_requests(core_ids)
-        return core_ids
+        """Forget requests (a parent id stands for its children); returns the engine-core
+        ids to abort."""
+        return self.output_processor.abort_requests(request_ids)
 
     def process(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         iteration_stats = IterationStats() if self.log_stats else None
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp, iteration_stats
         )
-        for out in processed.request_outputs:
-            if out.finished:
-                self._children.pop(out.request_id, None)
         for stat_logger in self.stat_loggers:
             stat_logger.record(core_outputs.scheduler_stats, iteration_stats)
         return processed.request_outputs, processed.reqs_to_abort

@@ -26,6 +26,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    #: The request's EOS id (the sampler masks it until min_tokens are generated).
+    eos_token_id: int | None = None
 
 
 @dataclass

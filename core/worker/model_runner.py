@@ -32,6 +32,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _step_seed(seed: int, num_output_tokens: int) -> int:
+    return (seed * 1_000_003 + num_output_tokens * 7_919 + 1) % (2**63 - 1)
+
+
 @dataclass
 class StepBatch:
     """The flattened inputs of one step (host side) plus what postprocessing needs."""
@@ -162,6 +166,7 @@ class ModelRunner:
                 lora_request=new.lora_request,
                 generator=self._make_generator(params.seed if params is not None else None),
             )
+            self.input_batch[new.req_id].extra["eos_token_id"] = new.eos_token_id
         for cached in so.scheduled_cached_reqs:
             state = self.input_batch[cached.req_id]
             self.input_batch.append_blocks(state, cached.new_block_ids)
@@ -274,6 +279,11 @@ class ModelRunner:
         if gen_idx:
             rows = gen_idx if len(gen_idx) < len(states) else None
             gen_states = [states[i] for i in gen_idx]
+            for s in gen_states:
+                if s.generator is not None:
+                    # The noise for output token k depends only on (seed, k): seeded requests
+                    # give the same tokens whatever the batch and across preemptions.
+                    s.generator.manual_seed(_step_seed(s.sampling_params.seed, len(s.output_token_ids)))  # type: ignore[union-attr,arg-type]
             metadata = SamplingMetadata.build(
                 params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
                 prompt_token_ids=[s.prompt_token_ids for s in gen_states],
@@ -286,11 +296,12 @@ class ModelRunner:
             gen_logits = logits if rows is None else logits[torch.as_tensor(rows, device=logits.device)]
             out = self.sampler(gen_logits.float(), metadata)
             tokens = out.sampled_token_ids.tolist()
+            row_logprobs = out.logprobs_lists()
             for j, i in enumerate(gen_idx):
                 if done_prefill[i]:
                     sampled[i] = [tokens[j]]
-                    if out.logprobs is not None and out.logprobs[j] is not None:
-                        logprobs[i] = out.logprobs[j]
+                    if row_logprobs is not None:
+                        logprobs[i] = row_logprobs[j]
             self._prompt_logprobs(batch, hidden, prompt_logprobs)
 
         if len(gen_idx) < len(states):
