@@ -52,13 +52,15 @@ class Scenario:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> Scenario:
-    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+def scenarios(draw: st.DrawFn, priority_chunked_stress: bool = False) -> Scenario:
+    """``priority_chunked_stress``: priority policy, small prefill chunks and a pool that
+    barely fits one request, so low-priority prefills get preempted mid-step a lot."""
+    block_size = draw(st.sampled_from([1, 2] if priority_chunked_stress else [1, 2, 4, 8]))
     max_model_len = draw(st.integers(6, 40))
     min_blocks = -(-max_model_len // block_size)  # the engine sizes for one full request
-    num_blocks = draw(st.integers(min_blocks, min_blocks + 8))
+    num_blocks = draw(st.integers(min_blocks, min_blocks + (2 if priority_chunked_stress else 8)))
     max_num_seqs = draw(st.integers(1, 6))
-    chunked = draw(st.booleans())
+    chunked = priority_chunked_stress or draw(st.booleans())
     if chunked:
         max_batched = draw(st.integers(max_num_seqs, 40))
     else:
@@ -67,9 +69,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_batched,
         max_model_len=max_model_len,
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8])),
+        long_prefill_token_threshold=draw(st.sampled_from([1, 2, 4] if priority_chunked_stress else [0, 0, 1, 3, 8])),
         enable_chunked_prefill=chunked,
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy="priority" if priority_chunked_stress else draw(st.sampled_from(["fcfs", "priority"])),
         block_size=block_size,
         enable_prefix_caching=draw(st.booleans()),
         hash_algo=draw(st.sampled_from(["sha256", "sha256_cbor", "xxhash"])),
@@ -148,6 +150,7 @@ def check_step(scheduler: Scheduler, so: SchedulerOutput, pre_computed: dict[str
         if not cfg.enable_chunked_prefill and req_id in {r.req_id for r in so.scheduled_new_reqs}:
             assert request.num_computed_tokens == request.num_tokens  # the whole prompt at once
         assert n <= prefill_left + len(so.scheduled_spec_decode_tokens.get(req_id, []))
+        assert request.num_computed_tokens <= cfg.max_model_len  # no KV position past the limit
 
 
 def make_drafts(request: Request, rng: random.Random) -> list[int]:
@@ -243,6 +246,12 @@ def run_scenario(sc: Scenario) -> dict[str, Request]:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_request_streams(sc: Scenario) -> None:
+    run_scenario(sc)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(priority_chunked_stress=True))
+def test_random_request_streams_priority_preemption_of_chunked_prefills(sc: Scenario) -> None:
     run_scenario(sc)
 
 
