@@ -1,0 +1,434 @@
+"""The continuous-batching scheduler (vLLM V1's).
+
+Every step, ``schedule()`` spends a token budget (``max_num_batched_tokens``):
+
+1. Running requests first, in order. Each gets the tokens it has not computed yet (one
+   for a decode, plus its draft tokens; the rest of its prompt for a chunked prefill,
+   capped by ``long_prefill_token_threshold`` and the budget). If the KV cache cannot
+   hold them, the lowest-priority running request (``priority`` policy: largest priority
+   value, latest arrival; ``fcfs``: the one that started running last) is preempted by
+   recompute: its blocks are freed, it goes back to the front of the waiting queue with
+   its output so far, and it will recompute prompt + output (prefix-cache hits make
+   that cheap). A request may have to preempt itself.
+2. Then, if nothing was preempted this step, waiting requests in queue order while the
+   budget, ``max_num_seqs`` and the KV cache allow: prefix-cache lookup, then the rest
+   of the prompt (chunked unless ``enable_chunked_prefill`` is off, in which case a
+   prompt that does not fit the remaining budget waits).
+
+``update_from_output()`` appends the tokens the runner sampled, applies stop conditions
+(EOS unless ``ignore_eos``, stop token ids, both only once ``min_tokens`` are out;
+``max_tokens`` and ``max_model_len``), frees finished requests and returns their outputs.
+
+Requests never wait on each other forever: a request that needs more KV blocks than the
+whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
+this) is finished with ``FinishReason.LENGTH`` instead of being retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from kvloom.config import CacheConfig, SchedulerConfig
+from kvloom.kv_cache.block_pool import KVCacheBlock
+from kvloom.kv_cache.manager import KVCacheManager
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, PrefixCacheStats, SchedulerStats
+from kvloom.request import EngineCoreEventType, Request, RequestStatus
+from kvloom.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvloom.scheduler.request_queue import create_request_queue
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        log_stats: bool = True,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # Without chunked prefill no prompt is split, so the chunk cap does not apply.
+        self.long_prefill_token_threshold = (
+            scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
+        )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}), or long prompts could never be scheduled"
+            )
+        self.log_stats = log_stats
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo,
+            log_stats=log_stats,
+        )
+        self.policy = scheduler_config.policy
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last schedule(): the worker drops them.
+        self.finished_req_ids: set[str] = set()
+        # Final outputs produced outside update_from_output (aborts, requests too large
+        # for the cache), delivered with the next EngineCoreOutputs.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._finished_since_output: set[str] = set()
+        self._num_preemptions = 0  # since the last make_stats()
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt must have at least one token")
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt length ({num_prompt_tokens} tokens) "
+                f"is longer than max_model_len ({self.max_model_len})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests in any state (abort, or a stop string the front end found).
+
+        Unknown or already finished ids are ignored. Aborted requests get a final output
+        (finish reason ABORT) in the next EngineCoreOutputs.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        gone_running, gone_waiting = [], []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            (gone_running if request.status == _RUNNING else gone_waiting).append(request)
+            request.status = finished_status
+            self._free_request(request)
+            if finished_status == RequestStatus.FINISHED_ABORTED:
+                self._pending_outputs.append(self._final_output(request))
+        if gone_running:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        if gone_waiting:
+            self.waiting.remove_all(gone_waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.waiting) + len(self.running) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_requests(self) -> bool:
+        """Whether a step has anything to do: run requests, or report finished ones."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids or self._pending_outputs)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        num_scheduled_tokens: dict[str, int] = {}
+        spec_decode_tokens: dict[str, list[int]] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        num_preempted = 0
+        now = time.monotonic() if self.log_stats else 0.0
+
+        # 1. Running requests (a copy: preemption removes from self.running).
+        for request in list(self.running):
+            if token_budget == 0:
+                break
+            if request.status != _RUNNING:  # preempted earlier in this loop
+                continue
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens_with_spec - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, token_budget, max_model_len - num_computed)
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                if len(self.running) == 1:  # alone and still too big: the cache is too small
+                    self._finish_too_large(request)
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled_tokens:  # priority policy: undo its step
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    spec_decode_tokens.pop(victim.request_id, None)
+                    del new_blocks_of[victim.request_id]
+                    scheduled_running.remove(victim)
+                self._preempt(victim, now)
+                num_preempted += 1
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue
+            request_id = request.request_id
+            scheduled_running.append(request)
+            new_blocks_of[request_id] = new_blocks
+            num_scheduled_tokens[request_id] = num_new
+            token_budget -= num_new
+            if request.spec_token_ids:
+                num_spec = num_computed + num_new - request.num_tokens
+                if num_spec > 0:
+                    spec_decode_tokens[request_id] = request.spec_token_ids[:num_spec]
+
+        # 2. Waiting requests, unless this step had to preempt (they would not fit).
+        if not num_preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting.peek()
+                computed_blocks, num_hits = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hits
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > token_budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = token_budget
+                new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hits)
+                if new_blocks is None:
+                    if self.running:
+                        break  # wait for running requests to free blocks
+                    self.waiting.pop()  # the whole cache is free and still too small
+                    self._finish_too_large(request)
+                    continue
+                self.waiting.pop()
+                if kv.enable_caching and request.pooling_params is None:
+                    kv.record_prefix_cache_query(request.num_tokens, num_hits)
+                self.running.append(request)
+                request.status = _RUNNING
+                request.num_computed_tokens = num_hits
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hits
+                if self.log_stats:
+                    request.record_event(EngineCoreEventType.SCHEDULED, now)
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new
+                token_budget -= num_new
+
+        # 3. The step for the worker; then the tokens count as computed.
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                pooling_params=r.pooling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                lora_request=r.lora_request,
+            )
+            for r in scheduled_new
+        ]
+        cached_reqs = []
+        for r in scheduled_running:
+            blocks = new_blocks_of[r.request_id]
+            cached_reqs.append(
+                CachedRequestData(r.request_id, [b.block_id for b in blocks] if blocks else [], r.num_computed_tokens)
+            )
+        for r in scheduled_running:
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
+
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            finished_req_ids=finished_req_ids,
+        )
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            # Largest priority value, then latest arrival; among equals the latest started.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, now: float) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)  # before resetting num_computed_tokens
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, now)
+        self.waiting.prepend(request)
+        self.finished_req_ids.add(request.request_id)
+        self._num_preemptions += 1
+
+    def _finish_too_large(self, request: Request) -> None:
+        """Finish a request that needs more KV blocks than the whole cache has."""
+        logger.warning(
+            "Request %s needs more KV-cache blocks than the cache has (%d blocks of %d tokens) "
+            "at %d tokens; finishing it with reason 'length'",
+            request.request_id,
+            self.kv_cache_manager.block_pool.num_usable_blocks,
+            self.block_size,
+            request.num_tokens,
+        )
+        if request.status == _RUNNING:
+            self.running.remove(request)
+        started = request.num_output_tokens > 0 or request.status == _RUNNING
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED if started else RequestStatus.FINISHED_IGNORED
+        self._free_request(request)
+        self._pending_outputs.append(self._final_output(request))
+
+    # ------------------------------------------------------------------ results in
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        pooler_output = model_runner_output.pooler_output
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        any_finished = False
+
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != _RUNNING:  # finished since scheduled
+                continue
+            i = index.get(req_id)
+            if i is None:
+                raise RuntimeError(f"the model runner returned no result for scheduled request {req_id!r}")
+            new_token_ids = sampled[i]
+            drafts = spec_decode_tokens.get(req_id)
+            if drafts:
+                # The runner accepted len(new_token_ids) - 1 drafts plus one bonus token.
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                request.spec_token_ids = []
+
+            finished = False
+            pooled = None
+            if request.pooling_params is not None:
+                if request.num_computed_tokens >= request.num_tokens:  # prompt complete
+                    pooled = pooler_output[i] if pooler_output is not None else None
+                    if pooled is None:
+                        raise RuntimeError(f"the model runner returned no pooler output for request {req_id!r}")
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    finished = True
+            elif new_token_ids:
+                num_accepted = 0
+                for token_id in new_token_ids:
+                    request.append_output_token_ids(token_id)
+                    num_accepted += 1
+                    if self._check_stop(request):
+                        finished = True
+                        break
+                if num_accepted < len(new_token_ids):
+                    new_token_ids = new_token_ids[:num_accepted]
+
+            new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            if new_token_ids or finished or new_prompt_logprobs:
+                new_logprobs = logprobs[i] if logprobs is not None else None
+                if new_logprobs is not None and len(new_logprobs) > len(new_token_ids):
+                    new_logprobs = new_logprobs[: len(new_token_ids)]
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        pooling_output=pooled,
+                        finish_reason=request.get_finished_reason() if finished else None,
+                        stop_reason=request.stop_reason,
+                        events=request.take_events() if request.events else None,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+            if finished:
+                self._free_request(request)
+                any_finished = True
+
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        finished_ids, self._finished_since_output = self._finished_since_output, set()
+        return EngineCoreOutputs(
+            outputs=outputs,
+            scheduler_stats=self.make_stats() if self.log_stats else None,
+            timestamp=time.monotonic(),
+            finished_requests=finished_ids,
+        )
+
+    def _check_stop(self, request: Request) -> bool:
+        """Apply stop conditions after one appended token; sets status and stop_reason."""
+        params = request.sampling_params
+        assert params is not None
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            last_token_id = request.output_token_ids[-1]
+            if last_token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        max_tokens = request.max_tokens
+        if len(request.all_token_ids) >= self.max_model_len or (
+            max_tokens is not None and num_output_tokens >= max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        """Release a finished request (the caller removes it from running/waiting)."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        self._finished_since_output.add(request.request_id)
+
+    def _final_output(self, request: Request) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            events=request.take_events(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    def make_stats(self) -> SchedulerStats:
+        """Queue sizes, KV-cache usage, and prefix-cache/preemption counts since the last call."""
+        num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats(),
+            num_preemptions=num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached KV blocks; False (nothing done) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
