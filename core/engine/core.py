@@ -64,6 +64,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Requests to run, or finished/aborted ones whose outputs are not reported yet."""
+        return self.scheduler.has_requests()
+
     # ------------------------------------------------------------------ loop
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()

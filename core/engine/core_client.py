@@ -67,7 +67,7 @@ class InprocClient(EngineCoreClient):
         return self.core.step()
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.core.has_work()
 
     def utility(self, fn: Callable[[EngineCore], Any]) -> Any:
         return fn(self.core)
@@ -166,7 +166,7 @@ class ThreadedClient(EngineCoreClient):
         try:
             while True:
                 # Block for work when idle; otherwise admit whatever arrived, then step.
-                if not self.core.has_unfinished_requests():
+                if not self.core.has_work():
                     kind, payload = self._inbox.get()
                     if not self._handle(kind, payload):
                         return
@@ -177,7 +177,7 @@ class ThreadedClient(EngineCoreClient):
                         break
                     if not self._handle(kind, payload):
                         return
-                if self.core.has_unfinished_requests():
+                if self.core.has_work():
                     self._publish(self.core.step())
         except BaseException as e:  # the loop must report, never die silently
             logger.exception("Engine core loop failed")

@@ -236,6 +236,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
+                eos_token_id=r.eos_token_id,
             )
             for r in scheduled_new
         ]
