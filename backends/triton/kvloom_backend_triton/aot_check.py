@@ -44,7 +44,7 @@ class CompileReport:
     def row(self) -> str:
         return (
             f"{self.kernel:<10} {self.variant:<44} smem {self.shared_bytes / 1024:6.1f} KiB  "
-            f"regs {self.registers:4d}  spills {self.spill_bytes:5d} B  ld.v4 {self.vector_loads:4d}  "
+            f"regs {self.registers:4d}  spills {self.spill_bytes:5d} B  16B-loads {self.vector_loads:4d}  "
             f"warps {self.num_warps}"
         )
 
@@ -100,7 +100,11 @@ def compile_kernel(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
     regs, spills = _ptxas_report(compiled.asm["ptx"], arch)
-    vector_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global(?:\.\w+)* \[[^]]*\], \[[^]]*\], 16", compiled.asm["ptx"]))
+    ptx = compiled.asm["ptx"]
+    # 16-byte global reads: vector loads into registers, or async copies into shared memory.
+    vector_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)) + len(
+        re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], 0x10\b", ptx)
+    )
     return CompileReport(
         kernel=fn.__name__.replace("_attention_kernel", "").replace("_kernel", ""),
         variant="",

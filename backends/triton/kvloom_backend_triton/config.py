@@ -93,12 +93,15 @@ def default_config(head_size: int, dtype: torch.dtype) -> KernelConfig:
         cfg = KernelConfig(prefill_block_m=64, prefill_block_n=32, prefill_num_warps=8,
                            prefill_num_stages=2, decode_block_n=32, decode_num_warps=4)
     if wide:
+        # fp32 dots run as "ieee" FMA loops (no tensor cores) and hold 4-byte operands in
+        # registers: larger tiles spill (checked with aot_check for sm_90).
         cfg = cfg.with_overrides(
             {
-                "prefill_block_m": max(16, cfg.prefill_block_m // 2),
-                "prefill_block_n": max(16, cfg.prefill_block_n // 2),
+                "prefill_block_m": 32,
+                "prefill_block_n": 16,
+                "prefill_num_warps": 8,
                 "prefill_num_stages": 2,
-                "decode_block_n": max(16, cfg.decode_block_n // 2),
+                "decode_block_n": 16,
                 "decode_num_stages": 2,
             }
         )

@@ -126,7 +126,7 @@ def mixed_batch_attention(
         GROUP=group, PAGE_SIZE=key_cache.shape[1], HEAD_SIZE=head_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
         BLOCK_D=next_power_of_2(head_size), DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=cfg.prefill_num_warps if block_m >= 64 else min(cfg.prefill_num_warps, 4),
+        num_warps=cfg.prefill_num_warps,
         num_stages=cfg.prefill_num_stages,
     )
 
