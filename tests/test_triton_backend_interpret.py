@@ -165,5 +165,29 @@ def test_bf16_cache_write_exact(interpreter_results: dict) -> None:
     assert interpreter_results["bf16_cache_write"]["cache_ok"]
 
 
+def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_attention_kernels.py at tiny shapes on the CPU (interpreter), so
+    the GPU run cannot fail on a script error: correctness slice, timing, variants, output."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "bench_attention_kernels.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
+         "--head-size", "32", "--decode-batch", "2", "--decode-context", "40", "--prefill-batch", "1",
+         "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64",
+         "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((tmp_path / "attention_kernels.json").read_text())
+    assert [r["variant"] for r in result["rows"]] == ["default", "force_num_splits=2,decode_block_n=16"]
+    for row in result["rows"]:
+        assert "error" not in row, row["error"]
+        assert set(row["rel_errors"]) == {"decode", "prefill", "chunked", "mixed"}
+        assert max(row["rel_errors"].values()) < FP16_TOL
+        assert row["decode_ms"] > 0 and row["prefill_ms"] > 0
+    assert "| TRITON_ATTN | default |" in (tmp_path / "attention_kernels.md").read_text()
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     _run_worker()
