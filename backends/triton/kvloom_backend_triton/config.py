@@ -1,0 +1,145 @@
+"""Launch parameters of the Triton kernels: a fixed heuristic table plus overrides.
+
+No runtime autotuning: on a fresh machine every autotune candidate costs a JIT compile
+per layer shape, which is more than a short benchmark or a first request can afford.
+Instead a small table keyed by (padded head size, element size) picks the tiles, and
+``KVLOOM_TRITON_ATTN_CONFIG`` (``"decode_block_n=32,decode_num_warps=8"``) or an explicit
+``KernelConfig`` overrides any field, so variants can be compared in one GPU session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+ENV_VAR = "KVLOOM_TRITON_ATTN_CONFIG"
+
+_POWERS_OF_TWO = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tiles, warps and pipeline depths of the three attention kernels.
+
+    prefill_*: the mixed-batch kernel (one program = up to ``prefill_block_m`` rows, each
+    row one (query token, query head) of a single KV head; ``prefill_block_n`` cached
+    tokens per inner step). decode_*: the single-token decode kernel (one program = one
+    request x one KV head x one KV split). The split count aims at ``programs_per_sm``
+    decode programs per streaming multiprocessor, never splitting below
+    ``min_split_tokens`` tokens per split nor beyond ``max_splits`` splits.
+    ``force_num_splits`` pins the split count (tests and benchmarks).
+    """
+
+    prefill_block_m: int = 128
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 3
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    programs_per_sm: int = 4
+    min_split_tokens: int = 256
+    max_splits: int = 64
+    force_num_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_block_m", "prefill_block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if value not in _POWERS_OF_TWO:
+                raise ValueError(f"{name}={value} must be one of {_POWERS_OF_TWO}")
+        for name in ("prefill_num_warps", "decode_num_warps"):
+            value = getattr(self, name)
+            if value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
+        for name in ("prefill_num_stages", "decode_num_stages"):
+            value = getattr(self, name)
+            if not 1 <= value <= 6:
+                raise ValueError(f"{name}={value} must be in 1..6")
+        for name in ("programs_per_sm", "min_split_tokens", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.force_num_splits is not None and self.force_num_splits < 1:
+            raise ValueError(f"force_num_splits={self.force_num_splits} must be >= 1")
+
+    def with_overrides(self, overrides: dict[str, int | None]) -> KernelConfig:
+        return dataclasses.replace(self, **overrides)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_config(head_size: int, dtype: torch.dtype) -> KernelConfig:
+    """The heuristic table (sized for Hopper, sane on Ampere and newer).
+
+    Register pressure grows with rows x padded head size (the fp32 accumulator) and shared
+    memory with tokens x head size x stages (K and V tiles in flight), so larger heads and
+    4-byte elements get smaller tiles. Decode is bandwidth bound: 64 tokens x 128 dims of
+    bf16 is a 16 KiB K tile, three stages of K and V keep ~96 KiB of loads in flight per
+    program.
+    """
+    padded = next_power_of_2(head_size)
+    wide = dtype == torch.float32
+    if padded <= 64:
+        cfg = KernelConfig(prefill_block_m=128, prefill_block_n=64, prefill_num_warps=4,
+                           decode_block_n=64, decode_num_warps=4)
+    elif padded <= 128:
+        cfg = KernelConfig(prefill_block_m=128, prefill_block_n=64, prefill_num_warps=8,
+                           decode_block_n=64, decode_num_warps=4)
+    else:  # 256
+        cfg = KernelConfig(prefill_block_m=64, prefill_block_n=32, prefill_num_warps=8,
+                           prefill_num_stages=2, decode_block_n=32, decode_num_warps=4)
+    if wide:
+        # fp32 dots run as "ieee" FMA loops (no tensor cores) and hold 4-byte operands in
+        # registers: larger tiles spill (checked with aot_check for sm_90).
+        cfg = cfg.with_overrides(
+            {
+                "prefill_block_m": 32,
+                "prefill_block_n": 16,
+                "prefill_num_warps": 8,
+                "prefill_num_stages": 2,
+                "decode_block_n": 16,
+                "decode_num_stages": 2,
+            }
+        )
+    return cfg
+
+
+def parse_overrides(text: str) -> dict[str, int | None]:
+    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}`` for fields of ``KernelConfig``."""
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    overrides: dict[str, int | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise ValueError(
+                f"{ENV_VAR}: bad entry {item!r}; expected NAME=INT with NAME one of {sorted(fields)}"
+            )
+        value = value.strip()
+        if value.lower() == "none":
+            overrides[name] = None
+            continue
+        try:
+            overrides[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_VAR}: {name}={value!r} is not an integer") from None
+    return overrides
+
+
+def resolve_config(
+    head_size: int, dtype: torch.dtype, override: KernelConfig | dict[str, int | None] | None = None
+) -> KernelConfig:
+    """The table's entry, then ``KVLOOM_TRITON_ATTN_CONFIG``, then ``override``."""
+    if isinstance(override, KernelConfig):
+        return override
+    cfg = default_config(head_size, dtype)
+    env = os.environ.get(ENV_VAR, "")
+    if env:
+        cfg = cfg.with_overrides(parse_overrides(env))
+    if override:
+        cfg = cfg.with_overrides(override)
+    return cfg

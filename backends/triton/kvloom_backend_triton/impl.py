@@ -1,0 +1,72 @@
+"""The per-layer attention implementation of TRITON_ATTN."""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.attention.backend import AttentionImpl, AttentionType
+from kvloom_backend_triton import ops
+from kvloom_backend_triton.metadata import TritonAttentionMetadata
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    """Writes the step's K/V into the paged cache, then runs one attention kernel.
+
+    ``forward`` only launches kernels: every host number it uses was computed by the
+    builder, so it neither synchronises nor varies between CUDA-graph replays.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
+        )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"TRITON_ATTN: attn_type {attn_type.value} not supported (supports decoder)")
+        if sliding_window is not None:
+            raise NotImplementedError(f"TRITON_ATTN: sliding_window={sliding_window} not supported (supports None)")
+        if logits_soft_cap is not None:
+            raise NotImplementedError(f"TRITON_ATTN: logits_soft_cap={logits_soft_cap} not supported (supports None)")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"TRITON_ATTN: kv_cache_dtype {kv_cache_dtype} not supported (supports auto)")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if attn_metadata is None:
+            # Memory-profiling run (the forward context carries no metadata): the model's
+            # activations are what is measured; there is no cache to attend to yet.
+            return output
+        md = attn_metadata
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        if md.decode_only:
+            ops.decode_attention(
+                query, key_cache, value_cache, output,
+                md.query_start_loc, md.seq_lens, md.block_table, md.num_reqs, self.scale,
+                md.num_splits, md.split_size, md.partial_out, md.partial_lse, md.config,
+            )
+        else:
+            ops.mixed_batch_attention(
+                query, key_cache, value_cache, output,
+                md.query_start_loc, md.seq_lens, md.block_table, md.num_reqs, md.max_query_len,
+                self.scale, md.config,
+            )
+        return output
