@@ -24,6 +24,10 @@ import kvloom
 
 #: Modules providing ``register_subparser(subparsers)``, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: list[str] = [
+    "kvloom.entrypoints.cli.generate",
+    "kvloom.entrypoints.cli.chat",
+    "kvloom.entrypoints.cli.serve",
+    "kvloom.entrypoints.cli.bench",
     "kvloom.entrypoints.cli.backends",
 ]
 
