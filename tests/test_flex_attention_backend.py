@@ -80,13 +80,17 @@ def test_validation_reasons(overrides, reason):
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])
-@pytest.mark.parametrize("head_size, dtype", [(64, torch.bfloat16), (256, torch.float16), (128, torch.float32)])
+@pytest.mark.parametrize(
+    "head_size, dtype", [(64, torch.bfloat16), (256, torch.float16), (128, torch.float32), (256, torch.float32)]
+)
 def test_cuda_kernel_tiles_divide_the_sparse_blocks(block_size, head_size, dtype):
     for q_block in (16, 64):
         options = cuda_kernel_options(q_block, block_size, head_size, dtype)
         assert options["BLOCK_M"] == q_block and q_block % options["BLOCK_M"] == 0
         assert block_size % options["BLOCK_N"] == 0 and options["BLOCK_N"] >= 16
         assert options["FORCE_USE_FLEX_ATTENTION"] is True
+        # Q tile plus three pipelined K/V stages fit in H100 shared memory with headroom.
+        assert (q_block + 3 * 2 * options["BLOCK_N"]) * head_size * dtype.itemsize <= 160 * 1024
 
 
 # ---------------------------------------------------------------------------- host planning

@@ -38,16 +38,24 @@ def compiled_flex_attention() -> Callable:
 
 
 def cuda_kernel_options(q_block_size: int, block_size: int, head_size: int, dtype: torch.dtype) -> dict:
-    """Triton tile sizes that divide the sparse block sizes (flex requires
-    ``Q_BLOCK % BLOCK_M == 0`` and ``KV_BLOCK % BLOCK_N == 0``; KV blocks are cache pages).
-    Wide heads and fp32 get narrower KV tiles to stay within shared memory."""
-    max_n = 64 if head_size <= 128 and dtype.itemsize <= 2 else 32
-    return {
+    """Triton tile sizes for flex's CUDA kernel.
+
+    Flex requires ``Q_BLOCK % BLOCK_M == 0`` and ``KV_BLOCK % BLOCK_N == 0`` (and fails
+    rather than adapt when its default tile does not divide); the KV blocks here are cache
+    pages, so ``BLOCK_N`` divides the page size. Rows of K/V per tile shrink as heads widen
+    to keep Q plus three pipelined K/V stages well inside shared memory (~128-160 KiB).
+    """
+    row_bytes = head_size * dtype.itemsize
+    max_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    options = {
         "BLOCK_M": q_block_size,
         "BLOCK_N": math.gcd(block_size, max_n),
         # Always the main kernel: the decoding kernel picks its own query tiles.
         "FORCE_USE_FLEX_ATTENTION": True,
     }
+    if q_block_size <= 32:
+        options["num_warps"] = 4  # flex's defaults (up to 8 warps) assume 64-128-row tiles
+    return options
 
 
 class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
