@@ -22,6 +22,11 @@ Declared support and why:
   shape. The impl itself is device-agnostic; the CPU tests run it with flex's uncompiled
   reference on small caches.
 - CUDA graphs: NEVER. The padded query length and the block-mask shapes change every step.
+
+Requirement on the cache: slots not yet written must hold finite values (allocate the cache
+with zeros, as vLLM does). Flex loads whole pages and multiplies masked
+probabilities (exact zeros) with the values, so a NaN bit pattern left in the unfilled tail
+of a request's last page would turn its outputs into NaN (checked on the CPU reference path).
 """
 
 from __future__ import annotations
