@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import math
 import subprocess
 import sys
