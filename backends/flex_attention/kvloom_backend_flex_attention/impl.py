@@ -1,0 +1,125 @@
+"""The FLEX_ATTENTION impl: write K/V through the slot mapping, then one compiled
+``flex_attention`` call per query group over the whole paged cache.
+
+``flex_attention`` must run compiled: uncompiled it is a reference implementation that
+materialises the full ``[rows, num_blocks * block_size]`` score matrix. One compiled
+function serves every layer and step. Shapes are left to dynamo's automatic dynamism
+(the first call of a variant compiles static shapes, the first shape change recompiles
+with dynamic ones): on the CPU's inductor template, ``dynamic=True`` from the start
+produced C++ that failed to compile. Variants: one per query block size (two), dtype,
+head size and cache block size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from kvloom.attention.backend import AttentionImpl, AttentionType
+from kvloom_backend_flex_attention.kv_write import write_kv_split
+from kvloom_backend_flex_attention.metadata import FlexAttentionMetadata
+
+
+#: Each kernel variant costs dynamo up to two cache entries of flex_attention's frame;
+#: past torch's default limit of 8 it would silently run the uncompiled reference.
+_MIN_RECOMPILE_LIMIT = 64
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable:
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _MIN_RECOMPILE_LIMIT)
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def cuda_kernel_options(q_block_size: int, block_size: int, head_size: int, dtype: torch.dtype) -> dict:
+    """Triton tile sizes for flex's CUDA kernel.
+
+    Flex requires ``Q_BLOCK % BLOCK_M == 0`` and ``KV_BLOCK % BLOCK_N == 0`` (and fails
+    rather than adapt when its default tile does not divide); the KV blocks here are cache
+    pages, so ``BLOCK_N`` divides the page size. Rows of K/V per tile shrink as heads widen
+    to keep Q plus three pipelined K/V stages well inside shared memory (~128-160 KiB).
+    """
+    row_bytes = head_size * dtype.itemsize
+    max_n = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    options = {
+        "BLOCK_M": q_block_size,
+        "BLOCK_N": math.gcd(block_size, max_n),
+        # Always the main kernel: the decoding kernel picks its own query tiles.
+        "FORCE_USE_FLEX_ATTENTION": True,
+    }
+    if q_block_size <= 32:
+        options["num_warps"] = 4  # flex's defaults (up to 8 warps) assume 64-128-row tiles
+    return options
+
+
+class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
+        )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"FLEX_ATTENTION supports attn_type decoder only, got {attn_type.value}")
+        if sliding_window is not None:
+            raise NotImplementedError("FLEX_ATTENTION does not implement sliding_window attention")
+        if logits_soft_cap is not None:
+            raise NotImplementedError("FLEX_ATTENTION does not implement logits_soft_cap")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"FLEX_ATTENTION supports kv_cache_dtype 'auto' only, got {kv_cache_dtype!r}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        #: The flex function; tests may swap in the uncompiled reference.
+        self.flex_fn: Callable = compiled_flex_attention()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlexAttentionMetadata | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if attn_metadata is None:
+            # Profiling run without attention metadata: no cache to write, nothing to attend.
+            return output.zero_()
+        write_kv_split(kv_cache, key, value, attn_metadata.slot_mapping)
+
+        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        kv_len = num_blocks * block_size
+        # [1, kv_heads, kv_len, dim] views of the whole cache, slots in physical order.
+        k = kv_cache[0].view(1, kv_len, num_kv_heads, head_size).transpose(1, 2)
+        v = kv_cache[1].view(1, kv_len, num_kv_heads, head_size).transpose(1, 2)
+        on_cuda = query.device.type == "cuda"
+        for group, block_mask in zip(attn_metadata.groups, attn_metadata.block_masks(num_blocks)):
+            q_rows = query.new_zeros(group.num_rows, self.num_heads, self.head_size)
+            q_rows.index_copy_(0, group.row_of_token, query.index_select(0, group.token_index))
+            out = self.flex_fn(
+                q_rows.unsqueeze(0).transpose(1, 2),
+                k,
+                v,
+                block_mask=block_mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != num_kv_heads,
+                kernel_options=cuda_kernel_options(group.q_block_size, block_size, head_size, query.dtype)
+                if on_cuda
+                else None,
+            )
+            out_rows = out.transpose(1, 2)[0]  # [rows, heads, dim]
+            output.index_copy_(0, group.token_index, out_rows.index_select(0, group.row_of_token).to(output.dtype))
+        return output

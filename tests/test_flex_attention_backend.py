@@ -1,0 +1,328 @@
+"""CPU tests of the FLEX_ATTENTION backend.
+
+The backend declares CUDA only (see its backend.py for the CPU measurements), but its
+planning, block masks, cache writes and impl are device-agnostic. Here they run on the CPU
+with flex_attention's uncompiled reference (which evaluates ``mask_mod`` on every
+query/slot pair, so the mask alone must be right) against a float64 reference built from
+the block tables; a structural test checks that the block lists, which only the compiled
+kernels read, cover exactly what the mask allows. The compiled CUDA path runs in the GPU
+conformance test (tests/gpu/test_backends_fiflex.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from kvloom.attention.backend import (
+    AttentionCGSupport,
+    AttentionLayerSpec,
+    AttentionSelectorConfig,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from kvloom.platform_types import DeviceCapability
+from kvloom_backend_flex_attention import KVLOOM_PLUGIN_API, FlexAttentionBackend
+from kvloom_backend_flex_attention.impl import cuda_kernel_options
+from kvloom_backend_flex_attention.kv_write import write_kv_split
+from kvloom_backend_flex_attention.planning import plan_page_ownership, plan_query_groups
+
+H100 = DeviceCapability(9, 0)
+
+
+def _config(**overrides) -> AttentionSelectorConfig:
+    base = dict(head_size=64, dtype=torch.bfloat16, block_size=16, device_type="cuda", device_capability=H100)
+    base.update(overrides)
+    return AttentionSelectorConfig(**base)
+
+
+# ---------------------------------------------------------------------------- declarations
+def test_declarations():
+    assert KVLOOM_PLUGIN_API == "1.0"
+    assert FlexAttentionBackend.NAME == "FLEX_ATTENTION"
+    assert FlexAttentionBackend.cudagraph_support == AttentionCGSupport.NEVER
+    assert FlexAttentionBackend.required_modules == {}
+    summary = FlexAttentionBackend.support_summary()
+    assert summary["dtypes"] == ["float16", "bfloat16", "float32"]
+    assert summary["block_sizes"] == ["multiples of 16"]
+    assert summary["device_types"] == ["cuda"]
+    assert FlexAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
+    assert FlexAttentionBackend.preferred_block_size() == 16
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(dtype=torch.float32, head_size=80, block_size=48), dict(dtype=torch.float16, head_size=256,
+                                                                      block_size=None)],
+)
+def test_valid_configurations(overrides):
+    assert FlexAttentionBackend.validate_configuration(_config(**overrides)) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (dict(device_type="cpu", device_capability=None), "device type cpu not supported (supports cuda)"),
+        (dict(block_size=8), "block size 8 not supported (supports multiples of 16)"),
+        (dict(head_size=320), "head size 320 not supported (supports 1..256)"),
+        (dict(kv_cache_dtype="fp8"), "kv cache dtype fp8 not supported (supports auto)"),
+        (dict(device_capability=DeviceCapability(7, 5)),
+         "dtype bfloat16 needs compute capability >= 8.0 (device has 7.5); use float16 or float32"),
+        (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type encoder_only not supported (supports decoder)"),
+    ],
+)
+def test_validation_reasons(overrides, reason):
+    assert FlexAttentionBackend.validate_configuration(_config(**overrides)) == [reason]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])
+@pytest.mark.parametrize(
+    "head_size, dtype", [(64, torch.bfloat16), (256, torch.float16), (128, torch.float32), (256, torch.float32)]
+)
+def test_cuda_kernel_tiles_divide_the_sparse_blocks(block_size, head_size, dtype):
+    for q_block in (16, 64):
+        options = cuda_kernel_options(q_block, block_size, head_size, dtype)
+        assert options["BLOCK_M"] == q_block and q_block % options["BLOCK_M"] == 0
+        assert block_size % options["BLOCK_N"] == 0 and options["BLOCK_N"] >= 16
+        assert options["FORCE_USE_FLEX_ATTENTION"] is True
+        # Q tile plus three pipelined K/V stages fit in H100 shared memory with headroom.
+        assert (q_block + 3 * 2 * options["BLOCK_N"]) * head_size * dtype.itemsize <= 160 * 1024
+
+
+# ---------------------------------------------------------------------------- host planning
+def test_plan_query_groups_hand_computed():
+    # r0: decode at position 40; r1: 70-token prefill; r2: 20-token chunk after 17 tokens.
+    qsl = torch.tensor([0, 1, 71, 91], dtype=torch.int32)
+    seq_lens = torch.tensor([41, 70, 37], dtype=torch.int32)
+    short, long = plan_query_groups(qsl, seq_lens, block_size=16)
+
+    assert short.q_block_size == 16 and short.num_rows == 48
+    assert short.token_index.tolist() == [0] + list(range(71, 91))
+    assert short.row_of_token.tolist() == [0] + list(range(16, 36))
+    assert short.req_of_row.tolist() == [0] * 16 + [2] * 32
+    assert short.pos_of_row.tolist() == [40] + [-1] * 15 + list(range(17, 37)) + [-1] * 12
+    assert short.req_of_qblock.tolist() == [0, 2, 2]
+    # r0's block sees pages 0-1 fully and page 2 (slots 32..40) partly; r2's first block
+    # (positions 17..32) page 0 fully, pages 1-2 partly; its second (33..36) pages 0-1 fully.
+    assert short.full_pages.tolist() == [2, 1, 2]
+    assert short.visible_pages.tolist() == [3, 3, 3]
+
+    assert long.q_block_size == 64 and long.num_rows == 128
+    assert long.token_index.tolist() == list(range(1, 71))
+    assert long.row_of_token.tolist() == list(range(70))
+    assert long.pos_of_row.tolist() == list(range(70)) + [-1] * 58
+    assert long.req_of_qblock.tolist() == [1, 1]
+    assert long.full_pages.tolist() == [0, 4]
+    assert long.visible_pages.tolist() == [4, 5]
+
+
+def test_plan_query_groups_skips_empty_groups_and_requests_without_queries():
+    groups = plan_query_groups(torch.tensor([0, 1, 1, 2]), torch.tensor([5, 9, 1]), block_size=16)
+    assert len(groups) == 1 and groups[0].req_of_qblock.tolist() == [0, 2]
+
+
+def test_plan_page_ownership_hand_computed():
+    ownership = plan_page_ownership(torch.tensor([1, 33, 16]), block_size=16, block_table_width=4)
+    assert ownership.table_index.tolist() == [0, 4, 5, 6, 8]
+    assert ownership.logical_page.tolist() == [0, 0, 1, 2, 0]
+    with pytest.raises(ValueError, match="needs 3 blocks of 16; the block table has only 2 columns"):
+        plan_page_ownership(torch.tensor([33]), block_size=16, block_table_width=2)
+
+
+def test_write_kv_split_lands_in_split_view_and_skips_minus_one():
+    cache = torch.zeros(FlexAttentionBackend.get_kv_cache_shape(4, 16, 2, 8))
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_split(cache, key, value, torch.tensor([-1, 2 * 16 + 3, 63]))
+    k_cache, v_cache = FlexAttentionBackend.split_kv_cache(cache)
+    assert torch.equal(k_cache[2, 3], key[1]) and torch.equal(v_cache[2, 3], value[1])
+    assert torch.equal(k_cache[3, 15], key[2]) and torch.equal(v_cache[3, 15], value[2])
+    assert int((cache != 0).any(dim=(-1, -2)).sum()) == 4
+
+
+# ---------------------------------------------------------------------------- batches
+@dataclass
+class Batch:
+    common: CommonAttentionMetadata
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    expected: torch.Tensor  # float64
+
+
+def _make_batch(cache, requests, *, block_size, heads, kv_heads, dim, scale, width, gen, dtype,
+                slot_minus_one=(), share_first_page=False):
+    """Write each ``(context_len, query_len)`` request's context into ``cache`` and return the
+    step's inputs plus a float64 reference from the full per-request K/V. Pages are distinct
+    and random, except that ``share_first_page`` makes request 1 reuse request 0's first
+    page (same tokens there, as prefix caching would)."""
+    k_cache, v_cache = FlexAttentionBackend.split_kv_cache(cache)
+    needed = [-(-(c + q) // block_size) for c, q in requests]
+    pages = torch.randperm(cache.shape[1], generator=gen)[: sum(needed)].tolist()
+    block_table = torch.zeros(len(requests), width, dtype=torch.int32)
+    qs, ks, vs, slots, expected, q_lens, seq_lens = [], [], [], [], [], [], []
+    first_k = first_v = None
+    for i, ((ctx, qlen), n) in enumerate(zip(requests, needed)):
+        block_table[i, :n] = torch.tensor(pages[:n], dtype=torch.int32)
+        pages = pages[n:]
+        seq = ctx + qlen
+        k_full = torch.randn(seq, kv_heads, dim, generator=gen).to(dtype)
+        v_full = torch.randn(seq, kv_heads, dim, generator=gen).to(dtype)
+        if share_first_page and i == 0:
+            first_k, first_v = k_full[:block_size], v_full[:block_size]
+        if share_first_page and i == 1:
+            assert ctx >= block_size and requests[0][0] >= block_size
+            block_table[1, 0] = block_table[0, 0]
+            k_full[:block_size], v_full[:block_size] = first_k, first_v
+        q = torch.randn(qlen, heads, dim, generator=gen).to(dtype)
+        for pos in range(ctx):
+            b, o = int(block_table[i, pos // block_size]), pos % block_size
+            k_cache[b, o], v_cache[b, o] = k_full[pos], v_full[pos]
+        pos_new = torch.arange(ctx, seq)
+        slots.append(block_table[i, pos_new // block_size].long() * block_size + pos_new % block_size)
+        qs.append(q), ks.append(k_full[ctx:]), vs.append(v_full[ctx:])
+        kk = k_full.double().repeat_interleave(heads // kv_heads, 1)
+        vv = v_full.double().repeat_interleave(heads // kv_heads, 1)
+        s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+        s = s.masked_fill(torch.arange(seq)[None, :] > pos_new[:, None], float("-inf"))
+        expected.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
+        q_lens.append(qlen), seq_lens.append(seq)
+    slot_mapping = torch.cat(slots)
+    for t in slot_minus_one:
+        slot_mapping[t] = -1
+    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, seq_lens=seq_lens_t, block_table=block_table, slot_mapping=slot_mapping,
+        num_reqs=len(requests), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens_t.clone(),
+    )
+    return Batch(common, torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(expected))
+
+
+BLOCK, NUM_BLOCKS, WIDTH = 16, 48, 16
+
+
+def _parts(heads, kv_heads, dim, dtype, block_size=BLOCK):
+    scale = 1 / math.sqrt(dim)
+    spec = AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, dtype=dtype,
+                              kv_cache_dtype=dtype, block_size=block_size, max_num_seqs=8, max_model_len=256,
+                              scale=scale)
+    builder = FlexAttentionBackend.get_builder_cls()(spec, torch.device("cpu"), NUM_BLOCKS)
+    impl = FlexAttentionBackend.get_impl_cls()(num_heads=heads, head_size=dim, scale=scale, num_kv_heads=kv_heads)
+    impl.flex_fn = flex_attention  # the uncompiled reference (the CPU is not a declared device)
+    cache = torch.zeros(FlexAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, block_size, kv_heads, dim), dtype=dtype)
+    return scale, builder, impl, cache
+
+
+CASES = {
+    "prefill": [(0, 37)],
+    "chunked_prefill_with_context": [(20, 7), (48, 70), (3, 1)],
+    "decode": [(40, 1), (0, 1), (100, 1), (15, 1)],
+    "mixed_interleaved": [(40, 1), (0, 9), (17, 1), (31, 80), (64, 1)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
+def test_matches_float64_reference(case, heads, kv_heads):
+    scale, builder, impl, cache = _parts(heads, kv_heads, 32, torch.float32)
+    gen = torch.Generator().manual_seed(list(CASES).index(case))
+    batch = _make_batch(cache, CASES[case], block_size=BLOCK, heads=heads, kv_heads=kv_heads, dim=32, scale=scale,
+                        width=WIDTH, gen=gen, dtype=torch.float32)
+    output = torch.full_like(batch.query, float("nan"))
+    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
+    err = (output.double() - batch.expected).norm() / batch.expected.norm()
+    assert err < 1e-5, f"relative error {err}"
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_half_precision_and_block_size_32(dtype, tol):
+    scale, builder, impl, cache = _parts(8, 2, 64, dtype, block_size=32)
+    gen = torch.Generator().manual_seed(5)
+    batch = _make_batch(cache, [(50, 1), (0, 70), (33, 12)], block_size=32, heads=8, kv_heads=2, dim=64, scale=scale,
+                        width=WIDTH, gen=gen, dtype=dtype)
+    output = torch.empty_like(batch.query)
+    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
+    err = (output.double() - batch.expected).norm() / batch.expected.norm()
+    assert err < tol, f"relative error {err}"
+
+
+def test_prefix_shared_page():
+    scale, builder, impl, cache = _parts(8, 2, 32, torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    batch = _make_batch(cache, [(20, 1), (18, 5)], block_size=BLOCK, heads=8, kv_heads=2, dim=32, scale=scale,
+                        width=WIDTH, gen=gen, dtype=torch.float32, share_first_page=True)
+    output = torch.empty_like(batch.query)
+    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
+    err = (output.double() - batch.expected).norm() / batch.expected.norm()
+    assert err < 1e-5, f"relative error {err}"
+
+
+def test_slot_minus_one_is_not_written():
+    scale, builder, impl, cache = _parts(8, 2, 32, torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    batch = _make_batch(cache, [(0, 5), (16, 3)], block_size=BLOCK, heads=8, kv_heads=2, dim=32, scale=scale,
+                        width=WIDTH, gen=gen, dtype=torch.float32, slot_minus_one=(2,))
+    before = cache.clone()
+    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common),
+                 torch.empty_like(batch.query))
+    changed = (cache != before).any(dim=(-1, -2))  # [2, blocks, block_size]
+    assert int(changed[0].sum()) == 7 and int(changed[1].sum()) == 7
+    k_cache, _ = FlexAttentionBackend.split_kv_cache(cache)
+    slot = int(batch.common.block_table[0, 0]) * BLOCK + 2
+    assert torch.equal(k_cache.reshape(-1, 2, 32)[slot], before[0].reshape(-1, 2, 32)[slot])
+
+
+def test_profiling_run_without_metadata_zeroes_output():
+    _, _, impl, cache = _parts(4, 4, 32, torch.float32)
+    output = torch.full((3, 4, 32), float("nan"))
+    q = torch.randn(3, 4, 32)
+    impl.forward(q, q, q, cache, None, output)
+    assert torch.equal(output, torch.zeros_like(output))
+
+
+def test_block_lists_cover_exactly_what_the_mask_allows():
+    """What the compiled kernels rely on: for every query block, every slot the mask allows
+    lies in a listed page, full pages are allowed for every real row, lists are disjoint."""
+    scale, builder, impl, cache = _parts(8, 2, 32, torch.float32)
+    gen = torch.Generator().manual_seed(12)
+    requests = [(40, 1), (0, 9), (17, 1), (31, 80), (64, 1), (5, 70)]
+    batch = _make_batch(cache, requests, block_size=BLOCK, heads=8, kv_heads=2, dim=32, scale=scale, width=WIDTH,
+                        gen=gen, dtype=torch.float32)
+    meta = builder.build(batch.common)
+    kv_len = NUM_BLOCKS * BLOCK
+    slot = torch.arange(kv_len)
+    block_table = batch.common.block_table
+    for group, mask in zip(meta.groups, meta.block_masks(NUM_BLOCKS)):
+        rows = torch.arange(group.num_rows)
+        allowed = mask.mask_mod(torch.tensor(0), torch.tensor(0), rows[:, None], slot[None, :])  # [R, kv_len]
+        # Independent expectation from the block table.
+        logical = torch.arange(WIDTH)
+        page_of = block_table[group.req_of_row]  # [R, W]
+        pos = group.pos_of_row
+        expected = torch.zeros(group.num_rows, kv_len, dtype=torch.bool)
+        for r in range(group.num_rows):
+            for j in logical.tolist():
+                if pos[r] >= 0 and j * BLOCK <= pos[r]:
+                    p = int(page_of[r, j])
+                    n_valid = min(BLOCK, int(pos[r]) - j * BLOCK + 1)
+                    expected[r, p * BLOCK : p * BLOCK + n_valid] = True
+        assert torch.equal(allowed, expected), "mask_mod disagrees with the block table"
+
+        qb = group.q_block_size
+        for b in range(group.num_rows // qb):
+            partial = mask.kv_indices[0, 0, b, : int(mask.kv_num_blocks[0, 0, b])].tolist()
+            full = mask.full_kv_indices[0, 0, b, : int(mask.full_kv_num_blocks[0, 0, b])].tolist()
+            assert not set(partial) & set(full) and len(set(partial + full)) == len(partial + full)
+            block_allowed = allowed[b * qb : (b + 1) * qb]
+            pages_allowed = set(torch.nonzero(block_allowed.any(0)).flatten().div(BLOCK, rounding_mode="floor").tolist())
+            assert pages_allowed <= set(partial) | set(full), "an allowed page is not listed"
+            real = group.pos_of_row[b * qb : (b + 1) * qb] >= 0
+            for p in full:
+                assert bool(block_allowed[real][:, p * BLOCK : (p + 1) * BLOCK].all()), "a full page is not fully allowed"
+            assert set(partial) <= pages_allowed, "a listed partial page is never allowed"
