@@ -135,10 +135,15 @@ class WordTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return " ".join(self.WORDS[i] for i in ids if not (skip_special_tokens and i < 5))
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.WORDS[i] for i in ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True) -> Any:
         assert tokenize is False
         parts = []
         for m in messages:
+            if m["role"] == "tool":
+                raise ValueError("this template has no tool role")
             parts += [f"<|{m['role']}|>", m["content"]]
         if add_generation_prompt:
             parts.append("<|assistant|>")
@@ -313,3 +318,38 @@ def expected_text(tokenizer: WordTokenizer, ids: list[int]) -> str:
 
 def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+class ServerThread:
+    """A real uvicorn server for ``app`` on a free local port, in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
