@@ -193,8 +193,8 @@ class FakeAsyncLLM:
     def shutdown(self) -> None:
         pass
 
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer else ""
+    def _decode_token(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer else None
 
     async def generate(
         self,
@@ -256,7 +256,7 @@ class FakeAsyncLLM:
                     finish_reason = "stop"
                     stop_reason = None
                 else:
-                    piece = self._decode_token(tok)
+                    piece = self._decode_token(tok) or ""
                     text = piece if not text else text + " " + piece
                     for stop in sp.stop:
                         at = text.find(stop)
