@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,11 +126,8 @@ class WordTokenizer:
         self.ids = {w: i for i, w in enumerate(self.WORDS)}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        for word in text.split():
-            if word not in self.ids:
-                raise ValueError(f"unknown word {word!r}")
-            ids.append(self.ids[word])
+        # Unknown words map to a stable pseudo-random id (encode is then not invertible).
+        ids = [self.ids.get(word, 5 + zlib.crc32(word.encode()) % 195) for word in text.split()]
         return ([1] if add_special_tokens else []) + ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -177,6 +175,7 @@ class FakeAsyncLLM:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.active: set[str] = set()
+        self.peak_active = 0
         self.healthy = True
         self.stat_loggers: list = []
 
@@ -222,6 +221,7 @@ class FakeAsyncLLM:
             prompt_ids=prompt_ids, params=sp, lora=lora_request, priority=priority, cache_salt=cache_salt
         )
         self.active.add(request_id)
+        self.peak_active = max(self.peak_active, len(self.active))
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.config.model.max_model_len - len(prompt_ids)
         max_tokens = min(max_tokens, self.config.model.max_model_len - len(prompt_ids))
 
