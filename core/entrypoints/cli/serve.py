@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+
+logger = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Start the OpenAI-compatible API server (POST /v1/completions, /v1/chat/completions,
@@ -58,14 +61,18 @@ def run(args: argparse.Namespace) -> int:
         engine_args = engine_args_from_namespace(args, **overrides)
     except ValueError as exc:
         parser.error(str(exc))
-    asyncio.run(
-        serve_http(
-            engine_args,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key or None,
-            uvicorn_log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
+    try:
+        asyncio.run(
+            serve_http(
+                engine_args,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key or None,
+                uvicorn_log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+            )
         )
-    )
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on Ctrl-C, then re-raises the interrupt.
+        logger.info("kvloom serve stopped")
     return 0
