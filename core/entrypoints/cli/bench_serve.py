@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import time
@@ -98,6 +99,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     results = asyncio.run(benchmark(args))
     print(format_report(results))
     if args.json_path:
