@@ -74,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrency", type=int, default=None, help="Max requests in flight (default: no cap).")
     parser.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: 0).")
     parser.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout in seconds (default: 600).")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="Write the results as JSON here.")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                        help="Write the results as JSON here.")  # fmt: skip
     parser.set_defaults(func=run, parser=parser)
     return parser
 
@@ -119,7 +120,9 @@ def arrival_gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> 
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-async def make_prompts(client: httpx.AsyncClient, model: str, n: int, input_len: int, rng: random.Random) -> list[list[int]]:
+async def make_prompts(
+    client: httpx.AsyncClient, model: str, n: int, input_len: int, rng: random.Random
+) -> list[list[int]]:
     """n prompts of exactly input_len token ids, cut from one tokenized random text."""
     words = max(2 * input_len, 256)
     while True:

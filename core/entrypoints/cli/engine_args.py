@@ -64,12 +64,24 @@ def _parse_int_list_item(text: str) -> list[int]:
 class _FlattenIntLists(argparse.Action):
     """Collects ``--x 1 2 4`` and ``--x 1,2,4`` into one list of ints."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, [v for chunk in values for v in chunk])
 
 
 class _KeyValuesToDict(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         result = dict(getattr(namespace, self.dest, None) or {})
         result.update(values)
         setattr(namespace, self.dest, result)

@@ -93,7 +93,9 @@ def _respond(result: Any) -> Response:
 def _model_list(serving: OpenAIServingCompletion) -> ModelList:
     cards = [ModelCard(id=serving.model_name, root=serving.config.model.model, max_model_len=serving.max_model_len)]
     for name, lora in serving.lora_requests.items():
-        cards.append(ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=serving.max_model_len))
+        cards.append(
+            ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=serving.max_model_len)
+        )
     return ModelList(data=cards)
 
 

@@ -247,9 +247,10 @@ class ChatMessageParam(OpenAIRequest):
     def _check_content(cls, value: Any) -> Any:
         if value is None or isinstance(value, str):
             return value
-        if isinstance(value, list) and all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in value
-        ):
+        def is_text_part(part: Any) -> bool:
+            return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+        if isinstance(value, list) and all(is_text_part(part) for part in value):
             return value
         raise ValueError("must be a string or a list of text parts ({'type': 'text', 'text': ...}); "
                          "kvloom serves text-only models")

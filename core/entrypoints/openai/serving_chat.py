@@ -22,8 +22,8 @@ from kvloom.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, random_id, sse
-from kvloom.outputs import SampleLogprobs
+from kvloom.entrypoints.openai.serving_engine import SSE_DONE, ChoiceOutputs, OpenAIServing, Prompt, random_id, sse
+from kvloom.outputs import RequestOutput, SampleLogprobs
 
 
 @dataclass
@@ -36,23 +36,31 @@ class _Choice:
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         lora_request = self.resolve_model(request.model)
         self.check_priority(request.priority)
         prompt = self.chat_prompt(request.template_messages(), request.add_generation_prompt)
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.build_params(1, request.n, request.seed, lambda _: request.sampling_params(max_tokens, logprobs, None))
+        params = self.build_params(
+            1, request.n, request.seed, lambda _: request.sampling_params(max_tokens, logprobs, None)
+        )
         request_id = random_id("chatcmpl")
-        outputs = self.generate_choices(request_id, [prompt], params, lora_request, request.priority, request.cache_salt)
+        outputs = self.generate_choices(
+            request_id, [prompt], params, lora_request, request.priority, request.cache_salt
+        )
         if request.stream:
             return self._stream(request, request_id, prompt, outputs)
         return await self._collect(request, request_id, prompt, outputs)
 
     # ------------------------------------------------------------ shared formatting
 
-    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs, top: int) -> list[ChatCompletionLogProbsContent]:
+    def _logprobs(
+        self, token_ids: list[int], logprobs: SampleLogprobs, top: int
+    ) -> list[ChatCompletionLogProbsContent]:
         content = []
         for token_id, step in zip(token_ids, logprobs):
             chosen = step[token_id]
@@ -75,7 +83,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         return content
 
-    def _delta(self, request: ChatCompletionRequest, choice: _Choice, output) -> tuple[str, list[ChatCompletionLogProbsContent] | None]:
+    def _delta(
+        self, request: ChatCompletionRequest, choice: _Choice, output: RequestOutput
+    ) -> tuple[str, list[ChatCompletionLogProbsContent] | None]:
         completion = output.outputs[0]
         logprobs = None
         if request.logprobs and completion.logprobs is not None:
@@ -99,7 +109,9 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------ whole response
 
-    async def _collect(self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs) -> ChatCompletionResponse:
+    async def _collect(
+        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: ChoiceOutputs
+    ) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(request.n)]
         async with aclosing(outputs):
             async for index, output in outputs:
@@ -129,7 +141,9 @@ class OpenAIServingChat(OpenAIServing):
         data["choices"][0]["delta"] = {k: v for k, v in data["choices"][0]["delta"].items() if v is not None}
         return sse(json.dumps(data))
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: ChoiceOutputs
+    ) -> AsyncIterator[str]:
         model = request.model or self.model_name
         choices = [_Choice() for _ in range(request.n)]
         try:
@@ -156,7 +170,8 @@ class OpenAIServingChat(OpenAIServing):
                         ),
                     )
             if request.stream_options is not None and request.stream_options.include_usage:
-                final = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=self._usage(prompt, choices))
+                usage = self._usage(prompt, choices)
+                final = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
                 yield sse(final.model_dump_json())
         except APIError as error:
             yield sse(json.dumps(error.body()))

@@ -16,8 +16,8 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, random_id, sse
-from kvloom.outputs import PromptLogprobs, SampleLogprobs
+from kvloom.entrypoints.openai.serving_engine import SSE_DONE, ChoiceOutputs, OpenAIServing, Prompt, random_id, sse
+from kvloom.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 @dataclass
@@ -85,7 +85,9 @@ class OpenAIServingCompletion(OpenAIServing):
             out.text_offset.append(choice.text_offset)
             choice.text_offset += len(token)
 
-    def _delta(self, request: CompletionRequest, prompt: Prompt, choice: _Choice, output) -> tuple[str, CompletionLogProbs | None]:
+    def _delta(
+        self, request: CompletionRequest, prompt: Prompt, choice: _Choice, output: RequestOutput
+    ) -> tuple[str, CompletionLogProbs | None]:
         """The text and logprobs a RequestOutput adds to a choice (echo on its first one)."""
         completion = output.outputs[0]
         text = completion.text
@@ -119,7 +121,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------ whole response
 
-    async def _collect(self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs) -> CompletionResponse:
+    async def _collect(
+        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: ChoiceOutputs
+    ) -> CompletionResponse:
         n = request.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         async with aclosing(outputs):
@@ -146,7 +150,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------ server-sent events
 
-    async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: ChoiceOutputs
+    ) -> AsyncIterator[str]:
         n = request.n
         model = request.model or self.model_name
         choices = [_Choice() for _ in range(len(prompts) * n)]
@@ -173,7 +179,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                     yield sse(chunk.model_dump_json())
             if request.stream_options is not None and request.stream_options.include_usage:
-                final = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=self._usage(prompts, choices))
+                usage = self._usage(prompts, choices)
+                final = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
                 yield sse(final.model_dump_json())
         except APIError as error:
             yield sse(json.dumps(error.body()))

@@ -52,6 +52,9 @@ def sse(data: str) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+#: (choice index, RequestOutput) pairs as the engine produces them.
+ChoiceOutputs = AsyncIterator[tuple[int, RequestOutput]]
+
 
 class OpenAIServing:
     def __init__(self, engine: "AsyncLLM") -> None:
@@ -186,7 +189,7 @@ class OpenAIServing:
         lora_request: LoRARequest | None,
         priority: int,
         cache_salt: str | None,
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> ChoiceOutputs:
         """Run one engine request per choice; yield (choice index, output) as they arrive.
         ``params[prompt_index][i]`` is choice i of that prompt (see ``build_params``).
 
