@@ -88,3 +88,27 @@ def test_skip_and_overrides() -> None:
     ns = parser.parse_args(["--seed", "3"])
     args = engine_args_from_namespace(ns, model="/x")
     assert args.model == "/x" and args.seed == 3
+
+
+def test_list_of_strings_flag() -> None:
+    from pydantic import Field, create_model
+
+    import kvloom.entrypoints.cli.engine_args as engine_args
+
+    extended = create_model("Extended", __base__=EngineArgs,
+                            names=(list[str] | None, Field(None, description="Some names.")))  # fmt: skip
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group("x")
+    engine_args._add_field(group, "names", extended.model_fields["names"])
+    assert parser.parse_args(["--names", "a", "b"]).names == ["a", "b"]
+
+
+def test_unsupported_field_type_is_loud() -> None:
+    from pydantic import create_model
+
+    import kvloom.entrypoints.cli.engine_args as engine_args
+
+    extended = create_model("Extended2", __base__=EngineArgs, blob=(dict[str, int] | None, None))
+    group = argparse.ArgumentParser().add_argument_group("x")
+    with pytest.raises(TypeError, match="EngineArgs.blob: no CLI flag rule"):
+        engine_args._add_field(group, "blob", extended.model_fields["blob"])

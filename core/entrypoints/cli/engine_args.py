@@ -6,7 +6,8 @@ accept the same engine flags and a new field is a new flag without further work:
 
 * ``bool`` fields: ``--x`` / ``--no-x``;
 * ``Literal``/enum fields: ``choices``;
-* ``list[int]`` fields: one or more values (``--x 1 2 4`` or ``--x 1,2,4``);
+* ``list[int]`` fields: one or more values (``--x 1 2 4`` or ``--x 1,2,4``); ``list[str]``:
+  one or more values;
 * ``dict[str, str]`` fields: ``name=path`` pairs (``--lora-modules a=/p/a b=/p/b``);
 * ``optimization_level`` also answers to ``-O0`` .. ``-O3``.
 
@@ -121,6 +122,8 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field: FieldInfo) -> N
     elif origin is list and typing.get_args(inner) == (int,):
         group.add_argument(*flags, type=_parse_int_list_item, nargs="+", action=_FlattenIntLists,
                            metavar="N", help=_help(field), **common)  # fmt: skip
+    elif origin is list and typing.get_args(inner) == (str,):
+        group.add_argument(*flags, type=str, nargs="+", metavar="VALUE", help=_help(field), **common)
     elif origin is dict and typing.get_args(inner) == (str, str):
         group.add_argument(*flags, type=_parse_key_value, nargs="+", action=_KeyValuesToDict,
                            metavar="NAME=PATH", help=_help(field), **common)  # fmt: skip
