@@ -98,7 +98,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 echoed = self.prompt_text(prompt)
                 text = echoed + text
                 if logprobs is not None and output.prompt_logprobs is not None:
-                    self._append_logprobs(choice, prompt.token_ids, output.prompt_logprobs, logprobs)
+                    prompt_logprobs = list(output.prompt_logprobs)
+                    if len(prompt_logprobs) == len(prompt.token_ids) - 1:
+                        prompt_logprobs.insert(0, None)  # the first token has no logprob
+                    self._append_logprobs(choice, prompt.token_ids, prompt_logprobs, logprobs)
                 else:
                     choice.text_offset += len(echoed)
         if logprobs is not None and completion.logprobs is not None:
