@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,24 +30,23 @@ class AsyncLLM:
         config: EngineConfig,
         log_stats: bool = True,
         stat_loggers: list[Any] | None = None,
-        with_prometheus: bool = True,
     ) -> None:
         self.config = config
         self.log_stats = log_stats and not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=self.log_stats)
         self.tokenizer = self.frontend.tokenizer
         self.engine_core = ThreadedClient(config, log_stats=self.log_stats)
-        self.frontend.start_stat_loggers(stat_loggers, with_prometheus=with_prometheus)
+        self.frontend.start_stat_loggers(stat_loggers)
         self._queues: dict[str, asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException]] = {}
         self._output_handler: asyncio.Task | None = None
-        self._log_task: asyncio.Task | None = None
         self.errored: BaseException | None = None
 
     @classmethod
-    def from_engine_args(
-        cls, args: EngineArgs, stat_loggers: list[Any] | None = None, with_prometheus: bool = True
-    ) -> "AsyncLLM":
-        return cls(args.create_engine_config(), stat_loggers=stat_loggers, with_prometheus=with_prometheus)
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[Any] | None = None) -> "AsyncLLM":
+        """``stat_loggers``: extra stat logger factories, called as ``(config, engine_index)``
+        (the server passes ``PrometheusStatLogger``). Their ``log()`` is the caller's to
+        call periodically (the server does, every ``log_stats_interval`` seconds)."""
+        return cls(args.create_engine_config(), stat_loggers=stat_loggers)
 
     # ------------------------------------------------------------------ plumbing
     def _ensure_running(self) -> None:
@@ -58,8 +56,6 @@ class AsyncLLM:
             loop = asyncio.get_running_loop()
             self.engine_core.attach(loop)
             self._output_handler = loop.create_task(self._handle_outputs(), name="kvloom-output-handler")
-            if self.frontend.stat_loggers:
-                self._log_task = loop.create_task(self._log_periodically(), name="kvloom-stat-logger")
 
     async def _handle_outputs(self) -> None:
         try:
@@ -77,12 +73,6 @@ class AsyncLLM:
             self.errored = e
             for queue in self._queues.values():
                 queue.put_nowait(e)
-
-    async def _log_periodically(self) -> None:
-        interval = self.config.observability.log_stats_interval
-        while True:
-            await asyncio.sleep(interval)
-            self.frontend.maybe_log_stats(time.monotonic())
 
     async def _run(
         self,
@@ -168,7 +158,6 @@ class AsyncLLM:
         return self.frontend.stat_loggers
 
     def shutdown(self) -> None:
-        for task in (self._output_handler, self._log_task):
-            if task is not None:
-                task.cancel()
+        if self._output_handler is not None:
+            self._output_handler.cancel()
         self.engine_core.shutdown()

@@ -44,12 +44,14 @@ class Frontend:
         self._last_log = time.monotonic()
 
     # ------------------------------------------------------------------ stats
-    def start_stat_loggers(self, stat_loggers: list[Any] | None, with_prometheus: bool) -> None:
+    def start_stat_loggers(self, stat_loggers: list[Any] | None) -> None:
+        """Build the stat loggers (logging, the given factories, plugins) once the engine
+        is up. ``stat_loggers`` are factories called as ``(config, engine_index)``."""
         if not self.log_stats:
             return
-        from kvloom.metrics.loggers import make_stat_loggers
+        from kvloom.metrics.loggers import build_stat_loggers
 
-        self.stat_loggers = make_stat_loggers(self.config, extra=stat_loggers, with_prometheus=with_prometheus)
+        self.stat_loggers = build_stat_loggers(self.config, custom_factories=stat_loggers)
         for stat_logger in self.stat_loggers:
             stat_logger.log_engine_initialized()
 

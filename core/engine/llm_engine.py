@@ -28,7 +28,7 @@ class LLMEngine:
         self.frontend = Frontend(config, log_stats=log_stats)
         self.tokenizer = self.frontend.tokenizer
         self.engine_core = InprocClient(config, log_stats=log_stats)
-        self.frontend.start_stat_loggers(stat_loggers=None, with_prometheus=False)
+        self.frontend.start_stat_loggers(stat_loggers=None)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":

@@ -1,0 +1,163 @@
+"""argparse flags generated from ``kvloom.config.EngineArgs``.
+
+Every ``EngineArgs`` field becomes ``--field-name`` (underscores as dashes) with its
+description as help text, so ``kvloom serve``, ``kvloom generate`` and the benchmarks
+accept the same engine flags and a new field is a new flag without further work:
+
+* ``bool`` fields: ``--x`` / ``--no-x``;
+* ``Literal``/enum fields: ``choices``;
+* ``list[int]`` fields: one or more values (``--x 1 2 4`` or ``--x 1,2,4``); ``list[str]``:
+  one or more values;
+* ``dict[str, str]`` fields: ``name=path`` pairs (``--lora-modules a=/p/a b=/p/b``);
+* ``optimization_level`` also answers to ``-O0`` .. ``-O3``.
+
+Flags the user does not give are absent from the namespace, so ``EngineArgs``' own
+defaults apply and validation errors come from one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from kvloom.config import EngineArgs
+
+#: Extra short spellings of some flags (vLLM's).
+_SHORT_FLAGS: dict[str, list[str]] = {"optimization_level": ["-O"]}
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, whether None is allowed) for ``X | None`` / ``Optional[X]``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        if len(args) == 1:
+            return args[0], optional
+        return typing.Union[tuple(args)], optional  # noqa: UP007 (runtime construction)
+    return annotation, False
+
+
+def _parse_key_value(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, value
+
+
+def _parse_int_list_item(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers (e.g. 1 2 4 or 1,2,4), got {text!r}") from None
+
+
+class _FlattenIntLists(argparse.Action):
+    """Collects ``--x 1 2 4`` and ``--x 1,2,4`` into one list of ints."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, [v for chunk in values for v in chunk])
+
+
+class _KeyValuesToDict(argparse.Action):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        result = dict(getattr(namespace, self.dest, None) or {})
+        result.update(values)
+        setattr(namespace, self.dest, result)
+
+
+def _help(field: FieldInfo, extra: str = "") -> str:
+    text = field.description or ""
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, enum.Enum):
+        default = default.value
+    text = f"{text} {extra}".strip()
+    # '%' would be read as a format directive by argparse.
+    return f"{text} (default: {default})".replace("%", "%%")
+
+
+def _add_field(group: argparse._ArgumentGroup, name: str, field: FieldInfo) -> None:
+    inner, _optional = _unwrap_optional(field.annotation)
+    flags = _SHORT_FLAGS.get(name, []) + [flag_name(name)]
+    common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+    origin = typing.get_origin(inner)
+
+    if inner is bool:
+        group.add_argument(*flags, action=argparse.BooleanOptionalAction, help=_help(field), **common)
+    elif origin is Literal:
+        choices = list(typing.get_args(inner))
+        kind = type(choices[0])
+        group.add_argument(*flags, type=kind, choices=choices, metavar="{" + ",".join(map(str, choices)) + "}",
+                           help=_help(field), **common)  # fmt: skip
+    elif isinstance(inner, type) and issubclass(inner, enum.Enum):
+        choices = [member.value for member in inner]
+        group.add_argument(*flags, choices=choices, help=_help(field), **common)
+    elif inner in (int, float, str):
+        metavar = "N" if inner is int else None
+        if name == "optimization_level":
+            metavar = "{0,1,2,3}"
+        group.add_argument(*flags, type=inner, metavar=metavar, help=_help(field), **common)
+    elif origin is list and typing.get_args(inner) == (int,):
+        group.add_argument(*flags, type=_parse_int_list_item, nargs="+", action=_FlattenIntLists,
+                           metavar="N", help=_help(field), **common)  # fmt: skip
+    elif origin is list and typing.get_args(inner) == (str,):
+        group.add_argument(*flags, type=str, nargs="+", metavar="VALUE", help=_help(field), **common)
+    elif origin is dict and typing.get_args(inner) == (str, str):
+        group.add_argument(*flags, type=_parse_key_value, nargs="+", action=_KeyValuesToDict,
+                           metavar="NAME=PATH", help=_help(field), **common)  # fmt: skip
+    elif origin in (typing.Union, types.UnionType) and set(typing.get_args(inner)) <= {int, str}:
+        # e.g. kv_cache_memory: int | str ("4GiB"); EngineArgs parses the string.
+        group.add_argument(*flags, type=str, help=_help(field), **common)
+    else:
+        # Loud on purpose: a new EngineArgs field with a new kind of type needs a rule here.
+        raise TypeError(f"EngineArgs.{name}: no CLI flag rule for type {field.annotation!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """Add one flag per ``EngineArgs`` field (except those in ``skip``) to ``parser``."""
+    group = parser.add_argument_group("engine arguments", "Options of kvloom.config.EngineArgs.")
+    for name, field in EngineArgs.model_fields.items():
+        if name not in skip:
+            _add_field(group, name, field)
+    return parser
+
+
+def engine_args_from_namespace(namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """``EngineArgs`` from the flags present in ``namespace`` (plus ``overrides``).
+
+    A ``ValidationError`` is re-raised as ``ValueError`` whose message names each bad flag
+    and what it allows.
+    """
+    values = {name: getattr(namespace, name) for name in EngineArgs.model_fields if hasattr(namespace, name)}
+    values.update(overrides)
+    try:
+        return EngineArgs(**values)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = [str(part) for part in error["loc"]]
+            where = flag_name(loc[0]) if loc else "engine arguments"
+            problems.append(f"{where}: {error['msg']}")
+        raise ValueError("; ".join(problems)) from None

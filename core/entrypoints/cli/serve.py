@@ -1,0 +1,78 @@
+"""``kvloom serve [MODEL]``: the OpenAI-compatible server, with every engine flag."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+Start the OpenAI-compatible API server (POST /v1/completions, /v1/chat/completions,
+GET /v1/models, /health, /version, /metrics, POST /tokenize, /detokenize).
+MODEL is an HF model directory or a .gguf file; without one, the built-in
+SmolLM2-135M-Instruct is served."""
+
+
+def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible API server.",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model to serve (same as --model).")
+    server = parser.add_argument_group("server arguments")
+    server.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0, all interfaces).")
+    server.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("KVLOOM_API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on /v1/* (default: $KVLOOM_API_KEY, else no key).",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: info).",
+    )
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    add_engine_args(parser)
+    parser.set_defaults(func=run, parser=parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvloom.entrypoints.openai.api_server import serve_http
+
+    parser: argparse.ArgumentParser = args.parser
+    overrides = {}
+    if args.model_tag is not None:
+        if getattr(args, "model", args.model_tag) != args.model_tag:
+            parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one of them")
+        overrides["model"] = args.model_tag
+    if not 0 < args.port < 65536:
+        parser.error(f"--port: {args.port} is out of range (allowed: 1..65535)")
+    try:
+        engine_args = engine_args_from_namespace(args, **overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(
+            serve_http(
+                engine_args,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key or None,
+                uvicorn_log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+            )
+        )
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on Ctrl-C, then re-raises the interrupt.
+        logger.info("kvloom serve stopped")
+    return 0

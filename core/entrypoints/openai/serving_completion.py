@@ -1,0 +1,197 @@
+"""POST /v1/completions: prompt(s) in, n choices per prompt out, streamed or whole."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from kvloom.entrypoints.openai.errors import APIError
+from kvloom.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from kvloom.entrypoints.openai.serving_engine import SSE_DONE, ChoiceOutputs, OpenAIServing, Prompt, random_id, sse
+from kvloom.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+
+
+@dataclass
+class _Choice:
+    """What has been produced for one choice so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    text_offset: int = 0  # where the next logprob token starts in the choice's text
+    started: bool = False
+    logprobs: CompletionLogProbs = field(default_factory=CompletionLogProbs)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        lora_request = self.resolve_model(request.model)
+        self.check_priority(request.priority)
+        prompts = [self.tokenize(p) for p in request.prompts()]
+        max_tokens = [self.max_tokens_for(p, request.max_tokens, "prompt", "max_tokens") for p in prompts]
+        # echo with logprobs reports the prompt tokens' logprobs as well.
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
+
+        params = self.build_params(
+            len(prompts),
+            request.n,
+            request.seed,
+            lambda p: request.sampling_params(max_tokens[p], request.logprobs, prompt_logprobs),
+        )
+        request_id = random_id("cmpl")
+        outputs = self.generate_choices(
+            request_id, prompts, params, lora_request, request.priority, request.cache_salt
+        )
+        if request.stream:
+            return self._stream(request, request_id, prompts, outputs)
+        return await self._collect(request, request_id, prompts, outputs)
+
+    # ------------------------------------------------------------ shared formatting
+
+    def _append_logprobs(
+        self,
+        choice: _Choice,
+        token_ids: list[int],
+        logprobs: SampleLogprobs | PromptLogprobs,
+        out: CompletionLogProbs,
+    ) -> None:
+        """Append one entry per token to ``out``; positions without logprobs (the first
+        prompt token) get None."""
+        for token_id, step in zip(token_ids, logprobs):
+            if step is None:
+                token = self.token_str(token_id, None)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                chosen = step[token_id]
+                token = self.token_str(token_id, chosen.decoded_token)
+                out.token_logprobs.append(chosen.logprob)
+                out.top_logprobs.append(
+                    {self.token_str(tid, lp.decoded_token): lp.logprob for tid, lp in step.items()}
+                )
+            out.tokens.append(token)
+            out.text_offset.append(choice.text_offset)
+            choice.text_offset += len(token)
+
+    def _delta(
+        self, request: CompletionRequest, prompt: Prompt, choice: _Choice, output: RequestOutput
+    ) -> tuple[str, CompletionLogProbs | None]:
+        """The text and logprobs a RequestOutput adds to a choice (echo on its first one)."""
+        completion = output.outputs[0]
+        text = completion.text
+        logprobs = CompletionLogProbs() if request.logprobs is not None else None
+        if not choice.started:
+            choice.started = True
+            if request.echo:
+                echoed = self.prompt_text(prompt)
+                text = echoed + text
+                if logprobs is not None and output.prompt_logprobs is not None:
+                    prompt_logprobs = list(output.prompt_logprobs)
+                    if len(prompt_logprobs) == len(prompt.token_ids) - 1:
+                        prompt_logprobs.insert(0, None)  # the first token has no logprob
+                    self._append_logprobs(choice, prompt.token_ids, prompt_logprobs, logprobs)
+                else:
+                    choice.text_offset += len(echoed)
+        if logprobs is not None and completion.logprobs is not None:
+            self._append_logprobs(choice, completion.token_ids, completion.logprobs, logprobs)
+        choice.num_tokens += len(completion.token_ids)
+        choice.text += text
+        if completion.finish_reason is not None:
+            choice.finish_reason = str(completion.finish_reason)
+            choice.stop_reason = completion.stop_reason
+        return text, logprobs
+
+    def _usage(self, prompts: list[Prompt], choices: list[_Choice]) -> UsageInfo:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion_tokens = sum(c.num_tokens for c in choices)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    # ------------------------------------------------------------ whole response
+
+    async def _collect(
+        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: ChoiceOutputs
+    ) -> CompletionResponse:
+        n = request.n
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        async with aclosing(outputs):
+            async for index, output in outputs:
+                choice = choices[index]
+                _, logprobs = self._delta(request, prompts[index // n], choice, output)
+                if logprobs is not None:
+                    _extend(choice.logprobs, logprobs)
+        return CompletionResponse(
+            id=request_id,
+            model=request.model or self.model_name,
+            choices=[
+                CompletionResponseChoice(
+                    index=i,
+                    text=c.text,
+                    logprobs=c.logprobs if request.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=self._usage(prompts, choices),
+        )
+
+    # ------------------------------------------------------------ server-sent events
+
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: ChoiceOutputs
+    ) -> AsyncIterator[str]:
+        n = request.n
+        model = request.model or self.model_name
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        try:
+            async with aclosing(outputs):
+                async for index, output in outputs:
+                    choice = choices[index]
+                    text, logprobs = self._delta(request, prompts[index // n], choice, output)
+                    finished = output.outputs[0].finish_reason is not None
+                    if not text and not finished and not (logprobs and logprobs.tokens):
+                        continue  # nothing to tell the client yet
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        model=model,
+                        choices=[
+                            CompletionResponseChoice(
+                                index=index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=choice.finish_reason if finished else None,
+                                stop_reason=choice.stop_reason if finished else None,
+                            )
+                        ],
+                    )
+                    yield sse(chunk.model_dump_json())
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage = self._usage(prompts, choices)
+                final = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+                yield sse(final.model_dump_json())
+        except APIError as error:
+            yield sse(json.dumps(error.body()))
+        yield SSE_DONE
+
+
+def _extend(into: CompletionLogProbs, more: CompletionLogProbs) -> None:
+    into.tokens.extend(more.tokens)
+    into.token_logprobs.extend(more.token_logprobs)
+    into.top_logprobs.extend(more.top_logprobs)
+    into.text_offset.extend(more.text_offset)

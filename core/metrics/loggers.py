@@ -1,0 +1,425 @@
+"""The built-in stat loggers and the factory that assembles the loggers of an engine.
+
+* ``LoggingStatLogger`` writes the seeds' one-line summary (throughputs, running/waiting,
+  KV-cache usage, prefix-cache hit rate) to the INFO log each time ``log()`` is called
+  (every ``log_stats_interval`` seconds, 5 by default).
+* ``PrometheusStatLogger`` keeps the v1 metric set under the ``kvloom:`` prefix, each
+  labelled with ``model_name``, in its own ``CollectorRegistry`` (``/metrics`` serves it).
+* ``build_stat_loggers`` makes the logging logger (unless ``disable_log_stats``), the
+  loggers the caller asked for (e.g. ``PrometheusStatLogger`` when serving) and one
+  instance of every ``kvloom.stat_logger_plugins`` plugin.
+
+All the knowledge of ``IterationStats``' field names lives in ``_IterationView`` below.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvloom.metrics.stat_logger_base import StatLoggerBase
+from kvloom.outputs import SchedulerStats
+from kvloom.request import FinishReason
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.metrics.stats import IterationStats
+    from kvloom.outputs import PrefixCacheStats
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "kvloom:"
+
+#: A stat logger factory: called with the engine config and the engine index. Every
+#: ``StatLoggerBase`` subclass is one.
+StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
+
+
+# ----------------------------------------------------------------- reading IterationStats
+
+
+@dataclass
+class _FinishedRequestView:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queued_time: float
+    prefill_time: float
+    inference_time: float
+    decode_time: float
+
+
+@dataclass
+class _IterationView:
+    """The parts of one step's ``IterationStats`` that the loggers publish."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[_FinishedRequestView] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, stats: "IterationStats | None") -> "_IterationView":
+        if stats is None:
+            return cls()
+        return cls(
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_generation_tokens=stats.num_generation_tokens,
+            time_to_first_tokens=list(stats.time_to_first_tokens_iter),
+            inter_token_latencies=list(stats.inter_token_latencies_iter),
+            finished_requests=[
+                _FinishedRequestView(
+                    finish_reason=str(r.finish_reason),
+                    e2e_latency=r.e2e_latency,
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    num_generation_tokens=r.num_generation_tokens,
+                    queued_time=r.queued_time,
+                    prefill_time=r.prefill_time,
+                    inference_time=r.inference_time,
+                    decode_time=r.decode_time,
+                )
+                for r in stats.finished_requests
+            ],
+        )
+
+
+# ----------------------------------------------------------------- logging
+
+
+class PrefixCacheHitRate:
+    """Hit rate over the most recent ``max_requests`` prefix-cache lookups (the seeds'
+    "most recent 1k queries"): a sliding window of per-step (requests, queries, hits)."""
+
+    def __init__(self, max_requests: int = 1000) -> None:
+        self.max_requests = max_requests
+        self._window: deque[tuple[int, int, int]] = deque()
+        self._requests = 0
+        self._queries = 0
+        self._hits = 0
+
+    def observe(self, stats: "PrefixCacheStats") -> None:
+        if stats.reset:
+            self._window.clear()
+            self._requests = self._queries = self._hits = 0
+        if stats.requests == 0 and stats.queries == 0:
+            return
+        self._window.append((stats.requests, stats.queries, stats.hits))
+        self._requests += stats.requests
+        self._queries += stats.queries
+        self._hits += stats.hits
+        # Drop old steps while the rest still covers max_requests lookups.
+        while len(self._window) > 1 and self._requests - self._window[0][0] >= self.max_requests:
+            requests, queries, hits = self._window.popleft()
+            self._requests -= requests
+            self._queries -= queries
+            self._hits -= hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self._hits / self._queries if self._queries else 0.0
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """Logs the seeds' summary line: throughputs since the last line, running and waiting
+    requests, KV-cache usage and the recent prefix-cache hit rate."""
+
+    def __init__(self, config: "EngineConfig", engine_index: int = 0) -> None:
+        super().__init__(config, engine_index)
+        self.prefix_cache = PrefixCacheHitRate()
+        self.last_scheduler_stats = SchedulerStats()
+        self._reset_interval(time.monotonic())
+        self._last_line_idle = False
+
+    def _reset_interval(self, now: float) -> None:
+        self.interval_start = now
+        self.interval_prompt_tokens = 0
+        self.interval_generation_tokens = 0
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: "IterationStats | None",
+        engine_idx: int = 0,
+    ) -> None:
+        it = _IterationView.of(iteration_stats)
+        self.interval_prompt_tokens += it.num_prompt_tokens
+        self.interval_generation_tokens += it.num_generation_tokens
+        if scheduler_stats is not None:
+            self.last_scheduler_stats = scheduler_stats
+            self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+
+    def summary(self, now: float | None = None) -> str:
+        """The summary line for the interval that ends at ``now``."""
+        now = time.monotonic() if now is None else now
+        elapsed = max(now - self.interval_start, 1e-9)
+        s = self.last_scheduler_stats
+        return (
+            f"Engine {self.engine_index:03d}: "
+            f"Avg prompt throughput: {self.interval_prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.interval_generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+            f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {self.prefix_cache.hit_rate * 100:.1f}%"
+        )
+
+    def log(self) -> None:
+        now = time.monotonic()
+        s = self.last_scheduler_stats
+        idle = (
+            self.interval_prompt_tokens == 0
+            and self.interval_generation_tokens == 0
+            and s.num_running_reqs == 0
+            and s.num_waiting_reqs == 0
+        )
+        # One INFO line when the engine goes idle, then DEBUG until work arrives again,
+        # so an idle server does not fill its log with identical lines.
+        level = logging.DEBUG if idle and self._last_line_idle else logging.INFO
+        logger.log(level, "%s", self.summary(now))
+        self._last_line_idle = idle
+        self._reset_interval(now)
+
+    def log_engine_initialized(self) -> None:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            logger.info(
+                "Engine %03d: KV cache has %d blocks of %d tokens (%d tokens)",
+                self.engine_index,
+                cache.num_blocks,
+                cache.block_size,
+                cache.num_blocks * cache.block_size,
+            )
+
+
+# ----------------------------------------------------------------- Prometheus
+
+# Histogram buckets. Latencies span a fast GPU (milliseconds) to a 2-core CPU (seconds).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                           15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                           1920.0, 7680.0]  # fmt: skip
+
+
+def token_count_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (and max_model_len itself)."""
+    buckets: list[float] = []
+    magnitude = 1
+    while True:
+        for step in (1, 2, 5):
+            value = step * magnitude
+            if value > max_model_len:
+                if not buckets or buckets[-1] < max_model_len:
+                    buckets.append(float(max_model_len))
+                return buckets
+            buckets.append(float(value))
+        magnitude *= 10
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """Publishes the v1 metric set. Metrics live in ``self.registry`` (a fresh
+    ``CollectorRegistry`` unless one is given) so several engines or tests in one process
+    never collide; the server's ``/metrics`` renders it."""
+
+    def __init__(
+        self,
+        config: "EngineConfig",
+        engine_index: int = 0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        super().__init__(config, engine_index)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = config.model.served_model_name
+        model = ["model_name"]
+        name = self._name
+
+        def gauge(metric: str, doc: str) -> Any:
+            return Gauge(name(metric), doc, model, registry=self.registry).labels(self.model_name)
+
+        def counter(metric: str, doc: str) -> Any:
+            return Counter(name(metric), doc, model, registry=self.registry).labels(self.model_name)
+
+        def histogram(metric: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name(metric), doc, model, buckets=buckets, registry=self.registry).labels(
+                self.model_name
+            )
+
+        # Server-level: gauges and counters.
+        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        request_success = Counter(
+            name("request_success"),
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        # Every reason is exported from the start (at 0) so rate() queries work at once.
+        self.request_success = {
+            str(reason): request_success.labels(self.model_name, str(reason)) for reason in FinishReason
+        }
+
+        # Request-level: histograms.
+        token_buckets = token_count_buckets(config.model.max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+        # Static information: a gauge fixed at 1 whose labels carry the cache config.
+        self._cache_config_info = Gauge(
+            name("cache_config_info"),
+            "Information of the LLMEngine CacheConfig",
+            ["model_name", *sorted(config.cache.model_dump())],
+            registry=self.registry,
+        )
+        self._publish_cache_config()
+
+    @staticmethod
+    def _name(metric: str) -> str:
+        return METRIC_PREFIX + metric
+
+    def _publish_cache_config(self) -> None:
+        labels = {key: str(value) for key, value in self.config.cache.model_dump().items()}
+        self._cache_config_info.clear()
+        self._cache_config_info.labels(model_name=self.model_name, **labels).set(1)
+
+    def log_engine_initialized(self) -> None:
+        # The worker sizes the cache after the config is made: num_blocks is known now.
+        self._publish_cache_config()
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: "IterationStats | None",
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self.num_requests_running.set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
+            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+            self.num_preemptions.inc(scheduler_stats.num_preemptions)
+        if iteration_stats is None:
+            return
+        it = _IterationView.of(iteration_stats)
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        for ttft in it.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for req in it.finished_requests:
+            success = self.request_success.get(req.finish_reason)
+            if success is None:
+                raise ValueError(
+                    f"finish_reason {req.finish_reason!r} is not one of {sorted(self.request_success)}"
+                )
+            success.inc()
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+            self.request_generation_tokens.observe(req.num_generation_tokens)
+            self.e2e_request_latency.observe(req.e2e_latency)
+            self.request_queue_time.observe(req.queued_time)
+            self.request_inference_time.observe(req.inference_time)
+            self.request_prefill_time.observe(req.prefill_time)
+            self.request_decode_time.observe(req.decode_time)
+
+
+# ----------------------------------------------------------------- factory
+
+
+def _plugin_stat_logger_classes() -> list[tuple[str, type]]:
+    """The classes registered in ``kvloom.stat_logger_plugins``, as (name, class)."""
+    # Imported here: the registry loads plugins, which must not happen at import time.
+    from kvloom.registry import stat_logger_classes
+
+    found: Mapping[str, type] | Iterable[type] = stat_logger_classes()
+    if isinstance(found, Mapping):
+        return list(found.items())
+    return [(getattr(cls, "__qualname__", repr(cls)), cls) for cls in found]
+
+
+def _checked(instance: object, source: str) -> StatLoggerBase:
+    if not isinstance(instance, StatLoggerBase):
+        raise TypeError(f"stat logger {source} made a {type(instance).__qualname__}, not a StatLoggerBase")
+    return instance
+
+
+def build_stat_loggers(
+    config: "EngineConfig",
+    custom_factories: Sequence[StatLoggerFactory] | None = None,
+    engine_index: int = 0,
+    include_plugins: bool = True,
+) -> list[StatLoggerBase]:
+    """The stat loggers of one engine: ``LoggingStatLogger`` unless ``disable_log_stats``,
+    then one per factory in ``custom_factories`` (``PrometheusStatLogger`` when serving),
+    then one per ``kvloom.stat_logger_plugins`` class.
+
+    A plugin entry that is not a ``StatLoggerBase`` subclass is a ``TypeError`` naming it.
+    """
+    loggers: list[StatLoggerBase] = []
+    if not config.observability.disable_log_stats:
+        loggers.append(LoggingStatLogger(config, engine_index))
+    for factory in custom_factories or ():
+        name = getattr(factory, "__qualname__", repr(factory))
+        loggers.append(_checked(factory(config, engine_index), name))
+    if include_plugins:
+        for name, cls in _plugin_stat_logger_classes():
+            if not (isinstance(cls, type) and issubclass(cls, StatLoggerBase)):
+                raise TypeError(
+                    f"stat logger plugin {name!r} is {cls!r}; a kvloom.stat_logger_plugins entry point "
+                    "must name a subclass of kvloom.interfaces.StatLoggerBase"
+                )
+            logger.info("Loaded stat logger plugin %s (%s.%s)", name, cls.__module__, cls.__qualname__)
+            loggers.append(_checked(cls(config, engine_index), name))
+    return loggers
