@@ -107,20 +107,26 @@ class KVCacheManager:
         manager = self.manager
         request_id = request.request_id
         num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = manager.get_num_blocks_to_allocate(request_id, num_slots, new_computed_blocks)
-        if num_needed > self.block_pool.free_block_queue.num_free_blocks:
-            return None
         if new_computed_blocks:
+            num_needed = manager.get_num_blocks_to_allocate(request_id, num_slots, new_computed_blocks)
+            if num_needed > self.block_pool.free_block_queue.num_free_blocks:
+                return None
             manager.save_new_computed_blocks(request_id, new_computed_blocks)
-        new_blocks = manager.allocate_new_blocks(request_id, num_slots)
+        blocks = manager.req_to_blocks.get(request_id)
+        if blocks is not None and num_slots <= len(blocks) * self.block_size:
+            new_blocks = []  # the common decode step: the last block has room
+        else:
+            new_blocks = manager.allocate_new_blocks(request_id, num_slots)
+            if new_blocks is None:
+                return None
         if self.hash_fn is not None:
             # Cache the blocks filled by known tokens; draft tokens may be rejected.
-            num_known = min(num_slots, request.num_tokens)
-            num_full = num_known // self.block_size
+            num_tokens = len(request.all_token_ids)
+            num_full = (num_slots if num_slots < num_tokens else num_tokens) // self.block_size
             if num_full > manager.num_cached_blocks.get(request_id, 0):
                 if num_full > len(request.block_hashes):
                     update_block_hashes(request, self.block_size, self.hash_fn)
-                manager.cache_blocks(request, request.block_hashes, num_known)  # type: ignore[arg-type]
+                manager.cache_blocks(request, request.block_hashes, num_full * self.block_size)  # type: ignore[arg-type]
         return new_blocks
 
     def free(self, request: Request) -> None:
