@@ -46,7 +46,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_function(hash_algo) if enable_caching else None
-        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block)
+        self.block_pool = BlockPool(num_blocks, reserve_null_block)
         self.manager = SINGLE_TYPE_MANAGERS[group_kind](self.block_pool, block_size)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
 

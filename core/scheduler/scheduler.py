@@ -19,6 +19,12 @@ Every step, ``schedule()`` spends a token budget (``max_num_batched_tokens``):
 (EOS unless ``ignore_eos``, stop token ids, both only once ``min_tokens`` are out;
 ``max_tokens`` and ``max_model_len``), frees finished requests and returns their outputs.
 
+The engine core steps while ``has_requests()`` is true (unfinished requests, or finished
+ones not reported yet) and calls ``update_from_output()`` after every ``schedule()``, also
+for a step that scheduled nothing: aborts and requests too large for the cache are
+reported through the next ``EngineCoreOutputs``. Aborts (``finish_requests``) are
+expected between steps, not between ``schedule()`` and ``update_from_output()``.
+
 Requests never wait on each other forever: a request that needs more KV blocks than the
 whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
 this) is finished with ``FinishReason.LENGTH`` instead of being retried.
