@@ -166,6 +166,15 @@ class Request:
         return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
+    def skip_prefix_cache_reading(self) -> bool:
+        """Requests that need a result for every prompt position (pooling, prompt
+        logprobs) must compute it: a prefix-cache hit would skip those positions. Their
+        blocks are still cached for others."""
+        if self.pooling_params is not None:
+            return True
+        return self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
+
+    @property
     def lora_int_id(self) -> int:
         return self.lora_request.lora_int_id if self.lora_request else 0
 

@@ -71,7 +71,7 @@ def test_free_queue_links_are_consistent_both_ways() -> None:
 
 
 def test_block_pool_allocates_every_block_once_and_evicts_on_reuse() -> None:
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     assert all(isinstance(b, KVCacheBlock) for b in pool.blocks)
     got = pool.get_new_blocks(2)
     assert ids(got) == [0, 1] and [b.ref_cnt for b in got] == [1, 1]
@@ -92,7 +92,7 @@ def test_block_pool_allocates_every_block_once_and_evicts_on_reuse() -> None:
 
 
 def test_reset_prefix_cache_only_when_nothing_is_used() -> None:
-    pool = BlockPool(3, enable_caching=True)
+    pool = BlockPool(3)
     blocks = pool.get_new_blocks(1)
     pool.cache_full_blocks(blocks, [b"x"], 0, 1)
     assert not pool.reset_prefix_cache()
@@ -103,7 +103,7 @@ def test_reset_prefix_cache_only_when_nothing_is_used() -> None:
 
 
 def test_null_block_is_never_handed_out() -> None:
-    pool = BlockPool(3, enable_caching=False, reserve_null_block=True)
+    pool = BlockPool(3, reserve_null_block=True)
     assert pool.null_block is pool.blocks[0] and pool.num_usable_blocks == 2
     assert ids(pool.get_new_blocks(2)) == [1, 2]
     assert pool.get_usage() == 1.0

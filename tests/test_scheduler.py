@@ -416,7 +416,7 @@ def test_missing_runner_results_are_an_error() -> None:
     scheduler = make_scheduler()
     scheduler.add_request(Request("r", [1], greedy()))
     so = scheduler.schedule()
-    with pytest.raises(RuntimeError, match="no result for scheduled request 'r'"):
+    with pytest.raises(RuntimeError, match=r"no result for scheduled requests \['r'\]"):
         scheduler.update_from_output(so, ModelRunnerOutput([], []))
 
 

@@ -117,11 +117,10 @@ class BlockPool:
     outside a sliding window); it is never allocated, freed or counted as used.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False) -> None:
+    def __init__(self, num_blocks: int, reserve_null_block: bool = False) -> None:
         if num_blocks < 1 + int(reserve_null_block):
             raise ValueError(f"num_blocks must be >= {1 + int(reserve_null_block)}, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block: KVCacheBlock | None = None
         if reserve_null_block:

@@ -46,7 +46,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_function(hash_algo) if enable_caching else None
-        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block)
+        self.block_pool = BlockPool(num_blocks, reserve_null_block)
         self.manager = SINGLE_TYPE_MANAGERS[group_kind](self.block_pool, block_size)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
 
@@ -65,10 +65,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Cached blocks of the request's longest cached prefix, and how many tokens they hold.
 
-        Pooling requests get no hits: their pooler needs the hidden state of every
-        prompt token, and a hit skips computing them.
+        Pooling and prompt-logprobs requests get no hits: they need a result for every
+        prompt position, and a hit skips computing them.
         """
-        if self.hash_fn is None or request.pooling_params is not None:
+        if self.hash_fn is None or request.skip_prefix_cache_reading:
             return [], 0
         block_hashes = update_block_hashes(request, self.block_size, self.hash_fn)
         max_num_blocks = (request.num_tokens - 1) // self.block_size
@@ -107,20 +107,26 @@ class KVCacheManager:
         manager = self.manager
         request_id = request.request_id
         num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = manager.get_num_blocks_to_allocate(request_id, num_slots, new_computed_blocks)
-        if num_needed > self.block_pool.free_block_queue.num_free_blocks:
-            return None
         if new_computed_blocks:
+            num_needed = manager.get_num_blocks_to_allocate(request_id, num_slots, new_computed_blocks)
+            if num_needed > self.block_pool.free_block_queue.num_free_blocks:
+                return None
             manager.save_new_computed_blocks(request_id, new_computed_blocks)
-        new_blocks = manager.allocate_new_blocks(request_id, num_slots)
+        blocks = manager.req_to_blocks.get(request_id)
+        if blocks is not None and num_slots <= len(blocks) * self.block_size:
+            new_blocks = []  # the common decode step: the last block has room
+        else:
+            new_blocks = manager.allocate_new_blocks(request_id, num_slots)
+            if new_blocks is None:
+                return None
         if self.hash_fn is not None:
             # Cache the blocks filled by known tokens; draft tokens may be rejected.
-            num_known = min(num_slots, request.num_tokens)
-            num_full = num_known // self.block_size
+            num_tokens = len(request.all_token_ids)
+            num_full = (num_slots if num_slots < num_tokens else num_tokens) // self.block_size
             if num_full > manager.num_cached_blocks.get(request_id, 0):
                 if num_full > len(request.block_hashes):
                     update_block_hashes(request, self.block_size, self.hash_fn)
-                manager.cache_blocks(request, request.block_hashes, num_known)  # type: ignore[arg-type]
+                manager.cache_blocks(request, request.block_hashes, num_full * self.block_size)  # type: ignore[arg-type]
         return new_blocks
 
     def free(self, request: Request) -> None:

@@ -34,10 +34,8 @@ class SingleTypeKVCacheManager(ABC):
         """Free-queue blocks that holding ``num_tokens`` slots would consume, counting
         cache-hit blocks that sit in the free queue (taking them removes them from it)."""
         blocks = self.req_to_blocks.get(request_id)
-        num_new = -(-num_tokens // self.block_size) - (len(blocks) if blocks else 0)
-        if not new_computed_blocks:  # the common case (every running request)
-            return max(0, num_new)
-        num_new = max(0, num_new - len(new_computed_blocks))
+        num_have = (len(blocks) if blocks else 0) + len(new_computed_blocks)
+        num_new = max(0, -(-num_tokens // self.block_size) - num_have)
         return num_new + sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
@@ -47,16 +45,20 @@ class SingleTypeKVCacheManager(ABC):
             self.req_to_blocks.setdefault(request_id, []).extend(new_computed_blocks)
             self.num_cached_blocks[request_id] = len(new_computed_blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the request's block table to hold ``num_tokens`` slots; the new blocks."""
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock] | None:
+        """Grow the request's block table to hold ``num_tokens`` slots: the new blocks,
+        or None (and no change) if the free queue has too few."""
         blocks = self.req_to_blocks.get(request_id)
-        if blocks is None:
-            blocks = self.req_to_blocks[request_id] = []
-        num_new = -(-num_tokens // self.block_size) - len(blocks)
-        if num_new <= 0:
+        num_new = -(-num_tokens // self.block_size) - (len(blocks) if blocks is not None else 0)
+        if num_new <= 0:  # the common decode step
             return []
+        if num_new > self.block_pool.free_block_queue.num_free_blocks:
+            return None
         new_blocks = self.block_pool.get_new_blocks(num_new)
-        blocks.extend(new_blocks)
+        if blocks is None:
+            self.req_to_blocks[request_id] = list(new_blocks)
+        else:
+            blocks.extend(new_blocks)
         return new_blocks
 
     def cache_blocks(self, request: Request, block_hashes: list[BlockHash], num_tokens: int) -> None:

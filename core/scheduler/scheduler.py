@@ -19,6 +19,12 @@ Every step, ``schedule()`` spends a token budget (``max_num_batched_tokens``):
 (EOS unless ``ignore_eos``, stop token ids, both only once ``min_tokens`` are out;
 ``max_tokens`` and ``max_model_len``), frees finished requests and returns their outputs.
 
+The engine core steps while ``has_requests()`` is true (unfinished requests, or finished
+ones not reported yet) and calls ``update_from_output()`` after every ``schedule()``, also
+for a step that scheduled nothing: aborts and requests too large for the cache are
+reported through the next ``EngineCoreOutputs``. Aborts (``finish_requests``) are
+expected between steps, not between ``schedule()`` and ``update_from_output()``.
+
 Requests never wait on each other forever: a request that needs more KV blocks than the
 whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
 this) is finished with ``FinishReason.LENGTH`` instead of being retried.
@@ -31,7 +37,6 @@ import time
 from collections.abc import Iterable
 
 from kvloom.config import CacheConfig, SchedulerConfig
-from kvloom.kv_cache.block_pool import KVCacheBlock
 from kvloom.kv_cache.manager import KVCacheManager
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, PrefixCacheStats, SchedulerStats
 from kvloom.request import EngineCoreEventType, Request, RequestStatus
@@ -86,6 +91,9 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self._finished_since_output: set[str] = set()
         self._num_preemptions = 0  # since the last make_stats()
+        # Per generating request: (token ids that may stop it, token count that ends it),
+        # so that the common step needs no full stop check.
+        self._stop_limits: dict[str, tuple[frozenset[int], int]] = {}
 
     # ------------------------------------------------------------------ requests in
 
@@ -101,6 +109,15 @@ class Scheduler:
                 f"is longer than max_model_len ({self.max_model_len})"
             )
         self.requests[request.request_id] = request
+        params = request.sampling_params
+        if params is not None:
+            stop_token_ids = set(params.stop_token_ids)
+            if request.eos_token_id is not None and not params.ignore_eos:
+                stop_token_ids.add(request.eos_token_id)
+            max_num_tokens = self.max_model_len
+            if request.max_tokens is not None:
+                max_num_tokens = min(max_num_tokens, num_prompt_tokens + request.max_tokens)
+            self._stop_limits[request.request_id] = (frozenset(stop_token_ids), max_num_tokens)
         self.waiting.add(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
@@ -149,33 +166,40 @@ class Scheduler:
         max_model_len = self.max_model_len
         num_scheduled_tokens: dict[str, int] = {}
         spec_decode_tokens: dict[str, list[int]] = {}
-        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
         num_preempted = 0
         now = time.monotonic() if self.log_stats else 0.0
+        allocate_slots = kv.allocate_slots
 
-        # 1. Running requests (a copy: preemption removes from self.running).
+        # 1. Running requests (a copy: preemption removes from self.running). A scheduled
+        # request's tokens count as computed at once (the worker computes them before
+        # the next step); the data for the worker carries the count before this step.
         for request in list(self.running):
             if token_budget == 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this loop
                 continue
             num_computed = request.num_computed_tokens
-            num_new = request.num_tokens_with_spec - num_computed
+            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, token_budget, max_model_len - num_computed)
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new > max_model_len - num_computed:  # no KV position past max_model_len
+                num_new = max_model_len - num_computed
+            while (new_blocks := allocate_slots(request, num_new)) is None:
                 if len(self.running) == 1:  # alone and still too big: the cache is too small
                     self._finish_too_large(request)
                     break
                 victim = self._pick_victim()
-                if victim.request_id in num_scheduled_tokens:  # priority policy: undo its step
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    spec_decode_tokens.pop(victim.request_id, None)
-                    del new_blocks_of[victim.request_id]
-                    scheduled_running.remove(victim)
+                victim_id = victim.request_id
+                if victim_id in num_scheduled_tokens:  # priority policy: undo its step
+                    num_undone = num_scheduled_tokens.pop(victim_id)
+                    token_budget += num_undone
+                    victim.num_computed_tokens -= num_undone
+                    spec_decode_tokens.pop(victim_id, None)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim_id]
                 self._preempt(victim, now)
                 num_preempted += 1
                 if victim is request:
@@ -183,12 +207,14 @@ class Scheduler:
             if new_blocks is None:
                 continue
             request_id = request.request_id
-            scheduled_running.append(request)
-            new_blocks_of[request_id] = new_blocks
+            cached_reqs.append(
+                CachedRequestData(request_id, [b.block_id for b in new_blocks] if new_blocks else [], num_computed)
+            )
+            request.num_computed_tokens = num_computed + num_new
             num_scheduled_tokens[request_id] = num_new
             token_budget -= num_new
             if request.spec_token_ids:
-                num_spec = num_computed + num_new - request.num_tokens
+                num_spec = num_computed + num_new - len(request.all_token_ids)
                 if num_spec > 0:
                     spec_decode_tokens[request_id] = request.spec_token_ids[:num_spec]
 
@@ -212,44 +238,30 @@ class Scheduler:
                     self._finish_too_large(request)
                     continue
                 self.waiting.pop()
-                if kv.enable_caching and request.pooling_params is None:
+                if kv.enable_caching and not request.skip_prefix_cache_reading:
                     kv.record_prefix_cache_query(request.num_tokens, num_hits)
                 self.running.append(request)
                 request.status = _RUNNING
-                request.num_computed_tokens = num_hits
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hits
                 if self.log_stats:
                     request.record_event(EngineCoreEventType.SCHEDULED, now)
-                scheduled_new.append(request)
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        pooling_params=request.pooling_params,
+                        block_ids=kv.get_block_ids(request.request_id),
+                        num_computed_tokens=num_hits,
+                        lora_request=request.lora_request,
+                        eos_token_id=request.eos_token_id,
+                    )
+                )
+                request.num_computed_tokens = num_hits + num_new
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
-
-        # 3. The step for the worker; then the tokens count as computed.
-        new_reqs = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=list(r.output_token_ids),
-                sampling_params=r.sampling_params,
-                pooling_params=r.pooling_params,
-                block_ids=kv.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                lora_request=r.lora_request,
-                eos_token_id=r.eos_token_id,
-            )
-            for r in scheduled_new
-        ]
-        cached_reqs = []
-        for r in scheduled_running:
-            blocks = new_blocks_of[r.request_id]
-            cached_reqs.append(
-                CachedRequestData(r.request_id, [b.block_id for b in blocks] if blocks else [], r.num_computed_tokens)
-            )
-        for r in scheduled_running:
-            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled_tokens[r.request_id]
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -303,24 +315,29 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         outputs, self._pending_outputs = self._pending_outputs, []
-        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        req_ids = model_runner_output.req_ids
+        if len(req_ids) != len(num_scheduled_tokens):
+            missing = sorted(set(num_scheduled_tokens) - set(req_ids))
+            raise RuntimeError(f"the model runner returned no result for scheduled requests {missing}")
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         pooler_output = model_runner_output.pooler_output
         prompt_logprobs = model_runner_output.prompt_logprobs
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        requests = self.requests
+        check_stop = self._check_stop
+        stop_limits = self._stop_limits
         any_finished = False
 
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
+        for i, req_id in enumerate(req_ids):
+            if req_id not in num_scheduled_tokens:
+                raise RuntimeError(f"the model runner returned a result for unscheduled request {req_id!r}")
+            request = requests.get(req_id)
             if request is None or request.status != _RUNNING:  # finished since scheduled
                 continue
-            i = index.get(req_id)
-            if i is None:
-                raise RuntimeError(f"the model runner returned no result for scheduled request {req_id!r}")
             new_token_ids = sampled[i]
-            drafts = spec_decode_tokens.get(req_id)
-            if drafts:
+            if spec_decode_tokens and (drafts := spec_decode_tokens.get(req_id)):
                 # The runner accepted len(new_token_ids) - 1 drafts plus one bonus token.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
                 request.spec_token_ids = []
@@ -335,11 +352,15 @@ class Scheduler:
                     request.status = RequestStatus.FINISHED_STOPPED
                     finished = True
             elif new_token_ids:
+                stop_token_ids, max_num_tokens = stop_limits[req_id]
                 num_accepted = 0
                 for token_id in new_token_ids:
                     request.append_output_token_ids(token_id)
                     num_accepted += 1
-                    if self._check_stop(request):
+                    # Cheap pre-check; _check_stop applies min_tokens and sets the reason.
+                    if (token_id in stop_token_ids or len(request.all_token_ids) >= max_num_tokens) and check_stop(
+                        request
+                    ):
                         finished = True
                         break
                 if num_accepted < len(new_token_ids):
@@ -352,15 +373,15 @@ class Scheduler:
                     new_logprobs = new_logprobs[: len(new_token_ids)]
                 outputs.append(
                     EngineCoreOutput(
-                        request_id=req_id,
-                        new_token_ids=new_token_ids,
-                        new_logprobs=new_logprobs,
-                        new_prompt_logprobs=new_prompt_logprobs,
-                        pooling_output=pooled,
-                        finish_reason=request.get_finished_reason() if finished else None,
-                        stop_reason=request.stop_reason,
-                        events=request.take_events() if request.events else None,
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                        req_id,
+                        new_token_ids,
+                        new_logprobs,
+                        new_prompt_logprobs,
+                        pooled,
+                        request.get_finished_reason() if finished else None,
+                        request.stop_reason,
+                        request.take_events() if request.events else None,
+                        request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                     )
                 )
             if finished:
@@ -403,6 +424,7 @@ class Scheduler:
         """Release a finished request (the caller removes it from running/waiting)."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._stop_limits.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
         self._finished_since_output.add(request.request_id)
 
