@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, synchronize
 
 logger = logging.getLogger("bench_attention_kernels")
 
@@ -51,63 +52,10 @@ CONFIG_EXTRA_KEY = "triton_attn_config"  # kvloom_backend_triton.metadata.CONFIG
 
 
 def load_backend(name: str) -> type:
-    """The backend class registered under ``name`` (kvloom's registry; entry points if
-    the registry module is not there yet)."""
-    try:
-        from kvloom.registry import get_attention_backend  # type: ignore[attr-defined]
-    except ImportError:
-        get_attention_backend = None
-    if get_attention_backend is not None:
-        return get_attention_backend(name)
-    from importlib.metadata import entry_points
+    """The backend class registered under ``name``."""
+    from kvloom.registry import get_attention_backend
 
-    matches = [ep for ep in entry_points(group="kvloom.attention_backends") if ep.name == name]
-    if not matches:
-        names = sorted(ep.name for ep in entry_points(group="kvloom.attention_backends"))
-        raise SystemExit(f"no attention backend named {name!r} is installed (installed: {', '.join(names)})")
-    logger.info("kvloom.registry not importable; loaded %s from its entry point", name)
-    return matches[0].load()
-
-
-# --------------------------------------------------------------------------- ceilings
-
-
-def bench(fn: Callable[[], Any], warmup_ms: int, rep_ms: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn``: on CUDA ``do_bench`` (device events, L2 flushed
-    between calls); on the CPU smoke path a few wall-clock runs."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_copy_bandwidth(device: torch.device, gib: float, warmup_ms: int, rep_ms: int) -> dict[str, float]:
-    numel = int(gib * 2**30) // 2
-    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), warmup_ms, rep_ms, device)
-    moved = 2 * src.numel() * src.element_size()  # read + write
-    del src, dst
-    return {"copy_bytes": moved, "copy_ms": ms, "copy_GBps": moved / ms / 1e6}
-
-
-def measure_gemm_rate(device: torch.device, n: int, warmup_ms: int, rep_ms: int) -> dict[str, float]:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = bench(lambda: a @ b, warmup_ms, rep_ms, device)
-    return {"gemm_n": n, "gemm_ms": ms, "gemm_TFLOPs": 2 * n**3 / ms / 1e9}
+    return get_attention_backend(name)
 
 
 # --------------------------------------------------------------------------- batches

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Decode step time against the physical limit (issue 6, benchmark 2).
+
+Llama-3-8B shape with random (dummy) bf16 weights, context 1024, batch 1, 16, 64, 256.
+For each batch and for CUDA graphs on/off, B requests with 1024-token prompts are
+prefilled, then the median wall time of full engine steps (schedule + forward + sampling
++ output processing) is taken while every request decodes. The limit is
+
+    (weight bytes read per step + KV bytes read per step) / measured copy bandwidth
+
+where the weights are every matrix the step multiplies with (the embedding table is only
+gathered: B rows) and the KV bytes are B x context x bytes per token.
+
+    python benchmarks/bench_decode_roofline.py --out $OUT [--backend TRITON_ATTN]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_limits import measure_copy_bandwidth  # noqa: E402
+
+# Llama-3-8B
+V, H, I, L, NH, NKV, HD = 128256, 4096, 14336, 32, 32, 8, 128
+CONTEXT = 1024
+
+
+def write_llama3_config(path: Path) -> Path:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
+        num_key_value_heads=NKV, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.eos_token_id = None
+    cfg.bos_token_id = None
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(path)
+    return path
+
+
+def bytes_per_step(batch: int, context: float) -> dict[str, float]:
+    per_layer = H * (NH * HD) + 2 * H * (NKV * HD) + (NH * HD) * H + 3 * H * I  # qkv, o, gate+up, down
+    weights = 2 * (L * per_layer + V * H + L * 2 * H + H)  # + LM head and norms; embedding gather ignored
+    kv = batch * context * L * NKV * HD * 2 * 2
+    return {"weight_bytes": weights, "kv_bytes": kv, "total_bytes": weights + kv}
+
+
+def measure(llm: Any, batch: int, steps: int, seed: int) -> dict[str, float]:
+    from kvloom import SamplingParams
+
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(0, V, (CONTEXT,), generator=g).tolist()
+        engine.add_request(f"b{batch}-{seed}-{i}", {"prompt_token_ids": prompt}, params)
+    produced: dict[str, int] = {}
+    while len(produced) < batch or min(produced.values()) < 2:  # prefill done, decoding started
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()  # the sampled tokens come back to the host: the step is complete
+        times.append(time.perf_counter() - start)
+    engine.abort_request(list(produced))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"median_s": statistics.median(times), "min_s": min(times), "context": CONTEXT + 2 + steps / 2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
+    parser.add_argument("--backend", default=None, help="Attention backend (default: selection by priority).")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--modes", default="graphs,eager")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    copy = measure_copy_bandwidth(torch.device("cuda"), 1.0, 25, 200)
+    bw = copy["copy_GBps"] * 1e9
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "copy": copy, "rows": [],
+    }
+    from kvloom import LLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
+        for mode in args.modes.split(","):
+            llm = LLM(
+                str(model_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                max_model_len=2048, max_num_seqs=max(batches), attention_backend=args.backend,
+                enforce_eager=(mode == "eager"), gpu_memory_utilization=0.9,
+            )
+            backend = llm.config.attention.selected_backend
+            for batch in batches:
+                m = measure(llm, batch, args.steps, seed=batch)
+                limit = bytes_per_step(batch, m["context"])
+                t_limit = limit["total_bytes"] / bw
+                row = {"mode": mode, "backend": backend, "batch": batch, **m, **limit, "limit_s": t_limit,
+                       "fraction_of_limit": t_limit / m["median_s"], "tok_s": batch / m["median_s"]}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                (out / "decode_roofline.json").write_text(json.dumps(result, indent=1))
+            llm.llm_engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    print(f"\n== decode, Llama-3-8B shape, context {CONTEXT}, {result['gpu']}, copy {copy['copy_GBps']:.0f} GB/s")
+    print(f"{'mode':>7} {'backend':>14} {'batch':>5} {'step ms':>8} {'limit ms':>8} {'% limit':>7} {'tok/s':>8}")
+    for r in result["rows"]:
+        print(f"{r['mode']:>7} {r['backend']:>14} {r['batch']:>5} {1e3 * r['median_s']:8.2f} {1e3 * r['limit_s']:8.2f} "
+              f"{100 * r['fraction_of_limit']:6.1f}% {r['tok_s']:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
