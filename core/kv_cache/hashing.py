@@ -25,8 +25,6 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import cbor2
-
 if TYPE_CHECKING:
     from kvloom.request import Request
 
@@ -41,6 +39,8 @@ def sha256_pickle(obj: Any) -> BlockHash:
 
 
 def sha256_cbor(obj: Any) -> BlockHash:
+    import cbor2  # only this algorithm needs it (a cached module lookup after the first call)
+
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
