@@ -410,3 +410,42 @@ def test_impl_rejects_unsupported_features(fake_flash_attn):
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, attn_type=AttentionType.ENCODER_ONLY)
     with pytest.raises(NotImplementedError, match="kv_cache_dtype fp8 not supported"):
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, kv_cache_dtype="fp8")
+
+
+def test_benchmark_script_runs_flash_attn_with_both_decode_kernels(tmp_path):
+    """benchmarks/bench_attention_kernels.py with FLASH_ATTN (stand-in kernels, CPU smoke
+    mode), so the GPU run cannot fail on a script error: FLASH_ATTN gets its preferred
+    block size 256 and one row per decode kernel."""
+    import json
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = f"""
+import runpy, sys
+sys.path[:0] = [{str(root / "tests")!r}]
+import flash_attn_standin as standin
+standin.ensure_backend_importable()
+from kvloom import registry
+from kvloom.registry import ATTENTION_BACKENDS, PluginEntry
+from kvloom_backend_flash_attn import FlashAttentionBackend
+with standin.installed():
+    registry.loaded_plugins().attention_backends["FLASH_ATTN"] = PluginEntry(
+        "FLASH_ATTN", ATTENTION_BACKENDS, "kvloom-backend-flash-attn", "0.1.0", "-", FlashAttentionBackend)
+    sys.argv = ["bench", "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
+                "--head-size", "32", "--decode-batch", "2", "--decode-context", "300", "--prefill-batch", "1",
+                "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64", "--backends", "FLASH_ATTN",
+                "--out", {str(tmp_path)!r}]
+    runpy.run_path({str(root / "benchmarks" / "bench_attention_kernels.py")!r}, run_name="__main__")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = json.loads((tmp_path / "attention_kernels.json").read_text())["rows"]
+    assert [(r["backend"], r["variant"], r["block_size"]) for r in rows] == [
+        ("FLASH_ATTN", "decode=kvcache", 256), ("FLASH_ATTN", "decode=varlen", 256)
+    ]
+    for row in rows:
+        assert "error" not in row, row["error"]
+        assert max(row["rel_errors"].values()) < 5e-3
+        assert row["decode_ms"] > 0 and row["prefill_ms"] > 0
