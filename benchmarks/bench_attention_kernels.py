@@ -355,7 +355,8 @@ def main() -> None:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=None,
-                        help="KV block size for every backend (default: each backend's preferred size, as the engine picks)")
+                        help="KV block size for every backend (default: each backend's preferred size, "
+                             "as the engine picks it)")
     parser.add_argument("--flash-attn-decode-kernels", default="kvcache,varlen",
                         help="FLASH_ATTN pure-decode kernels to time, comma-separated (kvcache, varlen)")
     parser.add_argument("--decode-batch", type=int, default=64)
@@ -398,7 +399,9 @@ def main() -> None:
     rows = []
     for name in (n.strip() for n in args.backends.split(",") if n.strip()):
         backend = load_backend(name)
-        block_size = args.block_size if args.block_size is not None else backend.preferred_block_size(DEFAULT_BLOCK_SIZE)
+        block_size = args.block_size
+        if block_size is None:
+            block_size = backend.preferred_block_size(DEFAULT_BLOCK_SIZE)
         shape = {**heads, "block_size": block_size}
         reasons = backend.validate_configuration(_selector(backend, shape, dtype, props))
         if reasons:

@@ -44,11 +44,14 @@ def write_kv_cache(
     slots = slot_mapping.to(torch.int64)
     valid = slots >= 0
     any_valid = valid.any()
-    first = valid.to(torch.int32).argmax()  # index of the first valid entry (0 if none)
+    # The first valid entry (0 if none), as a 1-element index tensor: indexing with it is
+    # a device gather (a 0-dim tensor index could be turned into a host integer).
+    first = valid.to(torch.int32).argmax().view(1)
     src = torch.stack([key[:n], value[:n]]).to(kv_cache.dtype)  # [2, n, Hkv, D]
 
-    anchor_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    anchor_src = torch.where(any_valid, src[:, first], flat[:, 0])  # [2, Hkv, D]
+    first_slot = slots.index_select(0, first)  # [1]
+    anchor_slot = torch.where(any_valid, first_slot, torch.zeros_like(first_slot))
+    anchor_src = torch.where(any_valid, src.index_select(1, first), flat[:, :1])  # [2, 1, Hkv, D]
     safe_slots = torch.where(valid, slots, anchor_slot)
-    safe_src = torch.where(valid.view(1, n, 1, 1), src, anchor_src.unsqueeze(1))
+    safe_src = torch.where(valid.view(1, n, 1, 1), src, anchor_src)
     flat.index_copy_(1, safe_slots, safe_src)

@@ -63,7 +63,9 @@ def resolve_decode_kernel(spec: AttentionLayerSpec) -> str:
     else:
         return DEFAULT_DECODE_KERNEL
     if value not in DECODE_KERNELS:
-        raise ValueError(f"{source}: {value!r} is not a FLASH_ATTN decode kernel (allowed: {', '.join(DECODE_KERNELS)})")
+        raise ValueError(
+            f"{source}: {value!r} is not a FLASH_ATTN decode kernel (allowed: {', '.join(DECODE_KERNELS)})"
+        )
     return value
 
 

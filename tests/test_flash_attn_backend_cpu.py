@@ -97,7 +97,9 @@ def test_kv_cache_shape_and_split_view():
 def test_missing_flash_attn_is_a_reason_naming_the_package(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "flash_attn" else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "flash_attn" else real(name, *a, **k)
+    )
     assert FlashAttentionBackend.validate_configuration(_config()) == [
         "flash_attn is not installed (pip install flash-attn)"
     ]
