@@ -7,13 +7,21 @@ variant named with ``--variants``:
 1. correctness first: relative error against a float64 reference on smaller random paged
    batches (decode, prefill, chunked prefill with a cached prefix, a mixed batch), output
    poisoned with NaN beforehand;
-2. decode: batch 64 x context 4096 (Hq 32, Hkv 8, D 128, bf16, block 16 by default):
+2. decode: batch 64 x context 4096 (Hq 32, Hkv 8, D 128, bf16; each backend at the block
+   size the engine would give it, ``preferred_block_size``: 16 for most, 256 for
+   FLASH_ATTN, whose kernels take multiples of 256 only; ``--block-size`` forces one):
    achieved GB/s over the K/V bytes that must be read, next to the measured device-copy
    bandwidth (read + write bytes of a large device-to-device copy, same run);
 3. prefill: 8 x 2048 fresh prompts: TFLOP/s of causal attention (the FLOPs under the mask)
    next to a measured bf16 GEMM rate;
 4. CUDA graphs (``--cuda-graph``, backends that declare support): capture one decode step,
-   change every sequence length and block table in place, replay, compare with eager.
+   change every sequence length and block table in place, refresh the builder
+   (``build_for_cudagraph_capture``, as the model runner does before every replay),
+   replay, compare with eager.
+
+Variants: TRITON_ATTN's kernel configs (``--variants``); FLASH_ATTN's pure-decode kernel
+(``--flash-attn-decode-kernels``, default both ``kvcache`` = ``flash_attn_with_kvcache``
+and ``varlen`` = ``flash_attn_varlen_func``).
 
 Times are ``triton.testing.do_bench`` medians of one forward (the cache write of the
 step's new tokens included, as the contract does it). Inputs that fit in 4x L2 are
@@ -22,7 +30,7 @@ rotated among copies. Prints a table and writes ``attention_kernels.json`` and
 
 Example (one GPU call)::
 
-    python benchmarks/bench_attention_kernels.py --backends TRITON_ATTN \\
+    python benchmarks/bench_attention_kernels.py --backends TRITON_ATTN,FLASHINFER,FLASH_ATTN \\
         --variants "default;decode_block_n=32;decode_num_warps=8;decode_num_stages=4;programs_per_sm=8" \\
         --cuda-graph --out "$OUT"
 """
@@ -46,6 +54,9 @@ from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, sync
 logger = logging.getLogger("bench_attention_kernels")
 
 CONFIG_EXTRA_KEY = "triton_attn_config"  # kvloom_backend_triton.metadata.CONFIG_EXTRA_KEY
+FLASH_ATTN_DECODE_EXTRA_KEY = "flash_attn_decode_kernel"  # kvloom_backend_flash_attn.metadata.DECODE_KERNEL_EXTRA_KEY
+#: The engine's block size when the user sets none (kvloom.config_resolve.DEFAULT_BLOCK_SIZE).
+DEFAULT_BLOCK_SIZE = 16
 
 
 # --------------------------------------------------------------------------- lookup
@@ -232,14 +243,19 @@ def cuda_graph_check(backend: type, device: torch.device, dtype: torch.dtype, sh
     with torch.cuda.graph(graph):
         impl.forward(q, k, v, cache, metadata, out)
 
-    # New step: same batch size, new lengths, tables, slots and data.
+    # New step: same batch size, new lengths, tables, slots and data; then the builder
+    # refreshes its persistent state for this batch size, as the model runner does
+    # before every replay (the contract of build_for_cudagraph_capture).
     sc = second.common
     common.seq_lens.copy_(sc.seq_lens)
+    common.seq_lens_cpu.copy_(sc.seq_lens_cpu)
+    common.max_seq_len = sc.max_seq_len
     common.block_table.zero_()
     common.block_table[:, : sc.block_table.shape[1]].copy_(sc.block_table)
     common.slot_mapping.copy_(sc.slot_mapping)
     q.copy_(second.queries[0]); k.copy_(second.keys[0]); v.copy_(second.values[0])
     cache.copy_(second.kv_caches[0])
+    builder.build_for_cudagraph_capture(common)
     graph.replay()
     torch.cuda.synchronize()
     replayed = out.clone()
@@ -266,6 +282,16 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
     return variants
 
 
+def backend_variants(name: str, args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(label, ``AttentionLayerSpec.extra``) for each variant of backend ``name``."""
+    if name == "TRITON_ATTN":
+        return [(label, {CONFIG_EXTRA_KEY: overrides}) for label, overrides in parse_variants(args.variants)]
+    if name == "FLASH_ATTN":
+        kernels = [k.strip() for k in args.flash_attn_decode_kernels.split(",") if k.strip()]
+        return [(f"decode={k}", {FLASH_ATTN_DECODE_EXTRA_KEY: k}) for k in kernels]
+    return [("default", {})]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="TRITON_ATTN", help="comma-separated registry names")
@@ -276,7 +302,11 @@ def main() -> None:
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size for every backend (default: each backend's preferred size, "
+                             "as the engine picks it)")
+    parser.add_argument("--flash-attn-decode-kernels", default="kvcache,varlen",
+                        help="FLASH_ATTN pure-decode kernels to time, comma-separated (kvcache, varlen)")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=4096)
     parser.add_argument("--prefill-batch", type=int, default=8)
@@ -306,8 +336,7 @@ def main() -> None:
         props = SimpleNamespace(name="cpu (TRITON_INTERPRET smoke run)", multi_processor_count=8,
                                 L2_cache_size=0, major=9, minor=0)
     dtype = getattr(torch, args.dtype)
-    shape = {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size,
-             "block_size": args.block_size}
+    heads = {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size}
     l2_bytes = int(getattr(props, "L2_cache_size", 50 * 2**20))
 
     started = time.time()
@@ -318,15 +347,17 @@ def main() -> None:
     rows = []
     for name in (n.strip() for n in args.backends.split(",") if n.strip()):
         backend = load_backend(name)
+        block_size = args.block_size
+        if block_size is None:
+            block_size = backend.preferred_block_size(DEFAULT_BLOCK_SIZE)
+        shape = {**heads, "block_size": block_size}
         reasons = backend.validate_configuration(_selector(backend, shape, dtype, props))
         if reasons:
             logger.warning("%s cannot run this shape: %s", name, "; ".join(reasons))
-            rows.append({"backend": name, "variant": "-", "error": "; ".join(reasons)})
+            rows.append({"backend": name, "variant": "-", "block_size": block_size, "error": "; ".join(reasons)})
             continue
-        variants = parse_variants(args.variants) if name == "TRITON_ATTN" else [("default", {})]
-        for label, overrides in variants:
-            extra = {CONFIG_EXTRA_KEY: overrides} if name == "TRITON_ATTN" else {}
-            row: dict[str, Any] = {"backend": name, "variant": label}
+        for label, extra in backend_variants(name, args):
+            row: dict[str, Any] = {"backend": name, "variant": label, "block_size": block_size}
             try:
                 if not args.skip_correctness:
                     row["rel_errors"] = correctness(backend, device, dtype, shape, extra,
@@ -361,7 +392,7 @@ def main() -> None:
 
     result = {
         "device": props.name, "sm_count": props.multi_processor_count, "l2_bytes": l2_bytes,
-        "torch": torch.__version__, "triton": _triton_version(), "dtype": args.dtype, "shape": shape,
+        "torch": torch.__version__, "triton": _triton_version(), "dtype": args.dtype, "shape": heads,
         "decode": {"batch": args.decode_batch, "context": args.decode_context},
         "prefill": {"batch": args.prefill_batch, "len": args.prefill_len},
         "ceilings": ceilings, "rows": rows, "seconds": time.time() - started,
@@ -401,20 +432,21 @@ def render_markdown(result: dict) -> str:
     d, p, s = result["decode"], result["prefill"], result["shape"]
     lines = [
         f"## Attention kernels on {result['device']} ({result['dtype']}, Hq {s['num_heads']}, "
-        f"Hkv {s['num_kv_heads']}, D {s['head_size']}, block {s['block_size']})",
+        f"Hkv {s['num_kv_heads']}, D {s['head_size']}; KV block size per backend)",
         "",
         f"Device copy: {c['copy_GBps']:.0f} GB/s (read+write of {c['copy_bytes'] / 2**30:.1f} GiB); "
         f"bf16 GEMM {c['gemm_n']}^3: {c['gemm_TFLOPs']:.0f} TFLOP/s.",
         f"Decode: batch {d['batch']} x context {d['context']}, GB/s over the K/V bytes read. "
         f"Prefill: {p['batch']} x {p['len']} fresh prompts, causal FLOPs.",
         "",
-        "| backend | variant | max rel err | decode ms | decode GB/s | % copy | graph ms | graph vs eager "
+        "| backend | variant | block | max rel err | decode ms | decode GB/s | % copy | graph ms | graph vs eager "
         "| prefill ms | prefill TFLOP/s | % GEMM |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "decode_ms" not in r:
-            lines.append(f"| {r['backend']} | {r['variant']} | error: {r.get('error', '?')} |||||||||")
+            lines.append(f"| {r['backend']} | {r['variant']} | {r.get('block_size', '-')} | "
+                         f"error: {r.get('error', '?')} |||||||||")
             continue
         errs = r.get("rel_errors", {})
         max_err = f"{max(errs.values()):.1e}" if errs else "-"
@@ -423,11 +455,12 @@ def render_markdown(result: dict) -> str:
         prefill = (f"{r['prefill_ms']:.3f} | {r['prefill_TFLOPs']:.1f} | {r['prefill_pct_of_gemm']:.0f}%"
                    if "prefill_ms" in r else "- | - | -")
         lines.append(
-            f"| {r['backend']} | {r['variant']} | {max_err} | {r['decode_ms']:.3f} | {r['decode_GBps']:.0f} | "
+            f"| {r['backend']} | {r['variant']} | {r.get('block_size', '-')} | {max_err} | {r['decode_ms']:.3f} | "
+            f"{r['decode_GBps']:.0f} | "
             f"{r['decode_pct_of_copy']:.0f}% | {graph_ms} | {graph_err} | {prefill} |"
         )
         if "error" in r:
-            lines.append(f"| | | error after decode: {r['error']} |||||||||")
+            lines.append(f"| | | | error after decode: {r['error']} |||||||||")
     return "\n".join(lines)
 
 

@@ -130,18 +130,18 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
     selection = registry.select_attention_backend(platform, selector, requested=args.attention_backend)
     backend = selection.selected
-    if args.block_size is not None:
-        block_size = args.block_size
-    else:
-        block_size = backend.preferred_block_size(DEFAULT_BLOCK_SIZE)
-        if block_size != DEFAULT_BLOCK_SIZE:
-            logger.info(
-                "Block size %d chosen for attention backend %s (it supports %s); "
-                "set --block-size to override.",
-                block_size,
-                backend.NAME,
-                backend.describe_block_sizes(),
-            )
+    # Block-size negotiation (docs/attention_backends.md): a user's --block-size was part
+    # of the selection config, so every candidate that cannot serve it was already
+    # invalid; without one, selection validated the backends without a block size and
+    # the chosen backend decides it.
+    block_size = selection.block_size
+    if args.block_size is None and block_size != DEFAULT_BLOCK_SIZE:
+        logger.info(
+            "Block size %d chosen by attention backend %s (it supports %s); set --block-size to override.",
+            block_size,
+            backend.NAME,
+            backend.describe_block_sizes(),
+        )
 
     cache = CacheConfig(
         block_size=block_size,

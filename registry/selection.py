@@ -13,6 +13,12 @@ Candidates, highest priority first:
 
 An explicitly requested backend is validated the same way; if it is invalid, selection
 fails with its reasons and never falls back to another backend.
+
+Block size (docs/attention_backends.md): a block size the user set is part of the
+configuration, so a backend that cannot serve it is invalid with a reason naming the sizes
+it accepts ("block size 16 not supported (supports multiples of 256)") and selection moves
+on. Without one, no backend is rejected for its block sizes, and the selected backend
+decides the size (``AttentionBackend.preferred_block_size``): ``SelectionResult.block_size``.
 """
 
 from __future__ import annotations

@@ -237,9 +237,10 @@ class AttentionBackend(ABC):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     #: KV-cache dtypes ("auto" = same as the model dtype).
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
-    #: Block sizes: exact ints and/or ``MultipleOf(n)``. The first entry is the preferred
-    #: size when the user does not choose (a ``MultipleOf(n)`` first entry prefers
-    #: the smallest multiple of n that is >= 16).
+    #: Block sizes: exact ints and/or ``MultipleOf(n)``. When the user sets no block size
+    #: the engine uses 16 if it is accepted, else the first entry (for a ``MultipleOf(n)``
+    #: first entry, the smallest multiple of n that is >= 16): see ``preferred_block_size``
+    #: and docs/attention_backends.md.
     supported_block_sizes: ClassVar[tuple[BlockSizeSpec, ...]] = (MultipleOf(16),)
     #: Head sizes; ``None`` means any size up to ``max_head_size``.
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
@@ -298,7 +299,9 @@ class AttentionBackend(ABC):
 
     @classmethod
     def preferred_block_size(cls, default: int = 16) -> int:
-        """The block size the engine uses with this backend when the user sets none."""
+        """The block size the engine uses with this backend when the user sets none:
+        ``default`` if accepted, else the first declared entry (rounded up to a multiple
+        for ``MultipleOf``). E.g. ``(MultipleOf(256),)`` -> 256, ``(32, 64)`` -> 32."""
         if cls.supports_block_size(default):
             return default
         first = cls.supported_block_sizes[0]
@@ -311,6 +314,15 @@ class AttentionBackend(ABC):
         if cls.supported_head_sizes is not None:
             return head_size in cls.supported_head_sizes
         return 0 < head_size <= cls.max_head_size
+
+    @classmethod
+    def describe_head_sizes(cls) -> str:
+        """The accepted head sizes in words, for validation reasons. Backends that
+        override ``supports_head_size`` with a rule the declarations cannot express
+        (e.g. "multiples of 8 up to 256") override this too."""
+        if cls.supported_head_sizes is not None:
+            return ", ".join(map(str, cls.supported_head_sizes))
+        return f"1..{cls.max_head_size}"
 
     @classmethod
     def missing_modules(cls) -> list[str]:
@@ -345,12 +357,7 @@ class AttentionBackend(ABC):
                 f"block size {config.block_size} not supported (supports {cls.describe_block_sizes()})"
             )
         if not cls.supports_head_size(config.head_size):
-            allowed = (
-                ", ".join(map(str, cls.supported_head_sizes))
-                if cls.supported_head_sizes is not None
-                else f"1..{cls.max_head_size}"
-            )
-            reasons.append(f"head size {config.head_size} not supported (supports {allowed})")
+            reasons.append(f"head size {config.head_size} not supported (supports {cls.describe_head_sizes()})")
         if config.use_mla != cls.is_mla:
             reasons.append("MLA not supported" if config.use_mla else "only MLA models supported")
         if config.attn_type not in cls.supported_attn_types:

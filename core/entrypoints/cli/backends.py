@@ -2,7 +2,10 @@
 
 ``kvloom backends [options]`` prints the active platform, the priority table (every
 candidate with valid/invalid, every reason, and the distribution that provides it),
-the backend that would be selected and the block size it would use.
+the backend that would be selected and the block size it would use (the one given with
+``--block-size``, else the selected backend's choice: e.g. 256 for FLASH_ATTN, whose
+kernels take multiples of 256 only; with ``--block-size 16`` FLASH_ATTN is invalid and
+its reason names the sizes it accepts).
 ``--json`` prints ``{"platform", "selected", "block_size", "candidates": [{"name",
 "priority", "valid", "reasons", "distribution", "version"}]}``. Exit status: 0 when a
 backend is selected, 1 otherwise.
@@ -171,6 +174,12 @@ def _print_table(report: "SelectionReport", platform_label: str) -> None:
     console.print(table)
     if report.selected is not None:
         console.print(f"Selected: [bold]{report.selected}[/] (block size {report.block_size})")
+        if config.block_size is None:
+            console.print(
+                f"Block size {report.block_size} chosen by {report.selected}; set --block-size to override.",
+                soft_wrap=True,
+                highlight=False,
+            )
     else:
         console.print("Selected: [bold red]none[/]")
 

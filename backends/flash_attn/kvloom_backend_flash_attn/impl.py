@@ -1,0 +1,112 @@
+"""The per-layer attention implementation of FLASH_ATTN: write K/V, then one flash-attn call.
+
+Calls, exactly as measured on the H100 with flash-attn 2.8.3.post2
+(``shared/gpu/flash-attn/test_paged_kv.py``), plus ``softmax_scale``:
+
+- mixed / prefill steps: ``flash_attn_varlen_func(q[rows], k_cache, v_cache, cu_seqlens_q,
+  cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=..., causal=True,
+  block_table=...)`` with ``k_cache``/``v_cache`` = ``kv_cache[0]``/``kv_cache[1]``
+  (``[num_blocks, block_size, num_kv_heads, head_size]``). flash-attn aligns the causal
+  mask bottom-right, so query ``j`` of a request with ``q`` new tokens and ``s`` keys sees
+  keys ``<= s - q + j``: kvloom's contract, with the new tokens already in the cache.
+- pure decode steps (kernel ``"kvcache"``): ``flash_attn_with_kvcache(q[B, 1, H, D],
+  k_cache, v_cache, cache_seqlens=seq_lens, block_table=..., softmax_scale=...,
+  causal=True)``; the step's keys/values were written by ``write_kv_cache`` first, so no
+  ``k``/``v`` are passed.
+
+Both return a new tensor, which is copied into ``output`` (the public API of the released
+library takes no output buffer).
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (flash_attn_2_cuda needs torch's libraries loaded first)
+
+try:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError as exc:  # flash_attn's __init__ hides a missing CUDA extension
+    raise ImportError(
+        "FLASH_ATTN needs flash-attn 2 with its CUDA extension (pip install flash-attn); "
+        f"importing flash_attn_varlen_func / flash_attn_with_kvcache failed: {exc}"
+    ) from exc
+
+from kvloom.attention.backend import AttentionImpl, AttentionType
+from kvloom_backend_flash_attn.kv_write import write_kv_cache
+from kvloom_backend_flash_attn.metadata import FlashAttentionMetadata
+
+
+class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
+    """Writes the step's K/V into the paged cache, then runs one flash-attn kernel.
+
+    ``forward`` neither synchronises with the device nor computes host numbers: everything
+    batch-dependent comes from the builder, so it is safe inside a captured CUDA graph.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
+        )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"FLASH_ATTN: attn_type {attn_type.value} not supported (supports decoder)")
+        if sliding_window is not None:
+            raise NotImplementedError(f"FLASH_ATTN: sliding_window={sliding_window} not supported (supports None)")
+        if logits_soft_cap is not None:
+            raise NotImplementedError(f"FLASH_ATTN: logits_soft_cap={logits_soft_cap} not supported (supports None)")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"FLASH_ATTN: kv_cache_dtype {kv_cache_dtype} not supported (supports auto)")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashAttentionMetadata | None,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if attn_metadata is None:
+            # A forward without attention metadata (no KV cache bound yet): nothing to
+            # attend to; zeros keep the rest of the model finite.
+            return output.zero_()
+        md = attn_metadata
+        write_kv_cache(kv_cache, key, value, md.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        rows = md.num_query_rows
+        if md.decode_with_kvcache:
+            out = flash_attn_with_kvcache(
+                query[:rows].unsqueeze(1),
+                key_cache,
+                value_cache,
+                cache_seqlens=md.seq_lens,
+                block_table=md.block_table,
+                softmax_scale=self.scale,
+                causal=True,
+            )
+            output[:rows].copy_(out.reshape(rows, self.num_heads, self.head_size))
+        else:
+            out = flash_attn_varlen_func(
+                query[:rows],
+                key_cache,
+                value_cache,
+                md.query_start_loc,
+                md.cu_seqlens_k,
+                md.max_query_len,
+                md.max_seq_len,
+                softmax_scale=self.scale,
+                causal=md.causal,
+                block_table=md.block_table,
+            )
+            output[:rows].copy_(out)
+        return output
