@@ -92,6 +92,7 @@ SCENARIOS: dict[str, str] = {
     "chunked_prefill": "step 1 prefills a prefix through the backend, step 2 attends a chunk "
     "over that cached prefix",
     "decode": "one new token per request over contexts of many blocks",
+    "long_decode": "decodes over contexts of thousands of tokens (split-KV paths of GPU kernels)",
     "mixed": "prefill chunks, fresh prompts and decodes in one batch, shuffled order",
     "padded_tokens": "a mixed batch with extra token rows past num_actual_tokens (slot -1)",
     "cudagraph_padding": "a decode batch padded with CUDA-graph filler requests "
@@ -367,7 +368,9 @@ def _plan(case: ConformanceCase, rng: random.Random) -> tuple[list[_Step], int]:
     elif case.scenario == "decode":
         shapes = [(context() - 1, 1), (length(2, unit) - 1, 1), (0, 1), (aligned_context() - 1, 1)]
         if small:
-            shapes += [(context() - 1, 1) for _ in range(4)]
+            shapes += [(context() - 1, 1) for _ in range(12)]
+    elif case.scenario == "long_decode":
+        shapes = [(length(1500, 2500), 1), (length(3000, 4500), 1), (context() - 1, 1)]
     elif case.scenario == "chunked_prefill":
         shapes = [(0, context()), (0, aligned_context()), (0, length(2, unit))]
         chunks = [query(), query(), query(min(unit, qmax))]
