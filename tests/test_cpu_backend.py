@@ -111,7 +111,8 @@ def test_builder_batches_decodes_and_splits_prefills() -> None:
     common, _ = _common([1, 1, 1], [40, 3, 17], 16)
     md = builder.build(common)
     assert md.prefills == [] and md.decode is not None
-    assert md.decode.num_reqs == 3 and md.decode.token_rows is None and md.decode.blocks_per_req == 3
+    assert md.decode.num_reqs == 3 and md.decode.token_rows is None and md.decode.padded_len == 48
+    assert md.decode.kv_rows.numel() == 3 * 2 * 48  # (request, kv head, position)
     assert md.write_rows is None and md.write_slots.tolist() == common.slot_mapping.tolist()
     # Only the keys before each seq_len are visible.
     assert md.decode.key_mask.view(3, -1).sum(1).tolist() == [40, 3, 17]

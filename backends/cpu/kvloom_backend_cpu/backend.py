@@ -8,8 +8,8 @@ How a step is computed (the builder plans it once per step; every layer reuses t
 
 - KV write: ``index_copy_`` of the step's keys/values to their slots (``-1`` slots, the
   padding, are dropped by the builder).
-- Decode requests (query_len == 1) run as one batch: their blocks are gathered into a
-  padded ``[B, L, Hkv, D]`` workspace and a single ``scaled_dot_product_attention`` call
+- Decode requests (query_len == 1) run as one batch: their K/V rows are gathered into a
+  padded ``[B, Hkv, L, D]`` workspace and a single ``scaled_dot_product_attention`` call
   treats the ``num_heads // num_kv_heads`` query heads that share a KV head as that KV
   head's "query rows" (no K/V replication for GQA/MQA); a key mask hides the padding
   past each request's ``seq_len``.
@@ -76,12 +76,16 @@ class DecodeBatch:
     #: ``token_start : token_start + num_reqs`` (the common case; avoids a gather).
     token_rows: torch.Tensor | None
     token_start: int
-    #: Blocks gathered per request (enough for the longest decode sequence).
-    blocks_per_req: int
-    #: int64 ``[num_reqs * blocks_per_req]``: physical blocks, row-major by request;
-    #: entries past a request's last block point at block 0 (masked out).
-    block_ids: torch.Tensor
-    #: bool ``[num_reqs, 1, 1, blocks_per_req * block_size]``: True = key position < seq_len.
+    #: Key positions gathered per request (the longest decode sequence, rounded up to
+    #: whole blocks).
+    padded_len: int
+    num_kv_heads: int
+    #: int64 ``[num_reqs * num_kv_heads * padded_len]``: rows of the cache viewed as
+    #: ``[slots * num_kv_heads, head_size]``, ordered (request, kv head, position), so the
+    #: gather lands directly in the ``[B, Hkv, L, D]`` layout SDPA reads fastest.
+    #: Positions past a request's last block read block 0 (masked out).
+    kv_rows: torch.Tensor
+    #: bool ``[num_reqs, 1, 1, padded_len]``: True = key position < seq_len.
     key_mask: torch.Tensor
 
 
@@ -181,13 +185,17 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         in_use = torch.arange(blocks_per_req)[None, :] < blocks_needed[:, None]
         table = torch.where(in_use, table, torch.zeros_like(table))
         positions = torch.arange(blocks_per_req * block_size)
+        slots = table[:, positions // block_size] * block_size + positions % block_size  # [B, L]
+        kv_heads = self.spec.num_kv_heads
+        kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
         key_mask = (positions[None, :] < dec_seq_lens[:, None]).view(num, 1, 1, -1)
         return DecodeBatch(
             num_reqs=num,
             token_rows=None if contiguous else rows,
             token_start=token_start,
-            blocks_per_req=blocks_per_req,
-            block_ids=table.reshape(-1),
+            padded_len=positions.numel(),
+            num_kv_heads=kv_heads,
+            kv_rows=kv_rows.reshape(-1),
             key_mask=key_mask,
         )
 
@@ -299,11 +307,16 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         batch: DecodeBatch,
         output: torch.Tensor,
     ) -> None:
-        num, kv_heads = batch.num_reqs, self.num_kv_heads
-        keys, values = self._gather_blocks(key_cache, value_cache, batch.block_ids, md)
-        # [B * blocks, block_size, Hkv, D] -> [B, Hkv, L, D] (a strided view, no copy)
-        keys = keys.view(num, -1, kv_heads, self.head_size).transpose(1, 2)
-        values = values.view(num, -1, kv_heads, self.head_size).transpose(1, 2)
+        num, kv_heads, length = batch.num_reqs, self.num_kv_heads, batch.padded_len
+        if batch.num_kv_heads != kv_heads:
+            raise ValueError(
+                f"num_kv_heads: the metadata was planned for {batch.num_kv_heads} KV heads, this layer has {kv_heads}"
+            )
+        buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), key_cache.dtype)
+        torch.index_select(key_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[0])
+        torch.index_select(value_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[1])
+        keys = buffer[0].view(num, kv_heads, length, self.head_size)
+        values = buffer[1].view(num, kv_heads, length, self.head_size)
         if batch.token_rows is None:
             q = query[batch.token_start : batch.token_start + num]
         else:
