@@ -43,6 +43,10 @@ from kvloom.interfaces import (
 
 KVLOOM_PLUGIN_API = "1.0"
 
+#: Decode requests are split into at most this many length groups, each at least this big.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
 
 class Workspace:
     """A grow-only scratch buffer shared by all layers of a step.
@@ -69,7 +73,7 @@ class Workspace:
 
 @dataclass
 class DecodeBatch:
-    """All requests of the step with query_len == 1, attended in one batched call."""
+    """Requests with query_len == 1, attended in one batched call."""
 
     num_reqs: int
     #: Token rows of the decode queries; ``None`` when they are the contiguous rows
@@ -112,7 +116,8 @@ class CPUAttentionMetadata:
     #: ``None``, the first ``len(write_slots)`` rows.
     write_slots: torch.Tensor
     write_rows: torch.Tensor | None
-    decode: DecodeBatch | None
+    #: Decode requests in groups of similar length (usually one group).
+    decodes: list[DecodeBatch]
     prefills: list[PrefillRequest]
     #: The builder's scratch buffer for K/V gathers (shared by all layers).
     workspace: Workspace
@@ -146,7 +151,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         decode_idx = ((query_lens == 1) & real).nonzero().squeeze(1)
         prefill_idx = ((query_lens > 1) & real).nonzero().squeeze(1)
 
-        decode = self._plan_decode(common, decode_idx, starts, seq_lens) if decode_idx.numel() else None
+        decodes = [
+            self._plan_decode(common, group, starts, seq_lens)
+            for group in self._group_decodes(decode_idx, seq_lens)
+        ]
         prefills = [
             self._plan_prefill(common, i, int(starts[i]), int(starts[i + 1]), int(seq_lens[i]))
             for i in prefill_idx.tolist()
@@ -156,10 +164,42 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             block_size=block_size,
             write_slots=slots,
             write_rows=write_rows,
-            decode=decode,
+            decodes=decodes,
             prefills=prefills,
             workspace=self.workspace,
         )
+
+    def _group_decodes(self, req_idx: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+        """Split the decode requests into a few groups of similar length.
+
+        One batched call pads every request to the longest sequence; with lengths spread
+        out (continuous batching) most of that work is padding. Sorting by length and
+        splitting into up to ``MAX_DECODE_GROUPS`` equal-count groups bounds the waste;
+        a split is kept only when it cuts the padded positions by >= 10%, because every
+        group costs one more gather + SDPA call per layer.
+        """
+        num = req_idx.numel()
+        if num == 0:
+            return []
+        block_size = self.spec.block_size
+        lens, order = torch.sort(seq_lens[req_idx], descending=True)
+        padded_lens = ((lens + block_size - 1) // block_size * block_size).tolist()
+
+        def padded_work(bounds: list[int]) -> int:
+            return sum((b - a) * padded_lens[a] for a, b in zip(bounds[:-1], bounds[1:]))
+
+        best = [0, num]
+        for groups in range(2, MAX_DECODE_GROUPS + 1):
+            if num // groups < MIN_DECODE_GROUP:
+                break
+            bounds = [round(i * num / groups) for i in range(groups + 1)]
+            if padded_work(bounds) > 0.9 * padded_work(best):
+                break
+            best = bounds
+        if len(best) == 2:
+            return [req_idx]  # keep the batch order: decode rows are often contiguous
+        ordered = req_idx[order]
+        return [ordered[a:b].sort().values for a, b in zip(best[:-1], best[1:])]
 
     def _plan_decode(
         self,
@@ -259,8 +299,8 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         md = attn_metadata
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self._write_kv(key, value, key_cache, value_cache, md)
-        if md.decode is not None:
-            self._decode(query, key_cache, value_cache, md, md.decode, output)
+        for batch in md.decodes:
+            self._decode(query, key_cache, value_cache, md, batch, output)
         for request in md.prefills:
             self._prefill(query, key, value, key_cache, value_cache, md, request, output)
         return output
