@@ -181,7 +181,8 @@ class CaseResult:
         if self.skipped:
             return f"SKIP {self.name}: {self.message}"
         err = "n/a" if self.rel_error is None else f"{self.rel_error:.2e}"
-        line = f"{'PASS' if self.passed else 'FAIL'} {self.name}  rel_err {err} (tol {self.tolerance:.0e}, {self.seconds:.2f}s)"
+        verdict = "PASS" if self.passed else "FAIL"
+        line = f"{verdict} {self.name}  rel_err {err} (tol {self.tolerance:.0e}, {self.seconds:.2f}s)"
         return line if self.passed or not self.message else f"{line}\n     {self.message}"
 
 
@@ -665,7 +666,9 @@ def run_case(
     seed = _default_seed(seed)
     tol = {**DEFAULT_TOLERANCES, **(tolerances or {})}.get(case.dtype)
     if tol is None:
-        raise ValueError(f"tolerances: no tolerance for dtype {dtype_name(case.dtype)} (pass tolerances={{dtype: tol}})")
+        raise ValueError(
+            f"tolerances: no tolerance for dtype {dtype_name(case.dtype)} (pass tolerances={{dtype: tol}})"
+        )
     params = {**case.params, "seed": seed}
 
     def result(**kw: Any) -> CaseResult:
