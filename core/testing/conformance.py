@@ -744,7 +744,7 @@ def run_conformance(
         return report
     for case in cases if cases is not None else conformance_cases(cls, device, quick):
         res = run_case(cls, case, device, seed, tolerances)
-        logger.info("%s", res.format())
+        logger.debug("%s", res.format())
         report.cases.append(res)
     return report
 
