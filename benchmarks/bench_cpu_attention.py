@@ -4,8 +4,9 @@
 
 Shapes are SmolLM2-135M's attention (9 query heads, 3 KV heads, head size 64). Each line
 prints the median and the fastest of N calls in ms. "contiguous SDPA" is the same math on
-an unpaged, already-contiguous [B, Hkv, L, D] cache (what HF transformers' decode calls
-per layer): the floor that paging has to approach.
+an unpaged, already-contiguous [B, Hkv, L, D] cache, called the way HF transformers'
+decode calls it per layer (query heads packed per KV head, padding mask): the floor that
+paging has to approach.
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ def bench(label: str, context_lens: list[int], query_lens: list[int], dtype: tor
 
 
 def bench_contiguous(label: str, batch: int, seq_len: int, dtype: torch.dtype, iters: int) -> None:
-    q = torch.randn(batch, H, 1, D).to(dtype)
+    # HF's decode call with a padding mask: query heads packed per KV head ("pack_gqa").
+    q = torch.randn(batch, HKV, H // HKV, D).to(dtype)
     k = torch.randn(batch, HKV, seq_len, D).to(dtype)
     v = torch.randn(batch, HKV, seq_len, D).to(dtype)
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    mask = torch.ones(batch, 1, 1, seq_len, dtype=torch.bool)
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
     med, low = timed(fn, iters)
     print(f"{label:<44} sdpa    {med:8.3f} ms (min {low:7.3f}, cpu {cpu_ms(fn, iters):7.3f})")
 

@@ -114,7 +114,9 @@ def test_an_independent_correct_backend_passes_the_quick_suite() -> None:
     report = run_conformance(make_backend(), quick=True, seed=7)
     assert report.passed, report.format()
     scenarios = {c.params["scenario"] for c in report.cases}
-    assert scenarios == {"kv_write", "prefill", "chunked_prefill", "decode", "mixed", "padded_tokens", "cudagraph_padding"}
+    assert scenarios == {
+        "kv_write", "prefill", "chunked_prefill", "decode", "long_decode", "mixed", "padded_tokens", "cudagraph_padding"
+    }
 
 
 @pytest.mark.parametrize(

@@ -110,19 +110,35 @@ def test_builder_batches_decodes_and_splits_prefills() -> None:
     builder = _builder()
     common, _ = _common([1, 1, 1], [40, 3, 17], 16)
     md = builder.build(common)
-    assert md.prefills == [] and md.decode is not None
-    assert md.decode.num_reqs == 3 and md.decode.token_rows is None and md.decode.blocks_per_req == 3
+    (decode,) = md.decodes
+    assert md.prefills == []
+    assert decode.num_reqs == 3 and decode.token_rows is None and decode.padded_len == 48
+    assert decode.kv_rows.numel() == 3 * 2 * 48  # (request, kv head, position)
     assert md.write_rows is None and md.write_slots.tolist() == common.slot_mapping.tolist()
     # Only the keys before each seq_len are visible.
-    assert md.decode.key_mask.view(3, -1).sum(1).tolist() == [40, 3, 17]
+    assert decode.key_mask.view(3, -1).sum(1).tolist() == [40, 3, 17]
     # Decodes around a prefill: gathered by row; the prefill with context gets a mask.
     common, _ = _common([1, 5, 1], [9, 20, 33], 16, num_tokens=10)
     md = builder.build(common)
-    assert md.decode.token_rows.tolist() == [0, 6]
+    assert [d.token_rows.tolist() for d in md.decodes] == [[0, 6]]
     (prefill,) = md.prefills
     assert (prefill.token_start, prefill.token_end, prefill.context_len) == (1, 6, 15)
     assert prefill.mask.shape == (5, 20) and prefill.mask.sum().item() == sum(range(16, 21))
     assert md.write_slots.numel() == 7  # the 3 padding rows (slot -1) are dropped
+
+
+def test_decodes_of_spread_lengths_are_grouped_by_length() -> None:
+    builder = _builder()
+    lens = torch.randint(100, 1001, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    md = builder.build(_common([1] * 64, lens, 16)[0])
+    assert len(md.decodes) > 1
+    rows = torch.cat([d.token_rows for d in md.decodes]).sort().values
+    assert rows.tolist() == list(range(64))  # every decode exactly once
+    padded = sum(d.num_reqs * d.padded_len for d in md.decodes)
+    assert padded < 0.8 * 64 * (-(-max(lens) // 16) * 16)
+    # Equal lengths: one group, in batch order.
+    (single,) = builder.build(_common([1] * 64, [300] * 64, 16)[0]).decodes
+    assert single.token_rows is None
 
 
 def test_workspace_is_shared_by_layers_and_reused_across_steps() -> None:

@@ -92,6 +92,7 @@ SCENARIOS: dict[str, str] = {
     "chunked_prefill": "step 1 prefills a prefix through the backend, step 2 attends a chunk "
     "over that cached prefix",
     "decode": "one new token per request over contexts of many blocks",
+    "long_decode": "decodes over contexts of thousands of tokens (split-KV paths of GPU kernels)",
     "mixed": "prefill chunks, fresh prompts and decodes in one batch, shuffled order",
     "padded_tokens": "a mixed batch with extra token rows past num_actual_tokens (slot -1)",
     "cudagraph_padding": "a decode batch padded with CUDA-graph filler requests "
@@ -180,7 +181,8 @@ class CaseResult:
         if self.skipped:
             return f"SKIP {self.name}: {self.message}"
         err = "n/a" if self.rel_error is None else f"{self.rel_error:.2e}"
-        line = f"{'PASS' if self.passed else 'FAIL'} {self.name}  rel_err {err} (tol {self.tolerance:.0e}, {self.seconds:.2f}s)"
+        verdict = "PASS" if self.passed else "FAIL"
+        line = f"{verdict} {self.name}  rel_err {err} (tol {self.tolerance:.0e}, {self.seconds:.2f}s)"
         return line if self.passed or not self.message else f"{line}\n     {self.message}"
 
 
@@ -367,7 +369,9 @@ def _plan(case: ConformanceCase, rng: random.Random) -> tuple[list[_Step], int]:
     elif case.scenario == "decode":
         shapes = [(context() - 1, 1), (length(2, unit) - 1, 1), (0, 1), (aligned_context() - 1, 1)]
         if small:
-            shapes += [(context() - 1, 1) for _ in range(4)]
+            shapes += [(context() - 1, 1) for _ in range(12)]
+    elif case.scenario == "long_decode":
+        shapes = [(length(1500, 2500), 1), (length(3000, 4500), 1), (context() - 1, 1)]
     elif case.scenario == "chunked_prefill":
         shapes = [(0, context()), (0, aligned_context()), (0, length(2, unit))]
         chunks = [query(), query(), query(min(unit, qmax))]
@@ -662,7 +666,9 @@ def run_case(
     seed = _default_seed(seed)
     tol = {**DEFAULT_TOLERANCES, **(tolerances or {})}.get(case.dtype)
     if tol is None:
-        raise ValueError(f"tolerances: no tolerance for dtype {dtype_name(case.dtype)} (pass tolerances={{dtype: tol}})")
+        raise ValueError(
+            f"tolerances: no tolerance for dtype {dtype_name(case.dtype)} (pass tolerances={{dtype: tol}})"
+        )
     params = {**case.params, "seed": seed}
 
     def result(**kw: Any) -> CaseResult:
@@ -738,7 +744,7 @@ def run_conformance(
         return report
     for case in cases if cases is not None else conformance_cases(cls, device, quick):
         res = run_case(cls, case, device, seed, tolerances)
-        logger.info("%s", res.format())
+        logger.debug("%s", res.format())
         report.cases.append(res)
     return report
 

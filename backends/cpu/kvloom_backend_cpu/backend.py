@@ -8,8 +8,8 @@ How a step is computed (the builder plans it once per step; every layer reuses t
 
 - KV write: ``index_copy_`` of the step's keys/values to their slots (``-1`` slots, the
   padding, are dropped by the builder).
-- Decode requests (query_len == 1) run as one batch: their blocks are gathered into a
-  padded ``[B, L, Hkv, D]`` workspace and a single ``scaled_dot_product_attention`` call
+- Decode requests (query_len == 1) run as one batch: their K/V rows are gathered into a
+  padded ``[B, Hkv, L, D]`` workspace and a single ``scaled_dot_product_attention`` call
   treats the ``num_heads // num_kv_heads`` query heads that share a KV head as that KV
   head's "query rows" (no K/V replication for GQA/MQA); a key mask hides the padding
   past each request's ``seq_len``.
@@ -43,6 +43,10 @@ from kvloom.interfaces import (
 
 KVLOOM_PLUGIN_API = "1.0"
 
+#: Decode requests are split into at most this many length groups, each at least this big.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
 
 class Workspace:
     """A grow-only scratch buffer shared by all layers of a step.
@@ -69,19 +73,23 @@ class Workspace:
 
 @dataclass
 class DecodeBatch:
-    """All requests of the step with query_len == 1, attended in one batched call."""
+    """Requests with query_len == 1, attended in one batched call."""
 
     num_reqs: int
     #: Token rows of the decode queries; ``None`` when they are the contiguous rows
     #: ``token_start : token_start + num_reqs`` (the common case; avoids a gather).
     token_rows: torch.Tensor | None
     token_start: int
-    #: Blocks gathered per request (enough for the longest decode sequence).
-    blocks_per_req: int
-    #: int64 ``[num_reqs * blocks_per_req]``: physical blocks, row-major by request;
-    #: entries past a request's last block point at block 0 (masked out).
-    block_ids: torch.Tensor
-    #: bool ``[num_reqs, 1, 1, blocks_per_req * block_size]``: True = key position < seq_len.
+    #: Key positions gathered per request (the longest decode sequence, rounded up to
+    #: whole blocks).
+    padded_len: int
+    num_kv_heads: int
+    #: int64 ``[num_reqs * num_kv_heads * padded_len]``: rows of the cache viewed as
+    #: ``[slots * num_kv_heads, head_size]``, ordered (request, kv head, position), so the
+    #: gather lands directly in the ``[B, Hkv, L, D]`` layout SDPA reads fastest.
+    #: Positions past a request's last block read block 0 (masked out).
+    kv_rows: torch.Tensor
+    #: bool ``[num_reqs, 1, 1, padded_len]``: True = key position < seq_len.
     key_mask: torch.Tensor
 
 
@@ -108,7 +116,8 @@ class CPUAttentionMetadata:
     #: ``None``, the first ``len(write_slots)`` rows.
     write_slots: torch.Tensor
     write_rows: torch.Tensor | None
-    decode: DecodeBatch | None
+    #: Decode requests in groups of similar length (usually one group).
+    decodes: list[DecodeBatch]
     prefills: list[PrefillRequest]
     #: The builder's scratch buffer for K/V gathers (shared by all layers).
     workspace: Workspace
@@ -142,7 +151,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         decode_idx = ((query_lens == 1) & real).nonzero().squeeze(1)
         prefill_idx = ((query_lens > 1) & real).nonzero().squeeze(1)
 
-        decode = self._plan_decode(common, decode_idx, starts, seq_lens) if decode_idx.numel() else None
+        decodes = [
+            self._plan_decode(common, group, starts, seq_lens)
+            for group in self._group_decodes(decode_idx, seq_lens)
+        ]
         prefills = [
             self._plan_prefill(common, i, int(starts[i]), int(starts[i + 1]), int(seq_lens[i]))
             for i in prefill_idx.tolist()
@@ -152,10 +164,42 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             block_size=block_size,
             write_slots=slots,
             write_rows=write_rows,
-            decode=decode,
+            decodes=decodes,
             prefills=prefills,
             workspace=self.workspace,
         )
+
+    def _group_decodes(self, req_idx: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+        """Split the decode requests into a few groups of similar length.
+
+        One batched call pads every request to the longest sequence; with lengths spread
+        out (continuous batching) most of that work is padding. Sorting by length and
+        splitting into up to ``MAX_DECODE_GROUPS`` equal-count groups bounds the waste;
+        a split is kept only when it cuts the padded positions by >= 10%, because every
+        group costs one more gather + SDPA call per layer.
+        """
+        num = req_idx.numel()
+        if num == 0:
+            return []
+        block_size = self.spec.block_size
+        lens, order = torch.sort(seq_lens[req_idx], descending=True)
+        padded_lens = ((lens + block_size - 1) // block_size * block_size).tolist()
+
+        def padded_work(bounds: list[int]) -> int:
+            return sum((b - a) * padded_lens[a] for a, b in zip(bounds[:-1], bounds[1:]))
+
+        best = [0, num]
+        for groups in range(2, MAX_DECODE_GROUPS + 1):
+            if num // groups < MIN_DECODE_GROUP:
+                break
+            bounds = [round(i * num / groups) for i in range(groups + 1)]
+            if padded_work(bounds) > 0.9 * padded_work(best):
+                break
+            best = bounds
+        if len(best) == 2:
+            return [req_idx]  # keep the batch order: decode rows are often contiguous
+        ordered = req_idx[order]
+        return [ordered[a:b].sort().values for a, b in zip(best[:-1], best[1:])]
 
     def _plan_decode(
         self,
@@ -181,13 +225,17 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         in_use = torch.arange(blocks_per_req)[None, :] < blocks_needed[:, None]
         table = torch.where(in_use, table, torch.zeros_like(table))
         positions = torch.arange(blocks_per_req * block_size)
+        slots = table[:, positions // block_size] * block_size + positions % block_size  # [B, L]
+        kv_heads = self.spec.num_kv_heads
+        kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
         key_mask = (positions[None, :] < dec_seq_lens[:, None]).view(num, 1, 1, -1)
         return DecodeBatch(
             num_reqs=num,
             token_rows=None if contiguous else rows,
             token_start=token_start,
-            blocks_per_req=blocks_per_req,
-            block_ids=table.reshape(-1),
+            padded_len=positions.numel(),
+            num_kv_heads=kv_heads,
+            kv_rows=kv_rows.reshape(-1),
             key_mask=key_mask,
         )
 
@@ -251,8 +299,8 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         md = attn_metadata
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self._write_kv(key, value, key_cache, value_cache, md)
-        if md.decode is not None:
-            self._decode(query, key_cache, value_cache, md, md.decode, output)
+        for batch in md.decodes:
+            self._decode(query, key_cache, value_cache, md, batch, output)
         for request in md.prefills:
             self._prefill(query, key, value, key_cache, value_cache, md, request, output)
         return output
@@ -299,11 +347,16 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         batch: DecodeBatch,
         output: torch.Tensor,
     ) -> None:
-        num, kv_heads = batch.num_reqs, self.num_kv_heads
-        keys, values = self._gather_blocks(key_cache, value_cache, batch.block_ids, md)
-        # [B * blocks, block_size, Hkv, D] -> [B, Hkv, L, D] (a strided view, no copy)
-        keys = keys.view(num, -1, kv_heads, self.head_size).transpose(1, 2)
-        values = values.view(num, -1, kv_heads, self.head_size).transpose(1, 2)
+        num, kv_heads, length = batch.num_reqs, self.num_kv_heads, batch.padded_len
+        if batch.num_kv_heads != kv_heads:
+            raise ValueError(
+                f"num_kv_heads: the metadata was planned for {batch.num_kv_heads} KV heads, this layer has {kv_heads}"
+            )
+        buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), key_cache.dtype)
+        torch.index_select(key_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[0])
+        torch.index_select(value_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[1])
+        keys = buffer[0].view(num, kv_heads, length, self.head_size)
+        values = buffer[1].view(num, kv_heads, length, self.head_size)
         if batch.token_rows is None:
             q = query[batch.token_start : batch.token_start + num]
         else:
