@@ -49,7 +49,9 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, synchronize
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, synchronize  # noqa: E402
 
 logger = logging.getLogger("bench_attention_kernels")
 
