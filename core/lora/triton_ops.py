@@ -7,7 +7,7 @@ Two kernels, one program per (token, output tile):
 
 Tokens with slot 0 (no adapter) load and store nothing. The slot of each token is read
 on the device, so the launch is the same for every batch of a given size (CUDA-graph
-safe). The kernels are checked on the CPU under ``TRITON_INTERPRET=1`` by
+safe). The layer sizes are compile-time constants (a model has a handful of shapes). The kernels are checked on the CPU under ``TRITON_INTERPRET=1`` by
 ``tests/test_lora_triton_interpret.py``.
 """
 
@@ -21,9 +21,8 @@ import triton.language as tl
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, slots_ptr, tmp_ptr,
-    K, R,
     stride_xm, stride_as, stride_ar, stride_tm,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -47,9 +46,8 @@ def _lora_shrink_kernel(
 @triton.jit
 def _lora_expand_kernel(
     tmp_ptr, b_ptr, slots_ptr, y_ptr,
-    N, R,
     stride_tm, stride_bs, stride_bn, stride_ym,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,15 +91,13 @@ def lora_delta_triton(
     block_r = max(16, triton.next_power_of_2(min(r, 64)))
     _lora_shrink_kernel[(num_tokens, triton.cdiv(r, block_r))](
         x, lora_a, token_slots, tmp,
-        k, r,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), tmp.stride(0),
-        BLOCK_R=block_r, BLOCK_K=64,
+        K=k, R=r, BLOCK_R=block_r, BLOCK_K=64,
     )  # fmt: skip
     block_n = 64
     _lora_expand_kernel[(num_tokens, triton.cdiv(n, block_n))](
         tmp, lora_b, token_slots, y,
-        n, r,
         tmp.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_R=block_r,
+        N=n, R=r, BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip
     return y
