@@ -28,7 +28,10 @@ TOL = 1e-4
 def hf_embedding(model_dir: Path, text_or_ids: str | list[int], pooling: str = "MEAN") -> torch.Tensor:
     from transformers import AutoModel, AutoTokenizer
 
-    ids = text_or_ids if isinstance(text_or_ids, list) else AutoTokenizer.from_pretrained(model_dir)(text_or_ids).input_ids
+    if isinstance(text_or_ids, list):
+        ids = text_or_ids
+    else:
+        ids = AutoTokenizer.from_pretrained(model_dir)(text_or_ids).input_ids
     model = AutoModel.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         hidden = model(torch.tensor([ids])).last_hidden_state[0].double()
@@ -95,7 +98,8 @@ def test_pooling_endpoint_runs_the_plugin(server: KvloomServer, model_dir: Path)
     similarity = torch.tensor(body["data"]["similarity"], dtype=torch.float64)
     assert (similarity - reference_similarity(model_dir)).abs().max().item() <= TOL
     bad = server.post("/pooling", {"data": {"documents": ["ok", ""]}})
-    assert bad.status_code == 400 and bad.json()["error"]["message"] == "data: documents[1]: expected a non-empty string"
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == "data: documents[1]: expected a non-empty string"
 
 
 def test_plain_pooling_and_embeddings_match_hf(server: KvloomServer, model_dir: Path) -> None:

@@ -34,8 +34,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     return {
         "a1": make_adapter(base, root / "a1", seed=1, r=8),
-        "a2": make_adapter(base, root / "a2", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                           safetensors=False, use_rslora=True),  # fmt: skip
+        "a2": make_adapter(base, root / "a2", seed=2, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj", "down_proj"], safetensors=False, use_rslora=True),
     }
 
 

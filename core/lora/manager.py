@@ -129,7 +129,8 @@ class LoRAManager:
             victim = next((i for i, s in self._slot_of.items() if s not in in_use), None)
             if victim is None:
                 raise RuntimeError(
-                    f"a step uses more than max_loras={self.max_loras} LoRA adapters (the scheduler must not allow this)"
+                    f"a step uses more than max_loras={self.max_loras} LoRA adapters "
+                    "(the scheduler must not allow this)"
                 )
             self._free_slot_of(victim)
         slot = self._free_slots.pop()

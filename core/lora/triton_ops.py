@@ -7,7 +7,8 @@ Two kernels, one program per (token, output tile):
 
 Tokens with slot 0 (no adapter) load and store nothing. The slot of each token is read
 on the device, so the launch is the same for every batch of a given size (CUDA-graph
-safe). The layer sizes are compile-time constants (a model has a handful of shapes). The kernels are checked on the CPU under ``TRITON_INTERPRET=1`` by
+safe). The layer sizes are compile-time constants (a model has a handful of shapes).
+The kernels are checked on the CPU under ``TRITON_INTERPRET=1`` by
 ``tests/test_lora_triton_interpret.py``.
 """
 

@@ -35,7 +35,8 @@ class LlamaEmbeddingModel(nn.Module):
         super().__init__()
         self.config = config
         hf = config.model.hf_config
-        self.model = LlamaModel(config, f"{prefix}.model" if prefix else "model", self.causal_lm_cls.attention_kwargs(hf))
+        attention_kwargs = self.causal_lm_cls.attention_kwargs(hf)
+        self.model = LlamaModel(config, f"{prefix}.model" if prefix else "model", attention_kwargs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -3,8 +3,9 @@
 Endpoints: POST /v1/completions, /v1/chat/completions, /v1/embeddings, GET /v1/models,
 and with ``KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1`` POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (all under /v1 need the API key when one is set), GET /health,
-/version, /metrics, POST /tokenize, /detokenize, /pooling. Every error is OpenAI's body ``{"error": {message, type, param, code}}``;
-bad input (malformed JSON, wrong types, out-of-range values) is a 400, never FastAPI's 422.
+/version, /metrics, POST /tokenize, /detokenize, /pooling. Every error is OpenAI's body
+``{"error": {message, type, param, code}}``; bad input (malformed JSON, wrong types,
+out-of-range values) is a 400, never FastAPI's 422.
 
 The server calls ``log()`` on the engine's stat loggers every ``log_stats_interval``
 seconds, and a client that disconnects cancels its engine requests (streaming or not).

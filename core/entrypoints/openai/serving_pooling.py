@@ -112,7 +112,8 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
         request_id, vectors, usage = await self._pool(request, "embd")
-        data = [EmbeddingData(index=i, embedding=encode_vector(v, request.encoding_format)) for i, v in enumerate(vectors)]
+        fmt = request.encoding_format
+        data = [EmbeddingData(index=i, embedding=encode_vector(v, fmt)) for i, v in enumerate(vectors)]
         return EmbeddingResponse(id=request_id, model=request.model or self.model_name, data=data, usage=usage)
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:

@@ -48,7 +48,9 @@ class GemmaMLP(nn.Module):
         if act not in ("gelu_pytorch_tanh", "gelu"):
             raise NotImplementedError(f"Gemma hidden activation {act!r} is not supported (gelu_pytorch_tanh, gelu)")
         # HF's Gemma runs the tanh approximation for both names.
-        self.gate_up_proj = MergedLinear(hf.hidden_size, [hf.intermediate_size] * 2, prefix=_join(prefix, "gate_up_proj"))
+        self.gate_up_proj = MergedLinear(
+            hf.hidden_size, [hf.intermediate_size] * 2, prefix=_join(prefix, "gate_up_proj")
+        )
         self.down_proj = Linear(hf.intermediate_size, hf.hidden_size, prefix=_join(prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
