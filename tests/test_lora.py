@@ -23,7 +23,8 @@ from kvloom.request import Request
 from kvloom.scheduler.scheduler import Scheduler
 
 MAX_NEW = 8
-PROMPTS = [[5, 17, 33, 48, 90, 11], [7, 8, 9, 10], [100, 200, 300, 400, 401, 402, 403, 404, 405, 406]]
+# The last prompt spans several KV blocks, so a second run gets prefix-cache hits.
+PROMPTS = [[5, 17, 33, 48, 90, 11], [7, 8, 9, 10], [(7 * i + 100) % 500 for i in range(40)]]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,13 @@ def test_two_adapters_and_base_in_one_batch_match_hf_peft(adapters, hf_reference
     for i in range(len(PROMPTS)):
         assert hf_reference[("a1", i)] != hf_reference[(None, i)]
         assert hf_reference[("a2", i)] != hf_reference[(None, i)]
-    llm = LLM(str(tiny_model_dir("llama")), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32")
+    llm = LLM(str(tiny_model_dir("llama")), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
+              block_size=16)  # fmt: skip
+    assert _run_batch(llm, adapters) == hf_reference
+    # Again, now with the prompts' blocks cached: each adapter may only reuse its own KV
+    # (the adapter id is in the block hash), so the results stay the same.
+    scheduler = llm.llm_engine.engine_core.core.scheduler
+    assert scheduler.kv_cache_manager.enable_caching
     assert _run_batch(llm, adapters) == hf_reference
     # Both adapters stayed loaded; removing one frees it.
     assert llm.llm_engine.list_loras() == {1, 2}
