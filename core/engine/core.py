@@ -48,7 +48,13 @@ class EngineCore:
         config.cache.num_blocks = num_blocks
         self.worker.compile_or_warm_up_model()
         logger.info("Engine core ready in %.1f s (%d KV blocks)", time.perf_counter() - start, num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, log_stats=log_stats)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            log_stats=log_stats,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+        )
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -98,6 +98,11 @@ class InputProcessor:
                 f"prompt: {n} tokens is longer than the maximum of {limit} "
                 f"(max_model_len={self.max_model_len}{'' if pooling else ', leaving room for one output token'})"
             )
+        runner = self.config.model.runner
+        if pooling and runner != "pooling":
+            raise ValueError("pooling_params: this model generates text; start it with runner='pooling' to pool")
+        if not pooling and runner == "pooling":
+            raise ValueError("sampling_params: this model runs as a pooling (embedding) model and cannot generate")
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled; start the engine with --enable-lora")
         sampling_params = None

@@ -34,6 +34,10 @@ class LLM:
         args = EngineArgs(model=model, disable_log_stats=disable_log_stats, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args, log_stats=not disable_log_stats)
         self._counter = itertools.count()
+        from kvloom.pooling.io_processors import load_io_processor
+
+        #: The IO processor plugin (``io_processor_plugin``); ``encode`` runs it when set.
+        self.io_processor = load_io_processor(self.config)
 
     @property
     def config(self):  # type: ignore[no-untyped-def]
@@ -88,10 +92,32 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: Any,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt. With an IO processor plugin, ``prompts`` is the plugin's input
+        instead: parse_data -> pre_process -> pool each model prompt -> post_process, and
+        the one result is the ``outputs`` of a single ``PoolingRequestOutput``."""
+        if self.io_processor is None:
+            return self._encode(prompts, pooling_params, use_tqdm, lora_request)
+        processor = self.io_processor
+        request_id = f"io-{next(self._counter)}"
+        from kvloom.pooling.io_processors import as_prompt_list
+
+        model_prompts = as_prompt_list(processor.pre_process(processor.parse_data(prompts), request_id=request_id))
+        params = processor.merge_pooling_params(pooling_params if isinstance(pooling_params, PoolingParams) else None)
+        outputs = self._encode(model_prompts, params, use_tqdm, lora_request)
+        result = processor.post_process(outputs, request_id=request_id)
+        return [PoolingRequestOutput(request_id, result, prompt_token_ids=[], finished=True)]  # type: ignore[arg-type]
+
+    def _encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[PoolingRequestOutput]:
         if self.config.model.runner != "pooling":
             raise ValueError("encode: this model runs as a generator; start it with runner='pooling'")
@@ -105,7 +131,7 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
-        outputs = self.encode(prompts, pooling_params, use_tqdm)
+        outputs = self._encode(prompts, pooling_params, use_tqdm, None)  # never through an IO processor
         return [
             EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
             for o in outputs

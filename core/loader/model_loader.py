@@ -57,7 +57,10 @@ def model_weights(config: EngineConfig, model: nn.Module) -> Iterable[tuple[str,
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     """The model of ``config`` on ``device`` in ``config.model.dtype``, weights loaded, in eval mode."""
     device = torch.device(device)
-    model_cls = ModelRegistry.load_model_cls(config.model.architecture)
+    architecture = config.model.architecture
+    if config.model.runner == "pooling":
+        architecture = ModelRegistry.pooling_architecture(architecture)
+    model_cls = ModelRegistry.load_model_cls(architecture)
     start = time.perf_counter()
     with default_dtype(config.model.dtype), device:
         model = model_cls(config)

@@ -21,6 +21,20 @@ _BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvloom.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kvloom.models.qwen3:Qwen3ForCausalLM",
+    # Decoders saved without their LM head: embedding models (runner "pooling").
+    "LlamaModel": "kvloom.models.embedding:LlamaEmbeddingModel",
+    "MistralModel": "kvloom.models.embedding:LlamaEmbeddingModel",
+    "Qwen2Model": "kvloom.models.embedding:Qwen2EmbeddingModel",
+    "Qwen3Model": "kvloom.models.embedding:Qwen3EmbeddingModel",
+}
+
+#: The embedding architecture that runs a causal LM with runner "pooling" (its LM head is
+#: then neither loaded nor needed).
+_POOLING_VARIANTS: dict[str, str] = {
+    "LlamaForCausalLM": "LlamaModel",
+    "MistralForCausalLM": "MistralModel",
+    "Qwen2ForCausalLM": "Qwen2Model",
+    "Qwen3ForCausalLM": "Qwen3Model",
 }
 
 #: Architectures whose natural runner is pooling (embedding models).
@@ -58,6 +72,14 @@ class _ModelRegistry:
 
     def is_pooling_architecture(self, architecture: str) -> bool:
         return not architecture.endswith("ForCausalLM") and architecture.endswith(_POOLING_SUFFIXES)
+
+    def pooling_architecture(self, architecture: str) -> str:
+        """The architecture to build for ``runner="pooling"``: a built-in causal LM's
+        headless variant, else ``architecture`` itself (its hidden states are pooled)."""
+        variant = _POOLING_VARIANTS.get(architecture)
+        if variant is None or self._models.get(architecture) != _BUILTIN_MODELS.get(architecture):
+            return architecture  # not built in, or replaced by a plugin: use it as registered
+        return variant
 
     def load_model_cls(self, architecture: str) -> type[nn.Module]:
         target = self._models.get(architecture)

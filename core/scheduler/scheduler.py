@@ -55,6 +55,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         log_stats: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -72,6 +73,9 @@ class Scheduler:
                 f"must be >= max_model_len ({self.max_model_len}), or long prompts could never be scheduled"
             )
         self.log_stats = log_stats
+        # With LoRA: at most this many distinct adapters in the running batch (the
+        # runner's adapter slots); None = LoRA off.
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
@@ -219,9 +223,23 @@ class Scheduler:
                     spec_decode_tokens[request_id] = request.spec_token_ids[:num_spec]
 
         # 2. Waiting requests, unless this step had to preempt (they would not fit).
+        # A waiting request whose adapter would exceed max_loras is set aside (it keeps
+        # its place in the queue) so that requests behind it can still run.
+        skipped: list[Request] = []
+        active_loras = (
+            {r.lora_int_id for r in self.running if r.lora_request is not None} if self.max_loras is not None else set()
+        )
         if not num_preempted:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
+                if (
+                    self.max_loras is not None
+                    and request.lora_request is not None
+                    and request.lora_int_id not in active_loras
+                    and len(active_loras) >= self.max_loras
+                ):
+                    skipped.append(self.waiting.pop())
+                    continue
                 computed_blocks, num_hits = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hits
                 if 0 < threshold < num_new:
@@ -238,6 +256,8 @@ class Scheduler:
                     self._finish_too_large(request)
                     continue
                 self.waiting.pop()
+                if request.lora_request is not None:
+                    active_loras.add(request.lora_int_id)
                 if kv.enable_caching and not request.skip_prefix_cache_reading:
                     kv.record_prefix_cache_query(request.num_tokens, num_hits)
                 self.running.append(request)
@@ -262,6 +282,9 @@ class Scheduler:
                 request.num_computed_tokens = num_hits + num_new
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
+
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +72,7 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.cudagraphs = None  # set by enable_cudagraphs()
+        self.lora_manager = None  # a kvloom.lora.manager.LoRAManager when LoRA is enabled
 
         # Host staging buffers (pinned on CUDA) and persistent device buffers. CUDA graphs
         # read the device buffers, so they must never be reallocated.
@@ -98,6 +100,10 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not self.attn_layers:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
+        if self.config.lora.enable_lora:
+            from kvloom.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, self.config, self.device, self.max_num_tokens)
 
     def kv_cache_bytes_per_block(self) -> int:
         dtype = self.kv_cache_dtype()
@@ -234,10 +240,12 @@ class ModelRunner:
         return batch, common
 
     # ------------------------------------------------------------------ forward
-    def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor:
+    def _forward_eager(
+        self, n: int, common: CommonAttentionMetadata, extras: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         assert self.model is not None and self.builder is not None
         attn_metadata = self.builder.build(common)
-        with set_forward_context(attn_metadata):
+        with set_forward_context(attn_metadata, **(extras or {})):
             return self.model(self.input_ids[:n], self.positions[:n])
 
     @torch.inference_mode()
@@ -250,18 +258,26 @@ class ModelRunner:
 
         logits = None
         hidden = None
-        if self.cudagraphs is not None and batch.uniform_decode and self.cudagraphs.can_run(b):
-            logits = self.cudagraphs.run(b, common)
+        # LoRA steps run eagerly: the captured graphs hold no adapter updates.
+        graphs = self.cudagraphs if self.lora_manager is None else None
+        if graphs is not None and batch.uniform_decode and graphs.can_run(b):
+            logits = graphs.run(b, common)
         else:
-            hidden = self._forward_eager(batch.num_tokens, common)
-        if logits is None:
+            hidden = self._forward_eager(batch.num_tokens, common, self._lora_extras(batch))
+        if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None and self.model is not None
             logits = self.model.compute_logits(hidden[self.logits_indices[:b]])
         return self._postprocess(batch, logits, hidden)
 
+    def _lora_extras(self, batch: StepBatch) -> dict[str, Any]:
+        """The forward-context extras of a step: each token's LoRA adapter slot."""
+        if self.lora_manager is None:
+            return {}
+        return self.lora_manager.forward_extras([s.lora_request for s in batch.states], batch.query_lens)
+
     # ------------------------------------------------------------------ sampling
     def _postprocess(
-        self, batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor | None
+        self, batch: StepBatch, logits: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> ModelRunnerOutput:
         from kvloom.sample.metadata import SamplingMetadata
 
@@ -277,6 +293,7 @@ class ModelRunner:
         pooler_output: list[torch.Tensor | None] | None = None
 
         if gen_idx:
+            assert logits is not None
             rows = gen_idx if len(gen_idx) < len(states) else None
             gen_states = [states[i] for i in gen_idx]
             for s in gen_states:
@@ -371,6 +388,8 @@ class ModelRunner:
         self.positions[:num_tokens].copy_(torch.arange(num_tokens, device=self.device) % self.max_model_len)
         hidden = self._forward_eager(num_tokens, common)
         assert self.model is not None
+        if self.config.model.runner == "pooling":  # embedding models have no LM head
+            return hidden[self.logits_indices[:num_reqs]]
         return self.model.compute_logits(hidden[self.logits_indices[:num_reqs]])
 
     def dummy_metadata(self, query_lens: np.ndarray) -> CommonAttentionMetadata:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an ``AsyncLLM``, run by uvicorn.
 
-Endpoints: POST /v1/completions, /v1/chat/completions, GET /v1/models (all under /v1 need
-the API key when one is set), GET /health, /version, /metrics, POST /tokenize,
-/detokenize. Every error is OpenAI's body ``{"error": {message, type, param, code}}``;
-bad input (malformed JSON, wrong types, out-of-range values) is a 400, never FastAPI's 422.
+Endpoints: POST /v1/completions, /v1/chat/completions, /v1/embeddings, GET /v1/models,
+and with ``KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1`` POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (all under /v1 need the API key when one is set), GET /health,
+/version, /metrics, POST /tokenize, /detokenize, /pooling. Every error is OpenAI's body
+``{"error": {message, type, param, code}}``; bad input (malformed JSON, wrong types,
+out-of-range values) is a 400, never FastAPI's 422.
 
 The server calls ``log()`` on the engine's stat loggers every ``log_stats_interval``
 seconds, and a client that disconnects cancels its engine requests (streaming or not).
@@ -32,13 +34,18 @@ from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
+    EmbeddingRequest,
+    IOProcessorRequest,
+    LoadLoRAAdapterRequest,
+    PoolingRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvloom.entrypoints.openai.serving_models import OpenAIServingModels, runtime_lora_updating_allowed
+from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.metrics.loggers import PrometheusStatLogger
 
@@ -90,15 +97,6 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump(mode="json"))
 
 
-def _model_list(serving: OpenAIServingCompletion) -> ModelList:
-    cards = [ModelCard(id=serving.model_name, root=serving.config.model.model, max_model_len=serving.max_model_len)]
-    for name, lora in serving.lora_requests.items():
-        cards.append(
-            ModelCard(id=name, root=lora.lora_path, parent=serving.model_name, max_model_len=serving.max_model_len)
-        )
-    return ModelList(data=cards)
-
-
 def metrics_text(engine: "AsyncLLM") -> bytes:
     """The Prometheus exposition: the engine's metrics, then the process/python ones."""
     parts = [
@@ -124,8 +122,11 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
     """The FastAPI app serving ``engine``. With ``api_key``, /v1/* needs
     ``Authorization: Bearer <api_key>``."""
 
+    models = OpenAIServingModels(engine)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await models.load_static_loras()  # a bad --lora-modules adapter stops the server here
         task = None
         if log_stats:
             interval = engine.config.observability.log_stats_interval
@@ -138,9 +139,12 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
 
     app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__, lifespan=lifespan)
     app.state.engine = engine
-    completions = OpenAIServingCompletion(engine)
-    chat = OpenAIServingChat(engine)
-    tokenization = OpenAIServingTokenization(engine)
+    from kvloom.pooling.io_processors import load_io_processor
+
+    completions = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models)
+    tokenization = OpenAIServingTokenization(engine, models)
+    pooling = OpenAIServingPooling(engine, models, load_io_processor(engine.config))
 
     # ---------------------------------------------------------------- errors
 
@@ -187,9 +191,32 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
         result = await run_until_disconnected(raw, chat.create_chat_completion(request))
         return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
 
+    @v1.post("/embeddings")
+    async def create_embedding(raw: Request) -> Response:
+        request = validate_body(EmbeddingRequest, parse_json_body(await raw.body()))
+        result = await run_until_disconnected(raw, pooling.create_embedding(request))
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+
     @v1.get("/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse(_model_list(completions).model_dump(mode="json"))
+        return JSONResponse(models.model_list().model_dump(mode="json"))
+
+    if runtime_lora_updating_allowed():
+        logger.warning("Runtime LoRA updating is on (KVLOOM_ALLOW_RUNTIME_LORA_UPDATING): clients may load "
+                       "adapters from this machine's files")  # fmt: skip
+
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(raw: Request) -> Response:
+            request = validate_body(LoadLoRAAdapterRequest, parse_json_body(await raw.body()))
+            await models.load_lora_adapter(request.lora_name, request.lora_path)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request) -> Response:
+            request = validate_body(UnloadLoRAAdapterRequest, parse_json_body(await raw.body()))
+            await models.unload_lora_adapter(request.lora_name)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.",
+                            media_type="text/plain")  # fmt: skip
 
     app.include_router(v1)
 
@@ -218,6 +245,16 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
         model = TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
         response = tokenization.tokenize_request(validate_body(model, data))
         return JSONResponse(response.model_dump(mode="json"))
+
+    @app.post("/pooling")
+    async def create_pooling(raw: Request) -> Response:
+        data = parse_json_body(await raw.body())
+        if isinstance(data, dict) and "data" in data:
+            work: Awaitable[Any] = pooling.create_io_processor_pooling(validate_body(IOProcessorRequest, data))
+        else:
+            work = pooling.create_pooling(validate_body(PoolingRequest, data))
+        result = await run_until_disconnected(raw, work)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> JSONResponse:

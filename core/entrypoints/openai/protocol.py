@@ -405,3 +405,99 @@ class DetokenizeRequest(OpenAIRequest):
 
 class DetokenizeResponse(OpenAIResponse):
     prompt: str
+
+
+# ----------------------------------------------------------------- LoRA adapters (vLLM's bodies)
+
+
+class LoadLoRAAdapterRequest(OpenAIRequest):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIRequest):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
+# ----------------------------------------------------------------- embeddings and pooling
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(OpenAIRequest):
+    """POST /v1/embeddings (OpenAI's fields, plus vLLM's ``normalize`` and
+    ``add_special_tokens``)."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: EmbeddingInput) -> EmbeddingInput:
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be an empty list")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per embedding: a text or a list of token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(v, int) for v in value):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
+
+
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling without an IO processor plugin: vLLM's shape, embeddings as ``data``."""
+
+
+class EmbeddingData(OpenAIResponse):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIResponse):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingData(OpenAIResponse):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIResponse):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
+
+
+class IOProcessorRequest(OpenAIRequest):
+    """POST /pooling with an IO processor plugin: the plugin parses ``data``."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model: str | None = None
+    data: Any
+
+
+class IOProcessorResponse(OpenAIResponse):
+    request_id: str | None = None
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    data: Any

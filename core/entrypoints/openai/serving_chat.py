@@ -39,7 +39,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        lora_request = self.resolve_model(request.model)
+        lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
         prompt = self.chat_prompt(request.template_messages(), request.add_generation_prompt)
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

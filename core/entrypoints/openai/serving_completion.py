@@ -35,7 +35,7 @@ class _Choice:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        lora_request = self.resolve_model(request.model)
+        lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
         prompts = [self.tokenize(p) for p in request.prompts()]
         max_tokens = [self.max_tokens_for(p, request.max_tokens, "prompt", "max_tokens") for p in prompts]

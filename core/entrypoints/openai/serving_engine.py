@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from kvloom.entrypoints.openai.errors import APIError, from_validation_error
+from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import SamplingParams
@@ -57,34 +58,28 @@ ChoiceOutputs = AsyncIterator[tuple[int, RequestOutput]]
 
 
 class OpenAIServing:
-    def __init__(self, engine: "AsyncLLM") -> None:
+    def __init__(self, engine: "AsyncLLM", models: OpenAIServingModels | None = None) -> None:
         self.engine = engine
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_name = self.config.model.served_model_name
         self.max_model_len = self.config.model.max_model_len
-        # Adapters given with --lora-modules are served under their names, with ids
-        # 1, 2, ... in the order given.
-        self.lora_requests = {
-            name: LoRARequest(lora_name=name, lora_int_id=i + 1, lora_path=path, base_model_name=self.model_name)
-            for i, (name, path) in enumerate(self.config.lora.lora_modules.items())
-        }
+        # The base model and its LoRA adapters; the server shares one among its endpoints.
+        self.models = models if models is not None else OpenAIServingModels(engine)
+
+    @property
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        return self.models.lora_requests
 
     # ------------------------------------------------------------ checks
 
     def resolve_model(self, requested: str | None) -> LoRARequest | None:
-        """The LoRA adapter a model name selects (None = the base model); 404 if unknown."""
-        if requested is None or requested == self.model_name:
-            return None
-        if requested in self.lora_requests:
-            return self.lora_requests[requested]
-        available = ", ".join([self.model_name, *self.lora_requests])
-        raise APIError(
-            f"The model `{requested}` does not exist. Available models: {available}",
-            status=HTTPStatus.NOT_FOUND,
-            param="model",
-            code="model_not_found",
-        )
+        """The LoRA adapter a known model name selects (None = the base model); 404 if unknown."""
+        return self.models.known(requested)
+
+    async def resolve_model_or_lora(self, requested: str | None) -> LoRARequest | None:
+        """``resolve_model``, but an unknown name may be found (and loaded) by a LoRA resolver."""
+        return await self.models.resolve(requested)
 
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.config.scheduler.policy != "priority":

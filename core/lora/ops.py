@@ -1,0 +1,68 @@
+"""The batched LoRA gather-matmul: every token adds its own adapter's low-rank update.
+
+For token ``t`` with adapter slot ``s = token_slots[t]`` (slot 0 = no adapter):
+
+    y[t] += (x[t] @ A[s].T) @ B[s].T
+
+``A`` is ``[num_slots, R, in]`` and ``B`` is ``[num_slots, out, R]`` (the adapter's
+scaling is already folded into ``B``; see ``LoRALinear`` for how merged layers stack
+their slices into ``R``). On the CPU the tokens are grouped by adapter and each group
+is two GEMMs (``lora_delta_grouped``); on CUDA a Triton kernel gathers per token
+(``kvloom.lora.triton_ops``), which reads the slots from a device tensor so it can run
+inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoRAMapping:
+    """Which adapter slot each token of a step uses (the ``"lora"`` forward-context extra)."""
+
+    #: [num_tokens] int32 slot per token, on the model's device.
+    token_slots: torch.Tensor
+    #: (slot, token indices) per adapter present in the step (slot 0 excluded).
+    groups: list[tuple[int, torch.Tensor]]
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)
+
+
+def lora_delta_grouped(
+    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+) -> torch.Tensor:
+    """``y`` plus every group's update, group by group (two GEMMs per adapter)."""
+    if len(groups) == 1 and groups[0][1].numel() == x.shape[0]:
+        slot = groups[0][0]  # every token uses one adapter: no gather needed
+        return y + (x @ lora_a[slot].T) @ lora_b[slot].T
+    out = y.clone()
+    for slot, index in groups:
+        xs = x.index_select(0, index)
+        out.index_add_(0, index, (xs @ lora_a[slot].T) @ lora_b[slot].T)
+    return out
+
+
+def lora_delta_reference(
+    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """The per-token definition, in float64 (for tests)."""
+    a = lora_a.double()[token_slots.long()]  # [N, R, in]
+    b = lora_b.double()[token_slots.long()]  # [N, out, R]
+    shrunk = torch.bmm(a, x.double().unsqueeze(-1))  # [N, R, 1]
+    return y.double() + torch.bmm(b, shrunk).squeeze(-1)
+
+
+def apply_lora(
+    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+) -> torch.Tensor:
+    """``y`` with the step's LoRA updates added (``x``: the layer input, ``y``: its output)."""
+    if x.is_cuda:
+        from kvloom.lora.triton_ops import lora_delta_triton
+
+        return lora_delta_triton(x, y, lora_a, lora_b, mapping.token_slots)
+    return lora_delta_grouped(x, y, lora_a, lora_b, mapping.groups)
