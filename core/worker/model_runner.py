@@ -117,7 +117,10 @@ class ModelRunner:
         name = self.config.cache.cache_dtype
         return self.config.model.dtype if name == "auto" else getattr(torch, name)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, for_profiling: bool = False) -> None:
+        """Allocate each layer's KV cache and the backend's metadata builder. A profiling
+        run (``for_profiling``) needs only block 0: dummy requests read block-table row 0
+        and write nothing."""
         dtype = self.kv_cache_dtype()
         self.kv_caches = []
         for layer in self.attn_layers:
@@ -138,6 +141,8 @@ class ModelRunner:
             scale=first.scale,
         )
         self.builder = self.backend.get_builder_cls()(spec, self.device, self.max_blocks_per_req)
+        if for_profiling:
+            return
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB, %s) for %d layers",
             num_blocks,

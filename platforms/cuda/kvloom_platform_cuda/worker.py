@@ -42,6 +42,9 @@ class CUDAWorker(Worker):
         from kvloom.sample.metadata import SamplingMetadata
 
         runner = self.runner
+        # The forward needs a builder and a cache to read; one block is all dummy requests
+        # touch. initialize_cache() replaces both once the real size is known.
+        runner.initialize_kv_cache(1, for_profiling=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         num_reqs = runner.max_num_reqs
@@ -60,6 +63,10 @@ class CUDAWorker(Worker):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del logits, metadata
+        runner.kv_caches = []
+        runner.builder = None
+        for layer in runner.attn_layers:
+            layer.kv_cache = torch.empty(0)
         gc.collect()
         torch.cuda.empty_cache()
         return peak
