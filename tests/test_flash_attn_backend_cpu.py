@@ -36,7 +36,7 @@ from kvloom.attention.backend import (  # noqa: E402
 from kvloom.platform_types import DeviceCapability  # noqa: E402
 from kvloom.testing import run_conformance  # noqa: E402
 from kvloom_backend_flash_attn import KVLOOM_PLUGIN_API, FlashAttentionBackend  # noqa: E402
-from kvloom_backend_flash_attn.kv_write import write_kv_cache  # noqa: E402
+from kvloom.attention.kv_write import write_kv_default_layout as write_kv_cache  # noqa: E402
 from kvloom_backend_flash_attn.metadata import (  # noqa: E402
     DECODE_KERNEL_ENV,
     DECODE_KERNEL_EXTRA_KEY,

@@ -28,7 +28,7 @@ from kvloom.attention.backend import (
 from kvloom.platform_types import DeviceCapability
 from kvloom_backend_flex_attention import KVLOOM_PLUGIN_API, FlexAttentionBackend
 from kvloom_backend_flex_attention.impl import cuda_kernel_options
-from kvloom_backend_flex_attention.kv_write import write_kv_split
+from kvloom.attention.kv_write import write_kv_default_layout as write_kv_split
 from kvloom_backend_flex_attention.planning import plan_page_ownership, plan_query_groups
 
 H100 = DeviceCapability(9, 0)

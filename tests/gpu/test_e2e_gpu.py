@@ -155,7 +155,9 @@ def smollm2_prompts(smollm2) -> list[list[int]]:
         "What does a compiler do?",
         "Tell me a short story about a robot who learns to paint.",
     ]
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [list(tok(t, add_special_tokens=False).input_ids) for t in texts]
 
 
 @pytest.mark.parametrize("backend", FP32_BACKENDS)

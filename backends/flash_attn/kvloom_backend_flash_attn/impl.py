@@ -11,7 +11,7 @@ Calls, exactly as measured on the H100 with flash-attn 2.8.3.post2
   keys ``<= s - q + j``: kvloom's contract, with the new tokens already in the cache.
 - pure decode steps (kernel ``"kvcache"``): ``flash_attn_with_kvcache(q[B, 1, H, D],
   k_cache, v_cache, cache_seqlens=seq_lens, block_table=..., softmax_scale=...,
-  causal=True)``; the step's keys/values were written by ``write_kv_cache`` first, so no
+  causal=True)``; the step's keys/values were written by ``write_kv_default_layout`` first, so no
   ``k``/``v`` are passed.
 
 Both return a new tensor, which is copied into ``output`` (the public API of the released
@@ -31,7 +31,7 @@ except ImportError as exc:  # flash_attn's __init__ hides a missing CUDA extensi
     ) from exc
 
 from kvloom.attention.backend import AttentionImpl, AttentionType
-from kvloom_backend_flash_attn.kv_write import write_kv_cache
+from kvloom.attention.kv_write import write_kv_default_layout
 from kvloom_backend_flash_attn.metadata import FlashAttentionMetadata
 
 
@@ -81,7 +81,7 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
             # attend to; zeros keep the rest of the model finite.
             return output.zero_()
         md = attn_metadata
-        write_kv_cache(kv_cache, key, value, md.slot_mapping)
+        write_kv_default_layout(kv_cache, key, value, md.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         rows = md.num_query_rows
         if md.decode_with_kvcache:

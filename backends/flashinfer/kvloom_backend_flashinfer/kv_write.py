@@ -1,38 +1,11 @@
-"""Writing a step's keys and values into the paged cache through the slot mapping.
-
-Slot ``s`` is position ``s % block_size`` of block ``s // block_size``; slot ``-1`` means
-"do not write" (CUDA-graph padding). The write must stay safe to capture in a CUDA graph,
-so it cannot drop the ``-1`` entries by boolean indexing (that needs the number of valid
-entries on the host). Instead every ``-1`` entry is redirected to repeat the write of the
-first valid entry: duplicate indices in ``index_copy_`` are only nondeterministic when
-they carry different values, and these carry identical ones. When no entry is valid they
-all rewrite row 0 with its own current content.
-"""
+"""Writing keys and values into FlashInfer's single-tensor NHD cache through the slot
+mapping (graph-safe; see kvloom.attention.kv_write)."""
 
 from __future__ import annotations
 
 import torch
 
-
-def copy_rows_skipping_invalid(
-    dest: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, valid: torch.Tensor
-) -> None:
-    """``dest[rows[i]] = src[i]`` for every ``i`` with ``valid[i]``; other rows untouched.
-
-    ``dest`` is ``[R, ...]``, ``rows`` int64 ``[n]``, ``src`` ``[n, ...]``, ``valid`` bool ``[n]``.
-    Entries of ``rows`` where ``valid`` is False may hold anything (they are replaced).
-    """
-    n = rows.shape[0]
-    if n == 0:
-        return
-    any_valid = valid.any()
-    first = valid.to(torch.int32).argmax()  # first valid entry (0 if none)
-    anchor_row = torch.where(any_valid, rows[first], torch.zeros_like(rows[first]))
-    anchor_src = torch.where(any_valid, src[first], dest[0])
-    safe_rows = torch.where(valid, rows, anchor_row)
-    expand = (n,) + (1,) * (src.dim() - 1)
-    safe_src = torch.where(valid.view(expand), src, anchor_src.unsqueeze(0))
-    dest.index_copy_(0, safe_rows, safe_src.to(dest.dtype))
+from kvloom.attention.kv_write import copy_rows_skipping_invalid
 
 
 def write_kv_nhd_paired(

@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvloom.attention.backend import AttentionImpl, AttentionType
-from kvloom_backend_flex_attention.kv_write import write_kv_split
+from kvloom.attention.kv_write import write_kv_default_layout
 from kvloom_backend_flex_attention.metadata import FlexAttentionMetadata
 
 
@@ -98,7 +98,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         if attn_metadata is None:
             # Profiling run without attention metadata: no cache to write, nothing to attend.
             return output.zero_()
-        write_kv_split(kv_cache, key, value, attn_metadata.slot_mapping)
+        write_kv_default_layout(kv_cache, key, value, attn_metadata.slot_mapping)
 
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         kv_len = num_blocks * block_size
