@@ -63,24 +63,28 @@ def bytes_per_step(batch: int, context: float) -> dict[str, float]:
 
 def measure(llm: Any, batch: int, steps: int, seed: int) -> dict[str, float]:
     from kvloom import SamplingParams
+    from kvloom.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
+    scheduler = engine.engine_core.core.scheduler
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
+    # FINAL_ONLY, as LLM.generate runs: the front end builds outputs only at the end.
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
+    for request_id in ids:
         prompt = torch.randint(0, V, (CONTEXT,), generator=g).tolist()
-        engine.add_request(f"b{batch}-{seed}-{i}", {"prompt_token_ids": prompt}, params)
-    produced: dict[str, int] = {}
-    while len(produced) < batch or min(produced.values()) < 2:  # prefill done, decoding started
-        for out in engine.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    # Step until every request has its prompt computed and decodes.
+    while len(scheduler.running) < batch or any(r.num_output_tokens < 2 for r in scheduler.running):
+        engine.step()
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()  # the sampled tokens come back to the host: the step is complete
         times.append(time.perf_counter() - start)
-    engine.abort_request(list(produced))
+    engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
     return {"median_s": statistics.median(times), "min_s": min(times), "context": CONTEXT + 2 + steps / 2}

@@ -19,7 +19,7 @@ from kvloom.engine.input_processor import PromptInput
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,12 @@ class LLM:
         if len(loras) != n or len(priorities) != n:
             raise ValueError("lora_request and priority: pass one per prompt")
 
+        # Offline batches return finished requests only, so the front end need not build a
+        # RequestOutput for every request at every step (vLLM does the same).
+        param_list = [
+            p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}) if isinstance(p, SamplingParams) else p
+            for p in param_list
+        ]
         engine = self.llm_engine
         request_ids: list[str] = []
         try:

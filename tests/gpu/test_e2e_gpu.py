@@ -1,8 +1,8 @@
 """End to end on a CUDA GPU, for every installed GPU attention backend.
 
 - fp32 backends: tiny random Llama/Qwen3 models and SmolLM2 give HF's greedy tokens.
-- every backend in bf16: top-1 agreement with HF (teacher-forced on kvloom's tokens) is at
-  least 99% over >= 1,000 generated tokens of SmolLM2.
+- every backend in bf16: top-1 agreement with HF's fp32 reference (teacher-forced on
+  kvloom's tokens) is at least 99% over >= 1,000 generated tokens of SmolLM2.
 - CUDA-graph and eager runs give identical tokens.
 - prefix caching, forced chunked prefill and forced preemption keep the tokens.
 
@@ -179,11 +179,16 @@ def test_smollm2_fp32_greedy_matches_hf(smollm2, smollm2_prompts, backend):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_smollm2_bf16_top1_agreement(smollm2, smollm2_prompts, backend):
     _need(backend)
+    """kvloom's bf16 greedy tokens, teacher-forced through HF: the share HF's fp32 reference
+    ranks first. (HF's own bf16 run is reported as a yardstick: it carries bf16 rounding of
+    its own, so agreement with it mixes both engines' errors.)"""
     generated = _kvloom_tokens(smollm2, smollm2_prompts, 128, "bfloat16", backend)
     assert sum(map(len, generated)) >= 1000
-    agreement = _top1_agreement(smollm2, smollm2_prompts, generated, torch.bfloat16)
-    print(f"{backend}: bf16 top-1 agreement {agreement:.4f} over {sum(map(len, generated))} tokens")
-    assert agreement >= 0.99
+    vs_fp32 = _top1_agreement(smollm2, smollm2_prompts, generated, torch.float32)
+    vs_bf16 = _top1_agreement(smollm2, smollm2_prompts, generated, torch.bfloat16)
+    print(f"{backend}: bf16 top-1 agreement over {sum(map(len, generated))} tokens: "
+          f"{vs_fp32:.4f} with HF fp32, {vs_bf16:.4f} with HF bf16")
+    assert vs_fp32 >= 0.99
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -220,5 +225,5 @@ def test_scheduling_pressure_keeps_tokens(smollm2, smollm2_prompts, backend, pre
     pressed = _kvloom_tokens(smollm2, prompts, 40, dtype, backend, enforce_eager=True, **kwargs)
     if dtype == "float32":
         assert pressed == base
-    else:  # bf16: batch composition changes rounding, so compare with HF instead
-        assert _top1_agreement(smollm2, prompts, pressed, torch.bfloat16) >= 0.99
+    else:  # bf16: batch composition changes rounding, so compare with HF's reference instead
+        assert _top1_agreement(smollm2, prompts, pressed, torch.float32) >= 0.99
