@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

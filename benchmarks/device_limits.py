@@ -37,7 +37,6 @@ def measure_copy_bandwidth(device: torch.device, gib: float, warmup_ms: int, rep
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src), warmup_ms, rep_ms, device)
     moved = 2 * src.numel() * src.element_size()  # read + write
-    del src, dst
     return {"copy_bytes": moved, "copy_ms": ms, "copy_GBps": moved / ms / 1e6}
 
 

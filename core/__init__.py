@@ -19,14 +19,14 @@ _LAZY = {
     "AsyncLLM": "kvloom.engine.async_llm",
 }
 
-if TYPE_CHECKING:
-    from kvloom.config import EngineArgs
-    from kvloom.engine.async_llm import AsyncLLM
-    from kvloom.entrypoints.llm import LLM
-    from kvloom.lora.request import LoRARequest
-    from kvloom.models.registry import ModelRegistry
-    from kvloom.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-    from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
+    from kvloom.config import EngineArgs  # noqa: F401
+    from kvloom.engine.async_llm import AsyncLLM  # noqa: F401
+    from kvloom.entrypoints.llm import LLM  # noqa: F401
+    from kvloom.lora.request import LoRARequest  # noqa: F401
+    from kvloom.models.registry import ModelRegistry  # noqa: F401
+    from kvloom.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: F401
+    from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -524,5 +524,5 @@ def test_impl_rejects_unsupported_features():
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, sliding_window=128)
     with pytest.raises(NotImplementedError, match="logits_soft_cap"):
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, logits_soft_cap=30.0)
-    with pytest.raises(NotImplementedError, match="decoder only"):
+    with pytest.raises(NotImplementedError, match=r"attn_type encoder_only not supported \(supports decoder\)"):
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, attn_type=AttentionType.ENCODER_ONLY)

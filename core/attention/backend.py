@@ -187,7 +187,17 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
 
 class AttentionImpl(ABC, Generic[M]):
-    """Computes attention for one layer. One instance per layer."""
+    """Computes attention for one layer. One instance per layer.
+
+    The constructor refuses what the impl does not implement (``NotImplementedError``
+    naming the field): by default anything but causal decoder attention with an "auto"
+    KV cache. Impls that do more widen the class attributes below.
+    """
+
+    impl_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    impl_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    impl_supports_sliding_window: ClassVar[bool] = False
+    impl_supports_logits_soft_cap: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -208,6 +218,20 @@ class AttentionImpl(ABC, Generic[M]):
         self.attn_type = attn_type
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.queries_per_kv = num_heads // num_kv_heads
+        name = type(self).__name__
+        if attn_type not in self.impl_attn_types:
+            allowed = ", ".join(t.value for t in self.impl_attn_types)
+            raise NotImplementedError(f"{name}: attn_type {attn_type.value} not supported (supports {allowed})")
+        if kv_cache_dtype not in self.impl_kv_cache_dtypes:
+            allowed = ", ".join(self.impl_kv_cache_dtypes)
+            raise NotImplementedError(f"{name}: kv_cache_dtype {kv_cache_dtype} not supported (supports {allowed})")
+        if sliding_window is not None and not self.impl_supports_sliding_window:
+            raise NotImplementedError(f"{name}: sliding_window={sliding_window} not supported (supports None)")
+        if logits_soft_cap is not None and not self.impl_supports_logits_soft_cap:
+            raise NotImplementedError(f"{name}: logits_soft_cap={logits_soft_cap} not supported (supports None)")
 
     @abstractmethod
     def forward(

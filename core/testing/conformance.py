@@ -528,7 +528,7 @@ class _CaseRunner:
     def _run_step(self, step: _Step, builder: Any, impl: Any, kv_cache: torch.Tensor, num_blocks: int,
                   max_blocks: int, where: str) -> None:
         c = self.case
-        bs, H, Hkv, D = c.block_size, c.num_heads, c.num_kv_heads, c.head_size
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_size
         flat_k = self.expected_k.view(-1, Hkv, D)
         flat_v = self.expected_v.view(-1, Hkv, D)
         key_view, value_view = self.backend.split_kv_cache(kv_cache)

@@ -258,32 +258,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
 
 
 class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        kv_cache_dtype: str = "auto",
-        attn_type: AttentionType = AttentionType.DECODER,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
-        )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if attn_type != AttentionType.DECODER:
-            raise ValueError(f"CPU_ATTN: attn_type {attn_type.value} not supported (supports decoder)")
-        if sliding_window is not None:
-            raise ValueError(f"CPU_ATTN: sliding_window={sliding_window} not supported (must be None)")
-        if logits_soft_cap is not None:
-            raise ValueError(f"CPU_ATTN: logits_soft_cap={logits_soft_cap} not supported (must be None)")
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"CPU_ATTN: kv_cache_dtype {kv_cache_dtype!r} not supported (supports 'auto')")
-        self.queries_per_kv = num_heads // num_kv_heads
-
     def forward(
         self,
         query: torch.Tensor,

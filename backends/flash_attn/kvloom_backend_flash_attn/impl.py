@@ -30,7 +30,7 @@ except ImportError as exc:  # flash_attn's __init__ hides a missing CUDA extensi
         f"importing flash_attn_varlen_func / flash_attn_with_kvcache failed: {exc}"
     ) from exc
 
-from kvloom.attention.backend import AttentionImpl, AttentionType
+from kvloom.attention.backend import AttentionImpl
 from kvloom.attention.kv_write import write_kv_default_layout
 from kvloom_backend_flash_attn.metadata import FlashAttentionMetadata
 
@@ -41,31 +41,6 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     ``forward`` neither synchronises with the device nor computes host numbers: everything
     batch-dependent comes from the builder, so it is safe inside a captured CUDA graph.
     """
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        kv_cache_dtype: str = "auto",
-        attn_type: AttentionType = AttentionType.DECODER,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
-        )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"FLASH_ATTN: attn_type {attn_type.value} not supported (supports decoder)")
-        if sliding_window is not None:
-            raise NotImplementedError(f"FLASH_ATTN: sliding_window={sliding_window} not supported (supports None)")
-        if logits_soft_cap is not None:
-            raise NotImplementedError(f"FLASH_ATTN: logits_soft_cap={logits_soft_cap} not supported (supports None)")
-        if kv_cache_dtype != "auto":
-            raise NotImplementedError(f"FLASH_ATTN: kv_cache_dtype {kv_cache_dtype} not supported (supports auto)")
 
     def forward(
         self,

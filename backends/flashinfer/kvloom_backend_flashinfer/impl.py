@@ -9,37 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import AttentionImpl, AttentionType
+from kvloom.attention.backend import AttentionImpl
 from kvloom_backend_flashinfer.kv_write import write_kv_nhd_paired
 from kvloom_backend_flashinfer.metadata import FlashInferMetadata
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        kv_cache_dtype: str = "auto",
-        attn_type: AttentionType = AttentionType.DECODER,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
-        )
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"FLASHINFER supports attn_type decoder only, got {attn_type.value}")
-        if sliding_window is not None:
-            raise NotImplementedError("FLASHINFER does not implement sliding_window attention")
-        if logits_soft_cap is not None:
-            raise NotImplementedError("FLASHINFER does not implement logits_soft_cap")
-        if kv_cache_dtype != "auto":
-            raise NotImplementedError(f"FLASHINFER supports kv_cache_dtype 'auto' only, got {kv_cache_dtype!r}")
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-
     def forward(
         self,
         query: torch.Tensor,

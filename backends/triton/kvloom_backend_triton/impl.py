@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import AttentionImpl, AttentionType
+from kvloom.attention.backend import AttentionImpl
 from kvloom_backend_triton import ops
 from kvloom_backend_triton.metadata import TritonAttentionMetadata
 
@@ -15,31 +15,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     ``forward`` only launches kernels: every host number it uses was computed by the
     builder, so it neither synchronises nor varies between CUDA-graph replays.
     """
-
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        kv_cache_dtype: str = "auto",
-        attn_type: AttentionType = AttentionType.DECODER,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, attn_type, sliding_window, logits_soft_cap
-        )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"TRITON_ATTN: attn_type {attn_type.value} not supported (supports decoder)")
-        if sliding_window is not None:
-            raise NotImplementedError(f"TRITON_ATTN: sliding_window={sliding_window} not supported (supports None)")
-        if logits_soft_cap is not None:
-            raise NotImplementedError(f"TRITON_ATTN: logits_soft_cap={logits_soft_cap} not supported (supports None)")
-        if kv_cache_dtype != "auto":
-            raise NotImplementedError(f"TRITON_ATTN: kv_cache_dtype {kv_cache_dtype} not supported (supports auto)")
 
     def forward(
         self,
