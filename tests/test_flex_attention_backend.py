@@ -71,7 +71,7 @@ def test_valid_configurations(overrides):
         (dict(head_size=320), "head size 320 not supported (supports 1..256)"),
         (dict(kv_cache_dtype="fp8"), "kv cache dtype fp8 not supported (supports auto)"),
         (dict(device_capability=DeviceCapability(7, 5)),
-         "dtype bfloat16 needs compute capability >= 8.0 (device has 7.5); use float16 or float32"),
+         "dtype bfloat16 needs compute capability >= 8.0 (device has 7.5); use float16"),
         (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type encoder_only not supported (supports decoder)"),
     ],
 )

@@ -173,11 +173,18 @@ def test_missing_backends_name_their_pip_package() -> None:
     ("capability", "expected"), [(SM80, "FLASH_ATTN"), (SM90, "FLASH_ATTN"), (SM100, "FLASHINFER"), (SM75, "FLASHINFER")]
 )
 def test_first_valid_in_priority_order(capability: DeviceCapability, expected: str) -> None:
-    result = select_attention_backend(CudaPlatform, cuda_config(capability), backends=ALL_FAKES)
+    dtype = torch.float16 if capability == SM75 else torch.bfloat16  # Turing has no bf16
+    result = select_attention_backend(CudaPlatform, cuda_config(capability, dtype=dtype), backends=ALL_FAKES)
     assert result.selected.NAME == expected
     assert result.block_size == 16
     if capability == SM75:  # Turing: FlashAttention needs SM 8.0
         assert result.candidates[0].reasons == ("compute capability 7.5 not supported (supports 8.0..any)",)
+
+
+def test_bfloat16_on_turing_is_refused_by_every_backend() -> None:
+    with pytest.raises(BackendSelectionError) as err:
+        select_attention_backend(CudaPlatform, cuda_config(SM75), backends=ALL_FAKES)
+    assert "TRITON_ATTN (kvloom-backend-triton): dtype bfloat16 needs compute capability >= 8.0 (device has 7.5)" in str(err.value)
 
 
 def test_float32_falls_through_to_triton() -> None:

@@ -74,7 +74,7 @@ def test_cpu_device_is_rejected_for_the_device_type() -> None:
         ({"device_capability": DeviceCapability(6, 1), "dtype": torch.float16}, "compute capability 6.1 not supported (supports 7.0..any)"),
         (
             {"device_capability": DeviceCapability(7, 5)},
-            "dtype bfloat16 needs compute capability >= 8.0 (device has 7.5)",
+            "dtype bfloat16 needs compute capability >= 8.0 (device has 7.5); use float16",
         ),
     ],
 )

@@ -78,6 +78,8 @@ class MultipleOf:
 
 BlockSizeSpec = int | MultipleOf
 
+_BF16_MIN_CAPABILITY = DeviceCapability(8, 0)
+
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -396,6 +398,12 @@ class AttentionBackend(ABC):
                 reasons.append(
                     f"compute capability {cap} not supported (supports "
                     f"{lo or 'any'}..{hi or 'any'})"
+                )
+            elif config.dtype == torch.bfloat16 and cap < _BF16_MIN_CAPABILITY:
+                # A hardware fact, whatever the backend: no bf16 before Ampere.
+                reasons.append(
+                    f"dtype bfloat16 needs compute capability >= {_BF16_MIN_CAPABILITY} "
+                    f"(device has {cap}); use float16"
                 )
         reasons.extend(cls.missing_modules())
         reasons.extend(cls.extra_validation(config))

@@ -22,7 +22,6 @@ from kvloom.attention.backend import (
     AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionSelectorConfig,
     AttentionType,
     BlockSizeSpec,
 )
@@ -31,7 +30,6 @@ from kvloom.platform_types import DeviceCapability
 KVLOOM_PLUGIN_API = "1.0"
 
 #: FlashInfer's kernels need bfloat16 tensor-core support (Ampere and newer) for bf16.
-_BF16_MIN_CAPABILITY = DeviceCapability(8, 0)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -72,18 +70,3 @@ class FlashInferBackend(AttentionBackend):
     def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (num_blocks, 2, block_size, heads, dim): the K/V axis is the second one.
         return kv_cache[:, 0], kv_cache[:, 1]
-
-    @classmethod
-    def extra_validation(cls, config: AttentionSelectorConfig) -> list[str]:
-        cap = config.device_capability
-        if (
-            config.device_type == "cuda"
-            and cap is not None
-            and config.dtype == torch.bfloat16
-            and cap < _BF16_MIN_CAPABILITY
-        ):
-            return [
-                f"dtype bfloat16 needs compute capability >= {_BF16_MIN_CAPABILITY} "
-                f"(device has {cap}); use float16"
-            ]
-        return []

@@ -40,7 +40,6 @@ from kvloom.attention.backend import (
     AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionSelectorConfig,
     AttentionType,
     BlockSizeSpec,
     MultipleOf,
@@ -49,7 +48,6 @@ from kvloom.platform_types import DeviceCapability
 
 KVLOOM_PLUGIN_API = "1.0"
 
-_BF16_MIN_CAPABILITY = DeviceCapability(8, 0)
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -83,18 +81,3 @@ class FlexAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         # The default split_kv_cache layout: flex reads cache[0]/cache[1] as one sequence.
         return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @classmethod
-    def extra_validation(cls, config: AttentionSelectorConfig) -> list[str]:
-        cap = config.device_capability
-        if (
-            config.device_type == "cuda"
-            and cap is not None
-            and config.dtype == torch.bfloat16
-            and cap < _BF16_MIN_CAPABILITY
-        ):
-            return [
-                f"dtype bfloat16 needs compute capability >= {_BF16_MIN_CAPABILITY} "
-                f"(device has {cap}); use float16 or float32"
-            ]
-        return []

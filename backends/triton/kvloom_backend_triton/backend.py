@@ -14,7 +14,6 @@ from kvloom.attention.backend import (
     AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
-    AttentionSelectorConfig,
     MultipleOf,
 )
 from kvloom.platform_types import DeviceCapability
@@ -61,15 +60,3 @@ class TritonAttentionBackend(AttentionBackend):
         # contiguous run of head_size elements (16-byte loads); split_kv_cache's default
         # (kv_cache[0], kv_cache[1]) matches.
         return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @classmethod
-    def extra_validation(cls, config: AttentionSelectorConfig) -> list[str]:
-        cap = config.device_capability
-        if (
-            config.device_type == "cuda"
-            and config.dtype == torch.bfloat16
-            and cap is not None
-            and cap < DeviceCapability(8, 0)
-        ):
-            return [f"dtype bfloat16 needs compute capability >= 8.0 (device has {cap})"]
-        return []
