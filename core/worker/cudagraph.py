@@ -65,19 +65,7 @@ class CUDAGraphRunner:
             r.input_ids[b:size].copy_(r.input_ids_cpu[b:size], non_blocking=True)
             r.positions[b:size].copy_(r.positions_cpu[b:size], non_blocking=True)
             r.block_table[b:size].copy_(r.block_table_cpu[b:size], non_blocking=True)
-        max_seq = int(r.seq_lens_cpu[:size].max())
-        return CommonAttentionMetadata(
-            query_start_loc=r.query_start_loc[: size + 1],
-            seq_lens=r.seq_lens[:size],
-            block_table=r.block_table[:size],
-            slot_mapping=r.slot_mapping[:size],
-            num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
-            max_seq_len=max_seq,
-            query_start_loc_cpu=r.query_start_loc_cpu[: size + 1],
-            seq_lens_cpu=r.seq_lens_cpu[:size],
-        )
+        return r.common_metadata(size, size, 1, int(r.seq_lens_cpu[:size].max()))
 
     @torch.inference_mode()
     def capture(self) -> None:

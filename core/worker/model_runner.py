@@ -221,18 +221,7 @@ class ModelRunner:
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
 
         max_query_len = int(query_lens.max())
-        common = CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc[: b + 1],
-            seq_lens=self.seq_lens[:b],
-            block_table=self.block_table[:b],
-            slot_mapping=self.slot_mapping[:n],
-            num_reqs=b,
-            num_actual_tokens=n,
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
-            seq_lens_cpu=self.seq_lens_cpu[:b],
-        )
+        common = self.common_metadata(b, n, max_query_len, int(seq_lens.max()))
         batch = StepBatch(
             req_ids=req_ids,
             states=states,
@@ -411,6 +400,11 @@ class ModelRunner:
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b])
         self.block_table[:b].zero_()
         self.slot_mapping[:n].fill_(-1)
+        return self.common_metadata(b, n, int(query_lens.max()), int(query_lens.max()))
+
+    def common_metadata(self, b: int, n: int, max_query_len: int, max_seq_len: int) -> CommonAttentionMetadata:
+        """The step's metadata as views of the persistent buffers (first ``b`` requests,
+        ``n`` tokens), which the caller has filled."""
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b],
@@ -418,8 +412,8 @@ class ModelRunner:
             slot_mapping=self.slot_mapping[:n],
             num_reqs=b,
             num_actual_tokens=n,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(query_lens.max()),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
             seq_lens_cpu=self.seq_lens_cpu[:b],
         )
