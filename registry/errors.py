@@ -7,6 +7,11 @@ never skipped silently.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvloom.registry.loader import PluginEntry
+
 
 class PluginError(RuntimeError):
     """Base class of the registry's plugin errors."""
@@ -27,6 +32,17 @@ class PluginLoadError(PluginError):
         self.group = group
         self.distribution = distribution
         self.traceback_text = traceback_text
+
+    @classmethod
+    def for_entry(cls, entry: PluginEntry, message: str, traceback_text: str = "") -> PluginLoadError:
+        """The error for one discovered entry point (its name, group and distribution)."""
+        return cls(
+            message,
+            plugin=entry.name,
+            group=entry.group,
+            distribution=entry.distribution,
+            traceback_text=traceback_text,
+        )
 
 
 class PluginAPIVersionError(PluginError):

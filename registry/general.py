@@ -38,11 +38,9 @@ _HOOK_PREFIX = "kvloom_"
 
 def _load_error(entry: PluginEntry, what: str, exc: BaseException) -> PluginLoadError:
     tb = traceback.format_exc()
-    return PluginLoadError(
+    return PluginLoadError.for_entry(
+        entry,
         f"{entry.describe()} failed {what}: {type(exc).__name__}: {exc}\n{tb}",
-        plugin=entry.name,
-        group=entry.group,
-        distribution=entry.distribution,
         traceback_text=tb,
     )
 
@@ -96,11 +94,9 @@ class GeneralPlugins:
         except (pluggy.PluginValidationError, ValueError) as exc:
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
-            raise PluginLoadError(
+            raise PluginLoadError.for_entry(
+                entry,
                 f"{entry.describe()} has an invalid hook implementation: {exc}",
-                plugin=entry.name,
-                group=entry.group,
-                distribution=entry.distribution,
             ) from exc
         registered = {
             impl.function.__name__
@@ -121,11 +117,9 @@ class GeneralPlugins:
                 else "it has no @kvloom.interfaces.hookimpl functions; name a register() callable "
                 "(module:register) or decorate its hook functions"
             )
-            raise PluginLoadError(
+            raise PluginLoadError.for_entry(
+                entry,
                 f"{entry.describe()} names {entry.value}, but {hint}",
-                plugin=entry.name,
-                group=entry.group,
-                distribution=entry.distribution,
             )
         self._entries[entry.name] = entry
         logger.debug("Registered hooks %s of %s", sorted(registered), entry.describe())

@@ -187,12 +187,10 @@ def _load_target(ep: EntryPoint, entry: PluginEntry) -> Any:
         module = importlib.import_module(ep.module)
     except Exception as exc:
         tb = traceback.format_exc()
-        raise PluginLoadError(
+        raise PluginLoadError.for_entry(
+            entry,
             f"{entry.describe()} failed to load: importing {ep.module} raised "
             f"{type(exc).__name__}: {exc}\n{tb}",
-            plugin=entry.name,
-            group=entry.group,
-            distribution=entry.distribution,
             traceback_text=tb,
         ) from exc
     check_plugin_api(module, entry)
@@ -201,11 +199,9 @@ def _load_target(ep: EntryPoint, entry: PluginEntry) -> Any:
         try:
             target = getattr(target, part)
         except AttributeError as exc:
-            raise PluginLoadError(
+            raise PluginLoadError.for_entry(
+                entry,
                 f"{entry.describe()} names {ep.value}, but {ep.module} has no attribute {ep.attr!r}",
-                plugin=entry.name,
-                group=entry.group,
-                distribution=entry.distribution,
             ) from exc
     return target
 
@@ -227,20 +223,16 @@ def _check_target(entry: PluginEntry, target: Any) -> None:
             f"methods {missing} of {base.__qualname__}"
         )
     if entry.group == ATTENTION_BACKENDS and getattr(target, "NAME", None) != entry.name:
-        raise PluginLoadError(
+        raise PluginLoadError.for_entry(
+            entry,
             f"{entry.describe()} names {entry.value} whose NAME is {getattr(target, 'NAME', None)!r}; "
             f"an attention backend's entry-point name must equal its NAME.",
-            plugin=entry.name,
-            group=entry.group,
-            distribution=entry.distribution,
         )
     if entry.group == PLATFORM_PLUGINS and getattr(target, "name", None) != entry.name:
-        raise PluginLoadError(
+        raise PluginLoadError.for_entry(
+            entry,
             f"{entry.describe()} names {entry.value} whose name is {getattr(target, 'name', None)!r}; "
             f"a platform's entry-point name must equal its name.",
-            plugin=entry.name,
-            group=entry.group,
-            distribution=entry.distribution,
         )
 
 

@@ -31,11 +31,9 @@ def is_platform_available(entry: PluginEntry) -> bool:
         return bool(platform.is_available())
     except Exception as exc:
         tb = traceback.format_exc()
-        raise PluginLoadError(
+        raise PluginLoadError.for_entry(
+            entry,
             f"{entry.describe()}: {entry.value}.is_available() raised {type(exc).__name__}: {exc}\n{tb}",
-            plugin=entry.name,
-            group=entry.group,
-            distribution=entry.distribution,
             traceback_text=tb,
         ) from exc
 

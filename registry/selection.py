@@ -116,12 +116,10 @@ def _validate(entry: PluginEntry, config: AttentionSelectorConfig) -> list[str]:
         # A crash in validation is a bug in the plugin; hiding it as a "reason" would
         # make the backend silently unselectable.
         tb = traceback.format_exc()
-        raise PluginLoadError(
+        raise PluginLoadError.for_entry(
+            entry,
             f"{entry.describe()}: {backend.__qualname__}.validate_configuration raised "
             f"{type(exc).__name__}: {exc}\n{tb}",
-            plugin=entry.name,
-            group=entry.group,
-            distribution=entry.distribution,
             traceback_text=tb,
         ) from exc
 
