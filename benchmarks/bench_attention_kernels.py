@@ -6,7 +6,9 @@ variant named with ``--variants``:
 
 1. correctness first: relative error against a float64 reference on smaller random paged
    batches (decode, prefill, chunked prefill with a cached prefix, a mixed batch), output
-   poisoned with NaN beforehand;
+   poisoned with NaN beforehand; the cache's unwritten slots hold NaN too, except for
+   backends that read whole pages and need them finite (FLEX_ATTENTION: zeros, as the
+   engine allocates the cache);
 2. decode: batch 64 x context 4096 (Hq 32, Hkv 8, D 128, bf16; each backend at the block
    size the engine would give it, ``preferred_block_size``: 16 for most, 256 for
    FLASH_ATTN, whose kernels take multiples of 256 only; ``--block-size`` forces one):
@@ -23,6 +25,9 @@ Variants: TRITON_ATTN's kernel configs (``--variants``); FLASH_ATTN's pure-decod
 (``--flash-attn-decode-kernels``, default both ``kvcache`` = ``flash_attn_with_kvcache``
 and ``varlen`` = ``flash_attn_varlen_func``).
 
+A backend that is not installed, or cannot run the shape here (e.g. its library is
+missing), is skipped with the reason logged and kept as an error row in the results.
+
 Times are ``triton.testing.do_bench`` medians of one forward (the cache write of the
 step's new tokens included, as the contract does it). Inputs that fit in 4x L2 are
 rotated among copies. Prints a table and writes ``attention_kernels.json`` and
@@ -30,7 +35,7 @@ rotated among copies. Prints a table and writes ``attention_kernels.json`` and
 
 Example (one GPU call)::
 
-    python benchmarks/bench_attention_kernels.py --backends TRITON_ATTN,FLASHINFER,FLASH_ATTN \\
+    python benchmarks/bench_attention_kernels.py --backends TRITON_ATTN,FLASHINFER,FLEX_ATTENTION,FLASH_ATTN \\
         --variants "default;decode_block_n=32;decode_num_warps=8;decode_num_stages=4;programs_per_sm=8" \\
         --cuda-graph --out "$OUT"
 """
@@ -51,7 +56,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, synchronize  # noqa: E402
+from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, synchronize  # noqa: E402, RUF100
 
 logger = logging.getLogger("bench_attention_kernels")
 
@@ -59,13 +64,17 @@ CONFIG_EXTRA_KEY = "triton_attn_config"  # kvloom_backend_triton.metadata.CONFIG
 FLASH_ATTN_DECODE_EXTRA_KEY = "flash_attn_decode_kernel"  # kvloom_backend_flash_attn.metadata.DECODE_KERNEL_EXTRA_KEY
 #: The engine's block size when the user sets none (kvloom.config_resolve.DEFAULT_BLOCK_SIZE).
 DEFAULT_BLOCK_SIZE = 16
+#: Backends that load whole pages and need the cache's unwritten slots finite (the engine
+#: allocates the KV cache with zeros): their correctness cases get zeros there, not NaN.
+ZERO_FILLED_CACHE_BACKENDS = frozenset({"FLEX_ATTENTION"})
 
 
 # --------------------------------------------------------------------------- lookup
 
 
 def load_backend(name: str) -> type:
-    """The backend class registered under ``name``."""
+    """The backend class registered under ``name``; ``BackendSelectionError`` when no
+    installed plugin provides it, a ``PluginError`` when the plugins fail to load."""
     from kvloom.registry import get_attention_backend
 
     return get_attention_backend(name)
@@ -206,6 +215,9 @@ def correctness(backend: type, device: torch.device, dtype: torch.dtype, shape: 
             backend, q_lens, s_lens, num_heads=hq, num_kv_heads=hkv, head_size=d, block_size=bs, dtype=dtype,
             device=device, seed=100 + i, pad_tokens=3, extra=extra,
         )
+        if backend.NAME in ZERO_FILLED_CACHE_BACKENDS:
+            for cache in (case.kv_cache, case.expected_key_cache, case.expected_value_cache):
+                cache.nan_to_num_(0.0)
         output, _ = run_case(backend, case)
         result = check_case(backend, case, output)
         errors[name] = result["rel_error"] if result["cache_ok"] else float("inf")
@@ -220,9 +232,9 @@ def cuda_graph_check(backend: type, device: torch.device, dtype: torch.dtype, sh
 
     if backend.cudagraph_support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
         return {}
-    kw = dict(num_heads=shape["num_heads"], num_kv_heads=shape["num_kv_heads"], head_size=shape["head_size"],
-              block_size=shape["block_size"], dtype=dtype, device=device, extra=extra, l2_bytes=0,
-              max_model_len=context)
+    kw = {"num_heads": shape["num_heads"], "num_kv_heads": shape["num_kv_heads"], "head_size": shape["head_size"],
+          "block_size": shape["block_size"], "dtype": dtype, "device": device, "extra": extra, "l2_bytes": 0,
+          "max_model_len": context}
     first = make_timing_batch(backend, query_lens=[1] * batch, seq_lens=[context] * batch, seed=1, **kw)
     gen = torch.Generator().manual_seed(2)
     new_lens = torch.randint(1, context + 1, (batch,), generator=gen).tolist()
@@ -255,7 +267,9 @@ def cuda_graph_check(backend: type, device: torch.device, dtype: torch.dtype, sh
     common.block_table.zero_()
     common.block_table[:, : sc.block_table.shape[1]].copy_(sc.block_table)
     common.slot_mapping.copy_(sc.slot_mapping)
-    q.copy_(second.queries[0]); k.copy_(second.keys[0]); v.copy_(second.values[0])
+    q.copy_(second.queries[0])
+    k.copy_(second.keys[0])
+    v.copy_(second.values[0])
     cache.copy_(second.kv_caches[0])
     builder.build_for_cudagraph_capture(common)
     graph.replay()
@@ -332,7 +346,9 @@ def main() -> None:
     else:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
-        from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
+        from kvloom_backend_triton.interpreter_compat import (
+            patch_interpreter_scalar_index,
+        )
 
         patch_interpreter_scalar_index()
         props = SimpleNamespace(name="cpu (TRITON_INTERPRET smoke run)", multi_processor_count=8,
@@ -346,16 +362,23 @@ def main() -> None:
                 **measure_gemm_rate(device, args.gemm_n, args.warmup_ms, args.rep_ms)}
     logger.info("device copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s", ceilings["copy_GBps"], ceilings["gemm_TFLOPs"])
 
+    from kvloom.registry import BackendSelectionError, PluginError
+
     rows = []
     for name in (n.strip() for n in args.backends.split(",") if n.strip()):
-        backend = load_backend(name)
+        try:
+            backend = load_backend(name)
+        except (BackendSelectionError, PluginError) as exc:  # not installed, or failed to load: skip it
+            logger.warning("skipping %s: %s", name, exc)
+            rows.append({"backend": name, "variant": "-", "error": f"not available: {exc}"})
+            continue
         block_size = args.block_size
         if block_size is None:
             block_size = backend.preferred_block_size(DEFAULT_BLOCK_SIZE)
         shape = {**heads, "block_size": block_size}
         reasons = backend.validate_configuration(_selector(backend, shape, dtype, props))
         if reasons:
-            logger.warning("%s cannot run this shape: %s", name, "; ".join(reasons))
+            logger.warning("skipping %s: cannot run this shape here: %s", name, "; ".join(reasons))
             rows.append({"backend": name, "variant": "-", "block_size": block_size, "error": "; ".join(reasons)})
             continue
         for label, extra in backend_variants(name, args):
@@ -433,16 +456,16 @@ def render_markdown(result: dict) -> str:
     c = result["ceilings"]
     d, p, s = result["decode"], result["prefill"], result["shape"]
     lines = [
-        f"## Attention kernels on {result['device']} ({result['dtype']}, Hq {s['num_heads']}, "
-        f"Hkv {s['num_kv_heads']}, D {s['head_size']}; KV block size per backend)",
+        (f"## Attention kernels on {result['device']} ({result['dtype']}, Hq {s['num_heads']}, "
+         f"Hkv {s['num_kv_heads']}, D {s['head_size']}; KV block size per backend)"),
         "",
-        f"Device copy: {c['copy_GBps']:.0f} GB/s (read+write of {c['copy_bytes'] / 2**30:.1f} GiB); "
-        f"bf16 GEMM {c['gemm_n']}^3: {c['gemm_TFLOPs']:.0f} TFLOP/s.",
-        f"Decode: batch {d['batch']} x context {d['context']}, GB/s over the K/V bytes read. "
-        f"Prefill: {p['batch']} x {p['len']} fresh prompts, causal FLOPs.",
+        (f"Device copy: {c['copy_GBps']:.0f} GB/s (read+write of {c['copy_bytes'] / 2**30:.1f} GiB); "
+         f"bf16 GEMM {c['gemm_n']}^3: {c['gemm_TFLOPs']:.0f} TFLOP/s."),
+        (f"Decode: batch {d['batch']} x context {d['context']}, GB/s over the K/V bytes read. "
+         f"Prefill: {p['batch']} x {p['len']} fresh prompts, causal FLOPs."),
         "",
-        "| backend | variant | block | max rel err | decode ms | decode GB/s | % copy | graph ms | graph vs eager "
-        "| prefill ms | prefill TFLOP/s | % GEMM |",
+        ("| backend | variant | block | max rel err | decode ms | decode GB/s | % copy | graph ms | graph vs eager "
+         "| prefill ms | prefill TFLOP/s | % GEMM |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:

@@ -77,8 +77,13 @@ def byte_floor(prompts: list[list[int]], out_lens: list[int], copy_bps: float) -
     return {"params": params, "decode_bytes": total, "t_bytes_s": seconds, "best_tok_s": sum(out_lens) / seconds}
 
 
-def run_kvloom(model_dir: Path, backend: str, prompts: list[list[int]], out_lens: list[int], args: Any) -> dict[str, Any]:
+def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: list[int], args: Any) -> dict[str, Any]:
+    """``spec`` is a backend name, with ``+async`` for async scheduling (``TRITON_ATTN+async``)."""
     from kvloom import LLM, SamplingParams
+
+    backend, _, option = spec.partition("+")
+    if option not in ("", "async"):
+        raise ValueError(f"unknown run option {option!r} in {spec!r} (allowed: +async)")
 
     start = time.perf_counter()
     llm = LLM(
@@ -92,6 +97,7 @@ def run_kvloom(model_dir: Path, backend: str, prompts: list[list[int]], out_lens
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        async_scheduling=option == "async",
     )
     init_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
@@ -108,7 +114,8 @@ def run_kvloom(model_dir: Path, backend: str, prompts: list[list[int]], out_lens
         raise RuntimeError(f"{backend}: {tokens} output tokens, expected {sum(out_lens)}")
     config = llm.config
     result = {
-        "backend": backend,
+        "backend": spec,
+        "async_scheduling": option == "async",
         "block_size": config.cache.block_size,
         "num_kv_blocks": config.cache.num_blocks,
         "cudagraph_mode": config.compilation.cudagraph_mode.value,
@@ -128,7 +135,8 @@ def run_kvloom(model_dir: Path, backend: str, prompts: list[list[int]], out_lens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="TRITON_ATTN")
+    parser.add_argument("--backends", default="TRITON_ATTN",
+                        help="comma-separated backend names; NAME+async runs it with async scheduling")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)

@@ -94,6 +94,9 @@ class EngineArgs(BaseModel):
     long_prefill_token_threshold: int = Field(0, ge=0, description="Cap per-request prefill chunk (0 = off).")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Queue order.")
+    async_scheduling: bool = Field(
+        False, description="Schedule step n+1 while step n runs on the device (overlaps host work)."
+    )
     # ---- parallel
     tensor_parallel_size: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
     # ---- attention
@@ -220,6 +223,7 @@ class SchedulerConfig(_Section):
     long_prefill_token_threshold: int
     enable_chunked_prefill: bool
     policy: Literal["fcfs", "priority"]
+    async_scheduling: bool = False
 
 
 class ParallelConfig(_Section):

@@ -166,6 +166,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill,
         policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
     )
 
     # -O levels only set defaults; explicit settings win (the seeds' rule).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,28 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     #: Per request: the pooled vector for pooling requests whose prompt is complete.
     pooler_output: list[torch.Tensor | None] | None = None
+
+
+class PendingModelRunnerOutput:
+    """A step launched on the device whose results may not be on the host yet.
+
+    ``get_output()`` waits for them (once). Async scheduling keeps one of these in flight
+    while the next step is scheduled and launched behind it.
+    """
+
+    def __init__(self, finish: Callable[[], ModelRunnerOutput]) -> None:
+        self._finish: Callable[[], ModelRunnerOutput] | None = finish
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> "PendingModelRunnerOutput":
+        return cls(lambda: output)
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._finish is not None:
+            self._output, self._finish = self._finish(), None
+        assert self._output is not None
+        return self._output
 
 
 # ----------------------------------------------------------------- scheduler -> front end

@@ -123,6 +123,9 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps still in flight (not in
+        # output_token_ids yet, but already scheduled as inputs of the next step).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.events: list[EngineCoreEvent] = []

@@ -2,6 +2,8 @@
 
 ``step()`` is schedule -> execute -> update; everything the front end needs comes back
 in ``EngineCoreOutputs`` (new tokens, finish reasons, event timestamps, scheduler stats).
+With ``async_scheduling`` a step launches the next one before waiting for the previous
+(see ``_step_async``).
 The core holds no text and no tokenizer.
 """
 
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 
 from kvloom.config import EngineConfig
-from kvloom.outputs import EngineCoreOutputs
+from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
+from kvloom.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,9 @@ class EngineCore:
             log_stats=log_stats,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
+        self.async_scheduling = config.scheduler.async_scheduling
+        # Async scheduling: steps launched on the device whose outputs are not applied yet.
+        self._in_flight: deque[tuple[SchedulerOutput, PendingModelRunnerOutput]] = deque()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -71,14 +78,33 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Requests to run, or finished/aborted ones whose outputs are not reported yet."""
-        return self.scheduler.has_requests()
+        """Requests to run, steps in flight, or finished/aborted requests whose outputs
+        are not reported yet."""
+        return bool(self._in_flight) or self.scheduler.has_requests()
 
     # ------------------------------------------------------------------ loop
     def step(self) -> EngineCoreOutputs:
+        if self.async_scheduling:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.worker.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """One step with up to two in flight: launch step n+1 behind step n, then wait
+        for step n and apply its tokens. The host's scheduling and input preparation
+        then overlap the device's work instead of following it."""
+        in_flight, scheduler = self._in_flight, self.scheduler
+        if not in_flight or (
+            len(in_flight) < 2 and scheduler.has_unfinished_requests() and scheduler.can_schedule_ahead()
+        ):
+            scheduler_output = scheduler.schedule()
+            in_flight.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+            if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
+                # The pipeline was empty: keep this step running, schedule the next behind it.
+                return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output, pending = in_flight.popleft()
+        return scheduler.update_from_output(scheduler_output, pending.get_output())
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request) -> bool:  # type: ignore[no-untyped-def]

@@ -25,6 +25,16 @@ for a step that scheduled nothing: aborts and requests too large for the cache a
 reported through the next ``EngineCoreOutputs``. Aborts (``finish_requests``) are
 expected between steps, not between ``schedule()`` and ``update_from_output()``.
 
+With ``async_scheduling`` the engine core schedules step n+1 while step n still runs on
+the device, so a running request's newest token is not known yet: it is counted in
+``num_output_placeholders`` and scheduled all the same (the runner takes it from the
+device). A request is not scheduled past its ``max_tokens``/``max_model_len`` limit by
+placeholders; one that stops on EOS or a stop token may have one more step in flight,
+whose token is dropped. ``update_from_output()`` then also accepts tokens for requests
+preempted since their step was scheduled. Requests whose sampling reads their previous
+tokens (presence, frequency and repetition penalties) need the host to know every token:
+while one is running, ``can_schedule_ahead()`` is false and the core steps synchronously.
+
 Requests never wait on each other forever: a request that needs more KV blocks than the
 whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
 this) is finished with ``FinishReason.LENGTH`` instead of being retried.
@@ -63,6 +73,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.async_scheduling = scheduler_config.async_scheduling
         # Without chunked prefill no prompt is split, so the chunk cap does not apply.
         self.long_prefill_token_threshold = (
             scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
@@ -98,6 +109,9 @@ class Scheduler:
         # Per generating request: (token ids that may stop it, token count that ends it),
         # so that the common step needs no full stop check.
         self._stop_limits: dict[str, tuple[frozenset[int], int]] = {}
+        # Requests whose sampling reads their earlier output tokens (penalties): with
+        # async scheduling none of them may run while a step is in flight.
+        self._needs_host_tokens: set[str] = set()
 
     # ------------------------------------------------------------------ requests in
 
@@ -122,6 +136,8 @@ class Scheduler:
             if request.max_tokens is not None:
                 max_num_tokens = min(max_num_tokens, num_prompt_tokens + request.max_tokens)
             self._stop_limits[request.request_id] = (frozenset(stop_token_ids), max_num_tokens)
+            if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0:
+                self._needs_host_tokens.add(request.request_id)
         self.waiting.add(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
@@ -154,6 +170,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return len(self.waiting) + len(self.running) > 0
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the previous one's tokens are
+        back (async scheduling): no running request needs all its tokens on the host."""
+        if not self._needs_host_tokens:
+            return True
+        return not any(r.request_id in self._needs_host_tokens for r in self.running)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -175,6 +198,8 @@ class Scheduler:
         num_preempted = 0
         now = time.monotonic() if self.log_stats else 0.0
         allocate_slots = kv.allocate_slots
+        async_scheduling = self.async_scheduling
+        stop_limits = self._stop_limits
 
         # 1. Running requests (a copy: preemption removes from self.running). A scheduled
         # request's tokens count as computed at once (the worker computes them before
@@ -185,13 +210,19 @@ class Scheduler:
             if request.status != _RUNNING:  # preempted earlier in this loop
                 continue
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - num_computed
+            num_placeholders = request.num_output_placeholders
+            num_known = len(request.all_token_ids)
+            if num_placeholders and num_known + num_placeholders >= stop_limits[request.request_id][1]:
+                continue  # its last token is in flight: the request finishes when it arrives
+            num_new = num_known + num_placeholders + len(request.spec_token_ids) - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > token_budget:
                 num_new = token_budget
             if num_new > max_model_len - num_computed:  # no KV position past max_model_len
                 num_new = max_model_len - num_computed
+            if num_new == 0 and async_scheduling:  # a pooling request waiting for its result
+                continue
             while (new_blocks := allocate_slots(request, num_new)) is None:
                 if len(self.running) == 1:  # alone and still too big: the cache is too small
                     self._finish_too_large(request)
@@ -217,6 +248,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             num_scheduled_tokens[request_id] = num_new
             token_budget -= num_new
+            if async_scheduling and num_computed + num_new >= num_known + num_placeholders and request_id in stop_limits:
+                request.num_output_placeholders += 1  # this step samples a token the host sees later
             if request.spec_token_ids:
                 num_spec = num_computed + num_new - len(request.all_token_ids)
                 if num_spec > 0:
@@ -238,6 +271,9 @@ class Scheduler:
                     and request.lora_int_id not in active_loras
                     and len(active_loras) >= self.max_loras
                 ):
+                    skipped.append(self.waiting.pop())
+                    continue
+                if request.num_output_placeholders:  # preempted with a step in flight: wait for its token
                     skipped.append(self.waiting.pop())
                     continue
                 computed_blocks, num_hits = kv.get_computed_blocks(request)
@@ -282,6 +318,8 @@ class Scheduler:
                 request.num_computed_tokens = num_hits + num_new
                 num_scheduled_tokens[request.request_id] = num_new
                 token_budget -= num_new
+                if async_scheduling and num_hits + num_new >= request.num_tokens and request.request_id in stop_limits:
+                    request.num_output_placeholders += 1
 
         for request in reversed(skipped):
             self.waiting.prepend(request)
@@ -357,9 +395,19 @@ class Scheduler:
             if req_id not in num_scheduled_tokens:
                 raise RuntimeError(f"the model runner returned a result for unscheduled request {req_id!r}")
             request = requests.get(req_id)
-            if request is None or request.status != _RUNNING:  # finished since scheduled
+            if request is None:  # finished or aborted since scheduled
                 continue
             new_token_ids = sampled[i]
+            if request.status != _RUNNING:
+                if not new_token_ids or request.status != RequestStatus.PREEMPTED:
+                    continue
+                # Async scheduling: preempted while this step was in flight. Keep its token;
+                # it is recomputed with the rest when the request runs again.
+                preempted_with_token = True
+            else:
+                preempted_with_token = False
+            if request.num_output_placeholders and new_token_ids:
+                request.num_output_placeholders -= 1
             if spec_decode_tokens and (drafts := spec_decode_tokens.get(req_id)):
                 # The runner accepted len(new_token_ids) - 1 drafts plus one bonus token.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
@@ -408,6 +456,8 @@ class Scheduler:
                     )
                 )
             if finished:
+                if preempted_with_token:
+                    self.waiting.remove_all([request])
                 self._free_request(request)
                 any_finished = True
 
@@ -448,6 +498,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._stop_limits.pop(request.request_id, None)
+        self._needs_host_tokens.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         self._finished_since_output.add(request.request_id)
 

@@ -113,6 +113,13 @@ class InputBatch:
             self.token_ids[state.row, n] = token_id
         state.output_token_ids.append(token_id)
 
+    def set_token(self, state: CachedRequestState, output_index: int, token_id: int) -> None:
+        """Replace the placeholder at ``output_index`` with the token sampled there."""
+        state.output_token_ids[output_index] = token_id
+        position = state.num_prompt_tokens + output_index
+        if position < self.max_model_len:
+            self.token_ids[state.row, position] = token_id
+
     def remove(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
         if state is not None:

@@ -6,6 +6,12 @@ slot mapping, query_start_loc, seq_lens, block table), (3) asks the attention ba
 builder for metadata, (4) runs the model (replaying a CUDA graph for uniform decode
 batches when graphs are on), (5) computes last-token logits and samples, and (6) records
 the sampled tokens in its own copy of each request.
+
+``execute_model_async`` returns before the sampled tokens reach the host (async
+scheduling): the tokens are copied into pinned memory behind an event, and the runner's
+copy of each request holds a placeholder (-1) until ``get_output()`` fills it. A step
+launched meanwhile reads such a token as input straight from the previous step's sampled
+tensor on the device.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.attention.layer import Attention
 from kvloom.config import EngineConfig
 from kvloom.forward_context import set_forward_context
-from kvloom.outputs import ModelRunnerOutput, TokenLogprobs
+from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLogprobs
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.worker.input_batch import CachedRequestState, InputBatch
 
@@ -91,6 +97,16 @@ class ModelRunner:
         self.block_table_cpu = torch.zeros(b, self.max_blocks_per_req, dtype=torch.int32, pin_memory=self.pin_memory)
         self.block_table = dev(b, self.max_blocks_per_req, dtype=torch.int32)
         self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
+
+        # Async scheduling. The pinned staging buffers above are refilled only after the
+        # previous step's copies out of them ran (this event); sampled tokens come back
+        # through alternating pinned buffers (two steps can be in flight).
+        self._inputs_copied: torch.cuda.Event | None = None
+        self._sampled_host = [host(b, torch.int64) for _ in range(2)]
+        self._sampled_slot = 0
+        # The last step's sampled tokens on the device, and each request's row in them.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_sampled_row: dict[str, int] = {}
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -185,6 +201,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepBatch, CommonAttentionMetadata]:
+        if self._inputs_copied is not None:  # the previous step's host->device copies
+            self._inputs_copied.synchronize()
+            self._inputs_copied = None
         req_ids = list(so.num_scheduled_tokens)
         states = [self.input_batch[r] for r in req_ids]
         b = len(req_ids)
@@ -200,7 +219,8 @@ class ModelRunner:
         token_rows = np.repeat(rows, query_lens)
         positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(n)
         self.positions_cpu.numpy()[:n] = positions
-        self.input_ids_cpu.numpy()[:n] = self.input_batch.token_ids[token_rows, positions]
+        input_ids = self.input_batch.token_ids[token_rows, positions]
+        self.input_ids_cpu.numpy()[:n] = input_ids
         blocks = self.input_batch.block_table[token_rows, positions // self.block_size]
         self.slot_mapping_cpu.numpy()[:n] = blocks.astype(np.int64) * self.block_size + positions % self.block_size
         self.query_start_loc_cpu.numpy()[: b + 1] = cu
@@ -219,6 +239,8 @@ class ModelRunner:
         self.seq_lens[:b].copy_(self.seq_lens_cpu[:b], non_blocking=nb)
         self.block_table[:b, :max_blocks].copy_(self.block_table_cpu[:b, :max_blocks], non_blocking=nb)
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
+        if (placeholders := np.flatnonzero(input_ids < 0)).size:
+            self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids)
 
         max_query_len = int(query_lens.max())
         common = self.common_metadata(b, n, max_query_len, int(seq_lens.max()))
@@ -233,6 +255,17 @@ class ModelRunner:
         )
         return batch, common
 
+    def _fill_placeholders(self, token_index: np.ndarray, req_of_token: np.ndarray, req_ids: list[str]) -> None:
+        """Input tokens sampled by the step still in flight: copy them on the device."""
+        rows = self._prev_sampled_row
+        try:
+            src = [rows[req_ids[i]] for i in req_of_token[token_index]]
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]} has an input token that no step in flight samples") from None
+        assert self._prev_sampled is not None
+        dst = torch.from_numpy(token_index).to(self.device, non_blocking=True)
+        self.input_ids[dst] = self._prev_sampled[torch.tensor(src, device=self.device)]
+
     # ------------------------------------------------------------------ forward
     def _forward_eager(
         self, n: int, common: CommonAttentionMetadata, extras: dict[str, Any] | None = None
@@ -242,11 +275,16 @@ class ModelRunner:
         with set_forward_context(attn_metadata, **(extras or {})):
             return self.model(self.input_ids[:n], self.positions[:n])
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its results."""
+        return self.execute_model_async(so).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> PendingModelRunnerOutput:
+        """Launch one step; its results are on the host once ``get_output()`` returns."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return PendingModelRunnerOutput.done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch, common = self._prepare_inputs(so)
         b = len(batch.req_ids)
 
@@ -258,6 +296,9 @@ class ModelRunner:
             logits = graphs.run(b, common)
         else:
             hidden = self._forward_eager(batch.num_tokens, common, self._lora_extras(batch))
+        if self.pin_memory:  # every copy out of the staging buffers is queued by now
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None and self.model is not None
             logits = self.model.compute_logits(hidden[self.logits_indices[:b]])
@@ -272,19 +313,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling
     def _postprocess(
         self, batch: StepBatch, logits: torch.Tensor | None, hidden: torch.Tensor | None
-    ) -> ModelRunnerOutput:
+    ) -> PendingModelRunnerOutput:
+        """Sample on the device, start copying the tokens to the host, and return what
+        waits for them. Until then each sampling request holds a placeholder token."""
         from kvloom.sample.metadata import SamplingMetadata
 
         states = batch.states
         # A request still prefilling its prompt produces no token this step.
-        done_prefill = [
-            int(batch.seq_lens[i]) >= s.num_tokens for i, s in enumerate(states)
-        ]
+        done_prefill = [int(batch.seq_lens[i]) >= s.num_tokens for i, s in enumerate(states)]
         gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
-        sampled: list[list[int]] = [[] for _ in states]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
-        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        pooler_output: list[torch.Tensor | None] | None = None
+        out = None
+        sampled_host: torch.Tensor | None = None
+        copied: torch.cuda.Event | None = None
+        placeholders: list[tuple[int, CachedRequestState, int]] = []  # (row in out, state, output index)
+        self._prev_sampled, self._prev_sampled_row = None, {}
 
         if gen_idx:
             assert logits is not None
@@ -306,28 +348,55 @@ class ModelRunner:
             )
             gen_logits = logits if rows is None else logits[torch.as_tensor(rows, device=logits.device)]
             out = self.sampler(gen_logits.float(), metadata)
-            tokens = out.sampled_token_ids.tolist()
-            row_logprobs = out.logprobs_lists()
+            sampled = out.sampled_token_ids
+            sampled_host = self._sampled_host[self._sampled_slot][: len(gen_idx)]
+            self._sampled_slot ^= 1
+            sampled_host.copy_(sampled, non_blocking=self.pin_memory)
+            if self.pin_memory:
+                copied = torch.cuda.Event()
+                copied.record()
+            self._prev_sampled = sampled
             for j, i in enumerate(gen_idx):
                 if done_prefill[i]:
-                    sampled[i] = [tokens[j]]
-                    if row_logprobs is not None:
-                        logprobs[i] = row_logprobs[j]
-            self._prompt_logprobs(batch, hidden, prompt_logprobs)
+                    s = states[i]
+                    placeholders.append((j, s, len(s.output_token_ids)))
+                    self._prev_sampled_row[s.req_id] = j
+                    self.input_batch.append_token(s, -1)
 
-        if len(gen_idx) < len(states):
-            pooler_output = self._pool(batch, hidden, done_prefill)
+        @torch.inference_mode()
+        def finish() -> ModelRunnerOutput:
+            sampled_lists: list[list[int]] = [[] for _ in states]
+            logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
+            prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+            pooler_output: list[torch.Tensor | None] | None = None
+            if out is not None:
+                assert sampled_host is not None
+                if copied is not None:
+                    copied.synchronize()
+                tokens = sampled_host.tolist()
+                batch_states = self.input_batch.requests
+                for j, state, index in placeholders:
+                    # A request finished (and its row reused) meanwhile keeps no state here.
+                    if batch_states.get(state.req_id) is state:
+                        self.input_batch.set_token(state, index, tokens[j])
+                row_logprobs = out.logprobs_lists()
+                for j, i in enumerate(gen_idx):
+                    if done_prefill[i]:
+                        sampled_lists[i] = [tokens[j]]
+                        if row_logprobs is not None:
+                            logprobs[i] = row_logprobs[j]
+                self._prompt_logprobs(batch, hidden, prompt_logprobs)
+            if len(gen_idx) < len(states):
+                pooler_output = self._pool(batch, hidden, done_prefill)
+            return ModelRunnerOutput(
+                req_ids=batch.req_ids,
+                sampled_token_ids=sampled_lists,
+                logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+                prompt_logprobs=prompt_logprobs,
+                pooler_output=pooler_output,
+            )
 
-        for i, s in enumerate(states):
-            if sampled[i]:
-                self.input_batch.append_token(s, sampled[i][0])
-        return ModelRunnerOutput(
-            req_ids=batch.req_ids,
-            sampled_token_ids=sampled,
-            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            prompt_logprobs=prompt_logprobs,
-            pooler_output=pooler_output,
-        )
+        return PendingModelRunnerOutput(finish)
 
     def _prompt_logprobs(
         self, batch: StepBatch, hidden: torch.Tensor | None, out: dict[str, list[TokenLogprobs]]

@@ -13,7 +13,7 @@ import torch
 
 from kvloom.config import EngineConfig
 from kvloom.lora.request import LoRARequest
-from kvloom.outputs import ModelRunnerOutput
+from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
 from kvloom.platform import Platform
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.worker.model_runner import ModelRunner
@@ -69,6 +69,9 @@ class Worker(WorkerBase):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
+        return self.runner.execute_model_async(scheduler_output)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         manager = getattr(self.runner, "lora_manager", None)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.lora.request import LoRARequest
-    from kvloom.outputs import ModelRunnerOutput
+    from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
     from kvloom.platform import Platform
     from kvloom.scheduler.output import SchedulerOutput
 
@@ -47,6 +47,16 @@ class WorkerBase(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
         """Run one step: forward the scheduled tokens and sample."""
+
+    def execute_model_async(self, scheduler_output: "SchedulerOutput") -> "PendingModelRunnerOutput":
+        """Launch one step and return without waiting for its results (async scheduling).
+
+        The default runs the step to completion; workers whose device runs asynchronously
+        override it so that the engine core can schedule the next step meanwhile.
+        """
+        from kvloom.outputs import PendingModelRunnerOutput
+
+        return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA")

@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
-# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-tests, kernels, decode, offline, select.
+# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-tests, kernels,
+# decode, offline, select, select-nofi.
+#   fa-start     start building flash-attn from the carried sdist .fa/flash_attn-2.8.3.post2.tar.gz,
+#                detached (setsid), so the build (~22 min) outlives this call on the same warm machine;
+#                returns at once; does nothing if flash_attn imports or a build was started
+#                (/tmp/fa_start). FA_JOBS (default 16) sets MAX_JOBS.
+#   fa-wait      poll that build for at most FA_WAIT_S seconds (default 480), copy its log to
+#                $OUT/fa_build.log, install the wheel into /tmp/site once it is built; if flash_attn
+#                is then not importable the run stops here (later stages are skipped, exit status 1).
+#                E.g. three calls with carry .fa: "fa-start fa-wait", "fa-wait", "fa-wait fa-tests".
+#   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
+#                FLASHINFER and FLASH_ATTN: the selection without those two.
 # Needs the carried folder .whl (wheels from ../shared/gpu/fetch-wheels.sh) and, for the
 # SmolLM2 tests, .gguf1..5 (the GGUF split by tests/gpu/split_gguf.sh, carried across several
 # calls of one warm machine: each call stashes its parts in /tmp, reassembled once all five are
 # there). Results: $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-OUT=${OUT:-/tmp/kvloom-out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/kvloom-out}; mkdir -p "$OUT"  # exported: tests write there too
 SITE=/tmp/site
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$SITE/bin:$PATH
@@ -48,16 +59,103 @@ gguf() {  # stash the parts this call carried (carried folders do not outlive th
   sha256sum "$f" | tee "$OUT/gguf.sha256"
 }
 
-for stage in setup gguf "$@"; do
+FA_SDIST=.fa/flash_attn-2.8.3.post2.tar.gz
+FA_SRC=/tmp/flash_attn-2.8.3.post2
+FA_LOG=/tmp/fa_build.log
+
+fa_importable() { python3 -c "import torch, flash_attn_2_cuda" 2>/dev/null; }  # torch first: the .so needs libc10
+
+fa_start() {  # as .fa/recipe/start.sh, without its polling: start the detached build and return
+  if fa_importable; then log "fa-start: flash_attn already importable"; return 0; fi
+  if [ -f /tmp/fa_start ]; then
+    log "fa-start: build already started $(( $(date +%s) - $(cat /tmp/fa_start) )) s ago" \
+        "($(grep '^EXIT' $FA_LOG 2>/dev/null || echo running); rm /tmp/fa_start to start again)"
+    return 0
+  fi
+  [ -f $FA_SDIST ] || { log "fa-start: $FA_SDIST missing (carry .fa)"; return 1; }
+  log "fa-start: nproc $(nproc), $(free -g | awk '/Mem:/{print $2}') GiB RAM," \
+      "$(/usr/local/cuda/bin/nvcc --version | grep -o 'release [0-9.]*'), $(df -h /tmp | awk 'NR==2{print $4}') free in /tmp"
+  tar xzf $FA_SDIST -C /tmp || { log "fa-start: cannot unpack $FA_SDIST"; return 1; }
+  date +%s > /tmp/fa_start
+  # memory sampler (used MiB every 5 s), detached
+  setsid nohup bash -c 'while true; do echo "$(date +%s) $(free -m | awk "/Mem:/{print \$3}")" >> /tmp/fa_mem.log; sleep 5; done' >/dev/null 2>&1 < /dev/null &
+  setsid nohup env FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS=90 MAX_JOBS="${FA_JOBS:-16}" NVCC_THREADS=2 \
+    bash -c "cd $FA_SRC && python3 -m pip wheel -v --no-build-isolation --no-deps -w /tmp/fa_wheel . > $FA_LOG 2>&1; echo \"EXIT \$? at \$(date +%s)\" >> $FA_LOG" \
+    >/dev/null 2>&1 < /dev/null &
+  echo $! > /tmp/fa_build.pid
+  log "fa-start: build started (pid $!, MAX_JOBS=${FA_JOBS:-16}, log $FA_LOG)"
+}
+
+fa_progress() {  # t0, call0
+  local now; now=$(date +%s)
+  log "fa-wait: build t=$((now - $1))s (this call $((now - $2))s)" \
+      "ninja $(grep -oE '\[[0-9]+/[0-9]+\]' $FA_LOG 2>/dev/null | tail -1)" \
+      "load $(cut -d' ' -f1-3 /proc/loadavg) used_MiB $(free -m | awk '/Mem:/{print $3}')"
+}
+
+fa_building() {  # the detached build shell is still alive
+  if [ -f /tmp/fa_build.pid ]; then kill -0 "$(cat /tmp/fa_build.pid)" 2>/dev/null; else pgrep -f "pip wheel" >/dev/null; fi
+}
+
+fa_wait() {  # as .fa/recipe/poll.sh: poll at most FA_WAIT_S s, then install the wheel; 0 iff flash_attn imports
+  local limit=${FA_WAIT_S:-480} t0 call0 last=0 now
+  if fa_importable; then
+    log "fa-wait: flash_attn already importable"
+    python3 -c "import torch, flash_attn_2_cuda, flash_attn; print(flash_attn.__version__)"; return
+  fi
+  [ -f /tmp/fa_start ] || { log "fa-wait: no flash-attn build was started on this machine (stage fa-start)"; return 1; }
+  t0=$(cat /tmp/fa_start); call0=$(date +%s)
+  while ! grep -q '^EXIT' $FA_LOG 2>/dev/null; do
+    now=$(date +%s)
+    if (( now - last >= 30 )); then fa_progress "$t0" "$call0"; last=$now; fi
+    if ! fa_building; then sleep 1; grep -q '^EXIT' $FA_LOG 2>/dev/null || log "fa-wait: build process gone without an EXIT line"; break; fi
+    if (( now - call0 >= limit )); then log "fa-wait: ${limit} s limit reached, build still running"; break; fi
+    sleep 5
+  done
+  fa_progress "$t0" "$call0"
+  cp $FA_LOG "$OUT/fa_build.log" 2>/dev/null
+  cp /tmp/fa_mem.log "$OUT/fa_mem.log" 2>/dev/null
+  find $FA_SRC/build -name .ninja_log -exec cp {} "$OUT/fa_ninja_log.txt" \; 2>/dev/null
+  grep -q '^EXIT' $FA_LOG 2>/dev/null || return 1  # still building (or vanished): not importable yet
+  local exit_line; exit_line=$(grep '^EXIT' $FA_LOG | tail -1)
+  log "fa-wait: $exit_line; build wall time $(( $(awk '{print $4}' <<<"$exit_line") - t0 )) s"
+  if [[ $exit_line != "EXIT 0 "* ]] || ! ls /tmp/fa_wheel/*.whl >/dev/null 2>&1; then
+    log "fa-wait: build FAILED (no wheel); first errors:"
+    grep -nE 'error|Error|FAILED' $FA_LOG | grep -v 'Werror\|-Wno' | head -40
+    tail -20 $FA_LOG
+    return 1
+  fi
+  ls -la /tmp/fa_wheel
+  python3 -m pip install -q --no-index --no-deps --target $SITE /tmp/fa_wheel/*.whl || log "fa-wait: wheel install FAILED"
+  python3 -c "import torch, flash_attn_2_cuda, flash_attn; print(flash_attn.__version__, flash_attn_2_cuda.__file__)"
+}
+
+select_nofi() {  # the selection when neither FlashInfer nor flash-attn may be used
+  local allow
+  allow=$(python3 -c "
+from importlib.metadata import entry_points
+from kvloom.registry.loader import ALL_GROUPS  # the kvloom.* groups KVLOOM_PLUGINS applies to
+names = {ep.name for g in ALL_GROUPS for ep in entry_points(group=g)}
+print(','.join(sorted(names - {'FLASHINFER', 'FLASH_ATTN'})))") || return 1
+  log "select-nofi: KVLOOM_PLUGINS=$allow"
+  KVLOOM_PLUGINS=$allow kvloom backends --json | tee -a "$OUT/select-nofi.json"
+}
+
+stages=(setup gguf "$@")
+for i in "${!stages[@]}"; do
+  stage=${stages[$i]}
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
     tests) run_pytest kernels tests/test_triton_backend_gpu.py tests/gpu/ -k "not e2e and not flash_attn" ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ;;
+    fa-start) fa_start || log "fa-start failed" ;;
+    fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
     fa-tests) run_pytest flash_attn tests/gpu/test_flash_attn_backend.py ;;
     kernels) python3 benchmarks/bench_attention_kernels.py --out "$OUT/attn" ${KERNEL_ARGS:-} 2>&1 | tail -40 ;;
     decode) python3 benchmarks/bench_decode_roofline.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
+    select-nofi) select_nofi ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,9 +1,13 @@
 """End to end on a CUDA GPU, for every installed GPU attention backend.
 
 - fp32 backends: tiny random Llama/Qwen3 models and SmolLM2 give HF's greedy tokens.
-- every backend in bf16: top-1 agreement with HF's fp32 reference (teacher-forced on
-  kvloom's tokens) over >= 1,000 generated tokens of SmolLM2 is 99%, or within half a
-  point of HF's own bf16 run measured the same way (which reaches ~98.4%).
+- every backend in bf16, over >= 1,000 greedy tokens of SmolLM2 (8 chat prompts x 128):
+  top-1 agreement = the share of kvloom's generated tokens that HF, run on the same GGUF
+  weights and teacher-forced on the prompt plus kvloom's tokens, ranks first at each
+  position. Measured against HF in fp32 (asserted: 99%, or within half a point of HF's own
+  bf16 greedy run measured the same way, which reaches ~98.4%) and against HF in bf16
+  (recorded only). Both, with HF bf16's own fp32 agreement, are appended as one JSON line
+  per backend to $OUT/bf16_agreement.jsonl ($OUT defaults to /tmp).
 - CUDA-graph and eager runs give identical tokens.
 - prefix caching, forced chunked prefill and forced preemption keep the tokens.
 
@@ -13,6 +17,8 @@ Run on the device with ``bash tests/gpu/run.sh e2e``.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -196,14 +202,37 @@ def hf_bf16_agreement(smollm2, smollm2_prompts) -> float:
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_smollm2_bf16_top1_agreement(smollm2, smollm2_prompts, hf_bf16_agreement, backend):
-    """kvloom's bf16 greedy tokens, teacher-forced through HF's fp32 reference: the share
-    the reference ranks first. The issue asks for 99%; HF's own bf16 run reaches ~98.4% on
-    these prompts, so kvloom must reach 99% or come within half a point of HF's bf16."""
+    """kvloom's bf16 greedy tokens (8 prompts x 128 tokens), each teacher-forced through HF
+    on the same weights (prompt plus kvloom's tokens in one forward pass); a token agrees
+    when HF ranks it first at its position. Two measures:
+
+    - ``vs_hf_fp32``: HF in fp32. The issue asks for 99%; HF's own bf16 greedy run reaches
+      ~98.4% by this measure (``hf_bf16_vs_fp32``, the ``hf_bf16_agreement`` fixture), so
+      kvloom must reach 99% or come within half a point of HF's bf16. Asserted.
+    - ``vs_hf_bf16``: HF in bf16 (on CUDA): how closely kvloom follows a bf16 implementation
+      of the same model. Recorded, not asserted.
+
+    Both go into one JSON line appended to $OUT/bf16_agreement.jsonl ($OUT defaults to /tmp)
+    with the backend, the token count and ``hf_bf16_vs_fp32``."""
+    _need(backend)
     generated = _kvloom_tokens(smollm2, smollm2_prompts, 128, "bfloat16", backend)
-    assert sum(map(len, generated)) >= 1000
+    tokens = sum(map(len, generated))
+    assert tokens >= 1000
     agreement = _top1_agreement(smollm2, smollm2_prompts, generated, torch.float32)
-    print(f"{backend}: bf16 top-1 agreement with HF fp32 over {sum(map(len, generated))} tokens: "
-          f"{agreement:.4f} (HF's own bf16: {hf_bf16_agreement:.4f})")
+    agreement_bf16 = _top1_agreement(smollm2, smollm2_prompts, generated, torch.bfloat16)
+    print(f"{backend}: bf16 top-1 agreement over {tokens} tokens: with HF fp32 {agreement:.4f}, "
+          f"with HF bf16 {agreement_bf16:.4f} (HF's own bf16 with HF fp32: {hf_bf16_agreement:.4f})")
+    record = {
+        "backend": backend,
+        "tokens": tokens,
+        "vs_hf_fp32": agreement,
+        "vs_hf_bf16": agreement_bf16,
+        "hf_bf16_vs_fp32": hf_bf16_agreement,
+    }
+    out = Path(os.environ.get("OUT", "/tmp"))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "bf16_agreement.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
     assert agreement >= min(0.99, hf_bf16_agreement - 0.005)
 
 
