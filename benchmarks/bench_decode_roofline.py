@@ -2,8 +2,9 @@
 """Decode step time against the physical limit (issue 6, benchmark 2).
 
 Llama-3-8B shape with random (dummy) bf16 weights, context 1024, batch 1, 16, 64, 256.
-For each batch and mode (``graphs``: CUDA graphs; ``eager``; ``graphs+async``: CUDA
-graphs with async scheduling), B requests with 1024-token prompts are prefilled, then the
+For each batch and mode (``graphs``: CUDA graphs; ``eager``; options appended with
+``+``: ``+async`` for async scheduling, ``+noops`` for ``--custom-ops none``, i.e. plain
+torch layer math instead of the platform's fused kernels), B requests with 1024-token prompts are prefilled, then the
 wall time of ``--steps`` consecutive full engine steps (schedule + forward + sampling +
 output processing) is taken while every request decodes; the step time is its mean (with
 async scheduling a step's host work overlaps the previous step's device work, so only a
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="Attention backend (default: selection by priority).")
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs, eager, graphs+async")
+    parser.add_argument("--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs|eager[+async][+noops]")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,11 +120,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
         for mode in args.modes.split(","):
+            base, *options = mode.split("+")
+            if base not in ("graphs", "eager") or set(options) - {"async", "noops"}:
+                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async and/or +noops")
             llm = LLM(
                 str(model_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                 max_model_len=2048, max_num_seqs=max(batches), attention_backend=args.backend,
-                enforce_eager=(mode == "eager"), gpu_memory_utilization=0.9,
-                async_scheduling=mode.endswith("+async"),
+                enforce_eager=(base == "eager"), gpu_memory_utilization=0.9,
+                async_scheduling="async" in options, custom_ops="none" if "noops" in options else "all",
             )
             backend = llm.config.attention.selected_backend
             for batch in batches:
@@ -141,9 +145,9 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print(f"\n== decode, Llama-3-8B shape, context {CONTEXT}, {result['gpu']}, copy {copy['copy_GBps']:.0f} GB/s")
-    print(f"{'mode':>12} {'backend':>14} {'batch':>5} {'step ms':>8} {'limit ms':>8} {'% limit':>7} {'tok/s':>8}")
+    print(f"{'mode':>18} {'backend':>14} {'batch':>5} {'step ms':>8} {'limit ms':>8} {'% limit':>7} {'tok/s':>8}")
     for r in result["rows"]:
-        print(f"{r['mode']:>12} {r['backend']:>14} {r['batch']:>5} {1e3 * r['mean_s']:8.2f} {1e3 * r['limit_s']:8.2f} "
+        print(f"{r['mode']:>18} {r['backend']:>14} {r['batch']:>5} {1e3 * r['mean_s']:8.2f} {1e3 * r['limit_s']:8.2f} "
               f"{100 * r['fraction_of_limit']:6.1f}% {r['tok_s']:8.0f}")
 
 

@@ -78,12 +78,13 @@ def byte_floor(prompts: list[list[int]], out_lens: list[int], copy_bps: float) -
 
 
 def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: list[int], args: Any) -> dict[str, Any]:
-    """``spec`` is a backend name, with ``+async`` for async scheduling (``TRITON_ATTN+async``)."""
+    """``spec`` is a backend name with options: ``+async`` (async scheduling), ``+noops``
+    (``--custom-ops none``), e.g. ``TRITON_ATTN+async``."""
     from kvloom import LLM, SamplingParams
 
-    backend, _, option = spec.partition("+")
-    if option not in ("", "async"):
-        raise ValueError(f"unknown run option {option!r} in {spec!r} (allowed: +async)")
+    backend, *options = spec.split("+")
+    if set(options) - {"async", "noops"}:
+        raise ValueError(f"unknown run option in {spec!r} (allowed: +async, +noops)")
 
     start = time.perf_counter()
     llm = LLM(
@@ -97,7 +98,8 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
-        async_scheduling=option == "async",
+        async_scheduling="async" in options,
+        custom_ops="none" if "noops" in options else "all",
     )
     init_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
@@ -115,7 +117,8 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
     config = llm.config
     result = {
         "backend": spec,
-        "async_scheduling": option == "async",
+        "async_scheduling": "async" in options,
+        "custom_ops": "none" if "noops" in options else "all",
         "block_size": config.cache.block_size,
         "num_kv_blocks": config.cache.num_blocks,
         "cudagraph_mode": config.compilation.cudagraph_mode.value,
@@ -136,7 +139,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="TRITON_ATTN",
-                        help="comma-separated backend names; NAME+async runs it with async scheduling")
+                        help="comma-separated backend names; NAME+async: async scheduling; NAME+noops: --custom-ops none")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)

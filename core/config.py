@@ -107,6 +107,9 @@ class EngineArgs(BaseModel):
     cudagraph_mode: CUDAGraphMode | None = Field(None, description="CUDA graph mode (default from -O).")
     cudagraph_capture_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture.")
     max_cudagraph_capture_size: int | None = Field(None, ge=1, description="Largest decode batch to capture.")
+    custom_ops: Literal["all", "none"] = Field(
+        "all", description="Use the platform's fused layer kernels (all) or only torch ops (none)."
+    )
     # ---- LoRA
     enable_lora: bool = Field(False, description="Allow LoRA adapters.")
     max_loras: int = Field(1, ge=1, le=256, description="Max adapters in one batch.")
@@ -247,6 +250,7 @@ class CompilationConfig(_Section):
     enforce_eager: bool
     cudagraph_mode: CUDAGraphMode
     cudagraph_capture_sizes: list[int]
+    custom_ops: Literal["all", "none"] = "all"
 
 
 class LoRAConfig(_Section):

@@ -188,6 +188,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cudagraph_mode=mode,
         cudagraph_capture_sizes=[s for s in capture_sizes if s <= args.max_num_seqs],
+        custom_ops=args.custom_ops,
     )
 
     config = EngineConfig(

@@ -9,6 +9,7 @@ forces one; otherwise an available out-of-tree platform wins over the built-in o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -76,6 +77,12 @@ class Platform(ABC):
     @classmethod
     def check_and_update_config(cls, config: "EngineConfig") -> None:
         """Adjust the engine config for this platform (called once, early). Default: no-op."""
+
+    @classmethod
+    def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:
+        """Fused kernels replacing layer math for this config (names in
+        ``kvloom.layers.custom_ops.OP_SIGNATURES``). Default: none, the torch code runs."""
+        return {}
 
     @classmethod
     def device(cls, device_id: int = 0) -> torch.device:

@@ -6,12 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloom.layers.custom_ops import get_custom_op
+
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension (the output
     of a merged ``gate_up_proj``): ``[..., 2 * d] -> [..., d]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (op := get_custom_op("silu_and_mul")) is not None:
+            return op(x)  # type: ignore[return-value]
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
+
+from kvloom.layers.custom_ops import get_custom_op
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +16,13 @@ class RMSNorm(nn.Module):
     Like HF's ``LlamaRMSNorm``: the normalised value is cast back to the input dtype
     *before* the multiplication by ``weight``. ``forward(x, residual)`` first adds
     ``residual`` (in the model dtype, as HF's decoder layers do) and returns
-    ``(normed, new_residual)``; one call site for a fused add+norm kernel later.
+    ``(normed, new_residual)``; platforms may supply fused kernels for both forms
+    (``kvloom.layers.custom_ops``). Subclasses that change the formula set
+    ``fused = False``.
     """
+
+    #: Whether the platform's fused rms_norm kernels compute this layer.
+    fused: ClassVar[bool] = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -31,7 +40,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
+            if self.fused and (op := get_custom_op("rms_norm")) is not None:
+                return op(x, self.weight, self.eps)  # type: ignore[return-value]
             return self._norm(x)
+        if self.fused and (op := get_custom_op("fused_add_rms_norm")) is not None:
+            return op(x, residual, self.weight, self.eps)  # type: ignore[return-value]
         x = x + residual
         return self._norm(x), x
 

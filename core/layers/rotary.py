@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvloom.layers.custom_ops import get_custom_op
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
@@ -188,6 +190,8 @@ class RotaryEmbedding(nn.Module):
     def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotated contiguous copy of ``x [N, heads, D]`` (query and key heads may come
         in one tensor: they rotate the same way)."""
+        if (op := get_custom_op("rotary_qk")) is not None:
+            return op(x, cos, sin)  # type: ignore[return-value]
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         # Same arithmetic as HF's x*cos + rotate_half(x)*sin, without materialising rotate_half.

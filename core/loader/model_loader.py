@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kvloom.config import EngineConfig
+from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
 from kvloom.models.registry import ModelRegistry
@@ -62,6 +63,9 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
         architecture = ModelRegistry.pooling_architecture(architecture)
     model_cls = ModelRegistry.load_model_cls(architecture)
     start = time.perf_counter()
+    # The platform's fused layer kernels, unless --custom-ops none.
+    ops = config.platform.custom_ops(config) if config.compilation.custom_ops == "all" else {}
+    set_custom_ops(ops)
     with default_dtype(config.model.dtype), device:
         model = model_cls(config)
     # Layers that allocate in their own way (or out-of-tree models) end up here too.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
-# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-tests, kernels,
+# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-install, fa-tests, kernels,
 # decode, offline, select, select-nofi.
 #   fa-start     start building flash-attn from the carried sdist .fa/flash_attn-2.8.3.post2.tar.gz,
 #                detached (setsid), so the build (~22 min) outlives this call on the same warm machine;
@@ -11,6 +11,8 @@
 #                $OUT/fa_build.log, install the wheel into /tmp/site once it is built; if flash_attn
 #                is then not importable the run stops here (later stages are skipped, exit status 1).
 #                E.g. three calls with carry .fa: "fa-start fa-wait", "fa-wait", "fa-wait fa-tests".
+#   fa-install   install a flash-attn wheel built earlier and carried in .fawhl/ (~60 MiB: carry it
+#                alone), instead of building it again; stops the run if flash_attn does not import.
 #   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
 #                FLASHINFER and FLASH_ATTN: the selection without those two.
 # Needs the carried folder .whl (wheels from ../shared/gpu/fetch-wheels.sh) and, for the
@@ -151,6 +153,10 @@ for i in "${!stages[@]}"; do
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
+    fa-install)
+      python3 -m pip install -q --no-index --no-deps --target $SITE .fawhl/*.whl && fa_importable \
+        || { log "fa-install: no importable flash-attn wheel in .fawhl; stopping, skipped: ${stages[*]:i+1}"; exit 1; }
+      log "fa-install: $(python3 -c 'import torch, flash_attn; print(flash_attn.__version__)')" ;;
     fa-tests) run_pytest flash_attn tests/gpu/test_flash_attn_backend.py ;;
     kernels) python3 benchmarks/bench_attention_kernels.py --out "$OUT/attn" ${KERNEL_ARGS:-} 2>&1 | tail -40 ;;
     decode) python3 benchmarks/bench_decode_roofline.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;

@@ -8,8 +8,9 @@
   bf16 greedy run measured the same way, which reaches ~98.4%) and against HF in bf16
   (recorded only). Both, with HF bf16's own fp32 agreement, are appended as one JSON line
   per backend to $OUT/bf16_agreement.jsonl ($OUT defaults to /tmp).
-- CUDA-graph and eager runs give identical tokens.
-- prefix caching, forced chunked prefill and forced preemption keep the tokens.
+- CUDA-graph and eager runs give identical tokens; so do async and synchronous scheduling.
+- prefix caching, forced chunked prefill and forced preemption keep the tokens (fp32
+  backends) or meet the same bf16 agreement criterion over 1,024 tokens (bf16-only backends).
 
 Run on the device with ``bash tests/gpu/run.sh e2e``.
 """
@@ -247,6 +248,15 @@ def test_cuda_graphs_match_eager(smollm2, smollm2_prompts, backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_async_scheduling_matches_sync(smollm2, smollm2_prompts, backend):
+    """Async scheduling changes when the host works, not what the device computes."""
+    _need(backend)
+    prompts = smollm2_prompts[:5]
+    sync = _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend)
+    assert _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend, async_scheduling=True) == sync
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize(
     "pressure",
     [
@@ -254,8 +264,10 @@ def test_cuda_graphs_match_eager(smollm2, smollm2_prompts, backend):
         pytest.param({"num_gpu_blocks_override": 48, "max_model_len": 512}, id="preemption"),
     ],
 )
-def test_scheduling_pressure_keeps_tokens(smollm2, smollm2_prompts, backend, pressure):
-    """Same tokens with chunked prefill / preemption forced as without (prefix caching on)."""
+def test_scheduling_pressure_keeps_tokens(smollm2, smollm2_prompts, hf_bf16_agreement, backend, pressure):
+    """With chunked prefill / preemption forced (prefix caching on): fp32 backends give the
+    same tokens as without; bf16-only backends (batch composition changes bf16 rounding)
+    are held to the bf16 agreement criterion over the same 1,024 tokens."""
     _need(backend)
     from kvloom import registry
 
@@ -264,11 +276,14 @@ def test_scheduling_pressure_keeps_tokens(smollm2, smollm2_prompts, backend, pre
     kwargs = dict(pressure)
     if "num_gpu_blocks_override" in kwargs:  # the same token capacity whatever the block size
         kwargs["num_gpu_blocks_override"] = max(kwargs["num_gpu_blocks_override"] * 16 // block, 512 // block + 1)
-    prompts = smollm2_prompts[:6]
-    dtype = "float32" if _usable(backend, torch.float32) else "bfloat16"
-    base = _kvloom_tokens(smollm2, prompts, 40, dtype, backend, enforce_eager=True)
-    pressed = _kvloom_tokens(smollm2, prompts, 40, dtype, backend, enforce_eager=True, **kwargs)
-    if dtype == "float32":
-        assert pressed == base
-    else:  # bf16: batch composition changes rounding, so compare with HF's reference instead
-        assert _top1_agreement(smollm2, prompts, pressed, torch.float32) >= 0.99
+    if _usable(backend, torch.float32):
+        prompts = smollm2_prompts[:6]
+        base = _kvloom_tokens(smollm2, prompts, 40, "float32", backend, enforce_eager=True)
+        assert _kvloom_tokens(smollm2, prompts, 40, "float32", backend, enforce_eager=True, **kwargs) == base
+        return
+    pressed = _kvloom_tokens(smollm2, smollm2_prompts, 128, "bfloat16", backend, enforce_eager=True, **kwargs)
+    assert sum(map(len, pressed)) >= 1000
+    agreement = _top1_agreement(smollm2, smollm2_prompts, pressed, torch.float32)
+    print(f"{backend} {pressure}: bf16 top-1 agreement with HF fp32 {agreement:.4f} "
+          f"(HF's own bf16: {hf_bf16_agreement:.4f})")
+    assert agreement >= min(0.99, hf_bf16_agreement - 0.005)

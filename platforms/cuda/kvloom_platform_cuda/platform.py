@@ -19,6 +19,7 @@ that provides the backend, so ``kvloom backends`` can say what to install.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -106,3 +107,19 @@ class CudaPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, config: "EngineConfig") -> None:
         config.parallel.worker_cls = WORKER_CLS
+
+    @classmethod
+    def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:
+        """Triton kernels for the layer math of 16-bit models (one kernel each instead of
+        a chain of small torch ops). fp32 models keep the torch code, whose rounding the
+        fp32 HF-parity tests pin down exactly."""
+        if config.model.dtype not in (torch.float16, torch.bfloat16):
+            return {}
+        from kvloom_platform_cuda import fused_ops
+
+        return {
+            "rms_norm": fused_ops.rms_norm,
+            "fused_add_rms_norm": fused_ops.fused_add_rms_norm,
+            "silu_and_mul": fused_ops.silu_and_mul,
+            "rotary_qk": fused_ops.rotary_qk,
+        }

@@ -34,6 +34,8 @@ def _join(prefix: str, name: str) -> str:
 class GemmaRMSNorm(RMSNorm):
     """``(x / rms(x)) * (1 + weight)`` in float32, cast back to the input dtype."""
 
+    fused = False  # the platform's rms_norm kernels compute Llama's formula
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
