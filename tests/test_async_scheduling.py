@@ -246,3 +246,36 @@ def test_preemption_of_a_request_with_a_step_in_flight_keeps_its_token(llama_hf,
     monkeypatch.setattr(scheduler, "update_from_output", spy)
     assert [t for t, _ in _run(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))] == llama_hf
     assert late
+
+
+def test_async_llm_streams_the_same_tokens_with_async_scheduling(llama_hf):
+    """The server's engine (AsyncLLM, core loop in a thread) with async scheduling:
+    concurrent streams, one cancelled half-way, the others complete with HF's tokens."""
+    import asyncio
+
+    from kvloom.config import EngineArgs
+    from kvloom.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="32MiB", async_scheduling=True,
+        disable_log_stats=True,
+    ))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def stream(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate({"prompt_token_ids": PROMPTS[i]}, params, request_id=f"s{i}"):
+            tokens = out.outputs[0].token_ids
+            if i == 1 and len(tokens) >= 5:
+                break  # the client goes away: the request is aborted mid-flight
+        return tokens
+
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(*(stream(i) for i in range(len(PROMPTS))))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert [results[i] for i in (0, 2, 3, 4)] == [llama_hf[i] for i in (0, 2, 3, 4)]
+    assert results[1] == llama_hf[1][: len(results[1])]
