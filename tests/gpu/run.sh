@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
-# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-install, fa-tests, kernels,
+# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, select, select-nofi.
 #   fa-start     start building flash-attn from the carried sdist .fa/flash_attn-2.8.3.post2.tar.gz,
 #                detached (setsid), so the build (~22 min) outlives this call on the same warm machine;
@@ -11,6 +11,8 @@
 #                $OUT/fa_build.log, install the wheel into /tmp/site once it is built; if flash_attn
 #                is then not importable the run stops here (later stages are skipped, exit status 1).
 #                E.g. three calls with carry .fa: "fa-start fa-wait", "fa-wait", "fa-wait fa-tests".
+#   fa-export    copy the built flash-attn wheel to $OUT in 16 MiB pieces (a whole 60 MiB file does not
+#                come back); on this machine: cat the pieces > .fawhl/<the wheel's name>.whl
 #   fa-install   install a flash-attn wheel built earlier and carried in .fawhl/ (~60 MiB: carry it
 #                alone), instead of building it again; stops the run if flash_attn does not import.
 #   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
@@ -153,6 +155,11 @@ for i in "${!stages[@]}"; do
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
+    fa-export)
+      for w in /tmp/fa_wheel/*.whl; do
+        [ -f "$w" ] || { log "fa-export: no built wheel in /tmp/fa_wheel"; break; }
+        split -b 16M -d "$w" "$OUT/$(basename "$w")." && sha256sum "$w" | tee "$OUT/fa_wheel.sha256"
+      done ;;
     fa-install)
       python3 -m pip install -q --no-index --no-deps --target $SITE .fawhl/*.whl && fa_importable \
         || { log "fa-install: no importable flash-attn wheel in .fawhl; stopping, skipped: ${stages[*]:i+1}"; exit 1; }
