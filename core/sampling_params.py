@@ -92,6 +92,12 @@ class SamplingParams(BaseModel):
         return self.temperature < 1e-5
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (presence, frequency or
+        repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         return set(self.stop_token_ids)
 

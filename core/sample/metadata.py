@@ -145,9 +145,7 @@ class SamplingMetadata:
             generators=generators,
         )
 
-        if any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0 for p in params
-        ):
+        if any(p.uses_penalties for p in params):
             meta.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(
                 device, non_blocking=True
             )

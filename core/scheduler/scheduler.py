@@ -136,7 +136,7 @@ class Scheduler:
             if request.max_tokens is not None:
                 max_num_tokens = min(max_num_tokens, num_prompt_tokens + request.max_tokens)
             self._stop_limits[request.request_id] = (frozenset(stop_token_ids), max_num_tokens)
-            if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0:
+            if params.uses_penalties:
                 self._needs_host_tokens.add(request.request_id)
         self.waiting.add(request)
         if self.log_stats:
@@ -398,14 +398,11 @@ class Scheduler:
             if request is None:  # finished or aborted since scheduled
                 continue
             new_token_ids = sampled[i]
-            if request.status != _RUNNING:
-                if not new_token_ids or request.status != RequestStatus.PREEMPTED:
-                    continue
-                # Async scheduling: preempted while this step was in flight. Keep its token;
-                # it is recomputed with the rest when the request runs again.
-                preempted_with_token = True
-            else:
-                preempted_with_token = False
+            # Async scheduling: a request preempted while this step was in flight keeps its
+            # token; it is recomputed with the rest when the request runs again.
+            preempted = request.status == RequestStatus.PREEMPTED
+            if request.status != _RUNNING and not (preempted and new_token_ids):
+                continue
             if request.num_output_placeholders and new_token_ids:
                 request.num_output_placeholders -= 1
             if spec_decode_tokens and (drafts := spec_decode_tokens.get(req_id)):
@@ -456,7 +453,7 @@ class Scheduler:
                     )
                 )
             if finished:
-                if preempted_with_token:
+                if preempted:
                     self.waiting.remove_all([request])
                 self._free_request(request)
                 any_finished = True

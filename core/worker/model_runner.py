@@ -325,7 +325,8 @@ class ModelRunner:
         out = None
         sampled_host: torch.Tensor | None = None
         copied: torch.cuda.Event | None = None
-        placeholders: list[tuple[int, CachedRequestState, int]] = []  # (row in out, state, output index)
+        # Per request that samples this step: (index in the batch, row in out, output index).
+        placeholders: list[tuple[int, int, int]] = []
         self._prev_sampled, self._prev_sampled_row = None, {}
 
         if gen_idx:
@@ -359,7 +360,7 @@ class ModelRunner:
             for j, i in enumerate(gen_idx):
                 if done_prefill[i]:
                     s = states[i]
-                    placeholders.append((j, s, len(s.output_token_ids)))
+                    placeholders.append((i, j, len(s.output_token_ids)))
                     self._prev_sampled_row[s.req_id] = j
                     self.input_batch.append_token(s, -1)
 
@@ -375,16 +376,15 @@ class ModelRunner:
                     copied.synchronize()
                 tokens = sampled_host.tolist()
                 batch_states = self.input_batch.requests
-                for j, state, index in placeholders:
+                row_logprobs = out.logprobs_lists()
+                for i, j, index in placeholders:
+                    state = states[i]
                     # A request finished (and its row reused) meanwhile keeps no state here.
                     if batch_states.get(state.req_id) is state:
                         self.input_batch.set_token(state, index, tokens[j])
-                row_logprobs = out.logprobs_lists()
-                for j, i in enumerate(gen_idx):
-                    if done_prefill[i]:
-                        sampled_lists[i] = [tokens[j]]
-                        if row_logprobs is not None:
-                            logprobs[i] = row_logprobs[j]
+                    sampled_lists[i] = [tokens[j]]
+                    if row_logprobs is not None:
+                        logprobs[i] = row_logprobs[j]
                 self._prompt_logprobs(batch, hidden, prompt_logprobs)
             if len(gen_idx) < len(states):
                 pooler_output = self._pool(batch, hidden, done_prefill)
