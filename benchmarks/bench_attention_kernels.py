@@ -62,7 +62,7 @@ logger = logging.getLogger("bench_attention_kernels")
 
 CONFIG_EXTRA_KEY = "triton_attn_config"  # kvloom_backend_triton.metadata.CONFIG_EXTRA_KEY
 FLASH_ATTN_DECODE_EXTRA_KEY = "flash_attn_decode_kernel"  # kvloom_backend_flash_attn.metadata.DECODE_KERNEL_EXTRA_KEY
-#: The engine's block size when the user sets none (kvloom.config_resolve.DEFAULT_BLOCK_SIZE).
+#: The engine's block size when the user sets none (kvloom.engine.arg_utils.DEFAULT_BLOCK_SIZE).
 DEFAULT_BLOCK_SIZE = 16
 #: Backends that load whole pages and need the cache's unwritten slots finite (the engine
 #: allocates the KV cache with zeros): their correctness cases get zeros there, not NaN.
@@ -75,7 +75,7 @@ ZERO_FILLED_CACHE_BACKENDS = frozenset({"FLEX_ATTENTION"})
 def load_backend(name: str) -> type:
     """The backend class registered under ``name``; ``BackendSelectionError`` when no
     installed plugin provides it, a ``PluginError`` when the plugins fail to load."""
-    from kvloom.registry import get_attention_backend
+    from kvloom.attention.selector import get_attention_backend
 
     return get_attention_backend(name)
 
@@ -362,7 +362,8 @@ def main() -> None:
                 **measure_gemm_rate(device, args.gemm_n, args.warmup_ms, args.rep_ms)}
     logger.info("device copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s", ceilings["copy_GBps"], ceilings["gemm_TFLOPs"])
 
-    from kvloom.registry import BackendSelectionError, PluginError
+    from kvloom.attention.selector import BackendSelectionError
+    from kvloom_registry import PluginError
 
     rows = []
     for name in (n.strip() for n in args.backends.split(",") if n.strip()):
@@ -434,7 +435,7 @@ def main() -> None:
 
 def _selector(backend: type, shape: dict, dtype: torch.dtype, props: Any) -> Any:
     from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.platform_types import DeviceCapability
+    from kvloom.platforms.interface import DeviceCapability
 
     return AttentionSelectorConfig(
         head_size=shape["head_size"], dtype=dtype, block_size=shape["block_size"], device_type="cuda",

@@ -129,7 +129,7 @@ def main() -> None:
                 enforce_eager=(base == "eager"), gpu_memory_utilization=0.9,
                 async_scheduling="async" in options, custom_ops="none" if "noops" in options else "all",
             )
-            backend = llm.config.attention.selected_backend
+            backend = llm.config.attention.backend.NAME
             for batch in batches:
                 m = measure(llm, batch, args.steps, seed=batch)
                 limit = bytes_per_step(batch, m["context"])

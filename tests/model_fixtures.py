@@ -7,8 +7,8 @@ Reusable by any test module:
   and norm weights, fp32) with ``save_pretrained``, plus a small byte-level BPE tokenizer
   with an eos token and a ChatML chat template.
 * ``tiny_model_dir(arch)`` makes that model once per session and returns its directory.
-* ``make_test_engine_config(model)`` builds an ``EngineConfig`` directly (no platform, no
-  registry) whose ``attention_backend`` is the given class (default: the test
+* ``make_test_engine_config(model)`` builds an ``EngineConfig`` directly (a stand-in
+  platform, no plugins) whose attention backend is the given class (default: the test
   ``ReferenceBackend``).
 * ``hf_logits`` / ``assert_logits_close``: the HF reference and the comparison the parity tests use.
 * ``PagedRunner`` drives a kvloom model step by step the way the model runner does
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import PrivateAttr
 from torch import nn
 
 from kvloom.attention.backend import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
@@ -47,6 +46,8 @@ from kvloom.config import (
 )
 from kvloom.forward_context import set_forward_context
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
+from kvloom.platforms.interface import Platform
+from kvloom.worker.worker import Worker
 
 from reference_backend import ReferenceBackend  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -197,15 +198,28 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float
 # ---------------------------------------------------------------------- engine config
 
 
-class _TestEngineConfig(EngineConfig):
-    """An ``EngineConfig`` whose attention backend is a class given directly (test
-    backends are not registered plugins)."""
+@functools.cache
+def stand_in_platform(device_type: str = "cpu") -> type[Platform]:
+    """A platform for configs built by hand: ``device_type``, no custom ops, the generic
+    worker. (Tests that need the real platform plugins resolve them.)"""
 
-    _backend_cls: type[AttentionBackend] = PrivateAttr()
+    class TestPlatform(Platform):
+        name = f"test-{device_type}"
 
-    @property
-    def attention_backend(self) -> type[AttentionBackend]:
-        return self._backend_cls
+        @classmethod
+        def is_available(cls) -> bool:
+            return True
+
+        @classmethod
+        def get_attn_backend_priority(cls, use_mla: bool, capability: object) -> list:
+            return []
+
+        @classmethod
+        def get_worker_cls(cls) -> type[Worker]:
+            return Worker
+
+    TestPlatform.device_type = device_type
+    return TestPlatform
 
 
 def make_test_engine_config(
@@ -219,7 +233,8 @@ def make_test_engine_config(
     skip_tokenizer_init: bool = False,
     device_type: str = "cpu",
 ) -> EngineConfig:
-    """An ``EngineConfig`` for ``model`` (HF directory or .gguf) built section by section."""
+    """An ``EngineConfig`` for ``model`` (HF directory or .gguf) built section by section,
+    with ``backend_cls`` as its attention backend (test backends are not plugins)."""
     source = resolve_model_source(str(model), load_format)
     hf_config = load_hf_config(source)
     text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -236,7 +251,7 @@ def make_test_engine_config(
         seed=seed,
         runner="generate",
     )
-    config = _TestEngineConfig(
+    return EngineConfig(
         model=model_config,
         cache=CacheConfig(
             block_size=block_size, user_specified_block_size=True, gpu_memory_utilization=0.9,
@@ -248,17 +263,15 @@ def make_test_engine_config(
             long_prefill_token_threshold=0, enable_chunked_prefill=True, policy="fcfs",
         ),
         parallel=ParallelConfig(),
-        attention=AttentionConfig(backend=backend_cls.NAME, selected_backend=backend_cls.NAME),
+        attention=AttentionConfig(requested_backend=None, backend=backend_cls),
         load=LoadConfig(load_format=load_format, source_kind=source.kind),
         compilation=CompilationConfig(
             optimization_level=0, enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[]
         ),
         lora=LoRAConfig(enable_lora=False, max_loras=1, max_lora_rank=16, max_cpu_loras=1),
         observability=ObservabilityConfig(disable_log_stats=True, log_stats_interval=5.0),
-        device=DeviceConfig(platform=device_type, device_type=device_type),
+        device=DeviceConfig(platform=stand_in_platform(device_type), device_type=device_type),
     )
-    config._backend_cls = backend_cls
-    return config
 
 
 # ---------------------------------------------------------------------- paged runner
@@ -281,7 +294,7 @@ class PagedRunner:
         self.blocks_per_request = blocks_per_request or -(-config.model.max_model_len // self.block_size)
         num_blocks = max_requests * self.blocks_per_request
         self.device = next(model.parameters()).device
-        backend = config.attention_backend
+        backend = config.attention.backend
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = layers[0]
         shape = backend.get_kv_cache_shape(num_blocks, self.block_size, first.num_kv_heads, first.head_size)

@@ -28,6 +28,8 @@ from kvloom.config import (
 )
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from model_fixtures import stand_in_platform
+from reference_backend import ReferenceBackend
 
 
 def make_config(
@@ -73,7 +75,7 @@ def make_config(
             policy=policy,
         ),
         parallel=ParallelConfig(),
-        attention=AttentionConfig(backend=None, selected_backend="FAKE"),
+        attention=AttentionConfig(requested_backend=None, backend=ReferenceBackend),
         load=LoadConfig(load_format="dummy"),
         compilation=CompilationConfig(
             optimization_level=0, enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[]
@@ -83,7 +85,7 @@ def make_config(
             lora_modules=lora_modules or {},
         ),
         observability=ObservabilityConfig(disable_log_stats=disable_log_stats, log_stats_interval=5.0),
-        device=DeviceConfig(platform="cpu", device_type="cpu"),
+        device=DeviceConfig(platform=stand_in_platform("cpu"), device_type="cpu"),
     )
 
 

@@ -253,7 +253,7 @@ def test_async_llm_streams_the_same_tokens_with_async_scheduling(llama_hf):
     concurrent streams, one cancelled half-way, the others complete with HF's tokens."""
     import asyncio
 
-    from kvloom.config import EngineArgs
+    from kvloom.engine.arg_utils import EngineArgs
     from kvloom.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM.from_engine_args(EngineArgs(

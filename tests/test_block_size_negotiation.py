@@ -28,13 +28,15 @@ from model_fixtures import tiny_model_dir
 
 standin.ensure_backend_importable()
 
-from kvloom import registry  # noqa: E402
+from kvloom.attention import selector  # noqa: E402
+from kvloom import plugins  # noqa: E402
 from kvloom.attention.backend import AttentionSelectorConfig  # noqa: E402
-from kvloom.config import EngineArgs  # noqa: E402
-from kvloom.config_resolve import create_engine_config  # noqa: E402
+from kvloom.engine.arg_utils import EngineArgs  # noqa: E402
+from kvloom.engine.arg_utils import create_engine_config  # noqa: E402
 from kvloom.entrypoints.cli.main import main  # noqa: E402
-from kvloom.platform_types import DeviceCapability  # noqa: E402
-from kvloom.registry import ATTENTION_BACKENDS, PluginEntry  # noqa: E402
+from kvloom.platforms.interface import DeviceCapability  # noqa: E402
+from kvloom.plugins import ATTENTION_BACKENDS  # noqa: E402
+from kvloom_registry import PluginEntry
 from kvloom_backend_flash_attn import FlashAttentionBackend  # noqa: E402
 
 kvloom_platform_cuda = pytest.importorskip("kvloom_platform_cuda.platform")
@@ -87,10 +89,11 @@ def registry_with_flash_attn(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     kvloom-backend-flash-attn, whose flash-attn dependency needs CUDA)."""
     for var in ("KVLOOM_PLUGINS", "KVLOOM_PLATFORM"):
         monkeypatch.delenv(var, raising=False)
-    registry.reset_for_tests()
-    monkeypatch.setitem(registry.loaded_plugins().attention_backends, "FLASH_ATTN", FLASH_ATTN_ENTRY)
+    plugins.reset_for_tests()
+    loaded = plugins.loaded_plugins()
+    monkeypatch.setitem(loaded.entries, ATTENTION_BACKENDS, [*loaded.group(ATTENTION_BACKENDS), FLASH_ATTN_ENTRY])
     yield
-    registry.reset_for_tests()
+    plugins.reset_for_tests()
 
 
 def h100_config(**overrides) -> AttentionSelectorConfig:
@@ -102,14 +105,14 @@ def h100_config(**overrides) -> AttentionSelectorConfig:
 
 # ---------------------------------------------------------------------------- selection
 def test_no_block_size_selects_flash_attn_which_chooses_256(flash_attn_present) -> None:
-    result = registry.select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    result = selector.select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
     assert result.selected is FlashAttentionBackend
     assert result.block_size == 256
     assert result.candidates[0].name == "FLASH_ATTN" and result.candidates[0].valid
 
 
 def test_block_size_16_falls_to_the_next_valid_backend_with_the_reason(flash_attn_present) -> None:
-    result = registry.select_attention_backend(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
+    result = selector.select_attention_backend(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
     reasons = {c.name: c.reasons for c in result.candidates}
     assert reasons["FLASH_ATTN"] == (BLOCK_16_REASON,)
     assert reasons["FLASHINFER"] == ("not installed (pip install kvloom-backend-flashinfer)",)
@@ -117,30 +120,30 @@ def test_block_size_16_falls_to_the_next_valid_backend_with_the_reason(flash_att
 
 
 def test_a_block_size_flash_attn_accepts_keeps_it(flash_attn_present) -> None:
-    result = registry.select_attention_backend(SimulatedH100, h100_config(block_size=512), backends=BACKENDS)
+    result = selector.select_attention_backend(SimulatedH100, h100_config(block_size=512), backends=BACKENDS)
     assert (result.selected.NAME, result.block_size) == ("FLASH_ATTN", 512)
 
 
 def test_missing_flash_attn_is_the_reason_and_selection_moves_on(flash_attn_missing) -> None:
-    result = registry.select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    result = selector.select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
     assert result.candidates[0].reasons == (MISSING_REASON,)
     assert (result.selected.NAME, result.block_size) == ("TRITON_ATTN", 16)
     # Both reasons at once when both apply.
-    both = registry.report_attention_backends(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
+    both = selector.report_attention_backends(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
     assert both.candidates[0].reasons == (BLOCK_16_REASON, MISSING_REASON)
 
 
 def test_requested_flash_attn_with_block_size_16_fails_with_the_reason(flash_attn_present) -> None:
     with pytest.raises(ValueError, match=r"Selected backend FLASH_ATTN is not valid for this configuration\. "
                                          r"Reasons: \['block size 16 not supported \(supports multiples of 256\)'\]"):
-        registry.select_attention_backend(
+        selector.select_attention_backend(
             SimulatedH100, h100_config(block_size=16), requested="FLASH_ATTN", backends=BACKENDS
         )
 
 
 # ---------------------------------------------------------------------------- the engine config
 def _engine_config(monkeypatch: pytest.MonkeyPatch, **args):
-    monkeypatch.setattr(registry, "current_platform", lambda: SimulatedH100)
+    monkeypatch.setattr(plugins, "current_platform", lambda: SimulatedH100)
     # qwen3's tiny model: head size 24 (a multiple of 8), 4 heads over 2 KV heads.
     return create_engine_config(EngineArgs(model=str(tiny_model_dir("qwen3")), **args))
 
@@ -148,9 +151,9 @@ def _engine_config(monkeypatch: pytest.MonkeyPatch, **args):
 def test_engine_config_takes_the_block_size_from_flash_attn(
     registry_with_flash_attn, flash_attn_present, monkeypatch, caplog
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvloom.config_resolve"):
+    with caplog.at_level(logging.INFO, logger="kvloom.engine.arg_utils"):
         config = _engine_config(monkeypatch)
-    assert config.attention.selected_backend == "FLASH_ATTN"
+    assert config.attention.backend.NAME == "FLASH_ATTN"
     assert (config.cache.block_size, config.cache.user_specified_block_size) == (256, False)
     assert (
         "Block size 256 chosen by attention backend FLASH_ATTN (it supports multiples of 256); "
@@ -162,7 +165,7 @@ def test_engine_config_with_block_size_16_uses_the_next_backend(
     registry_with_flash_attn, flash_attn_present, monkeypatch
 ) -> None:
     config = _engine_config(monkeypatch, block_size=16)
-    assert config.attention.selected_backend not in (None, "FLASH_ATTN")
+    assert config.attention.backend.NAME != "FLASH_ATTN"
     assert (config.cache.block_size, config.cache.user_specified_block_size) == (16, True)
     with pytest.raises(ValueError, match=BLOCK_16_REASON.replace("(", r"\(").replace(")", r"\)")):
         _engine_config(monkeypatch, block_size=16, attention_backend="FLASH_ATTN")
@@ -172,7 +175,7 @@ def test_engine_config_without_flash_attn_keeps_the_default_block_size(
     registry_with_flash_attn, flash_attn_missing, monkeypatch
 ) -> None:
     config = _engine_config(monkeypatch)
-    assert config.attention.selected_backend != "FLASH_ATTN"
+    assert config.attention.backend.NAME != "FLASH_ATTN"
     assert config.cache.block_size == 16
 
 

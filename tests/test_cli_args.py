@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from kvloom.config import CUDAGraphMode, EngineArgs
+from kvloom.config import CUDAGraphMode
+from kvloom.engine.arg_utils import EngineArgs
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace, flag_name
 
 

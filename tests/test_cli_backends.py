@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvloom import registry
+from kvloom import plugins
 from kvloom.entrypoints.cli import backends as backends_cli
 from kvloom.entrypoints.cli.main import SUBCOMMAND_MODULES, build_parser, main
 
@@ -29,7 +29,7 @@ def default_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every installed plugin, the default platform resolution."""
     for var in ("KVLOOM_PLUGINS", "KVLOOM_PLATFORM"):
         monkeypatch.delenv(var, raising=False)
-    registry.reset_for_tests()
+    plugins.reset_for_tests()
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def test_json_shape_on_the_active_platform(capsys: pytest.CaptureFixture[str]) -
     code = main(["backends", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"platform", "selected", "block_size", "candidates"}
-    assert report["platform"] == registry.current_platform().name
+    assert report["platform"] == plugins.current_platform().name
     assert code == (0 if report["selected"] else 1)
     if report["selected"] is not None:
         first_valid = next(c["name"] for c in report["candidates"] if c["valid"])
@@ -102,8 +102,8 @@ def test_model_flag_reads_head_size_heads_and_dtype(tmp_path: Path) -> None:
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     parser = build_parser()
-    cuda = registry.get_platform_by_name("cuda")
-    cpu = registry.get_platform_by_name("cpu")
+    cuda = plugins.get_platform_by_name("cuda")
+    cpu = plugins.get_platform_by_name("cpu")
     args = parser.parse_args(["backends", "--model", str(tmp_path), "--device-capability", "9.0"])
     on_cuda = backends_cli.build_selector_config(args, cuda)
     assert (on_cuda.head_size, on_cuda.num_heads, on_cuda.num_kv_heads) == (64, 4, 2)
@@ -118,7 +118,7 @@ def test_model_flag_reads_head_size_heads_and_dtype(tmp_path: Path) -> None:
 
 def test_defaults_without_model() -> None:
     args = build_parser().parse_args(["backends"])
-    config = backends_cli.build_selector_config(args, registry.get_platform_by_name("cpu"))
+    config = backends_cli.build_selector_config(args, plugins.get_platform_by_name("cpu"))
     assert (config.head_size, config.dtype, config.kv_cache_dtype, config.block_size, config.use_mla) == (
         backends_cli.DEFAULT_HEAD_SIZE, torch.float32, "auto", None, False
     )
@@ -148,7 +148,7 @@ def test_backends_test_runs_the_conformance_suite(
     assert main(["backends", "test", "SOME_BACKEND"]) == (0 if passed else 1)
     assert main(["backends", "test", "SOME_BACKEND", "--device", "cuda", "--quick"]) == (0 if passed else 1)
     assert calls == [
-        ("SOME_BACKEND", {"device": registry.current_platform().device_type}),
+        ("SOME_BACKEND", {"device": plugins.current_platform().device_type}),
         ("SOME_BACKEND", {"device": "cuda", "quick": True}),
     ]
     assert capsys.readouterr().out.count(f"conformance: {'PASS' if passed else 'FAIL'}") == 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_fixtures import tiny_model_dir
 
-from kvloom.config import EngineArgs
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 
 GiB = 2**30
 
@@ -30,8 +30,8 @@ def _worker(**kwargs):
     from kvloom_platform_cpu.platform import CpuPlatform
     from kvloom_platform_cuda.worker import CUDAWorker
 
-    config = EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32,
-                        max_num_batched_tokens=512, **kwargs).create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32,
+                                             max_num_batched_tokens=512, **kwargs))
     worker = CUDAWorker(config, CpuPlatform)  # the CPU device stands in for the GPU
     worker.model_runner = None
     from kvloom.worker.worker import Worker

@@ -49,10 +49,10 @@ def test_rms_norm_uses_the_active_op_for_both_forms():
 
 
 def _platform_cls():
-    from kvloom import registry
+    from kvloom import plugins
 
-    registry.load_plugins()
-    return registry.get_platform_by_name("cpu")
+    plugins.load_plugins()
+    return plugins.get_platform_by_name("cpu")
 
 
 @pytest.mark.parametrize("setting", ["all", "none"])

@@ -33,7 +33,7 @@ from kvloom.attention.backend import (  # noqa: E402
     CommonAttentionMetadata,
     MultipleOf,
 )
-from kvloom.platform_types import DeviceCapability  # noqa: E402
+from kvloom.platforms.interface import DeviceCapability  # noqa: E402
 from kvloom.testing import run_conformance  # noqa: E402
 from kvloom_backend_flash_attn import KVLOOM_PLUGIN_API, FlashAttentionBackend  # noqa: E402
 from kvloom.attention.kv_write import write_kv_default_layout as write_kv_cache  # noqa: E402
@@ -428,12 +428,13 @@ import runpy, sys
 sys.path[:0] = [{str(root / "tests")!r}]
 import flash_attn_standin as standin
 standin.ensure_backend_importable()
-from kvloom import registry
-from kvloom.registry import ATTENTION_BACKENDS, PluginEntry
+from kvloom import plugins
+from kvloom.plugins import ATTENTION_BACKENDS
+from kvloom_registry import PluginEntry
 from kvloom_backend_flash_attn import FlashAttentionBackend
 with standin.installed():
-    registry.loaded_plugins().attention_backends["FLASH_ATTN"] = PluginEntry(
-        "FLASH_ATTN", ATTENTION_BACKENDS, "kvloom-backend-flash-attn", "0.1.0", "-", FlashAttentionBackend)
+    plugins.loaded_plugins().entries[ATTENTION_BACKENDS].append(PluginEntry(
+        "FLASH_ATTN", ATTENTION_BACKENDS, "kvloom-backend-flash-attn", "0.1.0", "-", FlashAttentionBackend))
     sys.argv = ["bench", "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
                 "--head-size", "32", "--decode-batch", "2", "--decode-context", "300", "--prefill-batch", "1",
                 "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64", "--backends", "FLASH_ATTN",

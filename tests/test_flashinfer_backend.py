@@ -40,7 +40,7 @@ from kvloom.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import DeviceCapability
 from kvloom_backend_flashinfer import KVLOOM_PLUGIN_API, FlashInferBackend
 from kvloom_backend_flashinfer.kv_write import copy_rows_skipping_invalid, write_kv_nhd_paired
 from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv

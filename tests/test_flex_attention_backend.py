@@ -25,7 +25,7 @@ from kvloom.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import DeviceCapability
 from kvloom_backend_flex_attention import KVLOOM_PLUGIN_API, FlexAttentionBackend
 from kvloom_backend_flex_attention.impl import cuda_kernel_options
 from kvloom.attention.kv_write import write_kv_default_layout as write_kv_split

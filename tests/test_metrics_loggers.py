@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import sys
-import types
 
 import pytest
+from kvloom_registry import PluginEntry
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvloom import plugins
 from kvloom.metrics.loggers import (
     LoggingStatLogger,
     PrefixCacheHitRate,
@@ -19,6 +19,7 @@ from kvloom.metrics.loggers import (
 )
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.outputs import PrefixCacheStats, SchedulerStats
+from kvloom.plugins import STAT_LOGGER_PLUGINS
 from serve_fakes import FakeFinishedRequestStats, FakeIterationStats, make_config
 
 
@@ -229,10 +230,13 @@ class _NotALogger:
 
 @pytest.fixture
 def fake_registry(monkeypatch: pytest.MonkeyPatch):
-    module = types.ModuleType("kvloom.registry")
+    """The stat logger plugins ``build_stat_loggers`` sees: name -> class."""
     found: dict[str, type] = {}
-    module.stat_logger_classes = lambda: dict(found)
-    monkeypatch.setitem(sys.modules, "kvloom.registry", module)
+    monkeypatch.setattr(
+        plugins,
+        "stat_logger_plugins",
+        lambda: [PluginEntry(name, STAT_LOGGER_PLUGINS, "fake", "1.0", "-", cls) for name, cls in found.items()],
+    )
     return found
 
 

@@ -84,7 +84,7 @@ def test_kvloom_serve_runs_the_out_of_tree_model(gemma_dir: Path, tmp_path: Path
 def test_without_the_plugin_gemma_is_not_supported(gemma_dir: Path) -> None:
     # KVLOOM_PLUGINS lists what may load: the platform and backend, not kvloom-gemma
     # (which a development install may have installed).
-    code = f"from kvloom import EngineArgs; EngineArgs(model={str(gemma_dir)!r}).create_engine_config()"
+    code = f"from kvloom.engine.arg_utils import EngineArgs, create_engine_config; create_engine_config(EngineArgs(model={str(gemma_dir)!r}))"
     done = subprocess.run([sys.executable, "-c", code], env=plugin_env([], KVLOOM_PLUGINS="cpu,CPU_ATTN"),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0

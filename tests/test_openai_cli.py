@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvloom.config import EngineArgs
+from kvloom.engine.arg_utils import EngineArgs
 from kvloom.entrypoints.cli import bench_serve
 from kvloom.entrypoints.cli.main import build_parser, main
 from kvloom.entrypoints.openai.api_server import build_app

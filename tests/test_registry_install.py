@@ -202,20 +202,20 @@ EXTENSIONS_SCRIPT = textwrap.dedent(
     import asyncio, json
     from types import SimpleNamespace
     import torch
-    from kvloom import registry
+    from kvloom import plugins
     from kvloom.lora.resolver import LoRAResolverRegistry
     from kvloom.models.registry import ModelRegistry
 
-    registry.load_plugins()
-    registry.load_plugins()  # idempotent
+    plugins.load_plugins()
+    plugins.load_plugins()  # idempotent
     config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256))
-    registry.call_update_engine_config(config)
+    plugins.call_update_engine_config(config)
 
-    processor = registry.get_io_processor_cls("test_mean_embedding")(None)
+    processor = plugins.get_io_processor_cls("test_mean_embedding")(None)
     texts = processor.parse_data({"texts": ["a", "b"]})
     outputs = [SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))) for v in ([3.0, 0.0], [1.0, 0.0])]
 
-    (logger_cls,) = registry.stat_logger_classes()
+    (logger_cls,) = [entry.target for entry in plugins.stat_logger_plugins()]
     stat_logger = logger_cls(None)
     stat_logger.record(SimpleNamespace(num_running_reqs=3), None)
     stat_logger.record(None, None)
@@ -226,7 +226,7 @@ EXTENSIONS_SCRIPT = textwrap.dedent(
     print(json.dumps({
         "archs": [ModelRegistry.is_supported(a) for a in ("KvloomTestLlamaForCausalLM", "KvloomTestQwen2ForCausalLM")],
         "max_num_seqs": config.scheduler.max_num_seqs,
-        "io_processors": sorted(registry.io_processor_plugins()),
+        "io_processors": sorted(plugins.io_processor_plugins()),
         "prompts": processor.pre_process(texts),
         "pooled": processor.post_process(outputs),
         "stat_logger": [logger_cls.__name__, stat_logger.num_steps, stat_logger.peak_running],

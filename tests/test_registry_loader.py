@@ -21,20 +21,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvloom import registry
+import kvloom_registry as registry
+from kvloom_registry import HookPlugins, LoadedPlugins, load_entry_points, parse_allowlist
+
+from kvloom import plugins as state
+from kvloom.attention.selector import get_attention_backend
 from kvloom.lora.resolver import _LoRAResolverRegistry
 from kvloom.models.registry import _ModelRegistry
-from kvloom.registry import loader, state
-from kvloom.registry.general import GeneralPlugins
-from kvloom.registry.loader import (
+from kvloom.plugins import (
     ATTENTION_BACKENDS,
     GENERAL_PLUGINS,
+    GROUPS,
     IO_PROCESSOR_PLUGINS,
     LORA_RESOLVERS,
     PLATFORM_PLUGINS,
+    PLUGIN_API_VERSION,
     STAT_LOGGER_PLUGINS,
-    load_entry_points,
-    parse_allowlist,
+    run_general_plugins,
 )
 
 API = 'KVLOOM_PLUGIN_API = "1.0"\n'
@@ -140,8 +143,8 @@ def add_plugin(site: FakeSite, distribution: str, group: str, name: str, module:
     site.add(distribution, {module: source}, {group: {name: f"{module}:{attr}" if attr else module}}, version=version)
 
 
-def load(site: FakeSite, allowlist: str | None = None) -> loader.LoadedPlugins:
-    return load_entry_points(site.entry_points(), parse_allowlist(allowlist))
+def load(site: FakeSite, allowlist: str | None = None) -> LoadedPlugins:
+    return load_entry_points(GROUPS, site.entry_points(), parse_allowlist(allowlist), PLUGIN_API_VERSION)
 
 
 # ---------------------------------------------------------------------- policy
@@ -156,19 +159,19 @@ def test_parse_allowlist() -> None:
 def test_loads_backend_with_distribution_and_version(site: FakeSite) -> None:
     add_backend(site, "fake-backend", "fake_backend_a", "FAKE_A", version="2.3.1")
     plugins = load(site)
-    entry = plugins.attention_backends["FAKE_A"]
-    assert (entry.cls.NAME, entry.distribution, entry.version) == ("FAKE_A", "fake-backend", "2.3.1")
+    entry = plugins.by_name(ATTENTION_BACKENDS)["FAKE_A"]
+    assert (entry.target.NAME, entry.distribution, entry.version) == ("FAKE_A", "fake-backend", "2.3.1")
 
 
 def test_allowlist_filters_and_records_excluded(site: FakeSite) -> None:
     add_backend(site, "fake-a", "fake_backend_a", "FAKE_A")
     add_backend(site, "fake-b", "fake_backend_b", "FAKE_B")
     plugins = load(site, "FAKE_B")
-    assert list(plugins.attention_backends) == ["FAKE_B"]
+    assert list(plugins.by_name(ATTENTION_BACKENDS)) == ["FAKE_B"]
     assert [e.name for e in plugins.excluded[ATTENTION_BACKENDS]] == ["FAKE_A"]
     assert "fake_backend_a" not in sys.modules  # an excluded plugin is never imported
     none = load(site, "")
-    assert none.attention_backends == {} and len(none.excluded[ATTENTION_BACKENDS]) == 2
+    assert none.group(ATTENTION_BACKENDS) == [] and len(none.excluded[ATTENTION_BACKENDS]) == 2
 
 
 def test_allowlisted_name_not_installed_is_an_error(site: FakeSite) -> None:
@@ -227,9 +230,9 @@ def test_malformed_api_version_is_refused(site: FakeSite) -> None:
 def test_newer_minor_version_loads_with_a_warning(site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
     source = backend_source("FAKE_A").replace('"1.0"', '"1.7"')
     add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
-    with caplog.at_level(logging.WARNING, logger="kvloom.registry.loader"):
+    with caplog.at_level(logging.WARNING, logger="kvloom_registry.loader"):
         plugins = load(site)
-    assert "FAKE_A" in plugins.attention_backends
+    assert "FAKE_A" in plugins.by_name(ATTENTION_BACKENDS)
     assert "1.7" in caplog.text and "newer" in caplog.text
 
 
@@ -248,7 +251,7 @@ def test_duplicate_names_left_out_by_the_allowlist_do_not_conflict(site: FakeSit
     add_backend(site, "first-dist", "fake_backend_a", "SAME")
     add_backend(site, "second-dist", "fake_backend_b", "SAME")
     add_backend(site, "third-dist", "fake_backend_c", "OTHER")
-    assert list(load(site, "OTHER").attention_backends) == ["OTHER"]
+    assert list(load(site, "OTHER").by_name(ATTENTION_BACKENDS)) == ["OTHER"]
 
 
 def test_entry_point_name_must_equal_backend_name(site: FakeSite) -> None:
@@ -260,7 +263,7 @@ def test_entry_point_name_must_equal_backend_name(site: FakeSite) -> None:
 def test_many_out_of_tree_backends_coexist(site: FakeSite) -> None:
     for i in range(4):
         add_backend(site, f"fake-{i}", f"fake_backend_{i}", f"FAKE_{i}")
-    assert sorted(load(site).attention_backends) == ["FAKE_0", "FAKE_1", "FAKE_2", "FAKE_3"]
+    assert sorted(load(site).by_name(ATTENTION_BACKENDS)) == ["FAKE_0", "FAKE_1", "FAKE_2", "FAKE_3"]
 
 
 def test_stat_logger_must_subclass_stat_logger_base(site: FakeSite) -> None:
@@ -320,9 +323,9 @@ def test_platform_io_processor_and_stat_logger_targets(site: FakeSite) -> None:
         },
     )
     plugins = load(site)
-    assert plugins.platforms["fake_platform"].cls.__name__ == "FakePlatform"
-    assert plugins.io_processors["fake_io"].cls.__name__ == "Processor"
-    assert [e.cls.__name__ for e in plugins.stat_loggers] == ["Logger"]
+    assert plugins.by_name(PLATFORM_PLUGINS)["fake_platform"].target.__name__ == "FakePlatform"
+    assert plugins.by_name(IO_PROCESSOR_PLUGINS)["fake_io"].target.__name__ == "Processor"
+    assert [e.target.__name__ for e in plugins.group(STAT_LOGGER_PLUGINS)] == ["Logger"]
 
 
 def test_platform_entry_point_name_must_equal_platform_name(site: FakeSite) -> None:
@@ -351,10 +354,10 @@ def test_platform_entry_point_name_must_equal_platform_name(site: FakeSite) -> N
 # ---------------------------------------------------------------------- general plugins
 
 
-def run_general(site: FakeSite) -> tuple[GeneralPlugins, _ModelRegistry, _LoRAResolverRegistry]:
+def run_general(site: FakeSite) -> tuple[HookPlugins, _ModelRegistry, _LoRAResolverRegistry]:
     plugins = load(site)
-    general, models, resolvers = GeneralPlugins(), _ModelRegistry(), _LoRAResolverRegistry()
-    general.load(plugins.general, model_registry=models, resolver_registry=resolvers)
+    models, resolvers = _ModelRegistry(), _LoRAResolverRegistry()
+    general = run_general_plugins(plugins.group(GENERAL_PLUGINS), models, resolvers)
     return general, models, resolvers
 
 
@@ -400,7 +403,7 @@ def test_general_register_function_and_hook_module(site: FakeSite) -> None:
     assert models.is_supported("HookArchForCausalLM")
     assert resolvers.get_supported_resolvers() == ["null"]
     config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256))
-    general.update_engine_config(config)
+    general.call_hook("kvloom_update_engine_config", config=config)
     assert config.scheduler.max_num_seqs == 7
 
 
@@ -482,7 +485,7 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def use_site(monkeypatch: pytest.MonkeyPatch, site: FakeSite) -> None:
     eps = site.entry_points()
-    monkeypatch.setattr(state, "entry_points", lambda group: eps.get(group, []))
+    monkeypatch.setattr(state, "installed_entry_points", lambda groups: {g.name: eps.get(g.name, []) for g in groups})
 
 
 def test_load_plugins_is_idempotent_and_registers_lora_resolvers(
@@ -507,15 +510,15 @@ def test_load_plugins_is_idempotent_and_registers_lora_resolvers(
         },
     )
     use_site(monkeypatch, site)
-    registry.load_plugins()
-    registry.load_plugins()
+    state.load_plugins()
+    state.load_plugins()
     assert sys.modules["fake_counter"].CALLS == [1]  # register() ran once per process
     from kvloom.lora.resolver import LoRAResolverRegistry
 
     assert LoRAResolverRegistry.get_supported_resolvers() == ["fake_resolver"]
-    assert registry.get_attention_backend("FAKE_A").NAME == "FAKE_A"
+    assert get_attention_backend("FAKE_A").NAME == "FAKE_A"
     with pytest.raises(ValueError, match="Valid names: FAKE_A"):
-        registry.get_attention_backend("NOPE")
+        get_attention_backend("NOPE")
 
 
 def test_a_failed_load_keeps_failing(site: FakeSite, monkeypatch: pytest.MonkeyPatch, fresh_state: None) -> None:
@@ -524,13 +527,13 @@ def test_a_failed_load_keeps_failing(site: FakeSite, monkeypatch: pytest.MonkeyP
     use_site(monkeypatch, site)
     for _ in range(2):
         with pytest.raises(registry.PluginLoadError, match="no device file"):
-            registry.load_plugins()
+            state.load_plugins()
     with pytest.raises(registry.PluginLoadError):
-        registry.attention_backends()
+        state.attention_backends()
     # Excluding the broken plugin (after a reset) makes the process usable.
     monkeypatch.setenv("KVLOOM_PLUGINS", "")
     state.reset_for_tests()
-    assert registry.attention_backends() == {}
+    assert state.attention_backends() == {}
 
 
 def test_io_processor_and_stat_logger_accessors(
@@ -557,7 +560,7 @@ def test_io_processor_and_stat_logger_accessors(
         {IO_PROCESSOR_PLUGINS: {"proc": "fake_acc:Processor"}, STAT_LOGGER_PLUGINS: {"log": "fake_acc:Logger"}},
     )
     use_site(monkeypatch, site)
-    assert registry.get_io_processor_cls("proc").__name__ == "Processor"
-    assert [c.__name__ for c in registry.stat_logger_classes()] == ["Logger"]
+    assert state.get_io_processor_cls("proc").__name__ == "Processor"
+    assert [e.target.__name__ for e in state.stat_logger_plugins()] == ["Logger"]
     with pytest.raises(ValueError, match="installed: proc"):
-        registry.get_io_processor_cls("missing")
+        state.get_io_processor_cls("missing")

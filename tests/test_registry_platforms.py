@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvloom.config import CompilationConfig, CUDAGraphMode, ParallelConfig
+from kvloom.config import CompilationConfig, CUDAGraphMode
 from kvloom.interfaces import BackendCandidate, Platform
-from kvloom.registry import PLATFORM_PLUGINS, PlatformResolutionError, PluginEntry, PluginLoadError
-from kvloom.registry.platforms import resolve_platform
+from kvloom.plugins import PLATFORM_PLUGINS
+from kvloom.platforms.resolution import PlatformResolutionError
+from kvloom_registry import PluginEntry, PluginLoadError
+from kvloom.platforms.resolution import resolve_platform
 
 CpuPlatform = pytest.importorskip("kvloom_platform_cpu.platform").CpuPlatform
 CudaPlatform = pytest.importorskip("kvloom_platform_cuda.platform").CudaPlatform
@@ -124,14 +126,12 @@ def test_cpu_platform_declarations() -> None:
 
 def test_cpu_platform_config_defaults() -> None:
     config = SimpleNamespace(
-        parallel=ParallelConfig(),
         compilation=CompilationConfig(
             optimization_level=2, enforce_eager=False, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
             cudagraph_capture_sizes=[1, 2],
         ),
     )
     CpuPlatform.check_and_update_config(config)  # type: ignore[arg-type]
-    assert config.parallel.worker_cls == "kvloom.worker.worker.Worker"
     assert config.compilation.cudagraph_mode == CUDAGraphMode.NONE
 
 
@@ -145,6 +145,3 @@ def test_cuda_platform_declarations() -> None:
     else:
         major, minor = torch.cuda.get_device_capability()
         assert tuple(CudaPlatform.get_device_capability()) == (major, minor)
-    config = SimpleNamespace(parallel=ParallelConfig())
-    CudaPlatform.check_and_update_config(config)  # type: ignore[arg-type]
-    assert config.parallel.worker_cls == "kvloom_platform_cuda.worker.CUDAWorker"

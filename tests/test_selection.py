@@ -21,16 +21,15 @@ from kvloom.attention.backend import (
     AttentionType,
     MultipleOf,
 )
-from kvloom.platform_types import DeviceCapability
-from kvloom.registry import (
-    ATTENTION_BACKENDS,
+from kvloom.platforms.interface import DeviceCapability
+from kvloom.plugins import ATTENTION_BACKENDS
+from kvloom.attention.selector import (
     BackendSelectionError,
-    PluginEntry,
-    PluginLoadError,
     report_attention_backends,
     select_attention_backend,
 )
-from kvloom.registry.selection import select_backend
+from kvloom_registry import PluginEntry, PluginLoadError
+from kvloom.attention.selector import select_backend
 
 kvloom_platform_cuda = pytest.importorskip("kvloom_platform_cuda.platform")
 kvloom_platform_cpu = pytest.importorskip("kvloom_platform_cpu.platform")

@@ -19,7 +19,7 @@ from kvloom.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import DeviceCapability
 from kvloom_backend_triton.backend import TritonAttentionBackend
 from kvloom_backend_triton.config import ENV_VAR, KernelConfig, default_config, parse_overrides, resolve_config
 

@@ -20,7 +20,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
-    from kvloom.config import EngineArgs  # noqa: F401
+    from kvloom.engine.arg_utils import EngineArgs  # noqa: F401
     from kvloom.engine.async_llm import AsyncLLM  # noqa: F401
     from kvloom.entrypoints.llm import LLM  # noqa: F401
     from kvloom.lora.request import LoRARequest  # noqa: F401

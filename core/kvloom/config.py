@@ -1,41 +1,22 @@
-"""Engine configuration.
+"""The resolved engine configuration: ``EngineConfig`` and its sections.
 
-``EngineArgs`` is the flat, user-facing set of options (the keyword arguments of ``LLM``
-and the flags of ``kvloom serve``/``generate``, named as vLLM users type them). It is a
-pydantic model: an invalid value raises a ``ValidationError`` naming the field and the
-allowed values. ``EngineArgs.create_engine_config()`` resolves it (plugins, platform,
-model files, dtype, max_model_len, attention backend, block size) into an
-``EngineConfig`` made of sections that every component receives whole.
+Every component receives the whole ``EngineConfig``. It is made once, when the engine
+starts, by ``kvloom.engine.arg_utils.create_engine_config`` from the user's flat
+``EngineArgs``; that is also where the active platform and the attention backend are
+chosen, and their classes are kept here (``device.platform``, ``attention.backend``) so
+that nothing looks them up by name again.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:
-    from kvloom.attention.backend import AttentionBackend
-    from kvloom.platform import Platform
-
-logger = logging.getLogger(__name__)
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-DTypeName = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
-LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
-HashAlgo = Literal["sha256", "sha256_cbor", "xxhash"]
-
+from kvloom.attention.backend import AttentionBackend
+from kvloom.platforms.interface import Platform
 
 class CUDAGraphMode(str, enum.Enum):
     """vLLM's cudagraph_mode values. kvloom has no piecewise compilation, so the
@@ -46,113 +27,6 @@ class CUDAGraphMode(str, enum.Enum):
     FULL = "FULL"
     FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
-
-
-def parse_memory_size(value: int | str) -> int:
-    """Bytes from an int or a string like "4GiB", "512MiB", "2G", "1e9"."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", value, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a memory size: {value!r} (examples: 4GiB, 512MiB, 1000000000)")
-    number = float(m.group(1))
-    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
-    return int(number * scale)
-
-
-class EngineArgs(BaseModel):
-    """All user-facing engine options, flat. CLI flags are these names with dashes."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
-    # ---- model
-    model: str | None = Field(None, description="HF directory, .gguf file, or None for the default SmolLM2.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model's).")
-    skip_tokenizer_init: bool = Field(False, description="Serve token ids only; no tokenizer files needed.")
-    served_model_name: str | None = Field(None, description="Model name reported by the API.")
-    dtype: DTypeName = Field("auto", description="Weight and activation dtype.")
-    max_model_len: int | None = Field(None, ge=1, description="Max prompt + output tokens per request.")
-    seed: int = Field(0, ge=0, description="Seed for weight init (dummy) and unseeded sampling.")
-    load_format: LoadFormat = Field("auto", description="How to load weights; 'dummy' makes random weights.")
-    trust_remote_code: bool = Field(False, description="Accepted for compatibility; kvloom runs no remote code.")
-    runner: Literal["auto", "generate", "pooling"] = Field("auto", description="Generate text or pool embeddings.")
-    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(None, description="Pooling for embeddings.")
-    normalize: bool | None = Field(None, description="L2-normalise embeddings (default: yes).")
-    io_processor_plugin: str | None = Field(None, description="IO processor plugin name (pooling models).")
-    # ---- cache
-    block_size: int | None = Field(None, ge=1, le=4096, description="Tokens per KV block (default: backend's choice).")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Fraction of GPU memory to use.")
-    kv_cache_memory: int | str | None = Field(None, description="KV-cache bytes (e.g. 4GiB); overrides the fraction.")
-    num_gpu_blocks_override: int | None = Field(None, ge=1, description="Force the number of KV blocks.")
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="KV cache dtype.")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
-    prefix_caching_hash_algo: HashAlgo = Field("sha256", description="Block hash algorithm.")
-    # ---- scheduler
-    max_num_seqs: int = Field(256, ge=1, le=65536, description="Max requests per step.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Max tokens per step.")
-    long_prefill_token_threshold: int = Field(0, ge=0, description="Cap per-request prefill chunk (0 = off).")
-    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
-    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Queue order.")
-    async_scheduling: bool = Field(
-        False, description="Schedule step n+1 while step n runs on the device (overlaps host work)."
-    )
-    # ---- parallel
-    tensor_parallel_size: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
-    # ---- attention
-    attention_backend: str | None = Field(None, description="Force an attention backend by NAME.")
-    # ---- compilation / CUDA graphs
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
-    optimization_level: int = Field(2, ge=0, le=3, description="-O0..-O3 defaults.")
-    cudagraph_mode: CUDAGraphMode | None = Field(None, description="CUDA graph mode (default from -O).")
-    cudagraph_capture_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture.")
-    max_cudagraph_capture_size: int | None = Field(None, ge=1, description="Largest decode batch to capture.")
-    custom_ops: Literal["all", "none"] = Field(
-        "all", description="Use the platform's fused layer kernels (all) or only torch ops (none)."
-    )
-    # ---- LoRA
-    enable_lora: bool = Field(False, description="Allow LoRA adapters.")
-    max_loras: int = Field(1, ge=1, le=256, description="Max adapters in one batch.")
-    max_lora_rank: int = Field(16, ge=1, le=512, description="Max adapter rank.")
-    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept loaded (default max_loras).")
-    lora_modules: dict[str, str] | None = Field(None, description="name=path adapters to preload.")
-    # ---- observability
-    disable_log_stats: bool = Field(False, description="Do not log stats periodically.")
-    log_stats_interval: float = Field(5.0, gt=0.0, description="Seconds between stat log lines.")
-
-    @field_validator("kv_cache_memory")
-    @classmethod
-    def _memory(cls, v: int | str | None) -> int | None:
-        if v is None:
-            return None
-        n = parse_memory_size(v)
-        if n <= 0:
-            raise ValueError("kv_cache_memory must be positive")
-        return n
-
-    @field_validator("cudagraph_capture_sizes")
-    @classmethod
-    def _capture_sizes(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return None
-        if any(s < 1 for s in v):
-            raise ValueError("cudagraph_capture_sizes must be positive batch sizes")
-        return sorted(set(v))
-
-    @model_validator(mode="after")
-    def _check(self) -> "EngineArgs":
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
-            # Every running request must be able to get one token per step.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs})"
-            )
-        return self
-
-    def create_engine_config(self) -> "EngineConfig":
-        from kvloom.config_resolve import create_engine_config
-
-        return create_engine_config(self)
 
 
 # ---------------------------------------------------------------------- resolved sections
@@ -231,12 +105,11 @@ class SchedulerConfig(_Section):
 
 class ParallelConfig(_Section):
     tensor_parallel_size: int = 1
-    worker_cls: str | None = None  # qualified name, set from the platform
 
 
 class AttentionConfig(_Section):
-    backend: str | None  # the user's choice (None = by priority)
-    selected_backend: str = ""  # what selection picked
+    requested_backend: str | None  # the user's --attention-backend (None = by priority)
+    backend: type[AttentionBackend]  # what selection picked
 
 
 class LoadConfig(_Section):
@@ -267,7 +140,7 @@ class ObservabilityConfig(_Section):
 
 
 class DeviceConfig(_Section):
-    platform: str  # name of the active platform
+    platform: type[Platform]  # the active platform
     device_type: str
 
 
@@ -284,19 +157,3 @@ class EngineConfig(_Section):
     lora: LoRAConfig
     observability: ObservabilityConfig
     device: DeviceConfig
-
-    @property
-    def platform(self) -> type["Platform"]:
-        from kvloom.registry import get_platform_by_name
-
-        return get_platform_by_name(self.device.platform)
-
-    @property
-    def attention_backend(self) -> type["AttentionBackend"]:
-        from kvloom.registry import get_attention_backend
-
-        return get_attention_backend(self.attention.selected_backend)
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]

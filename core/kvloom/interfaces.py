@@ -29,13 +29,10 @@ from kvloom.io_processor import IOProcessor, PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.platform import BackendCandidate, Platform
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
+from kvloom.plugins import PLUGIN_API_VERSION
 from kvloom.worker.worker_base import WorkerBase
 
-#: The plugin API version this kvloom provides. Plugins declare the version they target
-#: in KVLOOM_PLUGIN_API; a different major version is refused.
-PLUGIN_API_VERSION = "1.0"
 KVLOOM_PLUGIN_API = PLUGIN_API_VERSION
 
 __all__ = [

@@ -13,11 +13,11 @@ pytestmark = [
 
 @pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "FLASH_ATTN"])
 def test_conformance_on_cuda(backend):
-    from kvloom import registry
+    from kvloom import plugins
     from kvloom.testing import run_conformance
 
-    registry.load_plugins()
-    if backend not in registry.attention_backends():
+    plugins.load_plugins()
+    if backend not in plugins.attention_backends():
         pytest.skip(f"{backend} is not installed")
     report = run_conformance(backend, device="cuda")
     print(report.format())

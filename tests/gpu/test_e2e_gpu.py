@@ -39,14 +39,15 @@ KV_MEMORY = "2GiB"
 
 
 def _usable(name: str, dtype: torch.dtype) -> bool:
-    from kvloom import registry
+    from kvloom.attention import selector
+    from kvloom import plugins
     from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.platform_types import DeviceCapability
+    from kvloom.platforms.interface import DeviceCapability
 
-    registry.load_plugins()
-    if name not in registry.attention_backends():
+    plugins.load_plugins()
+    if name not in plugins.attention_backends():
         return False
-    backend = registry.get_attention_backend(name)
+    backend = selector.get_attention_backend(name)
     cfg = AttentionSelectorConfig(
         head_size=64, dtype=dtype, device_type="cuda",
         device_capability=DeviceCapability(*torch.cuda.get_device_capability()),
@@ -269,10 +270,11 @@ def test_scheduling_pressure_keeps_tokens(smollm2, smollm2_prompts, hf_bf16_agre
     same tokens as without; bf16-only backends (batch composition changes bf16 rounding)
     are held to the bf16 agreement criterion over the same 1,024 tokens."""
     _need(backend)
-    from kvloom import registry
+    from kvloom.attention import selector
+    from kvloom import plugins
 
-    registry.load_plugins()
-    block = registry.get_attention_backend(backend).preferred_block_size(16)
+    plugins.load_plugins()
+    block = selector.get_attention_backend(backend).preferred_block_size(16)
     kwargs = dict(pressure)
     if "num_gpu_blocks_override" in kwargs:  # the same token capacity whatever the block size
         kwargs["num_gpu_blocks_override"] = max(kwargs["num_gpu_blocks_override"] * 16 // block, 512 // block + 1)

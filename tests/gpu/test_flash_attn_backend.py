@@ -29,7 +29,7 @@ pytestmark = [
 ]
 pytest.importorskip("flash_attn", reason="needs flash-attn (shared/gpu/flash-attn/README.md)")
 
-from kvloom import registry  # noqa: E402
+from kvloom import plugins  # noqa: E402
 from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata  # noqa: E402
 
 BLOCK_16_REASON = "block size 16 not supported (supports multiples of 256)"
@@ -42,13 +42,13 @@ SCALE = 1 / math.sqrt(DIM)
 def fresh_registry(monkeypatch: pytest.MonkeyPatch):
     for var in ("KVLOOM_PLUGINS", "KVLOOM_PLATFORM"):
         monkeypatch.delenv(var, raising=False)
-    registry.reset_for_tests()
+    plugins.reset_for_tests()
     yield
-    registry.reset_for_tests()
+    plugins.reset_for_tests()
 
 
 def _backend():
-    backends = registry.attention_backends()
+    backends = plugins.attention_backends()
     assert "FLASH_ATTN" in backends, (
         "kvloom-backend-flash-attn is not installed: pip install --no-deps -e backends/flash_attn"
     )
@@ -214,14 +214,14 @@ def test_engine_config_on_the_device_uses_flash_attn_and_block_size_256(tmp_path
         sys.path.insert(0, tests_dir)
     from model_fixtures import make_tiny_model
 
-    from kvloom.config import EngineArgs
-    from kvloom.config_resolve import create_engine_config
+    from kvloom.engine.arg_utils import EngineArgs
+    from kvloom.engine.arg_utils import create_engine_config
 
     _backend()
     if not _hopper_or_ampere():
         pytest.skip("FLASH_ATTN is first in priority on SM 8.x/9.x only")
     model = make_tiny_model("qwen3", tmp_path / "qwen3", max_position_embeddings=2048)
     config = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16"))
-    assert (config.attention.selected_backend, config.cache.block_size) == ("FLASH_ATTN", 256)
+    assert (config.attention.backend.NAME, config.cache.block_size) == ("FLASH_ATTN", 256)
     forced = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16", block_size=16))
-    assert forced.attention.selected_backend != "FLASH_ATTN" and forced.cache.block_size == 16
+    assert forced.attention.backend.NAME != "FLASH_ATTN" and forced.cache.block_size == 16

@@ -27,7 +27,7 @@ from kvloom.attention.backend import (
     BlockSizeSpec,
     MultipleOf,
 )
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import DeviceCapability
 
 KVLOOM_PLUGIN_API = "1.0"
 

@@ -25,7 +25,7 @@ from kvloom.attention.backend import (
     AttentionType,
     BlockSizeSpec,
 )
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import DeviceCapability
 
 KVLOOM_PLUGIN_API = "1.0"
 

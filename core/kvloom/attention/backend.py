@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from kvloom.platform_types import DeviceCapability
+from kvloom.platforms.interface import DeviceCapability
 
 
 class AttentionType(str, enum.Enum):
@@ -77,6 +77,10 @@ class MultipleOf:
 
 
 BlockSizeSpec = int | MultipleOf
+
+#: The block size the engine uses when neither the user nor the backend asks for another
+#: (``AttentionBackend.preferred_block_size``).
+DEFAULT_BLOCK_SIZE = 16
 
 _BF16_MIN_CAPABILITY = DeviceCapability(8, 0)
 
@@ -324,7 +328,7 @@ class AttentionBackend(ABC):
         return ", ".join(str(s) for s in cls.supported_block_sizes)
 
     @classmethod
-    def preferred_block_size(cls, default: int = 16) -> int:
+    def preferred_block_size(cls, default: int = DEFAULT_BLOCK_SIZE) -> int:
         """The block size the engine uses with this backend when the user sets none:
         ``default`` if accepted, else the first declared entry (rounded up to a multiple
         for ``MultipleOf``). E.g. ``(MultipleOf(256),)`` -> 256, ``(32, 64)`` -> 32."""

@@ -13,7 +13,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvloom.config import EngineArgs, EngineConfig
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.config import EngineConfig
 from kvloom.engine.core_client import EngineDeadError, ThreadedClient
 from kvloom.engine.frontend import Frontend
 from kvloom.engine.input_processor import PromptInput
@@ -46,7 +47,7 @@ class AsyncLLM:
         """``stat_loggers``: extra stat logger factories, called as ``(config, engine_index)``
         (the server passes ``PrometheusStatLogger``). Their ``log()`` is the caller's to
         call periodically (the server does, every ``log_stats_interval`` seconds)."""
-        return cls(args.create_engine_config(), stat_loggers=stat_loggers)
+        return cls(create_engine_config(args), stat_loggers=stat_loggers)
 
     # ------------------------------------------------------------------ plumbing
     def _ensure_running(self) -> None:

@@ -14,10 +14,12 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from kvloom import plugins
 from kvloom.config import EngineConfig
 from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
 from kvloom.scheduler.output import SchedulerOutput
+from kvloom.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +30,12 @@ def cdiv(a: int, b: int) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
-        from kvloom import registry
-        from kvloom.scheduler.scheduler import Scheduler
-
         # Plugins load in every process that runs an engine core (idempotent).
-        registry.load_plugins()
+        plugins.load_plugins()
         self.config = config
-        platform = config.platform
-        worker_cls = platform.get_worker_cls()
+        platform = config.device.platform
         start = time.perf_counter()
-        self.worker = worker_cls(config, platform)
+        self.worker = platform.get_worker_cls()(config, platform)
         self.worker.init_device()
         self.worker.load_model()
         num_blocks = self.worker.determine_num_kv_blocks()

@@ -26,8 +26,8 @@ from typing import Any
 
 from kvloom.config import EngineConfig
 from kvloom.engine.core import EngineCore
-from kvloom.outputs import EngineCoreOutputs
-from kvloom.request import EngineCoreRequest
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
+from kvloom.request import EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,6 @@ class ThreadedClient(EngineCoreClient):
         return True
 
     def _reject(self, request_id: str) -> None:
-        from kvloom.outputs import EngineCoreOutput
-        from kvloom.request import FinishReason
-
         out = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT)])
         self._publish(out)
 

@@ -16,7 +16,9 @@ from kvloom.config import EngineConfig
 from kvloom.engine.input_processor import InputProcessor, PromptInput
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.parallel_sampling import ParentRequest
+from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
+from kvloom.metrics.loggers import build_stat_loggers
 from kvloom.metrics.stats import IterationStats
 from kvloom.outputs import EngineCoreOutputs, PoolingRequestOutput, RequestOutput
 from kvloom.request import EngineCoreRequest
@@ -28,7 +30,6 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(config: EngineConfig) -> Any | None:
     if config.model.skip_tokenizer_init:
         return None
-    from kvloom.loader.tokenizer import get_tokenizer
 
     return get_tokenizer(config.model)
 
@@ -49,7 +50,6 @@ class Frontend:
         is up. ``stat_loggers`` are factories called as ``(config, engine_index)``."""
         if not self.log_stats:
             return
-        from kvloom.metrics.loggers import build_stat_loggers
 
         self.stat_loggers = build_stat_loggers(self.config, custom_factories=stat_loggers)
         for stat_logger in self.stat_loggers:

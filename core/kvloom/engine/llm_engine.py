@@ -10,7 +10,8 @@ import logging
 import time
 from typing import Any
 
-from kvloom.config import EngineArgs, EngineConfig
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.config import EngineConfig
 from kvloom.engine.core_client import InprocClient
 from kvloom.engine.frontend import Frontend
 from kvloom.engine.input_processor import PromptInput
@@ -32,7 +33,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
-        return cls(args.create_engine_config(), log_stats=log_stats)
+        return cls(create_engine_config(args), log_stats=log_stats)
 
     def add_request(
         self,

@@ -14,11 +14,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvloom.config import EngineArgs
+from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.input_processor import PromptInput
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.lora.request import LoRARequest
-from kvloom.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from kvloom.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from kvloom.pooling.io_processors import as_prompt_list, load_io_processor
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,7 +40,6 @@ class LLM:
         args = EngineArgs(model=model, disable_log_stats=disable_log_stats, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args, log_stats=not disable_log_stats)
         self._counter = itertools.count()
-        from kvloom.pooling.io_processors import load_io_processor
 
         #: The IO processor plugin (``io_processor_plugin``); ``encode`` runs it when set.
         self.io_processor = load_io_processor(self.config)
@@ -104,7 +109,6 @@ class LLM:
             return self._encode(prompts, pooling_params, use_tqdm, lora_request)
         processor = self.io_processor
         request_id = f"io-{next(self._counter)}"
-        from kvloom.pooling.io_processors import as_prompt_list
 
         model_prompts = as_prompt_list(processor.pre_process(processor.parse_data(prompts), request_id=request_id))
         params = processor.merge_pooling_params(pooling_params if isinstance(pooling_params, PoolingParams) else None)

@@ -64,7 +64,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     model_cls = ModelRegistry.load_model_cls(architecture)
     start = time.perf_counter()
     # The platform's fused layer kernels, unless --custom-ops none.
-    ops = config.platform.custom_ops(config) if config.compilation.custom_ops == "all" else {}
+    ops = config.device.platform.custom_ops(config) if config.compilation.custom_ops == "all" else {}
     set_custom_ops(ops)
     with default_dtype(config.model.dtype), device:
         model = model_cls(config)

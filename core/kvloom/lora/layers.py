@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvloom.forward_context import get_forward_context
 from kvloom.layers.linear import LinearBase
 from kvloom.lora.ops import LoRAMapping, apply_lora
 
@@ -23,8 +24,6 @@ LORA_EXTRA = "lora"
 
 
 def current_lora_mapping() -> LoRAMapping | None:
-    from kvloom.forward_context import get_forward_context
-
     try:
         return get_forward_context().extras.get(LORA_EXTRA)
     except RuntimeError:  # called outside a step (e.g. a test driving the model directly)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvloom import plugins
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.outputs import SchedulerStats
 from kvloom.request import FinishReason
@@ -378,17 +379,6 @@ class PrometheusStatLogger(StatLoggerBase):
 # ----------------------------------------------------------------- factory
 
 
-def _plugin_stat_logger_classes() -> list[tuple[str, type]]:
-    """The classes registered in ``kvloom.stat_logger_plugins``, as (name, class)."""
-    # Imported here: the registry loads plugins, which must not happen at import time.
-    from kvloom.registry import stat_logger_classes
-
-    found: Mapping[str, type] | Iterable[type] = stat_logger_classes()
-    if isinstance(found, Mapping):
-        return list(found.items())
-    return [(getattr(cls, "__qualname__", repr(cls)), cls) for cls in found]
-
-
 def _checked(instance: object, source: str) -> StatLoggerBase:
     if not isinstance(instance, StatLoggerBase):
         raise TypeError(f"stat logger {source} made a {type(instance).__qualname__}, not a StatLoggerBase")
@@ -414,7 +404,8 @@ def build_stat_loggers(
         name = getattr(factory, "__qualname__", repr(factory))
         loggers.append(_checked(factory(config, engine_index), name))
     if include_plugins:
-        for name, cls in _plugin_stat_logger_classes():
+        for entry in plugins.stat_logger_plugins():
+            name, cls = entry.name, entry.target
             if not (isinstance(cls, type) and issubclass(cls, StatLoggerBase)):
                 raise TypeError(
                     f"stat logger plugin {name!r} is {cls!r}; a kvloom.stat_logger_plugins entry point "

@@ -96,7 +96,7 @@ class LlamaAttention(nn.Module):
             head_size=self.head_dim,
             scale=self.head_dim**-0.5,
             num_kv_heads=self.num_kv_heads,
-            backend=config.attention_backend,
+            backend=config.attention.backend,
             prefix=_join(prefix, "attn"),
             kv_cache_dtype=config.cache.cache_dtype,
         )

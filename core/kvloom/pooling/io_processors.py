@@ -11,6 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvloom import plugins
+
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.io_processor import IOProcessor, PromptType
@@ -23,14 +25,12 @@ def load_io_processor(config: "EngineConfig") -> "IOProcessor | None":
     name = config.model.io_processor_plugin
     if name is None:
         return None
-    from kvloom.registry import get_io_processor_cls
-
     if config.model.runner != "pooling":
         raise ValueError(
             f"io_processor_plugin: {name!r} needs a pooling model, but this model generates text "
             "(start it with runner='pooling')"
         )
-    processor = get_io_processor_cls(name)(config)
+    processor = plugins.get_io_processor_cls(name)(config)
     logger.info("IO processor plugin %s (%s) is active", name, type(processor).__qualname__)
     return processor
 

@@ -71,7 +71,8 @@ from kvloom.attention.backend import (
     MultipleOf,
     dtype_name,
 )
-from kvloom.platform_types import DeviceCapability
+from kvloom.attention import selector
+from kvloom.platforms.interface import DeviceCapability
 
 logger = logging.getLogger(__name__)
 
@@ -418,9 +419,7 @@ def _plan(case: ConformanceCase, rng: random.Random) -> tuple[list[_Step], int]:
 # ---------------------------------------------------------------------------- running
 def resolve_backend(backend: str | type[AttentionBackend]) -> type[AttentionBackend]:
     if isinstance(backend, str):
-        from kvloom.registry import get_attention_backend  # lazy: the registry is optional here
-
-        return get_attention_backend(backend)
+        return selector.get_attention_backend(backend)
     if isinstance(backend, type) and issubclass(backend, AttentionBackend):
         return backend
     raise TypeError(f"backend must be a backend NAME or an AttentionBackend subclass, got {backend!r}")
@@ -717,7 +716,7 @@ def run_conformance(
 ) -> ConformanceReport:
     """Run the suite (or the given ``cases``) against ``backend`` on ``device``.
 
-    ``backend`` is a NAME resolved through ``kvloom.registry.get_attention_backend`` or an
+    ``backend`` is a NAME resolved through ``kvloom.attention.selector.get_attention_backend`` or an
     ``AttentionBackend`` subclass. ``tolerances`` overrides the per-dtype relative-error
     limits of ``DEFAULT_TOLERANCES``.
     """

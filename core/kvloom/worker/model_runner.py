@@ -28,7 +28,12 @@ from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.attention.layer import Attention
 from kvloom.config import EngineConfig
 from kvloom.forward_context import set_forward_context
+from kvloom.loader.model_loader import get_model
+from kvloom.lora.manager import LoRAManager
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLogprobs
+from kvloom.pooling.pooler import pool_request
+from kvloom.sample.metadata import SamplingMetadata
+from kvloom.sample.sampler import Sampler, compute_prompt_logprobs
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.worker.input_batch import CachedRequestState, InputBatch
 
@@ -60,7 +65,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.backend = config.attention_backend
+        self.backend = config.attention.backend
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_model_len = config.model.max_model_len
@@ -74,7 +79,6 @@ class ModelRunner:
         self.builder = None
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
 
-        from kvloom.sample.sampler import Sampler
 
         self.sampler = Sampler()
         self.cudagraphs = None  # set by enable_cudagraphs()
@@ -110,15 +114,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
-        from kvloom.loader.model_loader import get_model
-
         self.model = get_model(self.config, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not self.attn_layers:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
         if self.config.lora.enable_lora:
-            from kvloom.lora.manager import LoRAManager
-
             self.lora_manager = LoRAManager(self.model, self.config, self.device, self.max_num_tokens)
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -316,7 +316,6 @@ class ModelRunner:
     ) -> PendingModelRunnerOutput:
         """Sample on the device, start copying the tokens to the host, and return what
         waits for them. Until then each sampling request holds a placeholder token."""
-        from kvloom.sample.metadata import SamplingMetadata
 
         states = batch.states
         # A request still prefilling its prompt produces no token this step.
@@ -402,7 +401,6 @@ class ModelRunner:
         self, batch: StepBatch, hidden: torch.Tensor | None, out: dict[str, list[TokenLogprobs]]
     ) -> None:
         """Logprobs of prompt tokens 1..P-1 computed in this step's chunk."""
-        from kvloom.sample.sampler import compute_prompt_logprobs
 
         assert self.model is not None
         start_of = np.zeros(len(batch.states) + 1, dtype=np.int64)
@@ -424,8 +422,6 @@ class ModelRunner:
     def _pool(
         self, batch: StepBatch, hidden: torch.Tensor | None, done_prefill: list[bool]
     ) -> list[torch.Tensor | None]:
-        from kvloom.pooling.pooler import pool_request
-
         results: list[torch.Tensor | None] = [None] * len(batch.states)
         if hidden is None:
             return results

@@ -14,7 +14,7 @@ import torch
 from kvloom.config import EngineConfig
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
-from kvloom.platform import Platform
+from kvloom.platforms.interface import Platform
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.worker.model_runner import ModelRunner
 from kvloom.worker.worker_base import WorkerBase

@@ -10,11 +10,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from kvloom.outputs import PendingModelRunnerOutput
+
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.lora.request import LoRARequest
-    from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
-    from kvloom.platform import Platform
+    from kvloom.outputs import ModelRunnerOutput
+    from kvloom.platforms.interface import Platform
     from kvloom.scheduler.output import SchedulerOutput
 
 
@@ -54,7 +56,6 @@ class WorkerBase(ABC):
         The default runs the step to completion; workers whose device runs asynchronously
         override it so that the engine core can schedule the next step meanwhile.
         """
-        from kvloom.outputs import PendingModelRunnerOutput
 
         return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
 

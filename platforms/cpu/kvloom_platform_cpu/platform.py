@@ -2,7 +2,6 @@
 
 Config adjustments (``check_and_update_config``):
 
-- the worker is kvloom's generic torch ``Worker``;
 - CUDA graphs do not exist on the CPU, so ``cudagraph_mode`` becomes NONE (logged when
   the user had asked for another mode).
 """
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
 KVLOOM_PLUGIN_API = "1.0"
 
 logger = logging.getLogger(__name__)
-
-WORKER_CLS = "kvloom.worker.worker.Worker"
 
 
 class CpuPlatform(Platform):
@@ -62,7 +59,6 @@ class CpuPlatform(Platform):
     def check_and_update_config(cls, config: "EngineConfig") -> None:
         from kvloom.config import CUDAGraphMode
 
-        config.parallel.worker_cls = WORKER_CLS
         if config.compilation.cudagraph_mode != CUDAGraphMode.NONE:
             logger.info(
                 "cudagraph_mode %s is not available on the CPU platform; running eagerly (NONE).",

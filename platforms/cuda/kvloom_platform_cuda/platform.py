@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 KVLOOM_PLUGIN_API = "1.0"
 
-WORKER_CLS = "kvloom_platform_cuda.worker.CUDAWorker"
-
 _FLASH_ATTN = BackendCandidate("FLASH_ATTN", "kvloom-backend-flash-attn")
 _FLASHINFER = BackendCandidate("FLASHINFER", "kvloom-backend-flashinfer")
 _TRITON_ATTN = BackendCandidate("TRITON_ATTN", "kvloom-backend-triton")
@@ -103,10 +101,6 @@ class CudaPlatform(Platform):
         from kvloom_platform_cuda.worker import CUDAWorker
 
         return CUDAWorker
-
-    @classmethod
-    def check_and_update_config(cls, config: "EngineConfig") -> None:
-        config.parallel.worker_cls = WORKER_CLS
 
     @classmethod
     def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:

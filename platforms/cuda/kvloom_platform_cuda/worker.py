@@ -100,12 +100,12 @@ class CUDAWorker(Worker):
     def compile_or_warm_up_model(self) -> None:
         super().compile_or_warm_up_model()
         compilation = self.config.compilation
-        support = self.config.attention_backend.cudagraph_support
+        support = self.config.attention.backend.cudagraph_support
         if compilation.enforce_eager or not effective_decode_graphs(compilation.cudagraph_mode, support):
             logger.info(
                 "CUDA graphs off (mode %s, backend %s supports %s)",
                 compilation.cudagraph_mode.value,
-                self.config.attention_backend.NAME,
+                self.config.attention.backend.NAME,
                 support.name,
             )
             return

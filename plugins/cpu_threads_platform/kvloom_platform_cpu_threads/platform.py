@@ -27,7 +27,6 @@ KVLOOM_PLUGIN_API = "1.0"
 logger = logging.getLogger(__name__)
 
 THREADS_ENV = "KVLOOM_CPU_THREADS_PLATFORM"
-WORKER_CLS = "kvloom_platform_cpu_threads.worker:CpuThreadsWorker"
 
 
 def configured_threads() -> int | None:
@@ -75,5 +74,4 @@ class CpuThreadsPlatform(Platform):
     def check_and_update_config(cls, config: "EngineConfig") -> None:
         from kvloom.config import CUDAGraphMode
 
-        config.parallel.worker_cls = WORKER_CLS
         config.compilation.cudagraph_mode = CUDAGraphMode.NONE  # no graphs on the CPU

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.platform import Platform
-    from kvloom.registry import SelectionReport
+    from kvloom.platforms.interface import Platform
+    from kvloom.attention.selector import SelectionReport
 
 #: Head size used when neither --model nor --head-size is given (Llama/Qwen/Mistral's).
 DEFAULT_HEAD_SIZE = 128
@@ -101,8 +101,8 @@ def _positive(value: int | None, flag: str) -> None:
 def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) -> "AttentionSelectorConfig":
     """The selection inputs from the flags (and the model's config with --model)."""
     from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.config_resolve import _resolve_dtype
-    from kvloom.platform_types import DeviceCapability
+    from kvloom.engine.arg_utils import _resolve_dtype
+    from kvloom.platforms.interface import DeviceCapability
 
     _positive(args.block_size, "--block-size")
     _positive(args.head_size, "--head-size")
@@ -185,15 +185,16 @@ def _print_table(report: "SelectionReport", platform_label: str) -> None:
 
 
 def run_backends(args: argparse.Namespace) -> int:
-    from kvloom import registry
+    from kvloom.attention import selector
+    from kvloom import plugins
 
     if args.platform:
-        platform = registry.get_platform_by_name(args.platform)
+        platform = plugins.get_platform_by_name(args.platform)
     else:
-        platform = registry.current_platform()
-    entry = registry.platforms()[platform.name]
+        platform = plugins.current_platform()
+    entry = plugins.platforms()[platform.name]
     config = build_selector_config(args, platform)
-    report = registry.report_attention_backends(platform, config, requested=args.attention_backend)
+    report = selector.report_attention_backends(platform, config, requested=args.attention_backend)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -205,10 +206,10 @@ def run_backends(args: argparse.Namespace) -> int:
 
 
 def run_backend_test(args: argparse.Namespace) -> int:
-    from kvloom import registry
+    from kvloom import plugins
     from kvloom.testing.conformance import run_conformance
 
-    device = args.device or registry.current_platform().device_type
+    device = args.device or plugins.current_platform().device_type
     kwargs: dict[str, Any] = {"device": device}
     if args.quick:
         kwargs["quick"] = True

@@ -98,8 +98,8 @@ def run_throughput(
     result: dict[str, Any] = {
         "model": config.model.served_model_name,
         "dtype": str(config.model.dtype).removeprefix("torch."),
-        "platform": config.device.platform,
-        "attention_backend": config.attention.selected_backend,
+        "platform": config.device.platform.name,
+        "attention_backend": config.attention.backend.NAME,
         "num_prompts": num_prompts,
         "input_len": input_len,
         "output_len": output_len,

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from kvloom.config import EngineArgs
+from kvloom.engine.arg_utils import EngineArgs
 
 #: Extra short spellings of some flags (vLLM's).
 _SHORT_FLAGS: dict[str, list[str]] = {"optimization_level": ["-O"]}

@@ -20,6 +20,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvloom_registry import PluginError
+
 import kvloom
 
 #: Modules providing ``register_subparser(subparsers)``, in the order ``--help`` lists them.
@@ -57,7 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvloom`` console script; returns the exit status."""
     _setup_logging()
     args = build_parser().parse_args(argv)
-    from kvloom.registry import PluginError
 
     try:
         return int(args.func(args) or 0)

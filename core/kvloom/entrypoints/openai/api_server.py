@@ -29,7 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvloom
-from kvloom.entrypoints.openai.errors import APIError, from_validation_errors, parse_json_body, validate_body
+from kvloom.entrypoints.openai.errors import (
+    APIError,
+    from_validation_errors,
+    parse_json_body,
+    validate_body,
+)
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,13 +49,17 @@ from kvloom.entrypoints.openai.protocol import (
 )
 from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvloom.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvloom.entrypoints.openai.serving_models import OpenAIServingModels, runtime_lora_updating_allowed
+from kvloom.entrypoints.openai.serving_models import (
+    OpenAIServingModels,
+    runtime_lora_updating_allowed,
+)
 from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.metrics.loggers import PrometheusStatLogger
+from kvloom.pooling.io_processors import load_io_processor
 
 if TYPE_CHECKING:
-    from kvloom.config import EngineArgs
+    from kvloom.engine.arg_utils import EngineArgs
     from kvloom.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -139,7 +148,6 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
 
     app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__, lifespan=lifespan)
     app.state.engine = engine
-    from kvloom.pooling.io_processors import load_io_processor
 
     completions = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models)

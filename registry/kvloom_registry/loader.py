@@ -1,23 +1,24 @@
-"""Entry-point discovery and loading: the loading policy, API-version check and type checks.
+"""Entry-point discovery and loading: the loading policy, the API-version check, type checks.
 
-``load_entry_points`` turns the installed entry points into loaded plugin entries. It
-only imports and checks; side effects on the engine (running ``register()`` functions,
-registering LoRA resolvers) happen afterwards, once everything has loaded (see
-``kvloom.registry.state``), so a failure leaves no half-registered plugins behind.
+``load_entry_points`` turns installed entry points into loaded ``PluginEntry``s. It only
+imports and checks: what a plugin is *for* (registering a model, becoming the active
+platform) is the caller's business, done once everything has loaded, so that a failure
+leaves nothing half-registered behind.
 
-Policy, in order:
+The caller describes its groups with ``PluginGroup`` (which base class a target must
+subclass, whether names must be unique, which attribute must equal the entry-point name)
+and says which plugin API version it provides. Policy, in order:
 
 1. ``KVLOOM_PLUGINS`` (comma-separated entry-point names, applied to every group) keeps
    only the named plugins; unset keeps all, an empty value keeps none. A listed name that
    no installed distribution provides is an error.
-2. In groups whose plugins are looked up by name (backends, platforms, IO processors,
-   LoRA resolvers) two entry points with the same name are an error naming both
-   distributions.
+2. In a group with ``unique_names`` two entry points with the same name are an error
+   naming both distributions.
 3. Each kept plugin's module is imported; an exception is reported with the plugin's
    name, group, distribution and traceback. The module must declare
-   ``KVLOOM_PLUGIN_API`` with the same major version as ``PLUGIN_API_VERSION``.
-4. The target is checked against its group's contract (a subclass of the right base
-   class, ``NAME``/``name`` equal to the entry-point name).
+   ``KVLOOM_PLUGIN_API`` with the same major version as the caller's.
+4. The target is checked against its group (a subclass of ``base``, not abstract,
+   ``name_attr`` equal to the entry-point name).
 """
 
 from __future__ import annotations
@@ -29,17 +30,11 @@ import logging
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint
+from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import Any
 
-from kvloom.attention.backend import AttentionBackend
-from kvloom.interfaces import PLUGIN_API_VERSION
-from kvloom.io_processor import IOProcessor
-from kvloom.lora.resolver import LoRAResolver
-from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.platform import Platform
-from kvloom.registry.errors import (
+from kvloom_registry.errors import (
     DuplicatePluginError,
     PluginAllowlistError,
     PluginAPIVersionError,
@@ -49,36 +44,25 @@ from kvloom.registry.errors import (
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = "kvloom.attention_backends"
-PLATFORM_PLUGINS = "kvloom.platform_plugins"
-GENERAL_PLUGINS = "kvloom.general_plugins"
-IO_PROCESSOR_PLUGINS = "kvloom.io_processor_plugins"
-STAT_LOGGER_PLUGINS = "kvloom.stat_logger_plugins"
-LORA_RESOLVERS = "kvloom.lora_resolvers"
-
-#: Every entry-point group kvloom reads, in loading order.
-ALL_GROUPS: tuple[str, ...] = (
-    PLATFORM_PLUGINS,
-    ATTENTION_BACKENDS,
-    GENERAL_PLUGINS,
-    IO_PROCESSOR_PLUGINS,
-    STAT_LOGGER_PLUGINS,
-    LORA_RESOLVERS,
-)
-
-#: Groups whose plugins are looked up by entry-point name, so names must be unique.
-_NAMED_GROUPS = (ATTENTION_BACKENDS, PLATFORM_PLUGINS, IO_PROCESSOR_PLUGINS, LORA_RESOLVERS)
-
-#: The base class each group's target must subclass.
-_BASE_CLASSES: dict[str, type] = {
-    ATTENTION_BACKENDS: AttentionBackend,
-    PLATFORM_PLUGINS: Platform,
-    IO_PROCESSOR_PLUGINS: IOProcessor,
-    STAT_LOGGER_PLUGINS: StatLoggerBase,
-    LORA_RESOLVERS: LoRAResolver,
-}
-
+#: The allowlist: comma-separated entry-point names to load (unset: all).
 PLUGINS_ENV = "KVLOOM_PLUGINS"
+#: The module-level constant in which a plugin declares the API version it targets.
+API_VERSION_ATTR = "KVLOOM_PLUGIN_API"
+
+
+@dataclass(frozen=True)
+class PluginGroup:
+    """One entry-point group and the contract of its targets."""
+
+    name: str  # the entry-point group, e.g. "kvloom.attention_backends"
+    #: Targets must be (non-abstract) subclasses of this class; None: any object.
+    base: type | None = None
+    #: Plugins are looked up by name, so two with the same name are an error.
+    unique_names: bool = False
+    #: The target's attribute that must equal the entry-point name (e.g. "NAME").
+    name_attr: str | None = None
+    #: How messages call this group's plugins ("attention backends").
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,11 +76,6 @@ class PluginEntry:
     value: str  # the entry point's "module:attr" text
     target: Any = None  # the loaded object; None for plugins KVLOOM_PLUGINS excluded
 
-    @property
-    def cls(self) -> Any:
-        """The loaded class (for groups whose targets are classes)."""
-        return self.target
-
     def describe(self) -> str:
         """How error messages name this plugin."""
         return f"plugin {self.name!r} (group {self.group}, distribution {self.distribution} {self.version})"
@@ -104,18 +83,20 @@ class PluginEntry:
 
 @dataclass
 class LoadedPlugins:
-    """The result of loading every group. Keyed groups map entry-point name -> entry."""
+    """The result of loading every group, each group's entries sorted by name."""
 
-    attention_backends: dict[str, PluginEntry] = field(default_factory=dict)
-    platforms: dict[str, PluginEntry] = field(default_factory=dict)
-    io_processors: dict[str, PluginEntry] = field(default_factory=dict)
-    lora_resolvers: dict[str, PluginEntry] = field(default_factory=dict)
-    stat_loggers: list[PluginEntry] = field(default_factory=list)
-    general: list[PluginEntry] = field(default_factory=list)
+    entries: dict[str, list[PluginEntry]] = field(default_factory=dict)
     #: Installed plugins that KVLOOM_PLUGINS left out (target is None), by group.
     excluded: dict[str, list[PluginEntry]] = field(default_factory=dict)
     #: The parsed KVLOOM_PLUGINS value (None = every plugin).
     allowlist: frozenset[str] | None = None
+
+    def group(self, name: str) -> list[PluginEntry]:
+        return self.entries.get(name, [])
+
+    def by_name(self, group: str) -> dict[str, PluginEntry]:
+        """A group's entries keyed by entry-point name (for ``unique_names`` groups)."""
+        return {entry.name: entry for entry in self.group(group)}
 
 
 def parse_allowlist(value: str | None) -> frozenset[str] | None:
@@ -123,6 +104,11 @@ def parse_allowlist(value: str | None) -> frozenset[str] | None:
     if value is None:
         return None
     return frozenset(name.strip() for name in value.split(",") if name.strip())
+
+
+def installed_entry_points(groups: Sequence[PluginGroup]) -> dict[str, list[EntryPoint]]:
+    """The installed entry points of each group (``importlib.metadata``)."""
+    return {group.name: list(entry_points(group=group.name)) for group in groups}
 
 
 def _distribution_of(ep: EntryPoint) -> tuple[str, str]:
@@ -146,28 +132,29 @@ def _major_minor(version: object) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def check_plugin_api(module: ModuleType, entry: PluginEntry) -> None:
-    """Refuse a module that does not declare a compatible ``KVLOOM_PLUGIN_API``."""
-    ours = _major_minor(PLUGIN_API_VERSION)
-    assert ours is not None
+def check_plugin_api(module: ModuleType, entry: PluginEntry, api_version: str) -> None:
+    """Refuse a module that does not declare an API version compatible with ``api_version``."""
+    ours = _major_minor(api_version)
+    if ours is None:
+        raise ValueError(f"api_version must be a \"MAJOR.MINOR\" string, got {api_version!r}")
     where = f"module {module.__name__} ({getattr(module, '__file__', None) or 'no file'})"
-    if not hasattr(module, "KVLOOM_PLUGIN_API"):
+    if not hasattr(module, API_VERSION_ATTR):
         raise PluginAPIVersionError(
             f"{entry.describe()} does not declare the kvloom plugin API version it was written "
-            f"for. Add the line\n    KVLOOM_PLUGIN_API = \"{PLUGIN_API_VERSION}\"\nto {where}: "
-            f"this kvloom provides plugin API {PLUGIN_API_VERSION}."
+            f"for. Add the line\n    {API_VERSION_ATTR} = \"{api_version}\"\nto {where}: "
+            f"this kvloom provides plugin API {api_version}."
         )
-    declared = module.KVLOOM_PLUGIN_API
+    declared = getattr(module, API_VERSION_ATTR)
     theirs = _major_minor(declared)
     if theirs is None:
         raise PluginAPIVersionError(
-            f"{entry.describe()} declares KVLOOM_PLUGIN_API = {declared!r} in {where}; expected a "
-            f"\"MAJOR.MINOR\" string such as \"{PLUGIN_API_VERSION}\"."
+            f"{entry.describe()} declares {API_VERSION_ATTR} = {declared!r} in {where}; expected a "
+            f"\"MAJOR.MINOR\" string such as \"{api_version}\"."
         )
     if theirs[0] != ours[0]:
         raise PluginAPIVersionError(
             f"{entry.describe()} was written for kvloom plugin API {declared}, but this kvloom "
-            f"provides plugin API {PLUGIN_API_VERSION}; the major versions must match. Install a "
+            f"provides plugin API {api_version}; the major versions must match. Install a "
             f"release of {entry.distribution} made for plugin API {ours[0]}.x, or a kvloom that "
             f"provides plugin API {theirs[0]}.x."
         )
@@ -177,11 +164,11 @@ def check_plugin_api(module: ModuleType, entry: PluginEntry) -> None:
             "features it relies on may be missing.",
             entry.describe(),
             declared,
-            PLUGIN_API_VERSION,
+            api_version,
         )
 
 
-def _load_target(ep: EntryPoint, entry: PluginEntry) -> Any:
+def _load_target(ep: EntryPoint, entry: PluginEntry, api_version: str) -> Any:
     """Import the entry point's module, check its API version, resolve the attribute."""
     try:
         module = importlib.import_module(ep.module)
@@ -193,9 +180,9 @@ def _load_target(ep: EntryPoint, entry: PluginEntry) -> Any:
             f"{type(exc).__name__}: {exc}\n{tb}",
             traceback_text=tb,
         ) from exc
-    check_plugin_api(module, entry)
+    check_plugin_api(module, entry, api_version)
     target: Any = module
-    for part in (ep.attr or "").split(".") if ep.attr else []:
+    for part in ep.attr.split(".") if ep.attr else []:
         try:
             target = getattr(target, part)
         except AttributeError as exc:
@@ -206,10 +193,10 @@ def _load_target(ep: EntryPoint, entry: PluginEntry) -> Any:
     return target
 
 
-def _check_target(entry: PluginEntry, target: Any) -> None:
+def _check_target(group: PluginGroup, entry: PluginEntry, target: Any) -> None:
     """The group's contract: the right base class, and names that match."""
-    base = _BASE_CLASSES.get(entry.group)
-    if base is None:  # general plugins: checked when they are registered
+    base = group.base
+    if base is None:  # e.g. general plugins: the caller checks them when it uses them
         return
     if not (inspect.isclass(target) and issubclass(target, base)):
         raise PluginTypeError(
@@ -222,18 +209,18 @@ def _check_target(entry: PluginEntry, target: Any) -> None:
             f"{entry.describe()} names {entry.value}, which does not implement the abstract "
             f"methods {missing} of {base.__qualname__}"
         )
-    if entry.group == ATTENTION_BACKENDS and getattr(target, "NAME", None) != entry.name:
+    if group.name_attr is not None and getattr(target, group.name_attr, None) != entry.name:
+        kind = group.label.rstrip("s") or "plugin"
         raise PluginLoadError.for_entry(
             entry,
-            f"{entry.describe()} names {entry.value} whose NAME is {getattr(target, 'NAME', None)!r}; "
-            f"an attention backend's entry-point name must equal its NAME.",
+            f"{entry.describe()} names {entry.value} whose {group.name_attr} is "
+            f"{getattr(target, group.name_attr, None)!r}; {_article(kind)} {kind}'s entry-point name "
+            f"must equal its {group.name_attr}.",
         )
-    if entry.group == PLATFORM_PLUGINS and getattr(target, "name", None) != entry.name:
-        raise PluginLoadError.for_entry(
-            entry,
-            f"{entry.describe()} names {entry.value} whose name is {getattr(target, 'name', None)!r}; "
-            f"a platform's entry-point name must equal its name.",
-        )
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _check_allowlist(
@@ -250,14 +237,14 @@ def _check_allowlist(
         )
 
 
-def _check_unique_names(group: str, entries: Sequence[PluginEntry]) -> None:
+def _check_unique_names(group: PluginGroup, entries: Sequence[PluginEntry]) -> None:
     by_name: dict[str, list[PluginEntry]] = {}
     for entry in entries:
         by_name.setdefault(entry.name, []).append(entry)
     for name, same in by_name.items():
         if len(same) > 1:
             dists = " and ".join(f"{e.distribution} {e.version} ({e.value})" for e in same)
-            kind = "attention backends" if group == ATTENTION_BACKENDS else f"plugins in {group}"
+            kind = group.label or f"plugins in {group.name}"
             raise DuplicatePluginError(
                 f"Two {kind} are named {name!r}: {dists}. Names must be unique; "
                 f"uninstall one of these distributions."
@@ -265,37 +252,30 @@ def _check_unique_names(group: str, entries: Sequence[PluginEntry]) -> None:
 
 
 def load_entry_points(
-    entry_points: Mapping[str, Sequence[EntryPoint]], allowlist: frozenset[str] | None
+    groups: Sequence[PluginGroup],
+    entry_points: Mapping[str, Sequence[EntryPoint]],
+    allowlist: frozenset[str] | None,
+    api_version: str,
 ) -> LoadedPlugins:
-    """Load every group's plugins under the loading policy (see the module docstring)."""
+    """Load every group's plugins, in the order of ``groups``, under the loading policy
+    (see the module docstring)."""
     _check_allowlist(entry_points, allowlist)
     loaded = LoadedPlugins(allowlist=allowlist)
-    for group in ALL_GROUPS:
-        eps = sorted(entry_points.get(group, ()), key=lambda ep: ep.name)
+    for group in groups:
+        eps = sorted(entry_points.get(group.name, ()), key=lambda ep: ep.name)
         kept: list[tuple[EntryPoint, PluginEntry]] = []
         for ep in eps:
-            entry = _entry_of(ep, group)
+            entry = _entry_of(ep, group.name)
             if allowlist is not None and ep.name not in allowlist:
-                loaded.excluded.setdefault(group, []).append(entry)  # never imported
+                loaded.excluded.setdefault(group.name, []).append(entry)  # never imported
             else:
                 kept.append((ep, entry))
-        if group in _NAMED_GROUPS:
+        if group.unique_names:
             _check_unique_names(group, [entry for _, entry in kept])
+        entries = loaded.entries.setdefault(group.name, [])
         for ep, entry in kept:
-            target = _load_target(ep, entry)
-            _check_target(entry, target)
-            entry = dataclasses.replace(entry, target=target)
+            target = _load_target(ep, entry, api_version)
+            _check_target(group, entry, target)
+            entries.append(dataclasses.replace(entry, target=target))
             logger.debug("Loaded %s -> %s", entry.describe(), entry.value)
-            if group == ATTENTION_BACKENDS:
-                loaded.attention_backends[entry.name] = entry
-            elif group == PLATFORM_PLUGINS:
-                loaded.platforms[entry.name] = entry
-            elif group == IO_PROCESSOR_PLUGINS:
-                loaded.io_processors[entry.name] = entry
-            elif group == LORA_RESOLVERS:
-                loaded.lora_resolvers[entry.name] = entry
-            elif group == STAT_LOGGER_PLUGINS:
-                loaded.stat_loggers.append(entry)
-            else:
-                loaded.general.append(entry)
     return loaded

@@ -1,4 +1,4 @@
-"""Errors raised by plugin discovery, platform resolution and backend selection.
+"""Errors raised while discovering and loading plugins.
 
 Every message names what went wrong, which plugin (entry-point name, group,
 distribution) it concerns and what the user can do about it: plugin problems are
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvloom.registry.loader import PluginEntry
+    from kvloom_registry.loader import PluginEntry
 
 
 class PluginError(RuntimeError):
@@ -60,15 +60,3 @@ class PluginAllowlistError(PluginError):
 
 class DuplicatePluginError(PluginError):
     """Two plugins claim the same name in a group where names must be unique."""
-
-
-class PlatformResolutionError(PluginError):
-    """No platform, or more than one, could be made the active platform."""
-
-
-class BackendSelectionError(ValueError):
-    """No attention backend can serve the configuration, or the requested one cannot.
-
-    A ``ValueError`` because it is caused by the user's configuration (model, dtype,
-    block size, requested backend), not by a broken plugin.
-    """

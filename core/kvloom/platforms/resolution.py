@@ -1,4 +1,5 @@
-"""Platform resolution: which one installed platform is active in this process.
+"""Platform resolution, beside the platform contract: which one installed platform is
+active in this process.
 
 Rules, in order:
 
@@ -17,11 +18,15 @@ from __future__ import annotations
 import traceback
 from collections.abc import Mapping, Sequence
 
-from kvloom.platform import Platform
-from kvloom.registry.errors import PlatformResolutionError, PluginLoadError
-from kvloom.registry.loader import PLUGINS_ENV, PluginEntry
+from kvloom_registry import PLUGINS_ENV, PluginEntry, PluginError, PluginLoadError
+
+from kvloom.platforms.interface import Platform
 
 PLATFORM_ENV = "KVLOOM_PLATFORM"
+
+
+class PlatformResolutionError(PluginError):
+    """No platform, or more than one, could be made the active platform."""
 
 
 def is_platform_available(entry: PluginEntry) -> bool:

@@ -1,16 +1,16 @@
-"""General plugins (``kvloom.general_plugins``): ``register()`` callables and pluggy hooks.
+"""General plugins: ``register()`` callables and pluggy hooks.
 
-An entry point names one of:
+An entry point of a general-plugin group names one of:
 
 - a function ``register()``: called once per process with no arguments;
 - a module: its ``@hookimpl`` functions are registered with pluggy;
 - a class: it is instantiated with no arguments and the instance's ``@hookimpl``
   methods are registered.
 
-pluggy validates every hook implementation against ``kvloom.hookspecs.GeneralPluginSpec``:
-an unknown hook name or argument is an error at load time. A function whose name starts
-with ``kvloom_`` but lacks the ``@hookimpl`` marker is also an error, because pluggy would
-ignore it without a word.
+pluggy validates every hook implementation against the caller's spec class: an unknown
+hook name or argument is an error at load time. A function whose name starts with the
+hook prefix (``kvloom_``) but lacks the ``@hookimpl`` marker is also an error, because
+pluggy would ignore it without a word.
 """
 
 from __future__ import annotations
@@ -18,22 +18,16 @@ from __future__ import annotations
 import inspect
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
-from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
-from kvloom.registry.errors import PluginLoadError, PluginTypeError
-from kvloom.registry.loader import PluginEntry
-
-if TYPE_CHECKING:
-    from kvloom.config import EngineConfig
+from kvloom_registry.errors import PluginLoadError, PluginTypeError
+from kvloom_registry.loader import PluginEntry
 
 logger = logging.getLogger(__name__)
-
-_HOOK_PREFIX = "kvloom_"
 
 
 def _load_error(entry: PluginEntry, what: str, exc: BaseException) -> PluginLoadError:
@@ -45,21 +39,21 @@ def _load_error(entry: PluginEntry, what: str, exc: BaseException) -> PluginLoad
     )
 
 
-class GeneralPlugins:
-    """The process's general plugins and the pluggy manager that holds their hooks."""
+class HookPlugins:
+    """The general plugins of a process and the pluggy manager that holds their hooks.
 
-    def __init__(self) -> None:
-        self._pm = pluggy.PluginManager(PROJECT_NAME)
-        self._pm.add_hookspecs(GeneralPluginSpec)
+    ``project`` is pluggy's project name (the markers' name) and the prefix of every hook
+    (``f"{project}_"``); ``spec`` is the class of ``@hookspec`` methods.
+    """
+
+    def __init__(self, project: str, spec: type) -> None:
+        self._pm = pluggy.PluginManager(project)
+        self._pm.add_hookspecs(spec)
+        self._prefix = f"{project}_"
         self._entries: dict[str, PluginEntry] = {}  # pluggy plugin name -> entry
 
-    @property
-    def plugin_manager(self) -> pluggy.PluginManager:
-        return self._pm
-
-    def load(self, entries: list[PluginEntry], **registries: Any) -> None:
-        """Run every ``register()`` and register every hook plugin, then call the
-        registration hooks (``kvloom_register_models`` etc.) with ``registries``."""
+    def load(self, entries: Sequence[PluginEntry]) -> None:
+        """Run every ``register()`` and register every hook plugin, in order."""
         for entry in entries:
             target = entry.target
             if inspect.ismodule(target) or inspect.isclass(target):
@@ -71,8 +65,6 @@ class GeneralPlugins:
                     f"{entry.describe()} names {entry.value} = {target!r}; a general plugin must "
                     "name a register() callable, a module or a class with @hookimpl functions"
                 )
-        self.call_hook("kvloom_register_models", model_registry=registries["model_registry"])
-        self.call_hook("kvloom_register_lora_resolvers", resolver_registry=registries["resolver_registry"])
 
     def _run_register(self, entry: PluginEntry, register: Callable[[], object]) -> None:
         try:
@@ -88,7 +80,7 @@ class GeneralPlugins:
             raise _load_error(entry, f"while instantiating {entry.value}", exc) from exc
         try:
             self._pm.register(plugin, name=entry.name)
-            # Hooks that match no spec are "pending"; kvloom has no optional hooks, so a
+            # Hooks that match no spec are "pending"; there are no optional hooks, so a
             # pending hook is a misspelling.
             self._pm.check_pending()
         except (pluggy.PluginValidationError, ValueError) as exc:
@@ -107,7 +99,7 @@ class GeneralPlugins:
         unmarked = sorted(
             name
             for name, member in inspect.getmembers(plugin, callable)
-            if name.startswith(_HOOK_PREFIX) and name not in registered and not inspect.isclass(member)
+            if name.startswith(self._prefix) and name not in registered and not inspect.isclass(member)
         )
         if unmarked or not registered:
             self._pm.unregister(plugin)
@@ -134,6 +126,3 @@ class GeneralPlugins:
                 impl.function(*[kwargs[arg] for arg in impl.argnames])
             except Exception as exc:
                 raise _load_error(entry, f"in hook {hook_name}", exc) from exc
-
-    def update_engine_config(self, config: "EngineConfig") -> None:
-        self.call_hook("kvloom_update_engine_config", config=config)

@@ -1,5 +1,5 @@
-"""Attention backend selection: the platform's priority order, every candidate validated,
-first valid wins.
+"""Attention backend selection, beside the backend contract: the platform's priority
+order, every candidate validated, first valid wins.
 
 Candidates, highest priority first:
 
@@ -28,11 +28,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvloom_registry import PLUGINS_ENV, PluginEntry, PluginLoadError
+
+from kvloom import plugins
 from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig, dtype_name
-from kvloom.config_resolve import DEFAULT_BLOCK_SIZE
-from kvloom.platform import Platform
-from kvloom.registry.errors import BackendSelectionError, PluginLoadError
-from kvloom.registry.loader import PLUGINS_ENV, PluginEntry
+from kvloom.platforms.interface import Platform
+
+
+class BackendSelectionError(ValueError):
+    """No attention backend can serve the configuration, or the requested one cannot.
+
+    A ``ValueError`` because it is caused by the user's configuration (model, dtype,
+    block size, requested backend), not by a broken plugin.
+    """
 
 
 @dataclass(frozen=True)
@@ -205,7 +213,7 @@ def select_backend(
         if first_valid is None:
             raise BackendSelectionError(_no_valid_message(platform, config, candidates))
         chosen = installed[first_valid.name].target
-    block_size = config.block_size if config.block_size is not None else chosen.preferred_block_size(DEFAULT_BLOCK_SIZE)
+    block_size = config.block_size if config.block_size is not None else chosen.preferred_block_size()
     return SelectionResult(selected=chosen, candidates=candidates, block_size=block_size)
 
 
@@ -237,3 +245,50 @@ def report_backends(
         block_size=result.block_size,
         requested=requested,
     )
+
+
+# ---------------------------------------------------------------------- over the loaded plugins
+
+
+def _installed(backends: Mapping[str, PluginEntry] | None) -> tuple[Mapping[str, PluginEntry], list[PluginEntry]]:
+    if backends is not None:  # injected (tests, tools): no process state involved
+        return backends, []
+    return plugins.attention_backends(), plugins.excluded(plugins.ATTENTION_BACKENDS)
+
+
+def select_attention_backend(
+    platform: type[Platform],
+    selector_config: AttentionSelectorConfig,
+    requested: str | None = None,
+    *,
+    backends: Mapping[str, PluginEntry] | None = None,
+) -> SelectionResult:
+    """Pick the attention backend for ``selector_config`` on ``platform`` among the loaded
+    backends (or ``backends``, NAME -> entry, when given). ``requested`` is the user's
+    ``attention_backend`` (None = by priority). Raises ``BackendSelectionError`` (a
+    ``ValueError``) with every reason."""
+    installed, excluded = _installed(backends)
+    return select_backend(platform, selector_config, requested, installed, excluded)
+
+
+def report_attention_backends(
+    platform: type[Platform],
+    selector_config: AttentionSelectorConfig,
+    requested: str | None = None,
+    *,
+    backends: Mapping[str, PluginEntry] | None = None,
+) -> SelectionReport:
+    """The priority table and the selection outcome, without raising on selection errors."""
+    installed, excluded = _installed(backends)
+    return report_backends(platform, selector_config, requested, installed, excluded)
+
+
+def get_attention_backend(name: str) -> type[AttentionBackend]:
+    """The loaded backend class a NAME stands for, for tools (``kvloom backends test NAME``,
+    the kernel benchmarks). The engine never calls this: it keeps the class selection gave it."""
+    backends = plugins.attention_backends()
+    if name not in backends:
+        raise BackendSelectionError(
+            f"Unknown attention backend {name!r}. Valid names: {', '.join(sorted(backends)) or 'none'}."
+        )
+    return backends[name].target

@@ -1,0 +1,223 @@
+"""The plugins of this process: kvloom's plugin groups, loaded once, then queried.
+
+kvloom's hardware-specific parts and extensions are separate distributions that register
+through entry points (``docs/plugins.md``). This module says which groups exist and what
+each group's targets must be, has ``kvloom_registry`` load them, then does what the
+plugins are for: registers LoRA resolvers, runs general plugins' ``register()`` and
+registration hooks, and resolves the one active platform (``kvloom.platforms.resolution``).
+
+Every accessor loads the plugins first, so callers never see a half-initialised state.
+Loading is idempotent: the first call does the work, later calls return at once; if the
+first call failed, every later call raises the same error (a process whose plugins
+failed to load stays failed instead of running with some plugins missing). Plugins load
+in every process that runs an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+
+from kvloom_registry import (
+    PLUGINS_ENV,
+    DuplicatePluginError,
+    HookPlugins,
+    LoadedPlugins,
+    PluginEntry,
+    PluginGroup,
+    PluginLoadError,
+    installed_entry_points,
+    load_entry_points,
+    parse_allowlist,
+)
+
+from kvloom.attention.backend import AttentionBackend
+from kvloom.config import EngineConfig
+from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
+from kvloom.io_processor import IOProcessor
+from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
+from kvloom.metrics.stat_logger_base import StatLoggerBase
+from kvloom.models.registry import ModelRegistry, _ModelRegistry
+from kvloom.platforms.interface import Platform
+from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
+
+logger = logging.getLogger(__name__)
+
+#: The plugin API version this kvloom provides. Plugins declare the version they target
+#: in KVLOOM_PLUGIN_API; a different major version is refused.
+PLUGIN_API_VERSION = "1.0"
+
+ATTENTION_BACKENDS = "kvloom.attention_backends"
+PLATFORM_PLUGINS = "kvloom.platform_plugins"
+GENERAL_PLUGINS = "kvloom.general_plugins"
+IO_PROCESSOR_PLUGINS = "kvloom.io_processor_plugins"
+STAT_LOGGER_PLUGINS = "kvloom.stat_logger_plugins"
+LORA_RESOLVERS = "kvloom.lora_resolvers"
+
+#: Every group kvloom reads, in loading order, with the contract of its targets.
+GROUPS: tuple[PluginGroup, ...] = (
+    PluginGroup(PLATFORM_PLUGINS, Platform, unique_names=True, name_attr="name", label="platforms"),
+    PluginGroup(ATTENTION_BACKENDS, AttentionBackend, unique_names=True, name_attr="NAME", label="attention backends"),
+    PluginGroup(GENERAL_PLUGINS, label="general plugins"),
+    PluginGroup(IO_PROCESSOR_PLUGINS, IOProcessor, unique_names=True, label="IO processors"),
+    PluginGroup(STAT_LOGGER_PLUGINS, StatLoggerBase, label="stat loggers"),
+    PluginGroup(LORA_RESOLVERS, LoRAResolver, unique_names=True, label="LoRA resolvers"),
+)
+ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
+
+_lock = threading.RLock()
+_loaded: LoadedPlugins | None = None
+_hooks: HookPlugins | None = None
+_failure: BaseException | None = None
+_platform: PluginEntry | None = None
+
+
+def _register_lora_resolvers(plugins: LoadedPlugins) -> None:
+    for entry in plugins.group(LORA_RESOLVERS):
+        try:
+            resolver = entry.target()
+        except Exception as exc:
+            tb = traceback.format_exc()
+            raise PluginLoadError.for_entry(
+                entry,
+                f"{entry.describe()} failed while instantiating {entry.value}: "
+                f"{type(exc).__name__}: {exc}\n{tb}",
+                traceback_text=tb,
+            ) from exc
+        try:
+            LoRAResolverRegistry.register_resolver(entry.name, resolver)
+        except ValueError as exc:
+            raise DuplicatePluginError(f"{entry.describe()}: {exc}") from exc
+
+
+def run_general_plugins(
+    entries: list[PluginEntry], model_registry: _ModelRegistry, resolver_registry: _LoRAResolverRegistry
+) -> HookPlugins:
+    """Run the general plugins' ``register()`` functions and register their hooks, then
+    call the registration hooks with the registries they fill."""
+    hooks = HookPlugins(PROJECT_NAME, GeneralPluginSpec)
+    hooks.load(entries)
+    hooks.call_hook("kvloom_register_models", model_registry=model_registry)
+    hooks.call_hook("kvloom_register_lora_resolvers", resolver_registry=resolver_registry)
+    return hooks
+
+
+def load_plugins() -> None:
+    """Discover and load every kvloom plugin of this process (idempotent)."""
+    global _loaded, _hooks, _failure
+    with _lock:
+        if _loaded is not None:
+            return
+        if _failure is not None:
+            raise _failure
+        try:
+            allowlist = parse_allowlist(os.environ.get(PLUGINS_ENV))
+            plugins = load_entry_points(GROUPS, installed_entry_points(GROUPS), allowlist, PLUGIN_API_VERSION)
+            _register_lora_resolvers(plugins)
+            hooks = run_general_plugins(plugins.group(GENERAL_PLUGINS), ModelRegistry, LoRAResolverRegistry)
+        except Exception as exc:
+            _failure = exc
+            raise
+        _loaded, _hooks = plugins, hooks
+        logger.debug(
+            "kvloom plugins loaded: %s",
+            "; ".join(f"{group}={[e.name for e in plugins.group(group)]}" for group in ALL_GROUPS),
+        )
+
+
+def loaded_plugins() -> LoadedPlugins:
+    """Everything that was loaded (and what ``KVLOOM_PLUGINS`` excluded)."""
+    load_plugins()
+    assert _loaded is not None
+    return _loaded
+
+
+def reset_for_tests() -> None:
+    """Forget the loaded plugins, the active platform and a cached load failure, so the
+    next call loads again (e.g. after a test changed KVLOOM_PLUGINS). Also clears the
+    LoRA resolver registry, which loading fills. Model registrations stay (re-registering
+    is a no-op)."""
+    global _loaded, _hooks, _failure, _platform
+    with _lock:
+        _loaded = _hooks = _failure = _platform = None
+        LoRAResolverRegistry.clear()
+
+
+def excluded(group: str) -> list[PluginEntry]:
+    """Installed plugins of ``group`` that ``KVLOOM_PLUGINS`` left out."""
+    return list(loaded_plugins().excluded.get(group, []))
+
+
+# ---------------------------------------------------------------------- attention backends
+
+
+def attention_backends() -> dict[str, PluginEntry]:
+    """Loaded attention backends: NAME -> entry (``.target`` is the class)."""
+    return loaded_plugins().by_name(ATTENTION_BACKENDS)
+
+
+# ---------------------------------------------------------------------- platforms
+
+
+def platforms() -> dict[str, PluginEntry]:
+    """Loaded platforms: name -> entry (available or not)."""
+    return loaded_plugins().by_name(PLATFORM_PLUGINS)
+
+
+def current_platform_entry() -> PluginEntry:
+    """The active platform's entry (resolved once per process)."""
+    global _platform
+    installed = platforms()
+    with _lock:
+        if _platform is None:
+            _platform = resolve_platform(
+                installed, forced=os.environ.get(PLATFORM_ENV) or None, excluded=excluded(PLATFORM_PLUGINS)
+            )
+            logger.debug("Active platform: %s (%s)", _platform.name, _platform.distribution)
+        return _platform
+
+
+def current_platform() -> type[Platform]:
+    """The active platform class (see ``kvloom.platforms.resolution`` for the rules)."""
+    return current_platform_entry().target
+
+
+def get_platform_by_name(name: str) -> type[Platform]:
+    """A loaded platform by name, available here or not (``kvloom backends --platform``)."""
+    installed = platforms()
+    if name not in installed:
+        left_out = {e.name for e in excluded(PLATFORM_PLUGINS)}
+        why = f"it is installed but {PLUGINS_ENV} does not list it" if name in left_out else "unknown platform"
+        raise ValueError(f"Platform {name!r}: {why}. Loaded platforms: {', '.join(sorted(installed)) or 'none'}.")
+    return installed[name].target
+
+
+# ---------------------------------------------------------------------- other plugin kinds
+
+
+def io_processor_plugins() -> dict[str, type[IOProcessor]]:
+    return {name: entry.target for name, entry in loaded_plugins().by_name(IO_PROCESSOR_PLUGINS).items()}
+
+
+def get_io_processor_cls(name: str) -> type[IOProcessor]:
+    processors = io_processor_plugins()
+    if name not in processors:
+        raise ValueError(
+            f"io_processor_plugin: no IO processor plugin named {name!r} is loaded "
+            f"(installed: {', '.join(sorted(processors)) or 'none'})"
+        )
+    return processors[name]
+
+
+def stat_logger_plugins() -> list[PluginEntry]:
+    """Loaded stat loggers (``.target`` is the ``StatLoggerBase`` subclass), by name."""
+    return loaded_plugins().group(STAT_LOGGER_PLUGINS)
+
+
+def call_update_engine_config(config: EngineConfig) -> None:
+    """Run every general plugin's ``kvloom_update_engine_config`` hook on ``config``."""
+    load_plugins()
+    assert _hooks is not None
+    _hooks.call_hook("kvloom_update_engine_config", config=config)
