@@ -138,7 +138,7 @@ select_nofi() {  # the selection when neither FlashInfer nor flash-attn may be u
   local allow
   allow=$(python3 -c "
 from importlib.metadata import entry_points
-from kvloom.registry.loader import ALL_GROUPS  # the kvloom.* groups KVLOOM_PLUGINS applies to
+from kvloom.plugins import ALL_GROUPS  # the kvloom.* groups KVLOOM_PLUGINS applies to
 names = {ep.name for g in ALL_GROUPS for ep in entry_points(group=g)}
 print(','.join(sorted(names - {'FLASHINFER', 'FLASH_ATTN'})))") || return 1
   log "select-nofi: KVLOOM_PLUGINS=$allow"
@@ -151,7 +151,7 @@ for i in "${!stages[@]}"; do
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
-    tests) run_pytest kernels tests/test_triton_backend_gpu.py tests/gpu/ -k "not e2e and not flash_attn" ;;
+    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests/test_fused_ops.py tests/gpu/ -k "not e2e and not flash_attn" ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
@@ -164,7 +164,7 @@ for i in "${!stages[@]}"; do
       python3 -m pip install -q --no-index --no-deps --target $SITE .fawhl/*.whl && fa_importable \
         || { log "fa-install: no importable flash-attn wheel in .fawhl; stopping, skipped: ${stages[*]:i+1}"; exit 1; }
       log "fa-install: $(python3 -c 'import torch, flash_attn; print(flash_attn.__version__)')" ;;
-    fa-tests) run_pytest flash_attn tests/gpu/test_flash_attn_backend.py ;;
+    fa-tests) run_pytest flash_attn backends/flash_attn/tests/test_flash_attn_backend_gpu.py ;;
     kernels) python3 benchmarks/bench_attention_kernels.py --out "$OUT/attn" ${KERNEL_ARGS:-} 2>&1 | tail -40 ;;
     decode) python3 benchmarks/bench_decode_roofline.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,7 +127,7 @@ def _random_prompts(vocab: int, lengths=(5, 16, 23, 41, 64), seed: int = 1234) -
 
 @pytest.fixture(scope="module")
 def tiny_refs():
-    from model_fixtures import tiny_model_dir
+    from tests.helpers.model_fixtures import tiny_model_dir
     from transformers import AutoConfig
 
     refs = {}

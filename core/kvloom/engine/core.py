@@ -20,12 +20,9 @@ from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
+from kvloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class EngineCore:

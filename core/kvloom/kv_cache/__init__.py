@@ -2,6 +2,5 @@
 
 from kvloom.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvloom.kv_cache.manager import KVCacheManager
-from kvloom.kv_cache.slot_mapping import compute_slot_mapping
 
-__all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager", "compute_slot_mapping"]
+__all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager"]

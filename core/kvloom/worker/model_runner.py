@@ -35,13 +35,10 @@ from kvloom.pooling.pooler import pool_request
 from kvloom.sample.metadata import SamplingMetadata
 from kvloom.sample.sampler import Sampler, compute_prompt_logprobs
 from kvloom.scheduler.output import SchedulerOutput
+from kvloom.utils import cdiv
 from kvloom.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _step_seed(seed: int, num_output_tokens: int) -> int:

@@ -1,0 +1,193 @@
+"""TRITON_ATTN kernels on the CPU, in Triton's interpreter, against a float64 reference.
+
+``TRITON_INTERPRET=1`` must be set before the kernels are defined and stays process-wide,
+so the kernels run in one child process (this file with ``--worker``) and never in the
+pytest process: other test modules keep compiled-mode Triton. The child runs every case
+once and prints one JSON line; each case is then its own test here.
+
+Each case: a random paged batch over shuffled physical blocks, a cache that is NaN outside
+the batch's context positions, an output poisoned with NaN, and a check of the relative
+error over the real tokens plus an exact check of the cache write (padding slots -1 left
+untouched). bf16 attention is not run here: the interpreter's ``tl.dot`` on bf16 is
+broken (it multiplies the raw bits); the GPU suite and the benchmark check bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+FP32_TOL = 1e-5
+FP16_TOL = 5e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_size: int = 32
+    block_size: int = 16
+    dtype: str = "float32"
+    pad_tokens: int = 0
+    pad_reqs: int = 0
+    for_cudagraph: bool = False
+    max_model_len: int | None = None
+    config: dict = field(default_factory=dict)
+    num_sms: int = 8
+
+    @property
+    def tolerance(self) -> float:
+        return FP32_TOL if self.dtype == "float32" else FP16_TOL
+
+
+SPLIT = {"force_num_splits": 4, "decode_block_n": 16}
+SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16}
+
+CASES = [
+    # Decode: one query token per request over its cached context.
+    Case("decode_mha", (1, 1, 1), (5, 40, 17), 4, 4),
+    Case("decode_gqa4", (1, 1, 1, 1), (1, 33, 64, 70), 8, 2),
+    Case("decode_gqa8_block32", (1, 1), (50, 97), 8, 1, block_size=32),
+    Case("decode_gqa16_mqa", (1, 1), (20, 45), 16, 1),
+    Case("decode_gqa3", (1, 1), (19, 40), 6, 2),
+    Case("decode_fp16_d80", (1, 1, 1), (7, 60, 31), 4, 2, head_size=80, dtype="float16"),
+    # Split-KV decode forced on (tiny splits), so the reduce kernel runs.
+    Case("split_decode_mha", (1, 1, 1), (5, 40, 70), 4, 4, config=SPLIT),
+    Case("split_decode_gqa4", (1, 1, 1), (16, 47, 100), 8, 2, config=SPLIT),
+    Case("split_decode_gqa8_block32", (1, 1), (64, 129), 8, 1, block_size=32, config=SPLIT),
+    Case("split_decode_fp16_d64", (1, 1), (33, 90), 4, 1, head_size=64, dtype="float16", config=SPLIT),
+    Case("split_decode_many_splits", (1,), (150,), 4, 2, config={"force_num_splits": 9, "decode_block_n": 16}),
+    # Split count planned from the SM count (8 SMs here): 1 request x 1 KV head -> splits.
+    Case("split_decode_planned", (1,), (300,), 4, 1, config={"min_split_tokens": 32, "decode_block_n": 16}),
+    # CUDA-graph padded decode: splits planned from max_model_len, padded requests and
+    # tokens carry slot -1 and seq_len 1; splits past short sequences stay empty.
+    Case("graph_decode_padded", (1, 1, 1), (3, 40, 77), 8, 2, pad_reqs=2, pad_tokens=0, for_cudagraph=True,
+         max_model_len=256, config={"min_split_tokens": 16, "decode_block_n": 16}),
+    Case("graph_decode_padded_fp16", (1, 1), (9, 120), 4, 2, dtype="float16", pad_reqs=3, for_cudagraph=True,
+         max_model_len=160, config={"min_split_tokens": 32, "decode_block_n": 16}),
+    # Prefill without context.
+    Case("prefill_mha", (7, 20), (7, 20), 4, 4),
+    Case("prefill_gqa4", (13, 40), (13, 40), 8, 2),
+    Case("prefill_gqa8", (33,), (33,), 8, 1, config=SMALL_TILES),
+    Case("prefill_gqa3", (10, 25), (10, 25), 6, 2),
+    Case("prefill_fp16_d96", (18, 5), (18, 5), 4, 2, head_size=96, dtype="float16"),
+    Case("prefill_d256", (9,), (9,), 2, 1, head_size=256, config={"prefill_block_m": 16, "prefill_block_n": 16}),
+    # Chunked prefill attending to a cached prefix, incl. prefixes not on block borders.
+    Case("chunked_mha", (9, 16), (30, 50), 4, 4, config=SMALL_TILES),
+    Case("chunked_gqa4_block32", (12, 7), (45, 71), 8, 2, block_size=32),
+    Case("chunked_gqa8_tile_gt_page", (20,), (83,), 8, 1, config={"prefill_block_m": 32, "prefill_block_n": 64}),
+    Case("chunked_fp16", (17, 3), (60, 19), 8, 2, dtype="float16", config=SMALL_TILES),
+    # Mixed batches: prefill chunks, decodes and token padding (slot -1) together.
+    Case("mixed_gqa1", (9, 1, 5, 1), (30, 21, 5, 64), 4, 4, pad_tokens=3, config=SMALL_TILES),
+    Case("mixed_gqa4", (1, 14, 1, 6), (40, 14, 9, 26), 8, 2, pad_tokens=2),
+    Case("mixed_gqa8_block32", (3, 1, 21), (35, 66, 21), 8, 1, block_size=32, pad_tokens=5, config=SMALL_TILES),
+    Case("mixed_fp16_d80", (9, 1, 5), (30, 21, 5), 8, 2, head_size=80, dtype="float16", pad_tokens=2),
+    # Uniform multi-token batch (spec-decode shape) through the CUDA-graph builder path.
+    Case("graph_uniform_q3", (3, 3, 3), (10, 35, 3), 8, 2, pad_reqs=1, for_cudagraph=True, max_model_len=64),
+]
+
+
+def _run_worker() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from kvloom_backend_triton.backend import TritonAttentionBackend
+    from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
+    from kvloom_backend_triton.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
+    from kvloom_backend_triton.reference import check_case, make_paged_case, run_case
+
+    patch_interpreter_scalar_index()
+    torch.set_num_threads(1)
+    results = {}
+    for index, case in enumerate(CASES):
+        try:
+            paged = make_paged_case(
+                TritonAttentionBackend, case.query_lens, case.seq_lens,
+                num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
+                block_size=case.block_size, dtype=getattr(torch, case.dtype), seed=1000 + index,
+                pad_tokens=case.pad_tokens, pad_reqs=case.pad_reqs, max_model_len=case.max_model_len,
+                extra={CONFIG_EXTRA_KEY: case.config, NUM_SMS_EXTRA_KEY: case.num_sms},
+            )
+            output, md = run_case(TritonAttentionBackend, paged, for_cudagraph=case.for_cudagraph)
+            results[case.name] = {**check_case(TritonAttentionBackend, paged, output),
+                                  "num_splits": md.num_splits, "decode_only": md.decode_only}
+        except Exception as exc:  # reported per case by the parent
+            results[case.name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    # bf16 through the cache-write kernel alone (a copy: exact, no tl.dot involved).
+    from kvloom_backend_triton import ops
+
+    paged = make_paged_case(
+        TritonAttentionBackend, (3, 1), (20, 9), num_heads=4, num_kv_heads=2, head_size=48, block_size=16,
+        dtype=torch.bfloat16, pad_tokens=2, seed=7,
+    )
+    key_cache, value_cache = TritonAttentionBackend.split_kv_cache(paged.kv_cache)
+    ops.write_kv_cache(paged.key, paged.value, key_cache, value_cache, paged.common.slot_mapping)
+    results["bf16_cache_write"] = check_case(TritonAttentionBackend, paged, paged.expected_output)
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker"], capture_output=True, text=True, timeout=900, env=env
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_kernel_matches_float64_reference(interpreter_results: dict, case: Case) -> None:
+    result = interpreter_results[case.name]
+    assert "error" not in result, result.get("error")
+    assert result["cache_ok"], "cache write touched the wrong slots or wrote wrong values"
+    assert result["rel_error"] < case.tolerance, f"{case.name}: rel error {result['rel_error']:.3e}"
+    assert result["decode_only"] == (max(case.query_lens) == 1)
+
+
+def test_split_cases_really_split(interpreter_results: dict) -> None:
+    for case in CASES:
+        if case.name.startswith(("split_decode", "graph_decode")):
+            assert interpreter_results[case.name]["num_splits"] > 1, case.name
+
+
+def test_bf16_cache_write_exact(interpreter_results: dict) -> None:
+    assert interpreter_results["bf16_cache_write"]["cache_ok"]
+
+
+def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_attention_kernels.py at tiny shapes on the CPU (interpreter), so
+    the GPU run cannot fail on a script error: correctness slice, timing, variants, output."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    script = os.path.join(repo, "benchmarks", "bench_attention_kernels.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
+         "--head-size", "32", "--decode-batch", "2", "--decode-context", "40", "--prefill-batch", "1",
+         "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64",
+         "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((tmp_path / "attention_kernels.json").read_text())
+    assert [r["variant"] for r in result["rows"]] == ["default", "force_num_splits=2,decode_block_n=16"]
+    for row in result["rows"]:
+        assert "error" not in row, row["error"]
+        assert set(row["rel_errors"]) == {"decode", "prefill", "chunked", "mixed"}
+        assert max(row["rel_errors"].values()) < FP16_TOL
+        assert row["decode_ms"] > 0 and row["prefill_ms"] > 0
+    assert "| TRITON_ATTN | default |" in (tmp_path / "attention_kernels.md").read_text()
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _run_worker()

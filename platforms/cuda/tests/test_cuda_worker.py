@@ -1,0 +1,67 @@
+"""The CUDA worker's KV-cache sizing, driven on the CPU with torch.cuda's memory calls
+stubbed: the profiling forward must run before the KV cache exists (the order a real
+engine start uses) and the budget must follow gpu_memory_utilization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.model_fixtures import tiny_model_dir
+
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+
+GiB = 2**30
+
+
+@pytest.fixture
+def fake_cuda_memory(monkeypatch):
+    # A small fake device, so the KV cache it sizes fits in this machine's memory.
+    state = {"peak": 1 * GiB, "free": 3 * GiB, "total": 4 * GiB, "reserved": GiB // 2}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: state["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (state["free"], state["total"]))
+    return state
+
+
+def _worker(**kwargs):
+    from kvloom_platform_cpu.platform import CpuPlatform
+    from kvloom_platform_cuda.worker import CUDAWorker
+
+    config = create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32,
+                                             max_num_batched_tokens=512, **kwargs))
+    worker = CUDAWorker(config, CpuPlatform)  # the CPU device stands in for the GPU
+    worker.model_runner = None
+    from kvloom.worker.worker import Worker
+
+    Worker.init_device(worker)  # the generic part (no torch.cuda.set_device)
+    worker.load_model()
+    return worker
+
+
+def test_profile_runs_before_the_cache_exists_and_sizes_it(fake_cuda_memory):
+    worker = _worker(gpu_memory_utilization=0.5)
+    assert worker.runner.builder is None and not worker.runner.kv_caches
+    fake_cuda_memory["reserved"] = GiB - 256 * 2**20  # 4 - 3 - 0.75 GiB: 256 MiB not torch's
+    budget = worker.kv_cache_budget_bytes()
+    # 0.5 * 4 GiB - 1 GiB peak - 256 MiB non-torch - 512 MiB reserve
+    assert budget == 2 * GiB - GiB - 256 * 2**20 - 512 * 2**20
+    # the profiling cache is gone again; the real one comes next
+    assert worker.runner.builder is None and not worker.runner.kv_caches
+    worker.initialize_cache(worker.determine_num_kv_blocks())
+    assert worker.runner.kv_caches and worker.runner.builder is not None
+
+
+def test_no_memory_left_is_a_clear_error(fake_cuda_memory):
+    fake_cuda_memory["peak"] = 3 * GiB
+    worker = _worker(gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="No memory left for the KV cache"):
+        worker.kv_cache_budget_bytes()
+
+
+def test_explicit_kv_cache_memory_skips_profiling(fake_cuda_memory):
+    worker = _worker(kv_cache_memory="1GiB")
+    fake_cuda_memory["peak"] = 10**15  # would fail if profiling ran
+    assert worker.kv_cache_budget_bytes() == GiB

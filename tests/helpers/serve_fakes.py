@@ -1,0 +1,357 @@
+"""Test doubles for the server and metrics tests: an ``EngineConfig`` built without a
+model, a word-level tokenizer, IterationStats-shaped records, and a deterministic
+``AsyncLLM`` stand-in that follows the front-end contract of ``kvloom.engine.async_llm``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloom.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    CUDAGraphMode,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    LoRAConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
+from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from tests.helpers.model_fixtures import stand_in_platform
+from tests.helpers.reference_backend import ReferenceBackend
+
+
+def make_config(
+    served_model_name: str = "fake-model",
+    max_model_len: int = 64,
+    disable_log_stats: bool = False,
+    policy: str = "fcfs",
+    lora_modules: dict[str, str] | None = None,
+    num_blocks: int | None = 100,
+) -> EngineConfig:
+    import torch
+
+    return EngineConfig(
+        model=ModelConfig(
+            model="/models/fake",
+            tokenizer=None,
+            skip_tokenizer_init=False,
+            served_model_name=served_model_name,
+            hf_config=None,
+            architecture="LlamaForCausalLM",
+            dtype=torch.float32,
+            max_model_len=max_model_len,
+            seed=0,
+            runner="generate",
+        ),
+        cache=CacheConfig(
+            block_size=16,
+            user_specified_block_size=False,
+            gpu_memory_utilization=0.9,
+            kv_cache_memory=None,
+            num_gpu_blocks_override=None,
+            cache_dtype="auto",
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo="sha256",
+            num_blocks=num_blocks,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=0,
+            enable_chunked_prefill=True,
+            policy=policy,
+        ),
+        parallel=ParallelConfig(),
+        attention=AttentionConfig(requested_backend=None, backend=ReferenceBackend),
+        load=LoadConfig(load_format="dummy"),
+        compilation=CompilationConfig(
+            optimization_level=0, enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[]
+        ),
+        lora=LoRAConfig(
+            enable_lora=bool(lora_modules), max_loras=1, max_lora_rank=8, max_cpu_loras=1,
+            lora_modules=lora_modules or {},
+        ),
+        observability=ObservabilityConfig(disable_log_stats=disable_log_stats, log_stats_interval=5.0),
+        device=DeviceConfig(platform=stand_in_platform("cpu"), device_type="cpu"),
+    )
+
+
+# ----------------------------------------------------------------- IterationStats shape
+
+
+@dataclass
+class FakeFinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queued_time: float
+    prefill_time: float
+    inference_time: float
+    decode_time: float
+
+
+@dataclass
+class FakeIterationStats:
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    inter_token_latencies_iter: list[float] = field(default_factory=list)
+    finished_requests: list[FakeFinishedRequestStats] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------- tokenizer
+
+
+class WordTokenizer:
+    """Whitespace tokenizer over a fixed vocabulary: token i is WORDS[i]. Decoding joins
+    with spaces, so text and token ids map back and forth exactly."""
+
+    WORDS = ["<eos>", "<s>", "<|user|>", "<|assistant|>", "<|system|>"] + [f"w{i}" for i in range(5, 200)]
+    eos_token_id = 0
+    chat_template = "fake"
+
+    def __init__(self) -> None:
+        self.ids = {w: i for i, w in enumerate(self.WORDS)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Unknown words map to a stable pseudo-random id (encode is then not invertible).
+        ids = [self.ids.get(word, 5 + zlib.crc32(word.encode()) % 195) for word in text.split()]
+        return ([1] if add_special_tokens else []) + ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(self.WORDS[i] for i in ids if not (skip_special_tokens and i < 5))
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.WORDS[i] for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True) -> Any:
+        assert tokenize is False
+        parts = []
+        for m in messages:
+            if m["role"] == "tool":
+                raise ValueError("this template has no tool role")
+            parts += [f"<|{m['role']}|>", m["content"]]
+        if add_generation_prompt:
+            parts.append("<|assistant|>")
+        return " ".join(parts)
+
+
+# ----------------------------------------------------------------- engine
+
+
+def fake_token(prompt_ids: list[int], position: int, seed: int | None, temperature: float) -> int:
+    """The deterministic 'model': greedy picks depend on the prompt and position only;
+    sampling also depends on the seed."""
+    salt = 0 if temperature == 0 else (seed if seed is not None else 7) * 31
+    return 5 + (sum(prompt_ids) * 7 + position * 13 + salt) % 195
+
+
+def fake_logprob(token_id: int, rank: int) -> float:
+    return -0.25 * rank - (token_id % 7) / 100
+
+
+class FakeAsyncLLM:
+    """Generates ``fake_token`` sequences one token per step, honouring max_tokens,
+    min_tokens, stop strings, ignore_eos (token 0 ends a sequence otherwise), logprobs,
+    prompt_logprobs and the three output kinds. Records requests, aborts and priorities."""
+
+    def __init__(self, config: EngineConfig | None = None, tokenizer: Any = "word", step_delay: float = 0.0) -> None:
+        self.config = config or make_config()
+        self.tokenizer = WordTokenizer() if tokenizer == "word" else tokenizer
+        self.step_delay = step_delay
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.active: set[str] = set()
+        self.peak_active = 0
+        self.healthy = True
+        self.stat_loggers: list = []
+
+    def get_stat_loggers(self) -> list:
+        return self.stat_loggers
+
+    async def check_health(self) -> None:
+        if not self.healthy:
+            raise RuntimeError("engine is dead")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        pass
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer else None
+
+    async def generate(
+        self,
+        prompt: str | dict,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: Any = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if isinstance(prompt, dict):
+            prompt_ids = list(prompt["prompt_token_ids"])
+            prompt_text = None
+        else:
+            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_text = prompt
+        if len(prompt_ids) >= self.config.model.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len {self.config.model.max_model_len}"
+            )
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id} is already running")
+        sp = sampling_params
+        self.requests[request_id] = dict(
+            prompt_ids=prompt_ids, params=sp, lora=lora_request, priority=priority, cache_salt=cache_salt
+        )
+        self.active.add(request_id)
+        self.peak_active = max(self.peak_active, len(self.active))
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.config.model.max_model_len - len(prompt_ids)
+        max_tokens = min(max_tokens, self.config.model.max_model_len - len(prompt_ids))
+
+        prompt_logprobs = None
+        if sp.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [
+                {t: Logprob(fake_logprob(t, 1), 1, self._decode_token(t))} for t in prompt_ids[1:]
+            ]
+        tokens: list[int] = []
+        logprobs: list[dict[int, Logprob]] = []
+        text = ""
+        sent_tokens = sent_text_len = sent_logprobs = 0
+        finish_reason = None
+        stop_reason = None
+        try:
+            while finish_reason is None:
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                else:
+                    await asyncio.sleep(0)
+                tok = fake_token(prompt_ids, len(tokens), sp.seed, sp.temperature)
+                if len(tokens) == 3 and not sp.ignore_eos and len(tokens) >= sp.min_tokens and prompt_ids[-1] == 9:
+                    tok = 0  # prompts ending in w9 stop on EOS after 3 tokens
+                tokens.append(tok)
+                if sp.logprobs is not None:
+                    entry = {tok: Logprob(fake_logprob(tok, 3), 3, self._decode_token(tok))}
+                    for rank in range(1, sp.logprobs + 1):
+                        alt = 5 + (tok + rank * 11) % 195
+                        entry.setdefault(alt, Logprob(fake_logprob(alt, rank), rank, self._decode_token(alt)))
+                    logprobs.append(entry)
+                if tok == 0 and not sp.ignore_eos:
+                    finish_reason = "stop"
+                    stop_reason = None
+                else:
+                    piece = self._decode_token(tok) or ""
+                    text = piece if not text else text + " " + piece
+                    for stop in sp.stop:
+                        at = text.find(stop)
+                        if at != -1 and len(tokens) >= sp.min_tokens:
+                            text = text[:at]
+                            finish_reason, stop_reason = "stop", stop
+                            break
+                if finish_reason is None and len(tokens) >= max_tokens:
+                    finish_reason = "length"
+                done = finish_reason is not None
+                if sp.output_kind == RequestOutputKind.FINAL_ONLY and not done:
+                    continue
+                if sp.output_kind == RequestOutputKind.DELTA:
+                    out = CompletionOutput(
+                        index=0,
+                        text=text[sent_text_len:],
+                        token_ids=tokens[sent_tokens:],
+                        cumulative_logprob=None,
+                        logprobs=logprobs[sent_logprobs:] if sp.logprobs is not None else None,
+                        finish_reason=finish_reason,
+                        stop_reason=stop_reason,
+                    )
+                    first = sent_tokens == 0
+                    sent_tokens, sent_text_len, sent_logprobs = len(tokens), len(text), len(logprobs)
+                else:
+                    out = CompletionOutput(
+                        index=0,
+                        text=text,
+                        token_ids=list(tokens),
+                        cumulative_logprob=None,
+                        logprobs=list(logprobs) if sp.logprobs is not None else None,
+                        finish_reason=finish_reason,
+                        stop_reason=stop_reason,
+                    )
+                    first = True
+                yield RequestOutput(
+                    request_id=request_id,
+                    prompt=prompt_text,
+                    prompt_token_ids=prompt_ids,
+                    prompt_logprobs=prompt_logprobs if first else None,
+                    outputs=[out],
+                    finished=done,
+                )
+            self.finished.append(request_id)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)
+            raise
+        finally:
+            self.active.discard(request_id)
+
+
+def expected_tokens(prompt_ids: list[int], n_tokens: int, seed: int | None = None, temperature: float = 0.0) -> list[int]:
+    return [fake_token(prompt_ids, i, seed, temperature) for i in range(n_tokens)]
+
+
+def expected_text(tokenizer: WordTokenizer, ids: list[int]) -> str:
+    return " ".join(tokenizer.decode([t]) for t in ids)
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+class ServerThread:
+    """A real uvicorn server for ``app`` on a free local port, in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -1,0 +1,76 @@
+"""Platform-supplied layer kernels (``kvloom.layers.custom_ops``): the loader activates
+what the platform offers unless ``--custom-ops none``; layers call them; unknown names
+are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.model_fixtures import tiny_model_dir
+
+from kvloom import LLM, SamplingParams
+from kvloom.layers import custom_ops
+from kvloom.layers.layernorm import RMSNorm
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    custom_ops.set_custom_ops({})
+
+
+def test_unknown_or_uncallable_ops_are_refused():
+    with pytest.raises(ValueError, match="unknown custom op.*'layer_norm'.*known"):
+        custom_ops.set_custom_ops({"layer_norm": lambda x: x})
+    with pytest.raises(TypeError, match="'rms_norm' must be callable"):
+        custom_ops.set_custom_ops({"rms_norm": 3})
+
+
+def test_rms_norm_uses_the_active_op_for_both_forms():
+    calls = []
+
+    def rms_norm(x, weight, eps):
+        calls.append("plain")
+        return torch.zeros_like(x)
+
+    def fused_add_rms_norm(x, residual, weight, eps):
+        calls.append("add")
+        return torch.zeros_like(x), x + residual
+
+    norm = RMSNorm(8)
+    x = torch.randn(2, 8)
+    native = norm(x)
+    custom_ops.set_custom_ops({"rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm})
+    assert torch.equal(norm(x), torch.zeros_like(x))
+    out, res = norm(x, x)
+    assert calls == ["plain", "add"] and torch.equal(res, 2 * x)
+    custom_ops.set_custom_ops({})
+    assert torch.equal(norm(x), native)
+
+
+def _platform_cls():
+    from kvloom import plugins
+
+    plugins.load_plugins()
+    return plugins.get_platform_by_name("cpu")
+
+
+@pytest.mark.parametrize("setting", ["all", "none"])
+def test_loader_activates_the_platforms_ops_unless_none(monkeypatch, setting):
+    from kvloom.layers.activation import SiluAndMul
+
+    platform = _platform_cls()
+    seen = []
+    native = SiluAndMul.forward
+
+    def silu_and_mul(x):
+        seen.append(x.shape)
+        d = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+    monkeypatch.setattr(platform, "custom_ops", classmethod(lambda cls, config: {"silu_and_mul": silu_and_mul}))
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="32MiB", custom_ops=setting)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert bool(seen) == (setting == "all")
+    assert SiluAndMul.forward is native

@@ -1,0 +1,289 @@
+"""Acceptance: plugin distributions under tests/plugins/, installed with pip, seen by `kvloom`.
+
+Each distribution is pip-installed once per session into its own ``--target`` directory
+and made visible to a subprocess through PYTHONPATH, so the test environment itself is
+never modified. Most runs pin ``KVLOOM_PLUGINS`` so that other plugins installed in the
+environment (first-party backends, ...) cannot change the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
+
+Install = Callable[[str], Path]
+
+
+@pytest.fixture(scope="session")
+def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
+    """pip-installs tests/plugins/NAME into its own target directory (once per session)."""
+    sites: dict[str, Path] = {}
+
+    def _install(name: str) -> Path:
+        if name not in sites:
+            # Build from a copy: an in-tree build would leave build/ and *.egg-info behind.
+            src = tmp_path_factory.mktemp(f"src-{name}") / name
+            shutil.copytree(PLUGINS / name, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+            target = tmp_path_factory.mktemp(f"site-{name}")
+            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                   "--no-index", "--target", str(target), str(src)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, f"pip install {name} failed:\n{done.stdout}\n{done.stderr}"
+            sites[name] = target
+        return sites[name]
+
+    return _install
+
+
+def run(
+    install: Install, cmd: Sequence[str], plugins: Sequence[str] = (), **env: str
+) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVLOOM_")}
+    paths = [str(install(p)) for p in plugins]
+    if environment.get("PYTHONPATH"):
+        paths.append(environment["PYTHONPATH"])
+    environment["PYTHONPATH"] = os.pathsep.join(paths)
+    environment["KVLOOM_LOGGING_LEVEL"] = "WARNING"
+    environment.update(env)
+    return subprocess.run(list(cmd), env=environment, capture_output=True, text=True, timeout=300)
+
+
+def backends_json(install: Install, *args: str, plugins: Sequence[str] = (), expect_rc: int = 0, **env: str) -> dict[str, Any]:
+    done = run(install, [*CLI, "backends", "--json", *args], plugins, **env)
+    assert done.returncode == expect_rc, done.stderr
+    return json.loads(done.stdout)
+
+
+def candidate(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in report["candidates"] if c["name"] == name)
+
+
+# ---------------------------------------------------------------------- out-of-tree backend
+
+
+def test_oot_backend_appears_in_backends_json(install: Install) -> None:
+    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLATFORM="cpu")
+    assert report["platform"] == "cpu"
+    oot = candidate(report, "OOT_TEST_ATTN")
+    assert oot == {"name": "OOT_TEST_ATTN", "priority": oot["priority"], "valid": True, "reasons": [],
+                   "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
+    # The CPU platform does not list it: it ranks after the platform's own list.
+    assert [c["name"] for c in report["candidates"][:2]] == ["CPU_ATTN", "FLEX_ATTENTION"]
+    assert oot["priority"] > 2
+
+
+def test_oot_backend_is_validated(install: Install) -> None:
+    pinned = {"KVLOOM_PLUGINS": "cpu,OOT_TEST_ATTN"}
+    report = backends_json(install, "--head-size", "96", "--block-size", "12", plugins=["oot_backend"], expect_rc=1, **pinned)
+    assert report["selected"] is None
+    assert candidate(report, "OOT_TEST_ATTN")["reasons"] == [
+        "block size 12 not supported (supports multiples of 8)",
+        "head size 96 not supported (supports 32, 64, 128)",
+    ]
+
+
+def test_oot_backend_chosen_by_priority_when_cpu_backends_are_filtered_out(install: Install) -> None:
+    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
+    assert (report["selected"], report["block_size"]) == ("OOT_TEST_ATTN", 16)
+    assert [c["name"] for c in report["candidates"] if c["valid"]] == ["OOT_TEST_ATTN"]
+
+
+def test_oot_backend_selected_by_name_and_never_falls_back(install: Install) -> None:
+    report = backends_json(install, "--attention-backend", "OOT_TEST_ATTN", "--block-size", "32",
+                           plugins=["oot_backend"], KVLOOM_PLATFORM="cpu")
+    assert (report["selected"], report["block_size"]) == ("OOT_TEST_ATTN", 32)
+    done = run(install, [*CLI, "backends", "--json", "--attention-backend", "OOT_TEST_ATTN", "--head-size", "96"],
+               ["oot_backend"], KVLOOM_PLATFORM="cpu")
+    assert done.returncode == 1 and json.loads(done.stdout)["selected"] is None
+    assert ("Selected backend OOT_TEST_ATTN is not valid for this configuration. "
+            "Reasons: ['head size 96 not supported (supports 32, 64, 128)']") in done.stderr
+    unknown = run(install, [*CLI, "backends", "--attention-backend", "OOT_TEST"], ["oot_backend"], KVLOOM_PLATFORM="cpu")
+    assert unknown.returncode == 1
+    assert "Unknown attention backend 'OOT_TEST'. Valid names: " in unknown.stderr and "OOT_TEST_ATTN" in unknown.stderr
+
+
+# ---------------------------------------------------------------------- out-of-tree platform
+
+
+def test_oot_platform_wins_and_its_priority_picks_the_oot_backend(install: Install) -> None:
+    done = run(install, [*CLI, "backends"], ["oot_backend", "oot_platform"])
+    assert done.returncode == 0, done.stderr
+    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu" in done.stdout
+    assert "Selected: OOT_TEST_ATTN (block size 16)" in done.stdout
+    report = backends_json(install, plugins=["oot_backend", "oot_platform"])
+    assert report["platform"] == "oot_test"
+    assert report["candidates"][0] == {"name": "OOT_TEST_ATTN", "priority": 1, "valid": True, "reasons": [],
+                                       "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
+    assert report["selected"] == "OOT_TEST_ATTN"
+
+
+def test_oot_platform_reports_its_missing_backend(install: Install) -> None:
+    report = backends_json(install, plugins=["oot_platform"], expect_rc=1, KVLOOM_PLUGINS="oot_test")
+    assert report["platform"] == "oot_test"
+    assert report["candidates"][0]["reasons"] == ["not installed (pip install kvloom-test-oot-backend)"]
+
+
+def test_unavailable_or_overridden_oot_platform_gives_way_to_cpu(install: Install) -> None:
+    plugins = ["oot_backend", "oot_platform"]
+    assert backends_json(install, plugins=plugins, KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")["platform"] == "cpu"
+    assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu")["platform"] == "cpu"
+    forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="oot_test", KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")
+    assert forced.returncode == 1 and "KVLOOM_PLATFORM=oot_test: platform oot_test" in forced.stderr
+
+
+# ---------------------------------------------------------------------- loading policy
+
+
+def test_broken_plugin_is_a_loud_error_with_traceback(install: Install) -> None:
+    done = run(install, [*CLI, "backends", "--json"], ["broken_plugin", "oot_backend"])
+    assert done.returncode == 1 and done.stdout == ""
+    err = done.stderr
+    assert "plugin 'broken_test' (group kvloom.general_plugins, distribution kvloom-test-broken-plugin 0.1.0) failed to load" in err
+    assert "Traceback (most recent call last)" in err and "_read_required_setting" in err
+    assert "RuntimeError: kvloom-test-broken-plugin fails on purpose while importing" in err
+
+
+def test_kvloom_plugins_excludes_the_broken_plugin(install: Install) -> None:
+    report = backends_json(install, plugins=["broken_plugin", "oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
+    assert report["selected"] == "OOT_TEST_ATTN"
+
+
+def test_kvloom_plugins_leaves_out_the_oot_platform_and_backend(install: Install) -> None:
+    report = backends_json(install, plugins=["oot_backend", "oot_platform"], expect_rc=1, KVLOOM_PLUGINS="cpu")
+    assert report["platform"] == "cpu" and report["selected"] is None
+    assert candidate(report, "OOT_TEST_ATTN")["reasons"] == [
+        "installed (kvloom-test-oot-backend 0.1.0) but KVLOOM_PLUGINS does not list it"
+    ]
+    only_oot = backends_json(install, plugins=["oot_backend", "oot_platform"], KVLOOM_PLUGINS="oot_test,OOT_TEST_ATTN")
+    assert (only_oot["platform"], only_oot["selected"]) == ("oot_test", "OOT_TEST_ATTN")
+
+
+def test_kvloom_plugins_unknown_name_and_empty_value(install: Install) -> None:
+    unknown = run(install, [*CLI, "backends"], ["oot_backend"], KVLOOM_PLUGINS="cpu,NOT_A_PLUGIN")
+    assert unknown.returncode == 1
+    assert "KVLOOM_PLUGINS lists NOT_A_PLUGIN, which no installed plugin provides. Installed plugins: " in unknown.stderr
+    assert "OOT_TEST_ATTN" in unknown.stderr and "cpu" in unknown.stderr
+    empty = run(install, [*CLI, "backends"], ["oot_backend"], KVLOOM_PLUGINS="")
+    assert empty.returncode == 1
+    assert "No kvloom platform is available" in empty.stderr
+    assert "KVLOOM_PLUGINS leaves out the installed platform plugins" in empty.stderr
+
+
+def test_incompatible_plugin_api_is_refused_naming_both_versions(install: Install) -> None:
+    done = run(install, [*CLI, "backends"], ["api2_plugin"])
+    assert done.returncode == 1
+    assert ("plugin 'api2_test' (group kvloom.general_plugins, distribution kvloom-test-api2-plugin 0.1.0) "
+            "was written for kvloom plugin API 2.0, but this kvloom provides plugin API 1.0") in done.stderr
+
+
+def test_two_distributions_with_one_backend_name(install: Install) -> None:
+    done = run(install, [*CLI, "backends"], ["oot_backend", "dup_backend"])
+    assert done.returncode == 1
+    assert "Two attention backends are named 'OOT_TEST_ATTN': " in done.stderr
+    assert "kvloom-test-oot-backend 0.1.0" in done.stderr and "kvloom-test-dup-backend 0.2.0" in done.stderr
+
+
+# ---------------------------------------------------------------------- other plugin kinds
+
+EXTENSIONS_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json
+    from types import SimpleNamespace
+    import torch
+    from kvloom import plugins
+    from kvloom.lora.resolver import LoRAResolverRegistry
+    from kvloom.models.registry import ModelRegistry
+
+    plugins.load_plugins()
+    plugins.load_plugins()  # idempotent
+    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256))
+    plugins.call_update_engine_config(config)
+
+    processor = plugins.get_io_processor_cls("test_mean_embedding")(None)
+    texts = processor.parse_data({"texts": ["a", "b"]})
+    outputs = [SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))) for v in ([3.0, 0.0], [1.0, 0.0])]
+
+    (logger_cls,) = [entry.target for entry in plugins.stat_logger_plugins()]
+    stat_logger = logger_cls(None)
+    stat_logger.record(SimpleNamespace(num_running_reqs=3), None)
+    stat_logger.record(None, None)
+
+    resolver = LoRAResolverRegistry.get_resolver("test_dir_resolver")
+    lora = asyncio.run(resolver.resolve_lora("base-model", "my_adapter"))
+    missing = asyncio.run(resolver.resolve_lora("base-model", "other"))
+    print(json.dumps({
+        "archs": [ModelRegistry.is_supported(a) for a in ("KvloomTestLlamaForCausalLM", "KvloomTestQwen2ForCausalLM")],
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "io_processors": sorted(plugins.io_processor_plugins()),
+        "prompts": processor.pre_process(texts),
+        "pooled": processor.post_process(outputs),
+        "stat_logger": [logger_cls.__name__, stat_logger.num_steps, stat_logger.peak_running],
+        "resolvers": LoRAResolverRegistry.get_supported_resolvers(),
+        "lora": [lora.lora_name, lora.lora_path, lora.base_model_name, lora.lora_int_id > 0],
+        "missing": missing,
+    }))
+    """
+)
+
+
+def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Install, tmp_path: Path) -> None:
+    adapter = tmp_path / "my_adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    names = "test_general_register,test_general_hooks,test_mean_embedding,test_step_counter,test_dir_resolver"
+    done = run(
+        install,
+        [sys.executable, "-c", EXTENSIONS_SCRIPT],
+        ["general_plugin", "io_processor", "stat_logger", "lora_resolver"],
+        KVLOOM_PLUGINS=names,
+        KVLOOM_TEST_LORA_DIR=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["archs"] == [True, True]
+    assert result["max_num_seqs"] == 64
+    assert result["io_processors"] == ["test_mean_embedding"]
+    assert result["prompts"] == ["a", "b"]
+    assert result["pooled"] == {"embedding": [1.0, 0.0], "num_texts": 2}
+    assert result["stat_logger"] == ["StepCountingLogger", 2, 3]
+    assert result["resolvers"] == ["test_dir_resolver"]
+    assert result["lora"] == ["my_adapter", str(adapter), "base-model", True]
+    assert result["missing"] is None
+
+
+# ---------------------------------------------------------------------- console script
+
+
+def test_kvloom_console_script(install: Install) -> None:
+    script = Path(sys.executable).parent / "kvloom"
+    assert script.is_file(), f"the kvloom console script is not installed next to {sys.executable}"
+    done = run(install, [str(script), "backends", "--json"], ["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["selected"] == "OOT_TEST_ATTN"
+
+
+# ---------------------------------------------------------------------- with CPU_ATTN installed
+
+
+def test_cpu_attn_outranks_the_oot_backend_on_the_cpu_platform(install: Install) -> None:
+    pytest.importorskip("kvloom_backend_cpu")
+    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,CPU_ATTN,OOT_TEST_ATTN")
+    assert report["selected"] == "CPU_ATTN"
+    assert report["candidates"][0]["name"] == "CPU_ATTN" and report["candidates"][0]["priority"] == 1
+    assert candidate(report, "OOT_TEST_ATTN")["valid"]
+    # Filtering CPU_ATTN out by KVLOOM_PLUGINS hands the choice to the OOT backend.
+    filtered = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
+    assert filtered["selected"] == "OOT_TEST_ATTN"
+    assert candidate(filtered, "CPU_ATTN")["reasons"][0].endswith("but KVLOOM_PLUGINS does not list it")
