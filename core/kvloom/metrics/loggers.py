@@ -8,8 +8,6 @@
 * ``build_stat_loggers`` makes the logging logger (unless ``disable_log_stats``), the
   loggers the caller asked for (e.g. ``PrometheusStatLogger`` when serving) and one
   instance of every ``kvloom.stat_logger_plugins`` plugin.
-
-All the knowledge of ``IterationStats``' field names lives in ``_IterationView`` below.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,56 +37,6 @@ METRIC_PREFIX = "kvloom:"
 #: A stat logger factory: called with the engine config and the engine index. Every
 #: ``StatLoggerBase`` subclass is one.
 StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
-
-
-# ----------------------------------------------------------------- reading IterationStats
-
-
-@dataclass
-class _FinishedRequestView:
-    finish_reason: str
-    e2e_latency: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    queued_time: float
-    prefill_time: float
-    inference_time: float
-    decode_time: float
-
-
-@dataclass
-class _IterationView:
-    """The parts of one step's ``IterationStats`` that the loggers publish."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    finished_requests: list[_FinishedRequestView] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, stats: "IterationStats | None") -> "_IterationView":
-        if stats is None:
-            return cls()
-        return cls(
-            num_prompt_tokens=stats.num_prompt_tokens,
-            num_generation_tokens=stats.num_generation_tokens,
-            time_to_first_tokens=list(stats.time_to_first_tokens_iter),
-            inter_token_latencies=list(stats.inter_token_latencies_iter),
-            finished_requests=[
-                _FinishedRequestView(
-                    finish_reason=str(r.finish_reason),
-                    e2e_latency=r.e2e_latency,
-                    num_prompt_tokens=r.num_prompt_tokens,
-                    num_generation_tokens=r.num_generation_tokens,
-                    queued_time=r.queued_time,
-                    prefill_time=r.prefill_time,
-                    inference_time=r.inference_time,
-                    decode_time=r.decode_time,
-                )
-                for r in stats.finished_requests
-            ],
-        )
 
 
 # ----------------------------------------------------------------- logging
@@ -150,9 +97,9 @@ class LoggingStatLogger(StatLoggerBase):
         iteration_stats: "IterationStats | None",
         engine_idx: int = 0,
     ) -> None:
-        it = _IterationView.of(iteration_stats)
-        self.interval_prompt_tokens += it.num_prompt_tokens
-        self.interval_generation_tokens += it.num_generation_tokens
+        if iteration_stats is not None:
+            self.interval_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.interval_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
             self.last_scheduler_stats = scheduler_stats
             self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
@@ -353,19 +300,17 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_preemptions.inc(scheduler_stats.num_preemptions)
         if iteration_stats is None:
             return
-        it = _IterationView.of(iteration_stats)
-        self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
-        for ttft in it.time_to_first_tokens:
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens_iter:
             self.time_to_first_token.observe(ttft)
-        for itl in it.inter_token_latencies:
+        for itl in iteration_stats.inter_token_latencies_iter:
             self.inter_token_latency.observe(itl)
-        for req in it.finished_requests:
-            success = self.request_success.get(req.finish_reason)
+        for req in iteration_stats.finished_requests:
+            reason = str(req.finish_reason)
+            success = self.request_success.get(reason)
             if success is None:
-                raise ValueError(
-                    f"finish_reason {req.finish_reason!r} is not one of {sorted(self.request_success)}"
-                )
+                raise ValueError(f"finish_reason {reason!r} is not one of {sorted(self.request_success)}")
             success.inc()
             self.request_prompt_tokens.observe(req.num_prompt_tokens)
             self.request_generation_tokens.observe(req.num_generation_tokens)
