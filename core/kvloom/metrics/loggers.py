@@ -22,13 +22,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloom import plugins
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.outputs import SchedulerStats
+from kvloom.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
 from kvloom.request import FinishReason
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
-    from kvloom.metrics.stats import IterationStats
-    from kvloom.outputs import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +51,7 @@ class PrefixCacheHitRate:
         self._queries = 0
         self._hits = 0
 
-    def observe(self, stats: "PrefixCacheStats") -> None:
+    def observe(self, stats: PrefixCacheStats) -> None:
         if stats.reset:
             self._window.clear()
             self._requests = self._queries = self._hits = 0
@@ -94,7 +92,7 @@ class LoggingStatLogger(StatLoggerBase):
     def record(
         self,
         scheduler_stats: SchedulerStats | None,
-        iteration_stats: "IterationStats | None",
+        iteration_stats: IterationStats | None,
         engine_idx: int = 0,
     ) -> None:
         if iteration_stats is not None:
@@ -288,7 +286,7 @@ class PrometheusStatLogger(StatLoggerBase):
     def record(
         self,
         scheduler_stats: SchedulerStats | None,
-        iteration_stats: "IterationStats | None",
+        iteration_stats: IterationStats | None,
         engine_idx: int = 0,
     ) -> None:
         if scheduler_stats is not None:

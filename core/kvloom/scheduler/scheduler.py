@@ -48,7 +48,8 @@ from collections.abc import Iterable
 
 from kvloom.config import CacheConfig, SchedulerConfig
 from kvloom.kv_cache.manager import KVCacheManager
-from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, Request, RequestStatus
 from kvloom.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue

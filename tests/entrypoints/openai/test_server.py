@@ -12,8 +12,7 @@ from pydantic import BaseModel
 
 from kvloom.entrypoints.openai.api_server import build_app
 from kvloom.metrics.loggers import PrometheusStatLogger
-from kvloom.metrics.stats import IterationStats
-from kvloom.outputs import SchedulerStats
+from kvloom.metrics.stats import IterationStats, SchedulerStats
 from kvloom.sampling_params import RequestOutputKind
 from tests.helpers.serve_fakes import (
     FakeAsyncLLM,
