@@ -158,13 +158,6 @@ def test_workspace_is_shared_by_layers_and_reused_across_steps() -> None:
     assert len(pointers) == 1
 
 
-def test_profiling_run_without_metadata_zeroes_the_output() -> None:
-    impl = CPUAttentionImpl(num_heads=4, head_size=8, scale=0.3, num_kv_heads=4)
-    out = torch.full((3, 4, 8), float("nan"))
-    impl.forward(torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.empty(0), None, out)
-    assert torch.equal(out, torch.zeros_like(out))
-
-
 def test_through_the_attention_layer() -> None:
     """The model-facing Attention layer with CPU_ATTN: one prompt, then one decode step,
     against torch SDPA on the whole sequence in float64."""

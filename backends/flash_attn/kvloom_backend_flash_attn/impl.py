@@ -48,13 +48,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: FlashAttentionMetadata | None,
+        attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if attn_metadata is None:
-            # A forward without attention metadata (no KV cache bound yet): nothing to
-            # attend to; zeros keep the rest of the model finite.
-            return output.zero_()
         md = attn_metadata
         write_kv_default_layout(kv_cache, key, value, md.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
