@@ -124,7 +124,6 @@ class CPUAttentionMetadata:
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]):
-    cudagraph_support = AttentionCGSupport.NEVER
 
     def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
         super().__init__(spec, device, max_num_blocks)

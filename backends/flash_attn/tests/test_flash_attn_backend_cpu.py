@@ -67,7 +67,6 @@ def test_declarations():
     assert b.NAME == "FLASH_ATTN"
     assert b.supported_block_sizes == (MultipleOf(256),)
     assert b.cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
-    assert b.get_builder_cls().cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
     assert b.required_modules == {"flash_attn": "flash-attn"}
     assert b.support_summary() == {
         "dtypes": ["float16", "bfloat16"],
