@@ -18,7 +18,8 @@ from kvloom.attention.layer import Attention
 from kvloom.forward_context import set_forward_context
 from kvloom.testing import ConformanceCase, check_case, conformance_cases, run_case
 from kvloom_backend_cpu import CPUAttentionBackend
-from kvloom_backend_cpu.backend import CPUAttentionImpl, CPUAttentionMetadataBuilder
+from kvloom_backend_cpu.impl import CPUAttentionImpl
+from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
 
 
 @pytest.mark.parametrize("case", conformance_cases(CPUAttentionBackend), ids=str)
