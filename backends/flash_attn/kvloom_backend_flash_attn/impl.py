@@ -1,7 +1,7 @@
 """The per-layer attention implementation of FLASH_ATTN: write K/V, then one flash-attn call.
 
-Calls, exactly as measured on the H100 with flash-attn 2.8.3.post2
-(``shared/gpu/flash-attn/test_paged_kv.py``), plus ``softmax_scale``:
+Calls, those of the released flash-attn 2 API whose paged-KV paths README.md's
+measurement checked, plus ``softmax_scale``:
 
 - mixed / prefill steps: ``flash_attn_varlen_func(q[rows], k_cache, v_cache, cu_seqlens_q,
   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=..., causal=True,

@@ -1,8 +1,8 @@
 """The built-in stat loggers and the factory that assembles the loggers of an engine.
 
-* ``LoggingStatLogger`` writes the seeds' one-line summary (throughputs, running/waiting,
-  KV-cache usage, prefix-cache hit rate) to the INFO log each time ``log()`` is called
-  (every ``log_stats_interval`` seconds, 5 by default).
+* ``LoggingStatLogger`` writes vLLM's one-line summary (throughputs, running/waiting,
+  KV-cache usage, prefix-cache hit rate; vLLM's metrics design doc) to the INFO log each
+  time ``log()`` is called (every ``log_stats_interval`` seconds, 5 by default).
 * ``PrometheusStatLogger`` keeps the v1 metric set under the ``kvloom:`` prefix, each
   labelled with ``model_name``, in its own ``CollectorRegistry`` (``/metrics`` serves it).
 * ``build_stat_loggers`` makes the logging logger (unless ``disable_log_stats``), the
@@ -41,8 +41,9 @@ StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
 
 
 class PrefixCacheHitRate:
-    """Hit rate over the most recent ``max_requests`` prefix-cache lookups (the seeds'
-    "most recent 1k queries"): a sliding window of per-step (requests, queries, hits)."""
+    """Hit rate over the most recent ``max_requests`` prefix-cache lookups (vLLM's logged
+    hit rate is over the "most recent 1k queries"): a sliding window of per-step
+    (requests, queries, hits)."""
 
     def __init__(self, max_requests: int = 1000) -> None:
         self.max_requests = max_requests
@@ -74,7 +75,7 @@ class PrefixCacheHitRate:
 
 
 class LoggingStatLogger(StatLoggerBase):
-    """Logs the seeds' summary line: throughputs since the last line, running and waiting
+    """Logs vLLM's summary line: throughputs since the last line, running and waiting
     requests, KV-cache usage and the recent prefix-cache hit rate."""
 
     def __init__(self, config: "EngineConfig", engine_index: int = 0) -> None:
