@@ -15,7 +15,8 @@ from typing import Any
 
 @dataclass
 class ForwardContext:
-    #: Backend metadata for this step (None during a profiling run without attention).
+    #: Backend metadata for this step (the profiling and warm-up runs build it too, from
+    #: dummy requests).
     attn_metadata: Any
     #: Extra per-step data for layers (e.g. LoRA indices), keyed by feature name.
     extras: dict[str, Any] = field(default_factory=dict)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvloom.metrics.stats import SchedulerStats
 from kvloom.request import EngineCoreEvent, FinishReason
 
 # ----------------------------------------------------------------- model runner -> scheduler
@@ -64,23 +65,6 @@ class PendingModelRunnerOutput:
 
 
 # ----------------------------------------------------------------- scheduler -> front end
-
-
-@dataclass
-class PrefixCacheStats:
-    requests: int = 0
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found
-    reset: bool = False
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
-    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    num_preemptions: int = 0  # preemptions in this step
 
 
 @dataclass

@@ -165,10 +165,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
-
-    @property
     def skip_prefix_cache_reading(self) -> bool:
         """Requests that need a result for every prompt position (pooling, prompt
         logprobs) must compute it: a prefix-cache hit would skip those positions. Their

@@ -97,10 +97,6 @@ class SamplingParams(BaseModel):
         repetition penalty)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)
-
 
 class PoolingParams(BaseModel):
     """Parameters for pooling (embedding) requests.

@@ -1,6 +1,6 @@
 """Test doubles for the server and metrics tests: an ``EngineConfig`` built without a
-model, a word-level tokenizer, IterationStats-shaped records, and a deterministic
-``AsyncLLM`` stand-in that follows the front-end contract of ``kvloom.engine.async_llm``.
+model, a word-level tokenizer and a deterministic ``AsyncLLM`` stand-in that follows the
+front-end contract of ``kvloom.engine.async_llm``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import asyncio
 import math
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvloom.config import (
@@ -87,30 +86,6 @@ def make_config(
         observability=ObservabilityConfig(disable_log_stats=disable_log_stats, log_stats_interval=5.0),
         device=DeviceConfig(platform=stand_in_platform("cpu"), device_type="cpu"),
     )
-
-
-# ----------------------------------------------------------------- IterationStats shape
-
-
-@dataclass
-class FakeFinishedRequestStats:
-    finish_reason: str
-    e2e_latency: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    queued_time: float
-    prefill_time: float
-    inference_time: float
-    decode_time: float
-
-
-@dataclass
-class FakeIterationStats:
-    num_generation_tokens: int = 0
-    num_prompt_tokens: int = 0
-    time_to_first_tokens_iter: list[float] = field(default_factory=list)
-    inter_token_latencies_iter: list[float] = field(default_factory=list)
-    finished_requests: list[FakeFinishedRequestStats] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------- tokenizer

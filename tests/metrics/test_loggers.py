@@ -18,9 +18,10 @@ from kvloom.metrics.loggers import (
     token_count_buckets,
 )
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.outputs import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
 from kvloom.plugins import STAT_LOGGER_PLUGINS
-from tests.helpers.serve_fakes import FakeFinishedRequestStats, FakeIterationStats, make_config
+from kvloom.request import FinishReason
+from tests.helpers.serve_fakes import make_config
 
 
 def samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
@@ -32,16 +33,18 @@ def samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def finished(reason: str, e2e: float, prompt: int, gen: int) -> FakeFinishedRequestStats:
-    return FakeFinishedRequestStats(
-        finish_reason=reason,
+def finished(reason: FinishReason | str, e2e: float, prompt: int, gen: int) -> FinishedRequestStats:
+    return FinishedRequestStats(
+        finish_reason=reason,  # type: ignore[arg-type]  # a str only to test the unknown-reason error
         e2e_latency=e2e,
         num_prompt_tokens=prompt,
         num_generation_tokens=gen,
+        max_tokens_param=None,
         queued_time=0.5,
         prefill_time=0.25,
         inference_time=e2e - 0.5,
         decode_time=e2e - 0.75,
+        mean_time_per_output_token=0.0,
     )
 
 
@@ -58,19 +61,19 @@ def test_prometheus_metric_values_and_labels() -> None:
             prefix_cache_stats=PrefixCacheStats(requests=2, queries=64, hits=16),
             num_preemptions=1,
         ),
-        FakeIterationStats(
+        IterationStats(
             num_prompt_tokens=40,
             num_generation_tokens=3,
             time_to_first_tokens_iter=[0.03, 0.7],
             inter_token_latencies_iter=[0.02],
-            finished_requests=[finished("stop", 2.0, 20, 7), finished("length", 3.0, 20, 16)],
+            finished_requests=[finished(FinishReason.STOP, 2.0, 20, 7), finished(FinishReason.LENGTH, 3.0, 20, 16)],
         ),
     )
     logger.record(
         SchedulerStats(num_running_reqs=1, kv_cache_usage=0.125,
                        prefix_cache_stats=PrefixCacheStats(requests=1, queries=16, hits=0)),
-        FakeIterationStats(num_generation_tokens=1, inter_token_latencies_iter=[0.05],
-                           finished_requests=[finished("abort", 1.0, 5, 1)]),
+        IterationStats(num_generation_tokens=1, inter_token_latencies_iter=[0.05],
+                       finished_requests=[finished(FinishReason.ABORT, 1.0, 5, 1)]),
     )
     s = samples(logger)
     assert s[("kvloom:num_requests_running", M)] == 1
@@ -154,7 +157,7 @@ def test_cache_config_info_carries_cache_config_and_updates_after_init() -> None
 def test_two_loggers_do_not_collide() -> None:
     a = PrometheusStatLogger(make_config(served_model_name="a"))
     b = PrometheusStatLogger(make_config(served_model_name="b"))
-    a.record(None, FakeIterationStats(num_prompt_tokens=5))
+    a.record(None, IterationStats(num_prompt_tokens=5))
     assert samples(a)[("kvloom:prompt_tokens_total", (("model_name", "a"),))] == 5
     assert samples(b)[("kvloom:prompt_tokens_total", (("model_name", "b"),))] == 0
 
@@ -162,7 +165,7 @@ def test_two_loggers_do_not_collide() -> None:
 def test_unknown_finish_reason_is_an_error() -> None:
     logger = PrometheusStatLogger(make_config())
     with pytest.raises(ValueError, match="finish_reason 'exploded'"):
-        logger.record(None, FakeIterationStats(finished_requests=[finished("exploded", 1.0, 1, 1)]))
+        logger.record(None, IterationStats(finished_requests=[finished("exploded", 1.0, 1, 1)]))
 
 
 def test_token_count_buckets() -> None:
@@ -190,9 +193,9 @@ def test_logging_stat_logger_summary(caplog: pytest.LogCaptureFixture) -> None:
     logger.record(
         SchedulerStats(num_running_reqs=4, num_waiting_reqs=1, kv_cache_usage=0.375,
                        prefix_cache_stats=PrefixCacheStats(requests=2, queries=40, hits=10)),
-        FakeIterationStats(num_prompt_tokens=100, num_generation_tokens=20),
+        IterationStats(num_prompt_tokens=100, num_generation_tokens=20),
     )
-    logger.record(None, FakeIterationStats(num_generation_tokens=30))
+    logger.record(None, IterationStats(num_generation_tokens=30))
     line = logger.summary(now=105.0)
     assert line == (
         "Engine 000: Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
@@ -210,7 +213,7 @@ def test_logging_stat_logger_quiet_when_idle(caplog: pytest.LogCaptureFixture) -
     with caplog.at_level(logging.DEBUG, logger="kvloom.metrics.loggers"):
         logger.log()
         logger.log()
-        logger.record(SchedulerStats(num_running_reqs=1), FakeIterationStats(num_generation_tokens=1))
+        logger.record(SchedulerStats(num_running_reqs=1), IterationStats(num_generation_tokens=1))
         logger.log()
     levels = [r.levelno for r in caplog.records]
     assert levels == [logging.INFO, logging.DEBUG, logging.INFO]

@@ -42,15 +42,13 @@ class FlashAttentionBackend(AttentionBackend):
     """Paged attention through flash-attn 2 (``flash_attn_varlen_func`` with a block table
     for any batch; ``flash_attn_with_kvcache`` for pure decode steps, switchable).
 
-    Block sizes: ``(MultipleOf(256),)`` and nothing else. That is the released library's
-    limit, measured on the H100 with flash-attn 2.8.3.post2 (2026-11-22,
-    ``shared/gpu/flash-attn/test_paged_kv.py``): ``flash_attn_varlen_func`` and
-    ``flash_attn_with_kvcache`` with ``block_table`` reject block sizes 16, 64 and 128 and
-    accept 256 and 512 (bf16 relative error ~2e-3 against float64); flash-attn's own
-    docstring says "page_block_size must be a multiple of 256". (vLLM declares multiples
-    of 16 because it ships its own fork of the kernels.) With no ``--block-size`` the
-    engine therefore runs this backend at 256 (``preferred_block_size``); with
-    ``--block-size 16`` this backend is invalid and selection moves on.
+    Block sizes: ``(MultipleOf(256),)`` and nothing else, the released library's limit:
+    its paged-KV calls (``block_table``) take only pages that are a multiple of 256
+    tokens (flash-attn's docstring: "page_block_size must be a multiple of 256"; the
+    measurement is in README.md). vLLM declares multiples of 16 because it ships its own
+    fork of the kernels. With no ``--block-size`` the engine therefore runs this backend
+    at 256 (``preferred_block_size``); with ``--block-size 16`` this backend is invalid and
+    selection moves on.
 
     CUDA graphs: ``UNIFORM_BATCH`` as vLLM declares for FA2 (its decode-only
     packed-GQA path differs from the mixed-batch path, so a graph captured for a uniform

@@ -1,7 +1,7 @@
 """The per-layer attention implementation of FLASH_ATTN: write K/V, then one flash-attn call.
 
-Calls, exactly as measured on the H100 with flash-attn 2.8.3.post2
-(``shared/gpu/flash-attn/test_paged_kv.py``), plus ``softmax_scale``:
+Calls, those of the released flash-attn 2 API whose paged-KV paths README.md's
+measurement checked, plus ``softmax_scale``:
 
 - mixed / prefill steps: ``flash_attn_varlen_func(q[rows], k_cache, v_cache, cu_seqlens_q,
   cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=..., causal=True,
@@ -48,13 +48,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: FlashAttentionMetadata | None,
+        attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if attn_metadata is None:
-            # A forward without attention metadata (no KV cache bound yet): nothing to
-            # attend to; zeros keep the rest of the model finite.
-            return output.zero_()
         md = attn_metadata
         write_kv_default_layout(kv_cache, key, value, md.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]

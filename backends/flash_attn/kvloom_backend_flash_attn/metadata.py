@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.attention.backend import (
-    AttentionCGSupport,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -92,7 +91,6 @@ class FlashAttentionMetadata:
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
-    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
         super().__init__(spec, device, max_num_blocks)
@@ -112,7 +110,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         if rows != common.num_reqs * common.max_query_len:
             raise ValueError(
                 "FLASH_ATTN captures CUDA graphs only for uniform batches (every request with the same "
-                f"query length; cudagraph_support={self.cudagraph_support.name}); got query lengths "
+                "query length; cudagraph_support=UNIFORM_BATCH); got query lengths "
                 f"{common.query_lens_cpu[: common.num_reqs].tolist()}"
             )
         if common.num_reqs > self.spec.max_num_seqs:

@@ -42,7 +42,6 @@ import flashinfer
 import torch
 
 from kvloom.attention.backend import (
-    AttentionCGSupport,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -61,7 +60,6 @@ KV_LAYOUT = "NHD"
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
-    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
         super().__init__(spec, device, max_num_blocks)
@@ -97,7 +95,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if not common.is_uniform_single_token_decode:
             raise ValueError(
                 "FLASHINFER captures CUDA graphs only for uniform single-token decode batches "
-                f"(cudagraph_support={self.cudagraph_support.name}); got max_query_len="
+                "(cudagraph_support=UNIFORM_SINGLE_TOKEN_DECODE); got max_query_len="
                 f"{common.max_query_len}"
             )
         plan = self._host_plan(common)

@@ -21,12 +21,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: FlashInferMetadata | None,
+        attn_metadata: FlashInferMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if attn_metadata is None:
-            # Profiling run without attention metadata: no cache to write, nothing to attend.
-            return output.zero_()
         if attn_metadata.sm_scale != self.scale:
             raise ValueError(
                 f"layer scale {self.scale} differs from the scale the step was planned with "

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvloom.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 from kvloom_backend_flex_attention.metadata import FlexAttentionMetadata, FlexQueryGroup
 from kvloom_backend_flex_attention.planning import PageOwnership, plan_page_ownership, plan_query_groups
 
 
 class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadata]):
-    cudagraph_support = AttentionCGSupport.NEVER
 
     def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
         num_reqs = common.num_reqs

@@ -71,12 +71,9 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: FlexAttentionMetadata | None,
+        attn_metadata: FlexAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if attn_metadata is None:
-            # Profiling run without attention metadata: no cache to write, nothing to attend.
-            return output.zero_()
         write_kv_default_layout(kv_cache, key, value, attn_metadata.slot_mapping)
 
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape

@@ -278,14 +278,6 @@ def test_slot_minus_one_is_not_written():
     assert torch.equal(k_cache.reshape(-1, 2, 32)[slot], before[0].reshape(-1, 2, 32)[slot])
 
 
-def test_profiling_run_without_metadata_zeroes_output():
-    _, _, impl, cache = _parts(4, 4, 32, torch.float32)
-    output = torch.full((3, 4, 32), float("nan"))
-    q = torch.randn(3, 4, 32)
-    impl.forward(q, q, q, cache, None, output)
-    assert torch.equal(output, torch.zeros_like(output))
-
-
 def test_block_lists_cover_exactly_what_the_mask_allows():
     """What the compiled kernels rely on: for every query block, every slot the mask allows
     lies in a listed page, full pages are allowed for every real row, lists are disjoint."""

@@ -25,10 +25,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if attn_metadata is None:
-            # Memory-profiling run (the forward context carries no metadata): the model's
-            # activations are what is measured; there is no cache to attend to yet.
-            return output
         md = attn_metadata
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)

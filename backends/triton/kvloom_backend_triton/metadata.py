@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.attention.backend import (
-    AttentionCGSupport,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -65,7 +64,6 @@ class TritonAttentionMetadata:
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
-    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
         super().__init__(spec, device, max_num_blocks)

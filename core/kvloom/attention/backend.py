@@ -162,12 +162,10 @@ M = TypeVar("M")
 class AttentionMetadataBuilder(ABC, Generic[M]):
     """Turns ``CommonAttentionMetadata`` into backend metadata, once per step.
 
-    ``cudagraph_support`` is what this builder's metadata can do inside a captured graph.
-    Builders that keep persistent buffers for graphs should size them from
-    ``spec.max_num_seqs`` and ``max_num_blocks`` at construction.
+    What the metadata can do inside a captured graph is the backend's
+    ``AttentionBackend.cudagraph_support``. Builders that keep persistent buffers for graphs
+    should size them from ``spec.max_num_seqs`` and ``max_num_blocks`` at construction.
     """
-
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
         self.spec = spec
@@ -282,6 +280,8 @@ class AttentionBackend(ABC):
     max_compute_capability: ClassVar[DeviceCapability | None] = None
     is_mla: ClassVar[bool] = False
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    #: Which batches the builder's metadata can serve inside a captured CUDA graph
+    #: (``NEVER``: the engine runs eagerly).
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     #: Python modules the kernels import, with the pip distribution that provides each,
     #: e.g. ``{"flashinfer": "flashinfer-python"}``. A missing one is a reason, not a crash.

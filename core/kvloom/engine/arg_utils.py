@@ -293,7 +293,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         async_scheduling=args.async_scheduling,
     )
 
-    # -O levels only set defaults; explicit settings win (the seeds' rule).
+    # -O levels only set defaults; explicit settings win (as in vLLM: its optimization
+    # levels never overwrite an explicit user setting).
     if args.cudagraph_mode is not None:
         mode = args.cudagraph_mode
     elif args.enforce_eager or args.optimization_level == 0:

@@ -65,10 +65,6 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests_stopped(self, request_ids: Iterable[str]) -> None:
-        """Requests the front end finished (stop strings)."""
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

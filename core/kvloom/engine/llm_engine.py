@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.config import EngineConfig
@@ -78,9 +77,6 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.utility(lambda core: core.reset_prefix_cache())
-
-    def get_metrics(self) -> Any:
-        return self.frontend.stat_loggers
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -1,15 +1,13 @@
 """The built-in stat loggers and the factory that assembles the loggers of an engine.
 
-* ``LoggingStatLogger`` writes the seeds' one-line summary (throughputs, running/waiting,
-  KV-cache usage, prefix-cache hit rate) to the INFO log each time ``log()`` is called
-  (every ``log_stats_interval`` seconds, 5 by default).
+* ``LoggingStatLogger`` writes vLLM's one-line summary (throughputs, running/waiting,
+  KV-cache usage, prefix-cache hit rate; vLLM's metrics design doc) to the INFO log each
+  time ``log()`` is called (every ``log_stats_interval`` seconds, 5 by default).
 * ``PrometheusStatLogger`` keeps the v1 metric set under the ``kvloom:`` prefix, each
   labelled with ``model_name``, in its own ``CollectorRegistry`` (``/metrics`` serves it).
 * ``build_stat_loggers`` makes the logging logger (unless ``disable_log_stats``), the
   loggers the caller asked for (e.g. ``PrometheusStatLogger`` when serving) and one
   instance of every ``kvloom.stat_logger_plugins`` plugin.
-
-All the knowledge of ``IterationStats``' field names lives in ``_IterationView`` below.
 """
 
 from __future__ import annotations
@@ -18,20 +16,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloom import plugins
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.outputs import SchedulerStats
+from kvloom.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
 from kvloom.request import FinishReason
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
-    from kvloom.metrics.stats import IterationStats
-    from kvloom.outputs import PrefixCacheStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,62 +37,13 @@ METRIC_PREFIX = "kvloom:"
 StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
 
 
-# ----------------------------------------------------------------- reading IterationStats
-
-
-@dataclass
-class _FinishedRequestView:
-    finish_reason: str
-    e2e_latency: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    queued_time: float
-    prefill_time: float
-    inference_time: float
-    decode_time: float
-
-
-@dataclass
-class _IterationView:
-    """The parts of one step's ``IterationStats`` that the loggers publish."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    finished_requests: list[_FinishedRequestView] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, stats: "IterationStats | None") -> "_IterationView":
-        if stats is None:
-            return cls()
-        return cls(
-            num_prompt_tokens=stats.num_prompt_tokens,
-            num_generation_tokens=stats.num_generation_tokens,
-            time_to_first_tokens=list(stats.time_to_first_tokens_iter),
-            inter_token_latencies=list(stats.inter_token_latencies_iter),
-            finished_requests=[
-                _FinishedRequestView(
-                    finish_reason=str(r.finish_reason),
-                    e2e_latency=r.e2e_latency,
-                    num_prompt_tokens=r.num_prompt_tokens,
-                    num_generation_tokens=r.num_generation_tokens,
-                    queued_time=r.queued_time,
-                    prefill_time=r.prefill_time,
-                    inference_time=r.inference_time,
-                    decode_time=r.decode_time,
-                )
-                for r in stats.finished_requests
-            ],
-        )
-
-
 # ----------------------------------------------------------------- logging
 
 
 class PrefixCacheHitRate:
-    """Hit rate over the most recent ``max_requests`` prefix-cache lookups (the seeds'
-    "most recent 1k queries"): a sliding window of per-step (requests, queries, hits)."""
+    """Hit rate over the most recent ``max_requests`` prefix-cache lookups (vLLM's logged
+    hit rate is over the "most recent 1k queries"): a sliding window of per-step
+    (requests, queries, hits)."""
 
     def __init__(self, max_requests: int = 1000) -> None:
         self.max_requests = max_requests
@@ -106,7 +52,7 @@ class PrefixCacheHitRate:
         self._queries = 0
         self._hits = 0
 
-    def observe(self, stats: "PrefixCacheStats") -> None:
+    def observe(self, stats: PrefixCacheStats) -> None:
         if stats.reset:
             self._window.clear()
             self._requests = self._queries = self._hits = 0
@@ -129,7 +75,7 @@ class PrefixCacheHitRate:
 
 
 class LoggingStatLogger(StatLoggerBase):
-    """Logs the seeds' summary line: throughputs since the last line, running and waiting
+    """Logs vLLM's summary line: throughputs since the last line, running and waiting
     requests, KV-cache usage and the recent prefix-cache hit rate."""
 
     def __init__(self, config: "EngineConfig", engine_index: int = 0) -> None:
@@ -147,12 +93,12 @@ class LoggingStatLogger(StatLoggerBase):
     def record(
         self,
         scheduler_stats: SchedulerStats | None,
-        iteration_stats: "IterationStats | None",
+        iteration_stats: IterationStats | None,
         engine_idx: int = 0,
     ) -> None:
-        it = _IterationView.of(iteration_stats)
-        self.interval_prompt_tokens += it.num_prompt_tokens
-        self.interval_generation_tokens += it.num_generation_tokens
+        if iteration_stats is not None:
+            self.interval_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.interval_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
             self.last_scheduler_stats = scheduler_stats
             self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
@@ -341,7 +287,7 @@ class PrometheusStatLogger(StatLoggerBase):
     def record(
         self,
         scheduler_stats: SchedulerStats | None,
-        iteration_stats: "IterationStats | None",
+        iteration_stats: IterationStats | None,
         engine_idx: int = 0,
     ) -> None:
         if scheduler_stats is not None:
@@ -353,19 +299,17 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_preemptions.inc(scheduler_stats.num_preemptions)
         if iteration_stats is None:
             return
-        it = _IterationView.of(iteration_stats)
-        self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
-        for ttft in it.time_to_first_tokens:
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens_iter:
             self.time_to_first_token.observe(ttft)
-        for itl in it.inter_token_latencies:
+        for itl in iteration_stats.inter_token_latencies_iter:
             self.inter_token_latency.observe(itl)
-        for req in it.finished_requests:
-            success = self.request_success.get(req.finish_reason)
+        for req in iteration_stats.finished_requests:
+            reason = str(req.finish_reason)
+            success = self.request_success.get(reason)
             if success is None:
-                raise ValueError(
-                    f"finish_reason {req.finish_reason!r} is not one of {sorted(self.request_success)}"
-                )
+                raise ValueError(f"finish_reason {reason!r} is not one of {sorted(self.request_success)}")
             success.inc()
             self.request_prompt_tokens.observe(req.num_prompt_tokens)
             self.request_generation_tokens.observe(req.num_generation_tokens)

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
-    from kvloom.metrics.stats import IterationStats
-    from kvloom.outputs import SchedulerStats
+    from kvloom.metrics.stats import IterationStats, SchedulerStats
 
 
 class StatLoggerBase(ABC):

@@ -1,6 +1,8 @@
-"""Front-end request and iteration statistics, computed from engine-core outputs.
+"""Engine statistics: the scheduler's per-step ``SchedulerStats`` (made in the engine core,
+sent to the front end in ``EngineCoreOutputs``) and the front end's request and iteration
+statistics, computed from engine-core outputs.
 
-Metrics are collected in the front end (off the engine core's hot loop), from what each
+Request and iteration metrics are collected in the front end (off the engine core's hot loop), from what each
 ``EngineCoreOutputs`` carries:
 
 * per-request events (QUEUED, SCHEDULED, PREEMPTED) timestamped with the engine core's
@@ -27,9 +29,39 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvloom.outputs import EngineCoreOutput
 from kvloom.request import EngineCoreEvent, EngineCoreEventType, FinishReason
+
+if TYPE_CHECKING:
+    from kvloom.outputs import EngineCoreOutput
+
+
+# ----------------------------------------------------------------- engine core (scheduler)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups of one step (``reset``: the cache was reset in it)."""
+
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+    reset: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state after one step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_preemptions: int = 0  # preemptions in this step
+
+
+# ----------------------------------------------------------------- front end
 
 
 @dataclass

@@ -48,10 +48,12 @@ from collections.abc import Iterable
 
 from kvloom.config import CacheConfig, SchedulerConfig
 from kvloom.kv_cache.manager import KVCacheManager
-from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, Request, RequestStatus
 from kvloom.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
+from kvloom.scheduler.utils import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +389,7 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
-        check_stop = self._check_stop
+        max_model_len = self.max_model_len
         stop_limits = self._stop_limits
         any_finished = False
 
@@ -425,9 +427,9 @@ class Scheduler:
                 for token_id in new_token_ids:
                     request.append_output_token_ids(token_id)
                     num_accepted += 1
-                    # Cheap pre-check; _check_stop applies min_tokens and sets the reason.
+                    # Cheap pre-check; check_stop applies min_tokens and sets the reason.
                     if (token_id in stop_token_ids or len(request.all_token_ids) >= max_num_tokens) and check_stop(
-                        request
+                        request, max_model_len
                     ):
                         finished = True
                         break
@@ -467,28 +469,6 @@ class Scheduler:
             timestamp=time.monotonic(),
             finished_requests=finished_ids,
         )
-
-    def _check_stop(self, request: Request) -> bool:
-        """Apply stop conditions after one appended token; sets status and stop_reason."""
-        params = request.sampling_params
-        assert params is not None
-        num_output_tokens = len(request.output_token_ids)
-        if num_output_tokens >= params.min_tokens:
-            last_token_id = request.output_token_ids[-1]
-            if last_token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last_token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token_id
-                return True
-        max_tokens = request.max_tokens
-        if len(request.all_token_ids) >= self.max_model_len or (
-            max_tokens is not None and num_output_tokens >= max_tokens
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _free_request(self, request: Request) -> None:
         """Release a finished request (the caller removes it from running/waiting)."""

@@ -12,11 +12,10 @@ from pydantic import BaseModel
 
 from kvloom.entrypoints.openai.api_server import build_app
 from kvloom.metrics.loggers import PrometheusStatLogger
-from kvloom.outputs import SchedulerStats
+from kvloom.metrics.stats import IterationStats, SchedulerStats
 from kvloom.sampling_params import RequestOutputKind
 from tests.helpers.serve_fakes import (
     FakeAsyncLLM,
-    FakeIterationStats,
     WordTokenizer,
     expected_text,
     expected_tokens,
@@ -483,7 +482,7 @@ def test_metrics_endpoint_renders_prometheus_logger() -> None:
     engine = FakeAsyncLLM(make_config(served_model_name="mm"))
     prom = PrometheusStatLogger(engine.config)
     engine.stat_loggers = [prom]
-    prom.record(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5), FakeIterationStats(num_generation_tokens=7))
+    prom.record(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5), IterationStats(num_generation_tokens=7))
     client = TestClient(build_app(engine, log_stats=False))
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

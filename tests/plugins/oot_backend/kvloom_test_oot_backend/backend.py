@@ -25,8 +25,6 @@ KVLOOM_PLUGIN_API = "1.0"
 class OotTestMetadataBuilder(AttentionMetadataBuilder[CommonAttentionMetadata]):
     """The impl reads the common metadata directly: nothing to precompute."""
 
-    cudagraph_support = AttentionCGSupport.NEVER
-
     def build(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         return common
 

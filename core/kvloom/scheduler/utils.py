@@ -1,0 +1,26 @@
+"""Helpers of the scheduler (vLLM: ``vllm/v1/core/sched/utils.py``)."""
+
+from __future__ import annotations
+
+from kvloom.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Apply stop conditions after one appended token; sets status and stop_reason."""
+    params = request.sampling_params
+    assert params is not None
+    num_output_tokens = len(request.output_token_ids)
+    if num_output_tokens >= params.min_tokens:
+        last_token_id = request.output_token_ids[-1]
+        if last_token_id == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last_token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+    max_tokens = request.max_tokens
+    if len(request.all_token_ids) >= max_model_len or (max_tokens is not None and num_output_tokens >= max_tokens):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
