@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Offline throughput on nano-vllm's published workload, per attention backend.
 
-Workload (identical to ../shared/bench/hf_peer_nanovllm_workload.py and nano-vllm's
-bench.py): Qwen3-0.6B shape with random (dummy) bf16 weights, 256 sequences, prompt
+Workload (identical to nano-vllm's bench.py): Qwen3-0.6B shape with random (dummy) bf16 weights, 256 sequences, prompt
 token ids randint(0, 10000) with lengths randint(100, 1024) drawn with random.seed(0),
 then output lengths randint(100, 1024) (total 133,966 output tokens), EOS ignored,
 temperature 0.6, max_model_len 4096.

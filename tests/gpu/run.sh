@@ -17,7 +17,7 @@
 #                alone), instead of building it again; stops the run if flash_attn does not import.
 #   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
 #                FLASHINFER and FLASH_ATTN: the selection without those two.
-# Needs the carried folder .whl (wheels from ../shared/gpu/fetch-wheels.sh) and, for the
+# Needs the carried folder .whl (wheels from tests/gpu/fetch_wheels.sh) and, for the
 # SmolLM2 tests, .gguf1..5 (the GGUF split by tests/gpu/split_gguf.sh, carried across several
 # calls of one warm machine: each call stashes its parts in /tmp, reassembled once all five are
 # there). Results: $OUT.

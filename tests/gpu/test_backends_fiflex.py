@@ -8,7 +8,7 @@
 JIT/compile budget on a fresh machine: one dtype/head-size combination (bf16, 128) and one
 block size, so FlashInfer builds one FA2 module (~27 s, shared by its prefill and
 tensor-core decode wrappers) and flex_attention compiles two query-group kernels.
-FLASHINFER needs the flashinfer-python wheel (../shared/gpu/fetch-wheels.sh) and both
+FLASHINFER needs the flashinfer-python wheel (tests/gpu/fetch_wheels.sh) and both
 backend distributions installed (their entry points are looked up by name).
 """
 
