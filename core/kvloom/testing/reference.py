@@ -344,7 +344,8 @@ class PagedCase:
         return self.common.num_actual_tokens
 
     def cache_problems(self) -> list[str]:
-        """How the backend's cache differs from what it must hold after this step."""
+        """How the backend's cache differs from what it must hold after this step (until
+        the next step over the same cache is built)."""
         return self.cache.problems(self.written_slots)
 
 
