@@ -4,11 +4,12 @@ For each backend named with ``--backends`` (looked up by name through kvloom's r
 driven only through the common contract: builder + impl), and for TRITON_ATTN each kernel
 variant named with ``--variants``:
 
-1. correctness first: relative error against a float64 reference on smaller random paged
-   batches (decode, prefill, chunked prefill with a cached prefix, a mixed batch), output
-   poisoned with NaN beforehand; the cache's unwritten slots hold NaN too, except for
-   backends that read whole pages and need them finite (FLEX_ATTENTION: zeros, as the
-   engine allocates the cache);
+1. correctness first: the worst request's relative error against the float64 reference
+   (``kvloom.testing.reference``) on smaller random paged batches (decode, prefill,
+   chunked prefill with a cached prefix, a mixed batch), output poisoned with NaN
+   beforehand; the cache's unwritten slots hold NaN too, except for backends that read
+   whole pages and need them finite (FLEX_ATTENTION: zeros, as the engine allocates the
+   cache);
 2. decode: batch 64 x context 4096 (Hq 32, Hkv 8, D 128, bf16; each backend at the block
    size the engine would give it, ``preferred_block_size``: 16 for most, 256 for
    FLASH_ATTN, whose kernels take multiples of 256 only; ``--block-size`` forces one):
@@ -54,6 +55,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from kvloom_registry import PluginError
+
+from kvloom.attention.backend import (
+    AttentionCGSupport,
+    AttentionLayerSpec,
+    AttentionSelectorConfig,
+    CommonAttentionMetadata,
+)
+from kvloom.attention.selector import BackendSelectionError, get_attention_backend
+from kvloom.platforms.interface import DeviceCapability
+from kvloom.testing.reference import check_paged_case, make_paged_case, relative_error, run_paged_case
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, synchronize  # noqa: E402, RUF100
@@ -75,8 +87,6 @@ ZERO_FILLED_CACHE_BACKENDS = frozenset({"FLEX_ATTENTION"})
 def load_backend(name: str) -> type:
     """The backend class registered under ``name``; ``BackendSelectionError`` when no
     installed plugin provides it, a ``PluginError`` when the plugins fail to load."""
-    from kvloom.attention.selector import get_attention_backend
-
     return get_attention_backend(name)
 
 
@@ -117,9 +127,8 @@ def make_timing_batch(
     num_blocks: int | None = None,
 ) -> Batch:
     """Random (never zero) paged data, each request on shuffled physical blocks
-    (``num_blocks``: cache size, at least what the batch needs)."""
-    from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
-
+    (``num_blocks``: cache size, at least what the batch needs). Drawn on the device and
+    with no reference output, for timing at full size."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = max(num_blocks or 0, sum(blocks_per_req))
@@ -199,8 +208,6 @@ def correctness(backend: type, device: torch.device, dtype: torch.dtype, shape: 
                 context: int, prompt: int) -> dict[str, float]:
     """Relative errors on smaller random batches (float64 reference on the CPU); lengths
     scale with the decode context ``context`` and the prompt length ``prompt``."""
-    from kvloom_backend_triton.reference import check_case, make_paged_case, run_case
-
     hq, hkv, d, bs = shape["num_heads"], shape["num_kv_heads"], shape["head_size"], shape["block_size"]
     c, p = context, prompt
     cases = {
@@ -214,22 +221,16 @@ def correctness(backend: type, device: torch.device, dtype: torch.dtype, shape: 
         case = make_paged_case(
             backend, q_lens, s_lens, num_heads=hq, num_kv_heads=hkv, head_size=d, block_size=bs, dtype=dtype,
             device=device, seed=100 + i, pad_tokens=3, extra=extra,
+            fill="zeros" if backend.NAME in ZERO_FILLED_CACHE_BACKENDS else "nan",
         )
-        if backend.NAME in ZERO_FILLED_CACHE_BACKENDS:
-            for cache in (case.kv_cache, case.expected_key_cache, case.expected_value_cache):
-                cache.nan_to_num_(0.0)
-        output, _ = run_case(backend, case)
-        result = check_case(backend, case, output)
-        errors[name] = result["rel_error"] if result["cache_ok"] else float("inf")
+        check = check_paged_case(case, run_paged_case(case))
+        errors[name] = check.rel_error if check.cache_ok else float("inf")
     return errors
 
 
 def cuda_graph_check(backend: type, device: torch.device, dtype: torch.dtype, shape: dict, extra: dict,
                      batch: int, context: int, warmup_ms: int, rep_ms: int) -> dict[str, float]:
     """Capture a decode step, then change lengths and block tables in place and replay."""
-    from kvloom.attention.backend import AttentionCGSupport
-    from kvloom_backend_triton.reference import relative_error
-
     if backend.cudagraph_support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
         return {}
     kw = {"num_heads": shape["num_heads"], "num_kv_heads": shape["num_kv_heads"], "head_size": shape["head_size"],
@@ -362,9 +363,6 @@ def main() -> None:
                 **measure_gemm_rate(device, args.gemm_n, args.warmup_ms, args.rep_ms)}
     logger.info("device copy %.0f GB/s, bf16 GEMM %.0f TFLOP/s", ceilings["copy_GBps"], ceilings["gemm_TFLOPs"])
 
-    from kvloom.attention.selector import BackendSelectionError
-    from kvloom_registry import PluginError
-
     rows = []
     for name in (n.strip() for n in args.backends.split(",") if n.strip()):
         try:
@@ -434,9 +432,6 @@ def main() -> None:
 
 
 def _selector(backend: type, shape: dict, dtype: torch.dtype, props: Any) -> Any:
-    from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.platforms.interface import DeviceCapability
-
     return AttentionSelectorConfig(
         head_size=shape["head_size"], dtype=dtype, block_size=shape["block_size"], device_type="cuda",
         device_capability=DeviceCapability(props.major, props.minor), num_heads=shape["num_heads"],

@@ -1,9 +1,10 @@
 """An obviously-correct paged attention backend for tests (not a plugin).
 
-Plain torch, one request at a time, float32 math: write K/V through the slot mapping,
-then for each request gather its whole sequence from the block table and run causal
-softmax attention. Slow and simple on purpose: model tests use it as the attention
-reference while the real backends are tested against the conformance suite.
+Plain torch: write K/V through the slot mapping, then compute attention with the float64
+reference of ``kvloom.testing.reference`` (each request's whole sequence gathered from the
+block table, causal softmax) and round it to the model dtype. Slow and simple on purpose:
+model tests use it as the attention reference while the real backends are tested against
+the conformance suite.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvloom.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from kvloom.testing.reference import reference_attention
 
 
 class ReferenceMetadataBuilder(AttentionMetadataBuilder[CommonAttentionMetadata]):
@@ -46,27 +48,7 @@ class ReferenceAttentionImpl(AttentionImpl[CommonAttentionMetadata]):
         key_cache[blocks, offsets] = key[:n][write].to(key_cache.dtype)
         value_cache[blocks, offsets] = value[:n][write].to(value_cache.dtype)
 
-        group = self.num_heads // self.num_kv_heads
-        qsl = md.query_start_loc_cpu.tolist()
-        seq_lens = md.seq_lens_cpu.tolist()
-        for i in range(md.num_reqs):
-            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            q_len = end - start
-            if q_len == 0:
-                continue
-            positions = torch.arange(seq_len, device=query.device)
-            block_ids = md.block_table[i, positions // block_size].long()
-            k = key_cache[block_ids, positions % block_size].float()  # [S, Hk, D]
-            v = value_cache[block_ids, positions % block_size].float()
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-            q = query[start:end].float()  # [Q, H, D]
-            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = positions[None, :] > q_pos[:, None]  # future keys
-            scores = scores.masked_fill(mask[None], float("-inf"))
-            out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
-            output[start:end] = out.to(output.dtype)
+        output[:n] = reference_attention(query, key_cache, value_cache, md, self.scale).to(output)
         return output
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvloom.testing.reference import check_paged_case, make_paged_case, relative_error, run_paged_case
 from kvloom_backend_triton.backend import TritonAttentionBackend
 from kvloom_backend_triton.metadata import CONFIG_EXTRA_KEY
-from kvloom_backend_triton.reference import check_case, make_paged_case, relative_error, run_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,13 +47,13 @@ def test_matches_float64_reference(scenario: str, dtype: torch.dtype, head_size:
         num_kv_heads=8 // gqa, head_size=head_size, block_size=block_size, dtype=dtype, device="cuda",
         seed=hash((scenario, head_size, gqa)) % 2**31, pad_tokens=4, extra={CONFIG_EXTRA_KEY: overrides},
     )
-    output, metadata = run_case(TritonAttentionBackend, case)
+    run = run_paged_case(case)
     torch.cuda.synchronize()
-    result = check_case(TritonAttentionBackend, case, output)
-    assert result["cache_ok"]
-    assert result["rel_error"] < TOLERANCE[dtype], result
+    check = check_paged_case(case, run)
+    assert not check.problems, check.problems
+    assert check.rel_error < TOLERANCE[dtype], check
     if scenario == "split_decode":
-        assert metadata.num_splits > 1
+        assert run.metadata.num_splits > 1
 
 
 def test_cuda_graph_replay_follows_lengths_changed_in_place() -> None:
@@ -63,7 +63,7 @@ def test_cuda_graph_replay_follows_lengths_changed_in_place() -> None:
                      device="cuda", pad_reqs=3, max_model_len=4096, max_num_seqs=16,
                      extra={CONFIG_EXTRA_KEY: {"programs_per_sm": 64}})  # split on any GPU
     first = make_paged_case(TritonAttentionBackend, [1] * 5, [4096, 1, 700, 2000, 33], seed=1, **common_kw)
-    num_blocks = first.expected_key_cache.shape[0]
+    num_blocks = first.cache.num_blocks
     new_lens = [17, 3000, 1, 2500, 900]  # needs no more blocks than the first step
     needed = sum(-(-s // 16) for s in new_lens)
     second = make_paged_case(TritonAttentionBackend, [1] * 5, new_lens, seed=2,
