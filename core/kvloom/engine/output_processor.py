@@ -24,24 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvloom.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvloom.engine.logprobs import LogprobsAccumulator, TokenDecoder
 from kvloom.engine.parallel_sampling import ParentRequest
 from kvloom.metrics.stats import IterationStats, RequestStateStats
 from kvloom.outputs import (
     CompletionOutput,
     EngineCoreOutput,
-    Logprob,
     PoolingOutput,
     PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
-    SampleLogprobs,
-    TokenLogprobs,
 )
 from kvloom.request import EngineCoreEventType, EngineCoreRequest, FinishReason
 from kvloom.sampling_params import RequestOutputKind
@@ -61,72 +59,6 @@ class OutputProcessorOutput:
     request_outputs: list[AnyRequestOutput] = field(default_factory=list)
     #: Requests finished here (stop strings) that the engine core must abort.
     reqs_to_abort: list[str] = field(default_factory=list)
-
-
-class TokenDecoder:
-    """Decodes single token ids for logprobs (``Logprob.decoded_token``), with a cache.
-
-    Each id is decoded alone, special tokens included, as vLLM does; a token holding part
-    of a multi-byte character decodes to replacement characters.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            self._cache[token_id] = text
-        return text
-
-
-class LogprobsAccumulator:
-    """One request's sample and prompt logprobs, in vLLM's list-of-dicts form."""
-
-    def __init__(self, decode: Callable[[int], str | None], num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
-        self._decode = decode
-        self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if num_logprobs is not None else None
-        self.prompt_logprobs: PromptLogprobs | None = [] if num_prompt_logprobs is not None else None
-        self._num_prompt_logprobs_sent = 0
-
-    def _as_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        # The chosen token first, then the top-N (a top-N token equal to the chosen one
-        # keeps the chosen one's place).
-        out: dict[int, Logprob] = {}
-        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
-            if token_id not in out:
-                out[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._decode(token_id))
-        return out
-
-    def add_sample_logprobs(self, entries: list[TokenLogprobs]) -> None:
-        if self.logprobs is None:
-            return
-        assert self.cumulative_logprob is not None
-        for entry in entries:
-            self.logprobs.append(self._as_dict(entry))
-            self.cumulative_logprob += entry.logprobs[0]
-
-    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
-        if self.prompt_logprobs is None:
-            return
-        if not self.prompt_logprobs:
-            self.prompt_logprobs.append(None)  # the first prompt token has no logprob
-        self.prompt_logprobs.extend(self._as_dict(e) for e in entries)
-
-    def take_prompt_logprobs(self, delta: bool) -> PromptLogprobs | None:
-        """All prompt logprobs, or for DELTA only those not yet delivered (None if none)."""
-        if self.prompt_logprobs is None:
-            return None
-        if not delta:
-            return list(self.prompt_logprobs)
-        new = self.prompt_logprobs[self._num_prompt_logprobs_sent :]
-        self._num_prompt_logprobs_sent = len(self.prompt_logprobs)
-        return new or None
 
 
 class RequestState:
