@@ -17,7 +17,7 @@ from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.config import EngineConfig
 from kvloom.engine.core_client import EngineDeadError, ThreadedClient
 from kvloom.engine.frontend import Frontend
-from kvloom.engine.input_processor import PromptInput
+from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import PoolingRequestOutput, RequestOutput
 from kvloom.sampling_params import PoolingParams, SamplingParams
@@ -78,7 +78,7 @@ class AsyncLLM:
     async def _run(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: PromptType,
         params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None,
         priority: int,
@@ -110,7 +110,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        prompt: PromptInput,
+        prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
@@ -121,7 +121,7 @@ class AsyncLLM:
 
     def encode(
         self,
-        prompt: PromptInput,
+        prompt: PromptType,
         pooling_params: PoolingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,

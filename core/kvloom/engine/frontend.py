@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.input_processor import InputProcessor, PromptInput
+from kvloom.engine.input_processor import InputProcessor
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.parallel_sampling import ParentRequest
+from kvloom.inputs import PromptType
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.metrics.loggers import build_stat_loggers
@@ -65,7 +66,7 @@ class Frontend:
     def add_request(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: PromptType,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
