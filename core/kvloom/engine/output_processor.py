@@ -13,15 +13,19 @@ Stop strings are detected here (the core cannot see text): such a request finish
 ``finish_reason="stop"`` and ``stop_reason`` = the string, and its id is returned in
 ``reqs_to_abort`` so the caller aborts it in the engine core.
 
-Streaming hook: ``add_request(..., queue=q)`` with any object that has a non-blocking
-``put(output)`` method (e.g. a wrapper around ``asyncio.Queue.put_nowait``). The outputs
-of such a request (for n > 1: of its parent) are ``put`` there, in order, and not returned
-by ``process_outputs``; its last one has ``finished=True``. ``abort_requests`` also puts a
-final aborted output there so a waiting consumer wakes up.
+Streaming hook: ``add_request(..., queue=q)`` routes a request's outputs to ``q`` (an
+``OutputQueue``: a non-blocking ``put``) instead of returning them from
+``process_outputs``; for n > 1 the parent's merged outputs go there. Its last output has
+``finished=True``; ``abort_requests`` puts a final aborted output so a waiting consumer
+wakes up, and ``propagate_error`` puts an exception into every queue (the engine died).
+``AsyncLLM`` gives each request a ``RequestOutputCollector`` (vLLM's design), so the
+engine's outputs reach ``generate()`` without any routing table of its own; ``LLMEngine``
+gives none and takes the returned outputs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -48,9 +52,71 @@ AnyRequestOutput = RequestOutput | PoolingRequestOutput
 
 
 class OutputQueue(Protocol):
-    """Where a streaming request's outputs go; ``put`` must not block."""
+    """Where a request's outputs go (see the module docstring); ``put`` must not block.
+    An exception put here means the engine died."""
 
-    def put(self, output: AnyRequestOutput) -> None: ...
+    def put(self, output: AnyRequestOutput | BaseException) -> None: ...
+
+
+class RequestOutputCollector:
+    """One ``generate()``/``encode()`` call's mailbox (vLLM's class of the same name): the
+    output handler ``put``s, the caller awaits ``get``.
+
+    It holds at most one output. When the caller falls behind the engine, a newer output
+    is merged into the waiting one instead of queueing behind it, so a slow consumer
+    catches up in one read: DELTA outputs are concatenated per sequence
+    (``CompletionOutput.index``); for the other kinds the newer output already carries
+    everything and replaces the older. An exception (the engine died) wins over any
+    output and is raised by ``get``.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self._output: AnyRequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: AnyRequestOutput | BaseException) -> None:
+        held = self._output
+        if held is None or isinstance(output, BaseException):
+            self._output = output
+            self._ready.set()
+        elif isinstance(held, BaseException):
+            return  # the error stands
+        elif self.aggregate and isinstance(held, RequestOutput) and isinstance(output, RequestOutput):
+            self._output = merge_delta_outputs(held, output)
+        else:
+            self._output = output
+
+    async def get(self) -> AnyRequestOutput:
+        while self._output is None:
+            await self._ready.wait()
+        output, self._output = self._output, None
+        self._ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two successive DELTA outputs of one request as one: per sequence, text, token ids
+    and logprobs are concatenated, and the newer finish reason, stop reason and cumulative
+    logprob hold. Prompt logprobs (delivered in pieces) are concatenated too. The inputs
+    are not modified."""
+    merged = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = merged.get(c.index)
+        if prev is not None:
+            logprobs = c.logprobs
+            if prev.logprobs is not None and c.logprobs is not None:
+                logprobs = [*prev.logprobs, *c.logprobs]
+            c = dataclasses.replace(
+                c, text=prev.text + c.text, token_ids=[*prev.token_ids, *c.token_ids], logprobs=logprobs
+            )
+        merged[c.index] = c
+    prompt_logprobs = older.prompt_logprobs
+    if newer.prompt_logprobs:
+        prompt_logprobs = [*(prompt_logprobs or []), *newer.prompt_logprobs]
+    return dataclasses.replace(newer, prompt_logprobs=prompt_logprobs, outputs=[merged[i] for i in sorted(merged)])
 
 
 @dataclass
@@ -176,6 +242,17 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Put ``error`` into every running request's queue, once per queue: the engine
+        died, and whoever waits on a request must wake up and fail."""
+        queues: dict[int, OutputQueue] = {}
+        for state in self.request_states.values():
+            queue = state.parent.queue if state.parent is not None else state.queue
+            if queue is not None:
+                queues[id(queue)] = queue
+        for queue in queues.values():
+            queue.put(error)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
