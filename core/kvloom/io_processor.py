@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from kvloom.inputs import PromptType  # what pre_process returns; part of the plugin contract
 from kvloom.sampling_params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -20,9 +21,6 @@ if TYPE_CHECKING:
 
 IOProcessorInput = TypeVar("IOProcessorInput")
 IOProcessorOutput = TypeVar("IOProcessorOutput")
-
-#: A prompt as the engine accepts it: text, or {"prompt_token_ids": [...]}, or {"prompt": str}.
-PromptType = str | dict[str, Any]
 
 
 class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):

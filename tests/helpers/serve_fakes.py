@@ -1,6 +1,7 @@
 """Test doubles for the server and metrics tests: an ``EngineConfig`` built without a
 model, a word-level tokenizer and a deterministic ``AsyncLLM`` stand-in that follows the
-front-end contract of ``kvloom.engine.async_llm``.
+front-end contract of ``kvloom.engine.async_llm`` (n > 1 fanned out and merged as the
+engine's ``ParentRequest`` does).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.engine.parallel_sampling import ParentRequest
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
+from kvloom.request import EngineCoreRequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
 from tests.helpers.model_fixtures import stand_in_platform
 from tests.helpers.reference_backend import ReferenceBackend
@@ -139,16 +142,104 @@ def fake_logprob(token_id: int, rank: int) -> float:
     return -0.25 * rank - (token_id % 7) / 100
 
 
+class _FakeSequence:
+    """One sequence of a fake request (what the engine core would run): ``fake_token``s,
+    one per ``advance()``."""
+
+    def __init__(self, engine: "FakeAsyncLLM", core_id: str, index: int, prompt_ids: list[int],
+                 params: SamplingParams, max_tokens: int) -> None:  # fmt: skip
+        self.engine = engine
+        self.core_id = core_id
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+        self._sent_tokens = self._sent_text_len = self._sent_logprobs = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def advance(self) -> None:
+        sp = self.params
+        tokens = self.tokens
+        tok = fake_token(self.prompt_ids, len(tokens), sp.seed, sp.temperature)
+        if len(tokens) == 3 and not sp.ignore_eos and len(tokens) >= sp.min_tokens and self.prompt_ids[-1] == 9:
+            tok = 0  # prompts ending in w9 stop on EOS after 3 tokens
+        tokens.append(tok)
+        decode = self.engine._decode_token
+        if sp.logprobs is not None:
+            entry = {tok: Logprob(fake_logprob(tok, 3), 3, decode(tok))}
+            for rank in range(1, sp.logprobs + 1):
+                alt = 5 + (tok + rank * 11) % 195
+                entry.setdefault(alt, Logprob(fake_logprob(alt, rank), rank, decode(alt)))
+            self.logprobs.append(entry)
+        if tok == 0 and not sp.ignore_eos:
+            self.finish_reason, self.stop_reason = "stop", None
+        else:
+            piece = decode(tok) or ""
+            self.text = piece if not self.text else self.text + " " + piece
+            for stop in sp.stop:
+                at = self.text.find(stop)
+                if at != -1 and len(tokens) >= sp.min_tokens:
+                    self.text = self.text[:at]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    break
+        if self.finish_reason is None and len(tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def output(self, delta: bool) -> CompletionOutput:
+        """Everything so far, or with ``delta`` what is new since the last delta."""
+        want_logprobs = self.params.logprobs is not None
+        if delta:
+            out = CompletionOutput(
+                index=self.index,
+                text=self.text[self._sent_text_len :],
+                token_ids=self.tokens[self._sent_tokens :],
+                cumulative_logprob=None,
+                logprobs=self.logprobs[self._sent_logprobs :] if want_logprobs else None,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+            )
+            self._sent_tokens, self._sent_text_len, self._sent_logprobs = (
+                len(self.tokens), len(self.text), len(self.logprobs))  # fmt: skip
+            return out
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.tokens),
+            cumulative_logprob=None,
+            logprobs=list(self.logprobs) if want_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
 class FakeAsyncLLM:
-    """Generates ``fake_token`` sequences one token per step, honouring max_tokens,
+    """A deterministic ``AsyncLLM``: ``generate`` takes one request with any n and, like
+    the engine's front end, fans it out with ``ParentRequest`` (child ids, child i seeded
+    with seed + i; n == 1 runs as the request itself) and merges the sequences' outputs
+    into one ``RequestOutput`` stream whose ``CompletionOutput.index`` names the sequence.
+
+    Each sequence generates ``fake_token``s one per step, honouring max_tokens,
     min_tokens, stop strings, ignore_eos (token 0 ends a sequence otherwise), logprobs,
-    prompt_logprobs and the three output kinds. Records requests, aborts and priorities."""
+    prompt_logprobs and the three output kinds. Records the requests received
+    (``requests``, by request id), the sequences as the core would run them
+    (``core_requests``, by core id, with their parent and index), and which of those are
+    ``active``, ``finished`` or ``aborted`` (closing the stream early aborts every
+    unfinished sequence, as ``AsyncLLM`` does)."""
 
     def __init__(self, config: EngineConfig | None = None, tokenizer: Any = "word", step_delay: float = 0.0) -> None:
         self.config = config or make_config()
         self.tokenizer = WordTokenizer() if tokenizer == "word" else tokenizer
         self.step_delay = step_delay
         self.requests: dict[str, dict] = {}
+        self.core_requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.active: set[str] = set()
@@ -197,92 +288,56 @@ class FakeAsyncLLM:
         self.requests[request_id] = dict(
             prompt_ids=prompt_ids, params=sp, lora=lora_request, priority=priority, cache_salt=cache_salt
         )
-        self.active.add(request_id)
-        self.peak_active = max(self.peak_active, len(self.active))
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.config.model.max_model_len - len(prompt_ids)
         max_tokens = min(max_tokens, self.config.model.max_model_len - len(prompt_ids))
+        request = EngineCoreRequest(request_id, prompt_ids, sp)
+        children = [(0, request)] if sp.n == 1 else ParentRequest(request).child_requests()
+        sequences = [
+            _FakeSequence(self, child.request_id, index, prompt_ids, child.sampling_params, max_tokens)
+            for index, child in children
+        ]
+        for seq in sequences:
+            self.core_requests[seq.core_id] = dict(parent=request_id, index=seq.index, params=seq.params)
+            self.active.add(seq.core_id)
+        self.peak_active = max(self.peak_active, len(self.active))
 
         prompt_logprobs = None
         if sp.prompt_logprobs is not None:
             prompt_logprobs = [None] + [
                 {t: Logprob(fake_logprob(t, 1), 1, self._decode_token(t))} for t in prompt_ids[1:]
             ]
-        tokens: list[int] = []
-        logprobs: list[dict[int, Logprob]] = []
-        text = ""
-        sent_tokens = sent_text_len = sent_logprobs = 0
-        finish_reason = None
-        stop_reason = None
+        kind = sp.output_kind
+        first = True
         try:
-            while finish_reason is None:
-                if self.step_delay:
-                    await asyncio.sleep(self.step_delay)
-                else:
-                    await asyncio.sleep(0)
-                tok = fake_token(prompt_ids, len(tokens), sp.seed, sp.temperature)
-                if len(tokens) == 3 and not sp.ignore_eos and len(tokens) >= sp.min_tokens and prompt_ids[-1] == 9:
-                    tok = 0  # prompts ending in w9 stop on EOS after 3 tokens
-                tokens.append(tok)
-                if sp.logprobs is not None:
-                    entry = {tok: Logprob(fake_logprob(tok, 3), 3, self._decode_token(tok))}
-                    for rank in range(1, sp.logprobs + 1):
-                        alt = 5 + (tok + rank * 11) % 195
-                        entry.setdefault(alt, Logprob(fake_logprob(alt, rank), rank, self._decode_token(alt)))
-                    logprobs.append(entry)
-                if tok == 0 and not sp.ignore_eos:
-                    finish_reason = "stop"
-                    stop_reason = None
-                else:
-                    piece = self._decode_token(tok) or ""
-                    text = piece if not text else text + " " + piece
-                    for stop in sp.stop:
-                        at = text.find(stop)
-                        if at != -1 and len(tokens) >= sp.min_tokens:
-                            text = text[:at]
-                            finish_reason, stop_reason = "stop", stop
-                            break
-                if finish_reason is None and len(tokens) >= max_tokens:
-                    finish_reason = "length"
-                done = finish_reason is not None
-                if sp.output_kind == RequestOutputKind.FINAL_ONLY and not done:
+            while not all(seq.finished for seq in sequences):
+                await asyncio.sleep(self.step_delay)
+                stepped = [seq for seq in sequences if not seq.finished]
+                for seq in stepped:
+                    seq.advance()
+                    if seq.finished:
+                        self.finished.append(seq.core_id)
+                        self.active.discard(seq.core_id)
+                done = all(seq.finished for seq in sequences)
+                if kind == RequestOutputKind.FINAL_ONLY and not done:
                     continue
-                if sp.output_kind == RequestOutputKind.DELTA:
-                    out = CompletionOutput(
-                        index=0,
-                        text=text[sent_text_len:],
-                        token_ids=tokens[sent_tokens:],
-                        cumulative_logprob=None,
-                        logprobs=logprobs[sent_logprobs:] if sp.logprobs is not None else None,
-                        finish_reason=finish_reason,
-                        stop_reason=stop_reason,
-                    )
-                    first = sent_tokens == 0
-                    sent_tokens, sent_text_len, sent_logprobs = len(tokens), len(text), len(logprobs)
+                if kind == RequestOutputKind.DELTA:
+                    outputs = [seq.output(delta=True) for seq in stepped]
                 else:
-                    out = CompletionOutput(
-                        index=0,
-                        text=text,
-                        token_ids=list(tokens),
-                        cumulative_logprob=None,
-                        logprobs=list(logprobs) if sp.logprobs is not None else None,
-                        finish_reason=finish_reason,
-                        stop_reason=stop_reason,
-                    )
-                    first = True
+                    outputs = [seq.output(delta=False) for seq in sequences]
                 yield RequestOutput(
                     request_id=request_id,
                     prompt=prompt_text,
                     prompt_token_ids=prompt_ids,
-                    prompt_logprobs=prompt_logprobs if first else None,
-                    outputs=[out],
+                    prompt_logprobs=prompt_logprobs if first or kind != RequestOutputKind.DELTA else None,
+                    outputs=outputs,
                     finished=done,
                 )
-            self.finished.append(request_id)
+                first = False
         except (asyncio.CancelledError, GeneratorExit):
-            self.aborted.append(request_id)
+            self.aborted.extend(seq.core_id for seq in sequences if not seq.finished)
             raise
         finally:
-            self.active.discard(request_id)
+            self.active.difference_update(seq.core_id for seq in sequences)
 
 
 def expected_tokens(prompt_ids: list[int], n_tokens: int, seed: int | None = None, temperature: float = 0.0) -> list[int]:

@@ -1,9 +1,17 @@
 """AsyncLLM: the asyncio front end used by the OpenAI server.
 
 Requests from concurrent clients are admitted between engine steps (continuous
-batching). One output-handler task turns engine-core outputs into ``RequestOutput``s and
-routes each to its request's queue; ``generate``/``encode`` are async generators over
-that queue. Cancelling a generator (a client disconnecting) aborts its request.
+batching). Each ``generate``/``encode`` call registers a ``RequestOutputCollector`` with
+the output processor (``Frontend.add_request(..., queue=...)``); one output-handler task
+runs ``process_outputs`` on every engine step and the outputs land in the collectors,
+which the calls await. So there is one path from the engine to a caller, with no routing
+table here. n > 1 is handled below this class: the front end fans the request out
+(``ParentRequest``) and the collector receives the merged outputs under the caller's
+request id.
+
+Closing or cancelling a generator before its request finished (a client disconnecting)
+aborts the request, every child of it included. If the output handler fails (the engine
+died), every waiting call raises ``EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.config import EngineConfig
 from kvloom.engine.core_client import EngineDeadError, ThreadedClient
 from kvloom.engine.frontend import Frontend
-from kvloom.engine.input_processor import PromptInput
+from kvloom.engine.output_processor import RequestOutputCollector
+from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import PoolingRequestOutput, RequestOutput
-from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +47,6 @@ class AsyncLLM:
         self.tokenizer = self.frontend.tokenizer
         self.engine_core = ThreadedClient(config, log_stats=self.log_stats)
         self.frontend.start_stat_loggers(stat_loggers)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException]] = {}
         self._output_handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
 
@@ -62,55 +70,50 @@ class AsyncLLM:
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                request_outputs, to_abort = self.frontend.process(core_outputs)
-                for out in request_outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                # Every request has a collector: the outputs land there, none come back.
+                _, to_abort = self.frontend.process(core_outputs)
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
-        except Exception as e:  # propagate to every waiting request
+        except Exception as e:  # wake every waiting request with the error
             logger.exception("AsyncLLM output handler failed")
             self.errored = e
-            for queue in self._queues.values():
-                queue.put_nowait(e)
+            self.frontend.propagate_error(e)
 
     async def _run(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: PromptType,
         params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None,
         priority: int,
         cache_salt: str | None,
     ) -> AsyncIterator[Any]:
         self._ensure_running()
-        queue: asyncio.Queue = asyncio.Queue()
+        output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        collector = RequestOutputCollector(output_kind)
         core_requests = self.frontend.add_request(
-            request_id, prompt, params, lora_request=lora_request, priority=priority, cache_salt=cache_salt
+            request_id, prompt, params, lora_request=lora_request, priority=priority, cache_salt=cache_salt,
+            queue=collector,
         )
-        self._queues[request_id] = queue
         finished = False
         try:
             for core_request in core_requests:
                 self.engine_core.add_request(core_request)
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine failed while serving {request_id}: {item!r}") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not finished:
+                try:
+                    output = await collector.get()
+                except Exception as e:  # put there by propagate_error
+                    raise EngineDeadError(f"engine failed while serving {request_id}: {e!r}") from e
+                finished = output.finished
+                yield output
         finally:
-            self._queues.pop(request_id, None)
             if not finished:  # cancelled, disconnected or failed: free its blocks
                 self._abort_now(request_id)
 
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        prompt: PromptInput,
+        prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
@@ -121,7 +124,7 @@ class AsyncLLM:
 
     def encode(
         self,
-        prompt: PromptInput,
+        prompt: PromptType,
         pooling_params: PoolingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,

@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.input_processor import InputProcessor, PromptInput
-from kvloom.engine.output_processor import OutputProcessor
+from kvloom.engine.input_processor import InputProcessor
+from kvloom.engine.output_processor import OutputProcessor, OutputQueue
 from kvloom.engine.parallel_sampling import ParentRequest
+from kvloom.inputs import PromptType
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.metrics.loggers import build_stat_loggers
@@ -65,14 +66,17 @@ class Frontend:
     def add_request(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: PromptType,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        queue: OutputQueue | None = None,
     ) -> list[EngineCoreRequest]:
-        """Validate, tokenize and register a request; returns what to send to the core."""
+        """Validate, tokenize and register a request; returns what to send to the core.
+        With ``queue``, the request's outputs (for n > 1 the parent's) go there instead of
+        being returned by ``process`` (see ``OutputProcessor``)."""
         op = self.output_processor
         if request_id in op.request_states or request_id in op.parent_requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -81,12 +85,12 @@ class Frontend:
         )
         sampling = request.sampling_params
         if sampling is None or sampling.n == 1:
-            self.output_processor.add_request(request, text)
+            op.add_request(request, text, queue=queue)
             return [request]
         parent = ParentRequest(request)
         children = []
         for index, child in parent.child_requests():
-            self.output_processor.add_request(child, text, parent=parent, index=index)
+            op.add_request(child, text, parent=parent, index=index, queue=queue)
             children.append(child)
         return children
 
@@ -95,7 +99,13 @@ class Frontend:
         ids to abort."""
         return self.output_processor.abort_requests(request_ids)
 
+    def propagate_error(self, error: BaseException) -> None:
+        """The engine died: every request with a queue gets ``error``."""
+        self.output_processor.propagate_error(error)
+
     def process(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
+        """One step's outputs: (outputs of requests without a queue, ids to abort in the
+        core). Outputs of requests with a queue are put there."""
         iteration_stats = IterationStats() if self.log_stats else None
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp, iteration_stats

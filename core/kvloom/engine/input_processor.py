@@ -10,11 +10,10 @@ import time
 from typing import Any
 
 from kvloom.config import EngineConfig
+from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.request import EngineCoreRequest
 from kvloom.sampling_params import PoolingParams, SamplingParams
-
-PromptInput = str | dict[str, Any]
 
 
 def _generation_eos_ids(hf_config: Any, model_path: str) -> list[int]:
@@ -56,7 +55,7 @@ class InputProcessor:
             )
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
-    def prompt_token_ids(self, prompt: PromptInput) -> tuple[list[int], str | None]:
+    def prompt_token_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -82,7 +81,7 @@ class InputProcessor:
     def process(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: PromptType,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,

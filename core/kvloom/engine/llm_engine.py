@@ -13,7 +13,7 @@ from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.config import EngineConfig
 from kvloom.engine.core_client import InprocClient
 from kvloom.engine.frontend import Frontend
-from kvloom.engine.input_processor import PromptInput
+from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import PoolingRequestOutput, RequestOutput
 from kvloom.sampling_params import PoolingParams, SamplingParams
@@ -37,7 +37,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: PromptType,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,

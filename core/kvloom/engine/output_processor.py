@@ -13,35 +13,37 @@ Stop strings are detected here (the core cannot see text): such a request finish
 ``finish_reason="stop"`` and ``stop_reason`` = the string, and its id is returned in
 ``reqs_to_abort`` so the caller aborts it in the engine core.
 
-Streaming hook: ``add_request(..., queue=q)`` with any object that has a non-blocking
-``put(output)`` method (e.g. a wrapper around ``asyncio.Queue.put_nowait``). The outputs
-of such a request (for n > 1: of its parent) are ``put`` there, in order, and not returned
-by ``process_outputs``; its last one has ``finished=True``. ``abort_requests`` also puts a
-final aborted output there so a waiting consumer wakes up.
+Streaming hook: ``add_request(..., queue=q)`` routes a request's outputs to ``q`` (an
+``OutputQueue``: a non-blocking ``put``) instead of returning them from
+``process_outputs``; for n > 1 the parent's merged outputs go there. Its last output has
+``finished=True``; ``abort_requests`` puts a final aborted output so a waiting consumer
+wakes up, and ``propagate_error`` puts an exception into every queue (the engine died).
+``AsyncLLM`` gives each request a ``RequestOutputCollector`` (vLLM's design), so the
+engine's outputs reach ``generate()`` without any routing table of its own; ``LLMEngine``
+gives none and takes the returned outputs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvloom.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvloom.engine.logprobs import LogprobsAccumulator, TokenDecoder
 from kvloom.engine.parallel_sampling import ParentRequest
 from kvloom.metrics.stats import IterationStats, RequestStateStats
 from kvloom.outputs import (
     CompletionOutput,
     EngineCoreOutput,
-    Logprob,
     PoolingOutput,
     PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
-    SampleLogprobs,
-    TokenLogprobs,
 )
 from kvloom.request import EngineCoreEventType, EngineCoreRequest, FinishReason
 from kvloom.sampling_params import RequestOutputKind
@@ -50,9 +52,71 @@ AnyRequestOutput = RequestOutput | PoolingRequestOutput
 
 
 class OutputQueue(Protocol):
-    """Where a streaming request's outputs go; ``put`` must not block."""
+    """Where a request's outputs go (see the module docstring); ``put`` must not block.
+    An exception put here means the engine died."""
 
-    def put(self, output: AnyRequestOutput) -> None: ...
+    def put(self, output: AnyRequestOutput | BaseException) -> None: ...
+
+
+class RequestOutputCollector:
+    """One ``generate()``/``encode()`` call's mailbox (vLLM's class of the same name): the
+    output handler ``put``s, the caller awaits ``get``.
+
+    It holds at most one output. When the caller falls behind the engine, a newer output
+    is merged into the waiting one instead of queueing behind it, so a slow consumer
+    catches up in one read: DELTA outputs are concatenated per sequence
+    (``CompletionOutput.index``); for the other kinds the newer output already carries
+    everything and replaces the older. An exception (the engine died) wins over any
+    output and is raised by ``get``.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self._output: AnyRequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: AnyRequestOutput | BaseException) -> None:
+        held = self._output
+        if held is None or isinstance(output, BaseException):
+            self._output = output
+            self._ready.set()
+        elif isinstance(held, BaseException):
+            return  # the error stands
+        elif self.aggregate and isinstance(held, RequestOutput) and isinstance(output, RequestOutput):
+            self._output = merge_delta_outputs(held, output)
+        else:
+            self._output = output
+
+    async def get(self) -> AnyRequestOutput:
+        while self._output is None:
+            await self._ready.wait()
+        output, self._output = self._output, None
+        self._ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two successive DELTA outputs of one request as one: per sequence, text, token ids
+    and logprobs are concatenated, and the newer finish reason, stop reason and cumulative
+    logprob hold. Prompt logprobs (delivered in pieces) are concatenated too. The inputs
+    are not modified."""
+    merged = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = merged.get(c.index)
+        if prev is not None:
+            logprobs = c.logprobs
+            if prev.logprobs is not None and c.logprobs is not None:
+                logprobs = [*prev.logprobs, *c.logprobs]
+            c = dataclasses.replace(
+                c, text=prev.text + c.text, token_ids=[*prev.token_ids, *c.token_ids], logprobs=logprobs
+            )
+        merged[c.index] = c
+    prompt_logprobs = older.prompt_logprobs
+    if newer.prompt_logprobs:
+        prompt_logprobs = [*(prompt_logprobs or []), *newer.prompt_logprobs]
+    return dataclasses.replace(newer, prompt_logprobs=prompt_logprobs, outputs=[merged[i] for i in sorted(merged)])
 
 
 @dataclass
@@ -61,72 +125,6 @@ class OutputProcessorOutput:
     request_outputs: list[AnyRequestOutput] = field(default_factory=list)
     #: Requests finished here (stop strings) that the engine core must abort.
     reqs_to_abort: list[str] = field(default_factory=list)
-
-
-class TokenDecoder:
-    """Decodes single token ids for logprobs (``Logprob.decoded_token``), with a cache.
-
-    Each id is decoded alone, special tokens included, as vLLM does; a token holding part
-    of a multi-byte character decodes to replacement characters.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            self._cache[token_id] = text
-        return text
-
-
-class LogprobsAccumulator:
-    """One request's sample and prompt logprobs, in vLLM's list-of-dicts form."""
-
-    def __init__(self, decode: Callable[[int], str | None], num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
-        self._decode = decode
-        self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if num_logprobs is not None else None
-        self.prompt_logprobs: PromptLogprobs | None = [] if num_prompt_logprobs is not None else None
-        self._num_prompt_logprobs_sent = 0
-
-    def _as_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        # The chosen token first, then the top-N (a top-N token equal to the chosen one
-        # keeps the chosen one's place).
-        out: dict[int, Logprob] = {}
-        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
-            if token_id not in out:
-                out[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=self._decode(token_id))
-        return out
-
-    def add_sample_logprobs(self, entries: list[TokenLogprobs]) -> None:
-        if self.logprobs is None:
-            return
-        assert self.cumulative_logprob is not None
-        for entry in entries:
-            self.logprobs.append(self._as_dict(entry))
-            self.cumulative_logprob += entry.logprobs[0]
-
-    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
-        if self.prompt_logprobs is None:
-            return
-        if not self.prompt_logprobs:
-            self.prompt_logprobs.append(None)  # the first prompt token has no logprob
-        self.prompt_logprobs.extend(self._as_dict(e) for e in entries)
-
-    def take_prompt_logprobs(self, delta: bool) -> PromptLogprobs | None:
-        """All prompt logprobs, or for DELTA only those not yet delivered (None if none)."""
-        if self.prompt_logprobs is None:
-            return None
-        if not delta:
-            return list(self.prompt_logprobs)
-        new = self.prompt_logprobs[self._num_prompt_logprobs_sent :]
-        self._num_prompt_logprobs_sent = len(self.prompt_logprobs)
-        return new or None
 
 
 class RequestState:
@@ -244,6 +242,17 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Put ``error`` into every running request's queue, once per queue: the engine
+        died, and whoever waits on a request must wake up and fail."""
+        queues: dict[int, OutputQueue] = {}
+        for state in self.request_states.values():
+            queue = state.parent.queue if state.parent is not None else state.queue
+            if queue is not None:
+                queues[id(queue)] = queue
+        for queue in queues.values():
+            queue.put(error)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)

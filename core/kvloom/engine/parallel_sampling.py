@@ -42,7 +42,7 @@ class ParentRequest:
         self.sampling_params: SamplingParams = params
         self.n = params.n
         self.output_kind = params.output_kind
-        self.queue: Any = None
+        self.queue: Any = None  # the OutputQueue of the parent's outputs (OutputProcessor.add_request)
 
         self._unfinished: set[int] = set(range(self.n))
         self._latest: dict[int, CompletionOutput] = {}  # newest output of each child

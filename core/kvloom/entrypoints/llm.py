@@ -15,8 +15,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvloom.engine.arg_utils import EngineArgs
-from kvloom.engine.input_processor import PromptInput
 from kvloom.engine.llm_engine import LLMEngine
+from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import (
     EmbeddingOutput,
@@ -54,7 +54,7 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def generate(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
@@ -80,7 +80,7 @@ class LLM:
 
     def apply_chat_template(
         self, messages: ChatMessages, chat_template: str | None = None, add_generation_prompt: bool = True
-    ) -> PromptInput:
+    ) -> PromptType:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, but the engine runs with skip_tokenizer_init=True")
@@ -118,7 +118,7 @@ class LLM:
 
     def _encode(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         use_tqdm: bool,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
@@ -131,7 +131,7 @@ class LLM:
 
     def embed(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
@@ -144,7 +144,7 @@ class LLM:
     # ------------------------------------------------------------------ engine loop
     def _run(
         self,
-        prompts: list[PromptInput],
+        prompts: list[PromptType],
         params: Any,
         use_tqdm: bool,
         lora_request: Any,

@@ -75,9 +75,11 @@ def test_streaming_client_disconnect_aborts_engine_requests() -> None:
                 received = [line for _, line in zip(range(6), lines) if line]
                 assert received[0].startswith("data: ")
                 assert len(engine.active) == 2
-            # The connection is closed mid-stream: both engine requests are cancelled.
+            # The connection is closed mid-stream: the engine request (n=2) is cancelled,
+            # both of its sequences aborted.
             assert wait_for(lambda: not engine.active)
-            assert sorted(engine.aborted) == sorted(engine.requests)
+            assert len(engine.requests) == 1 and len(engine.core_requests) == 2
+            assert sorted(engine.aborted) == sorted(engine.core_requests)
             assert engine.finished == []
             # And the server still serves.
             ok = http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})

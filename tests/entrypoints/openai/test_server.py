@@ -113,8 +113,11 @@ def test_completion_n_and_batch_indices(client: TestClient, engine: FakeAsyncLLM
     r = post(client, "/v1/completions", {"prompt": ["w5 w6", "w7"], "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 10})
     body = r.json()
     assert [c["index"] for c in body["choices"]] == list(range(6))
-    seeds = sorted((rid, req["params"].seed) for rid, req in engine.requests.items())
-    assert [s for _, s in seeds] == [10, 11, 12, 10, 11, 12]
+    # One engine request per prompt, n inside; the engine runs child i with seed + i.
+    assert [(req["prompt_ids"], req["params"].n, req["params"].seed) for req in engine.requests.values()] == [
+        ([1, 5, 6], 3, 10), ([1, 7], 3, 10)]  # fmt: skip
+    children = sorted(engine.core_requests.values(), key=lambda c: (c["parent"], c["index"]))
+    assert [c["params"].seed for c in children] == [10, 11, 12, 10, 11, 12]
     for c in body["choices"]:
         prompt_ids = [1, 5, 6] if c["index"] < 3 else [1, 7]
         seed = 10 + c["index"] % 3

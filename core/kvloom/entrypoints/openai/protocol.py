@@ -15,9 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvloom.sampling_params import RequestOutputKind, SamplingParams
+from kvloom.sampling_params import _MAX_SEED, RequestOutputKind, SamplingParams
 
-_MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 
 
@@ -109,9 +108,10 @@ class SamplingRequest(OpenAIRequest):
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """SamplingParams for one choice; the server fans n out into n engine requests."""
+        """SamplingParams of one prompt's engine request, all n choices of it (the engine
+        fans n out, see ``serving_engine``)."""
         values: dict[str, Any] = {
-            "n": 1,
+            "n": self.n,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "stop": self.stop,

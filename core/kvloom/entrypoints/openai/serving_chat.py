@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template, n
-assistant replies out, streamed as ``chat.completion.chunk`` deltas or whole."""
+assistant replies out, streamed as ``chat.completion.chunk`` deltas or whole. One engine
+request (with n) serves the whole response; choice i is its sequence i."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from kvloom.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, ChoiceOutputs, OpenAIServing, Prompt, random_id, sse
-from kvloom.outputs import RequestOutput, SampleLogprobs
+from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, PromptOutputs, random_id, sse
+from kvloom.outputs import CompletionOutput, SampleLogprobs
 
 
 @dataclass
@@ -45,13 +46,9 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.build_params(
-            1, request.n, request.seed, lambda _: request.sampling_params(max_tokens, logprobs, None)
-        )
+        params = self.sampling_params(request, max_tokens, logprobs, None)
         request_id = random_id("chatcmpl")
-        outputs = self.generate_choices(
-            request_id, [prompt], params, lora_request, request.priority, request.cache_salt
-        )
+        outputs = self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
         if request.stream:
             return self._stream(request, request_id, prompt, outputs)
         return await self._collect(request, request_id, prompt, outputs)
@@ -84,9 +81,9 @@ class OpenAIServingChat(OpenAIServing):
         return content
 
     def _delta(
-        self, request: ChatCompletionRequest, choice: _Choice, output: RequestOutput
+        self, request: ChatCompletionRequest, choice: _Choice, completion: CompletionOutput
     ) -> tuple[str, list[ChatCompletionLogProbsContent] | None]:
-        completion = output.outputs[0]
+        """The text and logprobs one output of a sequence adds to its choice."""
         logprobs = None
         if request.logprobs and completion.logprobs is not None:
             logprobs = self._logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0)
@@ -110,12 +107,13 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------ whole response
 
     async def _collect(
-        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: ChoiceOutputs
+        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs
     ) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(request.n)]
         async with aclosing(outputs):
-            async for index, output in outputs:
-                self._delta(request, choices[index], output)
+            async for _, output in outputs:
+                for completion in output.outputs:
+                    self._delta(request, choices[completion.index], completion)
         return ChatCompletionResponse(
             id=request_id,
             model=request.model or self.model_name,
@@ -142,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
         return sse(json.dumps(data))
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: ChoiceOutputs
+        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs
     ) -> AsyncIterator[str]:
         model = request.model or self.model_name
         choices = [_Choice() for _ in range(request.n)]
@@ -152,23 +150,25 @@ class OpenAIServingChat(OpenAIServing):
                 yield self._chunk(request_id, model, ChatCompletionResponseStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content="")))  # fmt: skip
             async with aclosing(outputs):
-                async for index, output in outputs:
-                    choice = choices[index]
-                    text, logprobs = self._delta(request, choice, output)
-                    finished = output.outputs[0].finish_reason is not None
-                    if not text and not finished and not logprobs:
-                        continue
-                    yield self._chunk(
-                        request_id,
-                        model,
-                        ChatCompletionResponseStreamChoice(
-                            index=index,
-                            delta=DeltaMessage(content=text if text else None),
-                            logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None else None,
-                            finish_reason=choice.finish_reason if finished else None,
-                            stop_reason=choice.stop_reason if finished else None,
-                        ),
-                    )
+                async for _, output in outputs:
+                    for completion in output.outputs:  # one chunk per choice with news
+                        index = completion.index
+                        choice = choices[index]
+                        text, logprobs = self._delta(request, choice, completion)
+                        finished = completion.finish_reason is not None
+                        if not text and not finished and not logprobs:
+                            continue
+                        yield self._chunk(
+                            request_id,
+                            model,
+                            ChatCompletionResponseStreamChoice(
+                                index=index,
+                                delta=DeltaMessage(content=text if text else None),
+                                logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None else None,
+                                finish_reason=choice.finish_reason if finished else None,
+                                stop_reason=choice.stop_reason if finished else None,
+                            ),
+                        )
             if request.stream_options is not None and request.stream_options.include_usage:
                 usage = self._usage(prompt, choices)
                 final = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)

@@ -1,4 +1,6 @@
-"""POST /v1/completions: prompt(s) in, n choices per prompt out, streamed or whole."""
+"""POST /v1/completions: prompt(s) in, n choices per prompt out, streamed or whole. Each
+prompt is one engine request (with n); choice ``prompt_index * n + i`` is sequence i of
+prompt ``prompt_index``."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, ChoiceOutputs, OpenAIServing, Prompt, random_id, sse
-from kvloom.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, PromptOutputs, random_id, sse
+from kvloom.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 @dataclass
@@ -44,16 +46,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
 
-        params = self.build_params(
-            len(prompts),
-            request.n,
-            request.seed,
-            lambda p: request.sampling_params(max_tokens[p], request.logprobs, prompt_logprobs),
-        )
+        params = [self.sampling_params(request, m, request.logprobs, prompt_logprobs) for m in max_tokens]
         request_id = random_id("cmpl")
-        outputs = self.generate_choices(
-            request_id, prompts, params, lora_request, request.priority, request.cache_salt
-        )
+        outputs = self.generate(request_id, prompts, params, lora_request, request.priority, request.cache_salt)
         if request.stream:
             return self._stream(request, request_id, prompts, outputs)
         return await self._collect(request, request_id, prompts, outputs)
@@ -86,10 +81,15 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.text_offset += len(token)
 
     def _delta(
-        self, request: CompletionRequest, prompt: Prompt, choice: _Choice, output: RequestOutput
+        self,
+        request: CompletionRequest,
+        prompt: Prompt,
+        choice: _Choice,
+        completion: CompletionOutput,
+        prompt_logprobs: PromptLogprobs | None,
     ) -> tuple[str, CompletionLogProbs | None]:
-        """The text and logprobs a RequestOutput adds to a choice (echo on its first one)."""
-        completion = output.outputs[0]
+        """The text and logprobs one output of a sequence adds to its choice (echo on its
+        first one, with the prompt's logprobs when asked for)."""
         text = completion.text
         logprobs = CompletionLogProbs() if request.logprobs is not None else None
         if not choice.started:
@@ -97,8 +97,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.echo:
                 echoed = self.prompt_text(prompt)
                 text = echoed + text
-                if logprobs is not None and output.prompt_logprobs is not None:
-                    prompt_logprobs = list(output.prompt_logprobs)
+                if logprobs is not None and prompt_logprobs is not None:
+                    prompt_logprobs = list(prompt_logprobs)
                     if len(prompt_logprobs) == len(prompt.token_ids) - 1:
                         prompt_logprobs.insert(0, None)  # the first token has no logprob
                     self._append_logprobs(choice, prompt.token_ids, prompt_logprobs, logprobs)
@@ -124,17 +124,30 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ------------------------------------------------------------ whole response
 
+    @staticmethod
+    def _sequences(
+        output: RequestOutput, prompt_index: int, n: int, prompt_logprobs: list[PromptLogprobs | None]
+    ) -> list[tuple[int, CompletionOutput]]:
+        """(choice index, sequence output) of each sequence in ``output``. The prompt's
+        logprobs arrive once per prompt (the engine computes them for its first sequence
+        only) and are kept in ``prompt_logprobs`` for every choice's echo."""
+        if output.prompt_logprobs is not None:
+            prompt_logprobs[prompt_index] = output.prompt_logprobs
+        return [(prompt_index * n + c.index, c) for c in output.outputs]
+
     async def _collect(
-        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: ChoiceOutputs
+        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: PromptOutputs
     ) -> CompletionResponse:
         n = request.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         async with aclosing(outputs):
-            async for index, output in outputs:
-                choice = choices[index]
-                _, logprobs = self._delta(request, prompts[index // n], choice, output)
-                if logprobs is not None:
-                    _extend(choice.logprobs, logprobs)
+            async for p, output in outputs:
+                for index, completion in self._sequences(output, p, n, prompt_logprobs):
+                    choice = choices[index]
+                    _, logprobs = self._delta(request, prompts[p], choice, completion, prompt_logprobs[p])
+                    if logprobs is not None:
+                        _extend(choice.logprobs, logprobs)
         return CompletionResponse(
             id=request_id,
             model=request.model or self.model_name,
@@ -154,33 +167,35 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------ server-sent events
 
     async def _stream(
-        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: ChoiceOutputs
+        self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: PromptOutputs
     ) -> AsyncIterator[str]:
         n = request.n
         model = request.model or self.model_name
         choices = [_Choice() for _ in range(len(prompts) * n)]
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         try:
             async with aclosing(outputs):
-                async for index, output in outputs:
-                    choice = choices[index]
-                    text, logprobs = self._delta(request, prompts[index // n], choice, output)
-                    finished = output.outputs[0].finish_reason is not None
-                    if not text and not finished and not (logprobs and logprobs.tokens):
-                        continue  # nothing to tell the client yet
-                    chunk = CompletionStreamResponse(
-                        id=request_id,
-                        model=model,
-                        choices=[
-                            CompletionResponseChoice(
-                                index=index,
-                                text=text,
-                                logprobs=logprobs,
-                                finish_reason=choice.finish_reason if finished else None,
-                                stop_reason=choice.stop_reason if finished else None,
-                            )
-                        ],
-                    )
-                    yield sse(chunk.model_dump_json())
+                async for p, output in outputs:
+                    for index, completion in self._sequences(output, p, n, prompt_logprobs):
+                        choice = choices[index]
+                        text, logprobs = self._delta(request, prompts[p], choice, completion, prompt_logprobs[p])
+                        finished = completion.finish_reason is not None
+                        if not text and not finished and not (logprobs and logprobs.tokens):
+                            continue  # nothing to tell the client yet
+                        chunk = CompletionStreamResponse(
+                            id=request_id,
+                            model=model,
+                            choices=[
+                                CompletionResponseChoice(
+                                    index=index,
+                                    text=text,
+                                    logprobs=logprobs,
+                                    finish_reason=choice.finish_reason if finished else None,
+                                    stop_reason=choice.stop_reason if finished else None,
+                                )
+                            ],
+                        )
+                        yield sse(chunk.model_dump_json())
             if request.stream_options is not None and request.stream_options.include_usage:
                 usage = self._usage(prompts, choices)
                 final = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)

@@ -1,11 +1,14 @@
 """What every OpenAI endpoint shares: the engine handle, model-name resolution (the served
-model or a LoRA adapter), prompt tokenization and length checks, the fan-out of a request
-into one engine request per (prompt, choice), and token strings for logprobs.
+model or a LoRA adapter), prompt tokenization and length checks, running engine requests,
+and token strings for logprobs.
 
-A request with several prompts or ``n > 1`` becomes ``len(prompts) * n`` engine requests,
-one per choice (``index = prompt_index * n + i``), merged back into one stream. Choice i of
-a seeded request samples with seed ``seed + i`` so that the n choices differ but stay
-reproducible.
+n > 1 is the engine's business: each prompt is one engine request with
+``SamplingParams(n=...)``, which the engine fans out into n sequences (child i of a seeded
+request samples with seed + i, see ``kvloom.engine.parallel_sampling``) and merges back:
+every ``RequestOutput`` carries the sequences with something new, each with its
+``CompletionOutput.index``. Several prompts are several engine requests whose streams are
+merged as outputs arrive (``merge_async_iterators``); choice ``prompt_index * n + index``
+of a response is sequence ``index`` of prompt ``prompt_index``.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
 from kvloom.entrypoints.openai.errors import APIError, from_validation_error
+from kvloom.entrypoints.openai.protocol import SamplingRequest
 from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import RequestOutput
@@ -31,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MAX_SEED = 2**63 - 1
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,8 +58,50 @@ def sse(data: str) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
-#: (choice index, RequestOutput) pairs as the engine produces them.
-ChoiceOutputs = AsyncIterator[tuple[int, RequestOutput]]
+#: (prompt index, RequestOutput) pairs as the engine produces them.
+PromptOutputs = AsyncIterator[tuple[int, RequestOutput]]
+
+
+async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncIterator[tuple[int, T]]:
+    """(iterator index, item) from all ``iterators`` as items arrive (vLLM's helper of the
+    same name). A single iterator is iterated directly; several each have one pending
+    ``__anext__`` task, awaited together.
+
+    Leaving early (the consumer closes or is cancelled, or an iterator raises) stops every
+    iterator not exhausted: a pending task is cancelled, which throws ``CancelledError``
+    into its generator (even if the task has not started); a generator waiting with an
+    item nobody will take, and the single iterator, are closed. An engine stream's
+    ``finally`` then aborts its request."""
+    if len(iterators) == 1:
+        (iterator,) = iterators
+        try:
+            async for item in iterator:
+                yield 0, item
+        finally:
+            await iterator.aclose()
+        return
+    loop = asyncio.get_running_loop()
+    pending: dict[asyncio.Task[T], int] = {loop.create_task(it.__anext__()): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[loop.create_task(iterators[index].__anext__())] = index
+                yield index, item
+    finally:
+        unread: list[AsyncGenerator[T, None]] = []
+        for task, index in pending.items():
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None:
+                unread.append(iterators[index])
+        for iterator in unread:
+            await iterator.aclose()
 
 
 class OpenAIServing:
@@ -153,80 +200,54 @@ class OpenAIServing:
     # ------------------------------------------------------------ generation
 
     @staticmethod
-    def child_seed(seed: int | None, i: int) -> int | None:
-        if seed is None or i == 0:
-            return seed
-        return seed + i if seed + i <= _MAX_SEED else seed - i
-
-    def build_params(
-        self, num_prompts: int, n: int, seed: int | None, make_params: Callable[[int], SamplingParams]
-    ) -> list[list[SamplingParams]]:
-        """SamplingParams per prompt and choice, made before anything is sent so that a
-        bad combination is a 400. ``make_params(prompt_index)`` gives the shared ones."""
+    def sampling_params(
+        request: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        """``request.sampling_params(...)``, made before anything is sent so that a bad
+        combination of fields (e.g. min_tokens > max_tokens) is a 400."""
         try:
-            params = []
-            for p in range(num_prompts):
-                row = []
-                for i in range(n):
-                    choice = make_params(p)
-                    choice.seed = self.child_seed(seed, i)
-                    row.append(choice)
-                params.append(row)
-            return params
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValidationError as exc:
             raise from_validation_error(exc, SamplingParams) from None
 
-    async def generate_choices(
+    def generate(
         self,
         request_id: str,
         prompts: list[Prompt],
-        params: list[list[SamplingParams]],
+        params: list[SamplingParams],
         lora_request: LoRARequest | None,
         priority: int,
         cache_salt: str | None,
-    ) -> ChoiceOutputs:
-        """Run one engine request per choice; yield (choice index, output) as they arrive.
-        ``params[prompt_index][i]`` is choice i of that prompt (see ``build_params``).
-
-        Leaving the iteration early (the client went away) cancels every engine request,
-        which aborts it in the engine. ``ValueError`` from the engine (bad input) becomes
-        a 400; anything else a 500."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int, prompt: Prompt, params: SamplingParams) -> None:
-            try:
-                stream = self.engine.generate(
+    ) -> PromptOutputs:
+        """One engine request per prompt (``params[i]`` for ``prompts[i]``, n included);
+        (prompt index, output) as outputs arrive. See ``merged``."""
+        return self.merged(
+            [
+                self.engine.generate(
                     {"prompt_token_ids": prompt.token_ids},
-                    params,
-                    f"{request_id}-{index}",
+                    prompt_params,
+                    f"{request_id}-{i}",
                     lora_request=lora_request,
                     priority=priority,
                     cache_salt=cache_salt,
                 )
-                async for output in stream:
-                    queue.put_nowait((index, output, None))
-                queue.put_nowait((index, None, None))
-            except Exception as exc:  # handed to the consumer, which raises it
-                queue.put_nowait((index, None, exc))
+                for i, (prompt, prompt_params) in enumerate(zip(prompts, params))
+            ]
+        )
 
-        tasks = []
-        for p, prompt in enumerate(prompts):
-            n = len(params[p])
-            for i, choice_params in enumerate(params[p]):
-                tasks.append(asyncio.create_task(pump(p * n + i, prompt, choice_params)))
+    @staticmethod
+    async def merged(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+        """(stream index, output) from the engine's streams as outputs arrive.
+
+        Leaving the iteration early (the client went away) stops every stream, which
+        aborts its engine request with all its sequences. ``ValueError`` from the engine
+        (bad input) becomes a 400; anything else a 500."""
         try:
-            running = len(tasks)
-            while running:
-                index, output, error = await queue.get()
-                if error is not None:
-                    raise _as_api_error(error)
-                if output is None:
-                    running -= 1
-                    continue
-                yield index, output
-        finally:
-            for task in tasks:
-                task.cancel()
+            async with aclosing(merge_async_iterators(*streams)) as outputs:
+                async for item in outputs:
+                    yield item
+        except Exception as exc:
+            raise _as_api_error(exc) from None  # _as_api_error logs an engine failure
 
     # ------------------------------------------------------------ logprobs
 

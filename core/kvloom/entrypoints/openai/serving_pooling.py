@@ -8,9 +8,9 @@ runs the plugin: ``parse_data`` -> ``pre_process_async`` -> one engine request p
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from kvloom.entrypoints.openai.protocol import (
     PoolingResponse,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import OpenAIServing, _as_api_error, random_id
+from kvloom.entrypoints.openai.serving_engine import OpenAIServing, random_id
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.pooling.io_processors import as_prompt_list
@@ -65,25 +65,15 @@ class OpenAIServingPooling(OpenAIServing):
         self, request_id: str, prompts: Sequence[Any], params: PoolingParams, lora: LoRARequest | None
     ) -> AsyncIterator[tuple[int, PoolingRequestOutput]]:
         """Run one engine request per prompt; yield (prompt index, final output) as each
-        finishes. Leaving early cancels (aborts) the rest."""
-
-        async def one(index: int, prompt: Any) -> tuple[int, PoolingRequestOutput]:
-            final = None
-            async for output in self.engine.encode(prompt, params, f"{request_id}-{index}", lora_request=lora):
-                final = output
-            assert final is not None
-            return index, final
-
-        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                try:
-                    yield await next_done
-                except Exception as exc:
-                    raise _as_api_error(exc) from None
-        finally:
-            for task in tasks:
-                task.cancel()
+        finishes, through the same merge as generation (``OpenAIServing.merged``): leaving
+        early aborts the rest, engine errors become API errors."""
+        streams = [
+            self.engine.encode(prompt, params, f"{request_id}-{i}", lora_request=lora) for i, prompt in enumerate(prompts)
+        ]
+        async with aclosing(self.merged(streams)) as outputs:
+            async for index, output in outputs:
+                if output.finished:
+                    yield index, output
 
     def _prompts(self, request: EmbeddingRequest) -> list[dict[str, Any]]:
         prompts = []
