@@ -2,7 +2,7 @@
 
 It owns the tokenizer, turns prompts into ``EngineCoreRequest``s (fanning out n > 1 into
 child requests), turns ``EngineCoreOutputs`` into ``RequestOutput``s, computes the
-front-end stats (the seeds' interval metrics) and feeds the stat loggers. It never runs
+front-end stats (vLLM's interval metrics: TTFT, inter-token latency, e2e latency, ...) and feeds the stat loggers. It never runs
 the model: the engines decide where the core runs.
 """
 
