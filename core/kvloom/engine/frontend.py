@@ -2,8 +2,9 @@
 
 It owns the tokenizer, turns prompts into ``EngineCoreRequest``s (fanning out n > 1 into
 child requests), turns ``EngineCoreOutputs`` into ``RequestOutput``s, computes the
-front-end stats (vLLM's interval metrics: TTFT, inter-token latency, e2e latency, ...) and feeds the stat loggers. It never runs
-the model: the engines decide where the core runs.
+front-end stats (vLLM's interval metrics: TTFT, inter-token latency, end-to-end latency)
+and feeds the stat loggers. It never runs the model: the engines decide where the core
+runs.
 """
 
 from __future__ import annotations
