@@ -189,8 +189,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 lora_request=new.lora_request,
                 generator=self._make_generator(params.seed if params is not None else None),
+                eos_token_id=new.eos_token_id,
             )
-            self.input_batch[new.req_id].extra["eos_token_id"] = new.eos_token_id
         for cached in so.scheduled_cached_reqs:
             state = self.input_batch[cached.req_id]
             self.input_batch.append_blocks(state, cached.new_block_ids)
@@ -341,7 +341,7 @@ class ModelRunner:
                 generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
                 vocab_size=logits.shape[-1],
                 device=logits.device,
-                eos_token_ids=[s.extra.get("eos_token_id") for s in gen_states],
+                eos_token_ids=[s.eos_token_id for s in gen_states],
             )
             gen_logits = logits if rows is None else logits[torch.as_tensor(rows, device=logits.device)]
             out = self.sampler(gen_logits.float(), metadata)
