@@ -16,9 +16,10 @@ tensor on the device.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,11 +35,25 @@ from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLog
 from kvloom.pooling.pooler import pool_request
 from kvloom.sample.metadata import SamplingMetadata
 from kvloom.sample.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.utils import cdiv
+from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceMemory(Protocol):
+    """The allocator calls a memory profile makes; the ``torch.cuda`` module has them."""
+
+    def synchronize(self) -> None: ...
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def empty_cache(self) -> None: ...
 
 
 def _step_seed(seed: int, num_output_tokens: int) -> int:
@@ -78,7 +93,7 @@ class ModelRunner:
 
 
         self.sampler = Sampler()
-        self.cudagraphs = None  # set by enable_cudagraphs()
+        self.cudagraphs: CUDAGraphRunner | None = None  # set by capture_cudagraphs()
         self.lora_manager = None  # a kvloom.lora.manager.LoRAManager when LoRA is enabled
 
         # Host staging buffers (pinned on CUDA) and persistent device buffers. CUDA graphs
@@ -164,6 +179,61 @@ class ModelRunner:
             str(dtype).removeprefix("torch."),
             len(self.attn_layers),
         )
+
+    def _release_kv_cache(self) -> None:
+        self.kv_caches = []
+        self.builder = None
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.empty(0)
+
+    # ------------------------------------------------------------------ profiling, CUDA graphs
+    @torch.inference_mode()
+    def profile_peak_memory(self, memory: DeviceMemory) -> int:
+        """Torch's peak allocated bytes (``memory.max_memory_allocated()``; pass
+        ``torch.cuda`` on CUDA) over one forward at the largest batch the scheduler can
+        produce (``max_num_batched_tokens`` tokens over ``max_num_seqs`` requests) plus a
+        sampler pass over its logits.
+
+        Runs before the KV cache exists: the forward needs a builder and a cache to read,
+        and one block is all dummy requests touch, so a one-block cache serves it and is
+        released again; ``initialize_kv_cache`` then allocates the real one."""
+        self.initialize_kv_cache(1, for_profiling=True)
+        memory.synchronize()
+        memory.reset_peak_memory_stats()
+        num_reqs = self.max_num_reqs
+        logits = self.dummy_forward(self.max_num_tokens, num_reqs)
+        self._dummy_sample(logits, num_reqs)
+        memory.synchronize()
+        peak = memory.max_memory_allocated()
+        del logits
+        self._release_kv_cache()
+        gc.collect()
+        memory.empty_cache()
+        return peak
+
+    def _dummy_sample(self, logits: torch.Tensor, num_reqs: int) -> None:
+        """A sampler pass over ``num_reqs`` rows with the memory-hungry features on
+        (temperature, top-p, top-k, logprobs)."""
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_reqs
+        metadata = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=[[0]] * num_reqs,
+            output_token_ids=[[]] * num_reqs,
+            generators={},
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            eos_token_ids=[None] * num_reqs,
+        )
+        self.sampler(logits.float(), metadata)
+
+    def capture_cudagraphs(self, sizes: list[int]) -> None:
+        """Capture a full CUDA graph of a uniform decode batch for each of ``sizes``
+        (those up to ``max_num_seqs``); decode steps of up to the largest size replay
+        them from then on (``kvloom.worker.cudagraph``). Runs after
+        ``initialize_kv_cache``."""
+        graphs = CUDAGraphRunner(self, sizes)
+        graphs.capture()
+        self.cudagraphs = graphs
 
     # ------------------------------------------------------------------ state updates
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
