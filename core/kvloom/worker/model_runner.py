@@ -10,8 +10,11 @@ the sampled tokens in its own copy of each request.
 ``execute_model_async`` returns before the sampled tokens reach the host (async
 scheduling): the tokens are copied into pinned memory behind an event, and the runner's
 copy of each request holds a placeholder (-1) until the step's ``AsyncModelRunnerOutput``
-fills it (``get_output()``). A step launched meanwhile reads such a token as input straight from the previous step's sampled
-tensor on the device.
+fills it (``get_output()``). A step launched meanwhile reads such a token as input
+straight from the previous step's sampled tensor on the device.
+
+Platforms drive the runner through its methods: ``profile_peak_memory`` (KV-cache sizing)
+and ``capture_cudagraphs`` besides the setup and step calls of the generic worker.
 """
 
 from __future__ import annotations
