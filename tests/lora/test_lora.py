@@ -97,7 +97,7 @@ def test_the_platforms_lora_delta_op_replaces_the_torch_code(adapters, hf_refere
         return lora_delta_grouped(x, y, lora_a, lora_b, mapping.groups)
 
     plugins.load_plugins()
-    platform = plugins.get_platform_by_name("cpu")
+    platform = plugins.current_platform()
     monkeypatch.setattr(platform, "custom_ops", classmethod(lambda cls, config: {"lora_delta": lora_delta}))
     try:
         llm = LLM(str(tiny_model_dir("llama")), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
