@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,25 +42,30 @@ class ModelRunnerOutput:
     pooler_output: list[torch.Tensor | None] | None = None
 
 
-class PendingModelRunnerOutput:
+class PendingModelRunnerOutput(ABC):
     """A step launched on the device whose results may not be on the host yet.
 
-    ``get_output()`` waits for them (once). Async scheduling keeps one of these in flight
-    while the next step is scheduled and launched behind it.
+    ``get_output()`` waits for them; repeated calls return the same output. Async
+    scheduling keeps one of these in flight while the next step is scheduled and launched
+    behind it. A worker whose step is complete when it returns wraps its output with
+    ``done(output)``; the model runner returns an ``AsyncModelRunnerOutput``.
     """
 
-    def __init__(self, finish: Callable[[], ModelRunnerOutput]) -> None:
-        self._finish: Callable[[], ModelRunnerOutput] | None = finish
-        self._output: ModelRunnerOutput | None = None
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """The step's results, on the host (waits for the device if need be)."""
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> "PendingModelRunnerOutput":
-        return cls(lambda: output)
+        """An already complete step."""
+        return _CompletedModelRunnerOutput(output)
+
+
+class _CompletedModelRunnerOutput(PendingModelRunnerOutput):
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
 
     def get_output(self) -> ModelRunnerOutput:
-        if self._finish is not None:
-            self._output, self._finish = self._finish(), None
-        assert self._output is not None
         return self._output
 
 

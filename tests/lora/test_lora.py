@@ -1,6 +1,7 @@
 """LoRA: adapters match HF transformers + peft, several adapters (and the base model) in one
-batch; adapter validation errors; the manager's slots and LRU; the scheduler's max_loras cap;
-the adapter id in the prefix-cache hash; the grouped gather-matmul against float64."""
+batch; a platform's lora_delta op in place of the torch code; adapter validation errors; the
+manager's slots and LRU; the scheduler's max_loras cap; the adapter id in the prefix-cache
+hash; the grouped gather-matmul against float64."""
 
 from __future__ import annotations
 
@@ -79,6 +80,32 @@ def test_two_adapters_and_base_in_one_batch_match_hf_peft(adapters, hf_reference
     assert llm.llm_engine.list_loras() == {1, 2}
     assert llm.llm_engine.remove_lora(2) is True
     assert llm.llm_engine.list_loras() == {1}
+
+
+def test_the_platforms_lora_delta_op_replaces_the_torch_code(adapters, hf_reference, monkeypatch) -> None:
+    """A platform's ``lora_delta`` custom op (the CUDA platform's Triton kernel) is what
+    the LoRA layers call; here a spy that computes the torch code's result."""
+    from kvloom import plugins
+    from kvloom.layers import custom_ops
+    from kvloom.lora.ops import LoRAMapping
+
+    calls = []
+
+    def lora_delta(x, y, lora_a, lora_b, mapping):
+        assert isinstance(mapping, LoRAMapping) and mapping.active
+        calls.append(x.shape[0])
+        return lora_delta_grouped(x, y, lora_a, lora_b, mapping.groups)
+
+    plugins.load_plugins()
+    platform = plugins.current_platform()
+    monkeypatch.setattr(platform, "custom_ops", classmethod(lambda cls, config: {"lora_delta": lora_delta}))
+    try:
+        llm = LLM(str(tiny_model_dir("llama")), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
+                  block_size=16)  # fmt: skip
+        assert _run_batch(llm, adapters) == hf_reference
+    finally:
+        custom_ops.set_custom_ops({})
+    assert calls
 
 
 def test_one_slot_and_one_cached_adapter_still_match(adapters, hf_reference) -> None:

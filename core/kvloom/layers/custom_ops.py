@@ -4,11 +4,15 @@ Every layer computes with plain torch ops, which is correct everywhere but launc
 small kernels (a Llama-3-8B decode step runs ~1,200 of them; each costs a few
 microseconds even inside a CUDA graph). A platform may supply fused replacements for the
 ops named in ``OP_SIGNATURES`` through ``Platform.custom_ops(config)``; the model loader
-activates them for the model it builds (``--custom-ops none`` keeps the torch code).
+activates them for the model it builds (``--custom-ops none`` keeps the torch code, for
+every op: the LoRA update too).
 
 Contract for a replacement: same signature, new output tensors (inputs untouched), and
 the same results as the torch code for the dtypes the platform enables it for (bit for
-bit, except where the docstring of the op allows an fp32-rounding ulp). Layers call
+bit, except where the docstring of the op allows an fp32-rounding ulp). ``lora_delta`` is
+the exception: it may add the update to ``y`` in place (the layer's fresh output) and
+return it, and it sums in another order than the grouped torch GEMMs (fp32 accumulation,
+rounded once), so it matches them to the dtype's rounding, not bit for bit. Layers call
 ``get_custom_op(name)`` on every forward, so the active set is per process: one engine
 per process, as the engine core runs.
 """
@@ -26,6 +30,8 @@ OP_SIGNATURES: dict[str, str] = {
     "fused_add_rms_norm": "(x, residual, weight, eps) -> (normed, x + residual)",
     "silu_and_mul": "(x [.., 2d]) -> silu(x[.., :d]) * x[.., d:]",
     "rotary_qk": "(x [N, heads, D], cos [N, 1, D/2], sin [N, 1, D/2]) -> rotated contiguous copy",
+    "lora_delta": "(x [T, in], y [T, out], lora_a [S, R, in], lora_b [S, out, R], mapping: LoRAMapping) -> y plus "
+    "each token's (x @ A[slot].T) @ B[slot].T (kvloom.lora.ops; may update y in place)",
 }
 
 _active: dict[str, Callable[..., object]] = {}

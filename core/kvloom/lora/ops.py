@@ -6,10 +6,11 @@ For token ``t`` with adapter slot ``s = token_slots[t]`` (slot 0 = no adapter):
 
 ``A`` is ``[num_slots, R, in]`` and ``B`` is ``[num_slots, out, R]`` (the adapter's
 scaling is already folded into ``B``; see ``LoRALinear`` for how merged layers stack
-their slices into ``R``). On the CPU the tokens are grouped by adapter and each group
-is two GEMMs (``lora_delta_grouped``); on CUDA a Triton kernel gathers per token
-(``kvloom.lora.triton_ops``), which reads the slots from a device tensor so it can run
-inside a CUDA graph.
+their slices into ``R``). The torch code groups the tokens by adapter and runs two GEMMs
+per group (``lora_delta_grouped``). A platform may replace it with the ``lora_delta``
+custom op (``kvloom.layers.custom_ops``): the CUDA platform's Triton kernel gathers per
+token (``kvloom_platform_cuda.lora_ops``), reading the slots from a device tensor so it
+can run inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvloom.layers.custom_ops import get_custom_op
 
 
 @dataclass
@@ -60,9 +63,8 @@ def lora_delta_reference(
 def apply_lora(
     x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
 ) -> torch.Tensor:
-    """``y`` with the step's LoRA updates added (``x``: the layer input, ``y``: its output)."""
-    if x.is_cuda:
-        from kvloom.lora.triton_ops import lora_delta_triton
-
-        return lora_delta_triton(x, y, lora_a, lora_b, mapping.token_slots)
+    """``y`` with the step's LoRA updates added (``x``: the layer input, ``y``: its output),
+    by the platform's ``lora_delta`` op when one is active."""
+    if (op := get_custom_op("lora_delta")) is not None:
+        return op(x, y, lora_a, lora_b, mapping)  # type: ignore[return-value]
     return lora_delta_grouped(x, y, lora_a, lora_b, mapping.groups)

@@ -7,8 +7,7 @@ and, sometimes, a block id; building a step's inputs is then a few numpy gathers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,9 +28,10 @@ class CachedRequestState:
     num_blocks: int
     lora_request: LoRARequest | None = None
     generator: torch.Generator | None = None
+    #: The model's end-of-sequence token, which ``min_tokens`` holds back.
+    eos_token_id: int | None = None
     #: Running sum of hidden states for MEAN pooling across prefill chunks.
     pooling_sum: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +71,7 @@ class InputBatch:
         num_computed_tokens: int,
         lora_request: LoRARequest | None,
         generator: torch.Generator | None,
+        eos_token_id: int | None = None,
     ) -> CachedRequestState:
         if req_id in self.requests:
             raise RuntimeError(f"request {req_id} is already in the batch")
@@ -93,6 +94,7 @@ class InputBatch:
             num_blocks=0,
             lora_request=lora_request,
             generator=generator,
+            eos_token_id=eos_token_id,
         )
         self.requests[req_id] = state
         self.append_blocks(state, block_ids)

@@ -9,16 +9,20 @@ the sampled tokens in its own copy of each request.
 
 ``execute_model_async`` returns before the sampled tokens reach the host (async
 scheduling): the tokens are copied into pinned memory behind an event, and the runner's
-copy of each request holds a placeholder (-1) until ``get_output()`` fills it. A step
-launched meanwhile reads such a token as input straight from the previous step's sampled
-tensor on the device.
+copy of each request holds a placeholder (-1) until the step's ``AsyncModelRunnerOutput``
+fills it (``get_output()``). A step launched meanwhile reads such a token as input
+straight from the previous step's sampled tensor on the device.
+
+Platforms drive the runner through its methods: ``profile_peak_memory`` (KV-cache sizing)
+and ``capture_cudagraphs`` besides the setup and step calls of the generic worker.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,12 +37,26 @@ from kvloom.lora.manager import LoRAManager
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLogprobs
 from kvloom.pooling.pooler import pool_request
 from kvloom.sample.metadata import SamplingMetadata
-from kvloom.sample.sampler import Sampler, compute_prompt_logprobs
+from kvloom.sample.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.utils import cdiv
+from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceMemory(Protocol):
+    """The allocator calls a memory profile makes; the ``torch.cuda`` module has them."""
+
+    def synchronize(self) -> None: ...
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def max_memory_allocated(self) -> int: ...
+
+    def empty_cache(self) -> None: ...
 
 
 def _step_seed(seed: int, num_output_tokens: int) -> int:
@@ -78,7 +96,7 @@ class ModelRunner:
 
 
         self.sampler = Sampler()
-        self.cudagraphs = None  # set by enable_cudagraphs()
+        self.cudagraphs: CUDAGraphRunner | None = None  # set by capture_cudagraphs()
         self.lora_manager = None  # a kvloom.lora.manager.LoRAManager when LoRA is enabled
 
         # Host staging buffers (pinned on CUDA) and persistent device buffers. CUDA graphs
@@ -165,6 +183,61 @@ class ModelRunner:
             len(self.attn_layers),
         )
 
+    def _release_kv_cache(self) -> None:
+        self.kv_caches = []
+        self.builder = None
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.empty(0)
+
+    # ------------------------------------------------------------------ profiling, CUDA graphs
+    @torch.inference_mode()
+    def profile_peak_memory(self, memory: DeviceMemory) -> int:
+        """Torch's peak allocated bytes (``memory.max_memory_allocated()``; pass
+        ``torch.cuda`` on CUDA) over one forward at the largest batch the scheduler can
+        produce (``max_num_batched_tokens`` tokens over ``max_num_seqs`` requests) plus a
+        sampler pass over its logits.
+
+        Runs before the KV cache exists: the forward needs a builder and a cache to read,
+        and one block is all dummy requests touch, so a one-block cache serves it and is
+        released again; ``initialize_kv_cache`` then allocates the real one."""
+        self.initialize_kv_cache(1, for_profiling=True)
+        memory.synchronize()
+        memory.reset_peak_memory_stats()
+        num_reqs = self.max_num_reqs
+        logits = self.dummy_forward(self.max_num_tokens, num_reqs)
+        self._dummy_sample(logits, num_reqs)
+        memory.synchronize()
+        peak = memory.max_memory_allocated()
+        del logits
+        self._release_kv_cache()
+        gc.collect()
+        memory.empty_cache()
+        return peak
+
+    def _dummy_sample(self, logits: torch.Tensor, num_reqs: int) -> None:
+        """A sampler pass over ``num_reqs`` rows with the memory-hungry features on
+        (temperature, top-p, top-k, logprobs)."""
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_reqs
+        metadata = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=[[0]] * num_reqs,
+            output_token_ids=[[]] * num_reqs,
+            generators={},
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            eos_token_ids=[None] * num_reqs,
+        )
+        self.sampler(logits.float(), metadata)
+
+    def capture_cudagraphs(self, sizes: list[int]) -> None:
+        """Capture a full CUDA graph of a uniform decode batch for each of ``sizes``
+        (those up to ``max_num_seqs``); decode steps of up to the largest size replay
+        them from then on (``kvloom.worker.cudagraph``). Runs after
+        ``initialize_kv_cache``."""
+        graphs = CUDAGraphRunner(self, sizes)
+        graphs.capture()
+        self.cudagraphs = graphs
+
     # ------------------------------------------------------------------ state updates
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -189,8 +262,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 lora_request=new.lora_request,
                 generator=self._make_generator(params.seed if params is not None else None),
+                eos_token_id=new.eos_token_id,
             )
-            self.input_batch[new.req_id].extra["eos_token_id"] = new.eos_token_id
         for cached in so.scheduled_cached_reqs:
             state = self.input_batch[cached.req_id]
             self.input_batch.append_blocks(state, cached.new_block_ids)
@@ -310,7 +383,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling
     def _postprocess(
         self, batch: StepBatch, logits: torch.Tensor | None, hidden: torch.Tensor | None
-    ) -> PendingModelRunnerOutput:
+    ) -> AsyncModelRunnerOutput:
         """Sample on the device, start copying the tokens to the host, and return what
         waits for them. Until then each sampling request holds a placeholder token."""
 
@@ -318,11 +391,7 @@ class ModelRunner:
         # A request still prefilling its prompt produces no token this step.
         done_prefill = [int(batch.seq_lens[i]) >= s.num_tokens for i, s in enumerate(states)]
         gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
-        out = None
-        sampled_host: torch.Tensor | None = None
-        copied: torch.cuda.Event | None = None
-        # Per request that samples this step: (index in the batch, row in out, output index).
-        placeholders: list[tuple[int, int, int]] = []
+        tokens: InFlightTokens | None = None
         self._prev_sampled, self._prev_sampled_row = None, {}
 
         if gen_idx:
@@ -341,7 +410,7 @@ class ModelRunner:
                 generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
                 vocab_size=logits.shape[-1],
                 device=logits.device,
-                eos_token_ids=[s.extra.get("eos_token_id") for s in gen_states],
+                eos_token_ids=[s.eos_token_id for s in gen_states],
             )
             gen_logits = logits if rows is None else logits[torch.as_tensor(rows, device=logits.device)]
             out = self.sampler(gen_logits.float(), metadata)
@@ -349,50 +418,22 @@ class ModelRunner:
             sampled_host = self._sampled_host[self._sampled_slot][: len(gen_idx)]
             self._sampled_slot ^= 1
             sampled_host.copy_(sampled, non_blocking=self.pin_memory)
+            copied: torch.cuda.Event | None = None
             if self.pin_memory:
                 copied = torch.cuda.Event()
                 copied.record()
+            tokens = InFlightTokens(sampler_output=out, host=sampled_host, copied=copied, placeholders=[])
             self._prev_sampled = sampled
             for j, i in enumerate(gen_idx):
                 if done_prefill[i]:
                     s = states[i]
-                    placeholders.append((i, j, len(s.output_token_ids)))
+                    tokens.placeholders.append((i, j, len(s.output_token_ids)))
                     self._prev_sampled_row[s.req_id] = j
                     self.input_batch.append_token(s, -1)
 
-        @torch.inference_mode()
-        def finish() -> ModelRunnerOutput:
-            sampled_lists: list[list[int]] = [[] for _ in states]
-            logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
-            prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-            pooler_output: list[torch.Tensor | None] | None = None
-            if out is not None:
-                assert sampled_host is not None
-                if copied is not None:
-                    copied.synchronize()
-                tokens = sampled_host.tolist()
-                batch_states = self.input_batch.requests
-                row_logprobs = out.logprobs_lists()
-                for i, j, index in placeholders:
-                    state = states[i]
-                    # A request finished (and its row reused) meanwhile keeps no state here.
-                    if batch_states.get(state.req_id) is state:
-                        self.input_batch.set_token(state, index, tokens[j])
-                    sampled_lists[i] = [tokens[j]]
-                    if row_logprobs is not None:
-                        logprobs[i] = row_logprobs[j]
-                self._prompt_logprobs(batch, hidden, prompt_logprobs)
-            if len(gen_idx) < len(states):
-                pooler_output = self._pool(batch, hidden, done_prefill)
-            return ModelRunnerOutput(
-                req_ids=batch.req_ids,
-                sampled_token_ids=sampled_lists,
-                logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-                prompt_logprobs=prompt_logprobs,
-                pooler_output=pooler_output,
-            )
-
-        return PendingModelRunnerOutput(finish)
+        return AsyncModelRunnerOutput(
+            self, batch, hidden, done_prefill, tokens, has_pooling=len(gen_idx) < len(states)
+        )
 
     def _prompt_logprobs(
         self, batch: StepBatch, hidden: torch.Tensor | None, out: dict[str, list[TokenLogprobs]]
@@ -478,4 +519,85 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
             seq_lens_cpu=self.seq_lens_cpu[:b],
+        )
+
+
+@dataclass
+class InFlightTokens:
+    """The tokens one step sampled, on their way to the host."""
+
+    sampler_output: SamplerOutput
+    #: Pinned host rows the tokens are copied into (row j: the step's j-th sampling request).
+    host: torch.Tensor
+    #: Recorded behind the copy on CUDA; None where the copy is synchronous.
+    copied: torch.cuda.Event | None
+    #: Per request that produced a token: (index in the batch, row in ``host``, output
+    #: index of its placeholder).
+    placeholders: list[tuple[int, int, int]]
+
+
+class AsyncModelRunnerOutput(PendingModelRunnerOutput):
+    """A launched step (``ModelRunner.execute_model_async``) whose sampled tokens may
+    still be on their way to the host.
+
+    ``get_output()`` waits for the copy, writes each token over its request's placeholder
+    in the runner's input batch (unless the request left the batch meanwhile), and adds
+    the prompt logprobs and pooled outputs of the step, computed then from its hidden
+    states. It runs once; later calls return the same output.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch: StepBatch,
+        hidden: torch.Tensor | None,
+        done_prefill: list[bool],
+        tokens: InFlightTokens | None,
+        has_pooling: bool,
+    ) -> None:
+        self._runner = runner
+        self._batch = batch
+        self._hidden = hidden
+        self._done_prefill = done_prefill
+        self._tokens = tokens
+        self._has_pooling = has_pooling
+        self._output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._finish()
+            self._hidden = self._tokens = None  # the step's device tensors are no longer needed
+        return self._output
+
+    @torch.inference_mode()
+    def _finish(self) -> ModelRunnerOutput:
+        runner, batch, hidden, tokens = self._runner, self._batch, self._hidden, self._tokens
+        states = batch.states
+        sampled_lists: list[list[int]] = [[] for _ in states]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        pooler_output: list[torch.Tensor | None] | None = None
+        if tokens is not None:
+            if tokens.copied is not None:
+                tokens.copied.synchronize()
+            token_ids = tokens.host.tolist()
+            batch_states = runner.input_batch.requests
+            row_logprobs = tokens.sampler_output.logprobs_lists()
+            for i, j, index in tokens.placeholders:
+                state = states[i]
+                # A request finished (and its row reused) meanwhile keeps no state here.
+                if batch_states.get(state.req_id) is state:
+                    runner.input_batch.set_token(state, index, token_ids[j])
+                sampled_lists[i] = [token_ids[j]]
+                if row_logprobs is not None:
+                    logprobs[i] = row_logprobs[j]
+            runner._prompt_logprobs(batch, hidden, prompt_logprobs)
+        if self._has_pooling:
+            pooler_output = runner._pool(batch, hidden, self._done_prefill)
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs=prompt_logprobs,
+            pooler_output=pooler_output,
         )

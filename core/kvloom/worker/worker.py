@@ -1,13 +1,13 @@
 """The generic torch worker: runs on any device torch supports.
 
-The CPU platform uses it as is; the CUDA platform subclasses it to size the KV cache by
-profiling and to capture CUDA graphs. Out-of-tree platforms can do the same.
+The CPU platform subclasses it to set torch's thread count; the CUDA platform to size the
+KV cache by profiling and to capture CUDA graphs (through the model runner's
+``profile_peak_memory`` and ``capture_cudagraphs``). Out-of-tree platforms can do the same.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -34,10 +34,6 @@ class Worker(WorkerBase):
 
     def init_device(self) -> None:
         torch.manual_seed(self.config.model.seed)
-        if self.device.type == "cpu":
-            threads = os.environ.get("KVLOOM_CPU_THREADS")
-            if threads:
-                torch.set_num_threads(int(threads))
         self.model_runner = ModelRunner(self.config, self.device)
 
     @property

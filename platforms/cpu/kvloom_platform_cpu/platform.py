@@ -1,4 +1,5 @@
-"""The CPU platform: torch on the host CPU, attention by the CPU_ATTN backend.
+"""The CPU platform: torch on the host CPU, attention by the CPU_ATTN backend, models
+run by ``CpuWorker`` (the generic worker; ``KVLOOM_CPU_THREADS`` sets torch's threads).
 
 Config adjustments (``check_and_update_config``):
 
@@ -51,9 +52,9 @@ class CpuPlatform(Platform):
     @classmethod
     def get_worker_cls(cls) -> type["WorkerBase"]:
         # Imported here: the worker pulls in the whole model runner.
-        from kvloom.worker.worker import Worker
+        from kvloom_platform_cpu.worker import CpuWorker
 
-        return Worker
+        return CpuWorker
 
     @classmethod
     def check_and_update_config(cls, config: "EngineConfig") -> None:

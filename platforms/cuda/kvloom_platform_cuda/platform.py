@@ -104,16 +104,25 @@ class CudaPlatform(Platform):
 
     @classmethod
     def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:
-        """Triton kernels for the layer math of 16-bit models (one kernel each instead of
-        a chain of small torch ops). fp32 models keep the torch code, whose rounding the
-        fp32 HF-parity tests pin down exactly."""
-        if config.model.dtype not in (torch.float16, torch.bfloat16):
-            return {}
-        from kvloom_platform_cuda import fused_ops
+        """Triton kernels replacing torch code:
 
-        return {
-            "rms_norm": fused_ops.rms_norm,
-            "fused_add_rms_norm": fused_ops.fused_add_rms_norm,
-            "silu_and_mul": fused_ops.silu_and_mul,
-            "rotary_qk": fused_ops.rotary_qk,
-        }
+        - the layer math of 16-bit models (one kernel each instead of a chain of small
+          torch ops). fp32 models keep the torch code, whose rounding the fp32 HF-parity
+          tests pin down exactly;
+        - the batched LoRA update (``lora_delta``) when LoRA is enabled, for every model
+          dtype: one per-token gather kernel instead of two GEMMs per adapter."""
+        ops: dict[str, Callable[..., object]] = {}
+        if config.model.dtype in (torch.float16, torch.bfloat16):
+            from kvloom_platform_cuda import fused_ops
+
+            ops.update(
+                rms_norm=fused_ops.rms_norm,
+                fused_add_rms_norm=fused_ops.fused_add_rms_norm,
+                silu_and_mul=fused_ops.silu_and_mul,
+                rotary_qk=fused_ops.rotary_qk,
+            )
+        if config.lora.enable_lora:
+            from kvloom_platform_cuda import lora_ops
+
+            ops["lora_delta"] = lora_ops.lora_delta
+        return ops

@@ -1,21 +1,20 @@
 """The CUDA worker: the generic torch worker plus memory profiling and CUDA graphs.
 
-KV-cache sizing follows vLLM: run one forward at the largest batch the scheduler can
-produce (``max_num_batched_tokens`` tokens over ``max_num_seqs`` requests) plus a sampler
-pass, record the peak of torch's allocator, and give the KV cache what is left of
+KV-cache sizing follows vLLM: the model runner runs one forward at the largest batch the
+scheduler can produce (``max_num_batched_tokens`` tokens over ``max_num_seqs`` requests)
+plus a sampler pass and reports the peak of torch's allocator
+(``ModelRunner.profile_peak_memory``); the KV cache gets what is left of
 ``gpu_memory_utilization * total`` after that peak and after memory that torch does not
 own (CUDA context, cuBLAS workspaces, other processes).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
 
-from kvloom.sampling_params import SamplingParams
-from kvloom.worker.cudagraph import CUDAGraphRunner, effective_decode_graphs
+from kvloom.worker.cudagraph import effective_decode_graphs
 from kvloom.worker.worker import Worker
 
 KVLOOM_PLUGIN_API = "1.0"
@@ -37,45 +36,11 @@ class CUDAWorker(Worker):
         torch.backends.cudnn.allow_tf32 = False
         super().init_device()
 
-    @torch.inference_mode()
-    def _profile_peak_bytes(self) -> int:
-        from kvloom.sample.metadata import SamplingMetadata
-
-        runner = self.runner
-        # The forward needs a builder and a cache to read; one block is all dummy requests
-        # touch. initialize_cache() replaces both once the real size is known.
-        runner.initialize_kv_cache(1, for_profiling=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        num_reqs = runner.max_num_reqs
-        logits = runner.dummy_forward(runner.max_num_tokens, num_reqs)
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_reqs
-        metadata = SamplingMetadata.build(
-            params=params,
-            prompt_token_ids=[[0]] * num_reqs,
-            output_token_ids=[[]] * num_reqs,
-            generators={},
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-            eos_token_ids=[None] * num_reqs,
-        )
-        runner.sampler(logits.float(), metadata)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del logits, metadata
-        runner.kv_caches = []
-        runner.builder = None
-        for layer in runner.attn_layers:
-            layer.kv_cache = torch.empty(0)
-        gc.collect()
-        torch.cuda.empty_cache()
-        return peak
-
     def kv_cache_budget_bytes(self) -> int:
         cache = self.config.cache
         if cache.kv_cache_memory is not None:
             return cache.kv_cache_memory
-        peak = self._profile_peak_bytes()
+        peak = self.runner.profile_peak_memory(torch.cuda)
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory in use that torch's allocator does not account for: CUDA context,
         # library workspaces, other processes.
@@ -109,6 +74,4 @@ class CUDAWorker(Worker):
                 support.name,
             )
             return
-        runner = CUDAGraphRunner(self.runner, compilation.cudagraph_capture_sizes)
-        runner.capture()
-        self.runner.cudagraphs = runner
+        self.runner.capture_cudagraphs(compilation.cudagraph_capture_sizes)

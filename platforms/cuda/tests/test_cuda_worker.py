@@ -65,3 +65,63 @@ def test_explicit_kv_cache_memory_skips_profiling(fake_cuda_memory):
     worker = _worker(kv_cache_memory="1GiB")
     fake_cuda_memory["peak"] = 10**15  # would fail if profiling ran
     assert worker.kv_cache_budget_bytes() == GiB
+
+
+def test_engine_start_profiles_through_the_runner_then_serves(fake_cuda_memory, monkeypatch):
+    """A whole engine start with the CUDA worker on the CPU: the profile runs on the
+    runner's temporary cache, the real cache is sized from it, and generation matches the
+    plain CPU engine."""
+    from kvloom_platform_cpu.platform import CpuPlatform
+    from kvloom_platform_cuda.worker import CUDAWorker
+
+    from kvloom import LLM, SamplingParams
+    from kvloom.worker.model_runner import ModelRunner
+    from kvloom.worker.worker import Worker
+
+    class CpuStandInCUDAWorker(CUDAWorker):
+        def init_device(self) -> None:
+            Worker.init_device(self)  # the generic part (no torch.cuda.set_device)
+
+    profiles = []
+    profile = ModelRunner.profile_peak_memory
+
+    def spy_profile(self, memory):
+        profiles.append(memory)
+        return profile(self, memory)
+
+    model = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    plain = LLM(model, dtype="float32", kv_cache_memory="32MiB").generate(prompts, params, use_tqdm=False)
+
+    monkeypatch.setattr(ModelRunner, "profile_peak_memory", spy_profile)
+    monkeypatch.setattr(CpuPlatform, "get_worker_cls", classmethod(lambda cls: CpuStandInCUDAWorker))
+    llm = LLM(model, dtype="float32", gpu_memory_utilization=0.51)
+    worker = llm.llm_engine.engine_core.core.worker
+    assert isinstance(worker, CpuStandInCUDAWorker) and profiles == [torch.cuda]
+    # 0.51 * 4 GiB - 1 GiB peak - 0.5 GiB non-torch - 512 MiB reserve
+    budget = int(4 * GiB * 0.51) - GiB - GiB // 2 - 512 * 2**20
+    assert llm.config.cache.num_blocks == budget // worker.runner.kv_cache_bytes_per_block()
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_warm_up_captures_graphs_through_the_runner(monkeypatch, enforce_eager):
+    from kvloom.attention.backend import AttentionCGSupport
+    from kvloom.config import CUDAGraphMode
+
+    worker = _worker()
+    worker.initialize_cache(8)
+    compilation = worker.config.compilation
+    compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY  # the CPU platform had turned graphs off
+    compilation.cudagraph_capture_sizes = [1, 2, 4]
+    compilation.enforce_eager = enforce_eager
+    backend = worker.config.attention.backend
+    monkeypatch.setattr(backend, "cudagraph_support", AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    calls = []
+    forward = worker.runner.dummy_forward
+    monkeypatch.setattr(worker.runner, "dummy_forward", lambda *a: calls.append("warm-up") or forward(*a))
+    monkeypatch.setattr(worker.runner, "capture_cudagraphs", lambda sizes: calls.append(sizes))
+    worker.compile_or_warm_up_model()
+    assert calls == (["warm-up"] if enforce_eager else ["warm-up", [1, 2, 4]])

@@ -1,4 +1,6 @@
-"""Triton kernels for the batched LoRA update (punica's "bgmv" scheme, written anew).
+"""Triton kernels for the batched LoRA update (punica's "bgmv" scheme, written anew):
+the CUDA platform's ``lora_delta`` custom op (``kvloom.layers.custom_ops``), which
+replaces the torch code of ``kvloom.lora.ops`` for every model dtype when LoRA is on.
 
 Two kernels, one program per (token, output tile):
 
@@ -9,14 +11,21 @@ Tokens with slot 0 (no adapter) load and store nothing. The slot of each token i
 on the device, so the launch is the same for every batch of a given size (CUDA-graph
 safe). The layer sizes are compile-time constants (a model has a handful of shapes).
 The kernels are checked on the CPU under ``TRITON_INTERPRET=1`` by
-``tests/test_lora_triton_interpret.py``.
+``platforms/cuda/tests/test_lora_ops.py``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from kvloom.lora.ops import LoRAMapping
+
+__all__ = ["lora_delta", "lora_delta_triton"]
 
 
 @triton.jit
@@ -102,3 +111,11 @@ def lora_delta_triton(
         N=n, R=r, BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip
     return y
+
+
+def lora_delta(
+    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: "LoRAMapping"
+) -> torch.Tensor:
+    """The ``lora_delta`` custom op: each token's slot is read on the device
+    (``mapping.token_slots``), so one launch serves any mix of adapters."""
+    return lora_delta_triton(x, y, lora_a, lora_b, mapping.token_slots)

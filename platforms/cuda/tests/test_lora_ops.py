@@ -1,4 +1,5 @@
-"""The Triton LoRA kernels on the CPU, in Triton's interpreter, against float64.
+"""The CUDA platform's Triton LoRA kernels (``kvloom_platform_cuda.lora_ops``) on the CPU,
+in Triton's interpreter, against float64.
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are defined, so they run in a child
 process (this file with ``--worker``) that prints one JSON line per case.
@@ -26,7 +27,7 @@ def _worker() -> None:
     import torch
 
     from kvloom.lora.ops import lora_delta_reference
-    from kvloom.lora.triton_ops import lora_delta_triton
+    from kvloom_platform_cuda.lora_ops import lora_delta_triton
 
     results = {}
     for name, (n, k, out, rank, slots, pad, dtype_name) in CASES.items():
