@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import traceback
 
 from kvloom_registry import (
     PLUGINS_ENV,
@@ -79,13 +78,7 @@ def _register_lora_resolvers(plugins: LoadedPlugins) -> None:
         try:
             resolver = entry.target()
         except Exception as exc:
-            tb = traceback.format_exc()
-            raise PluginLoadError.for_entry(
-                entry,
-                f"{entry.describe()} failed while instantiating {entry.value}: "
-                f"{type(exc).__name__}: {exc}\n{tb}",
-                traceback_text=tb,
-            ) from exc
+            raise PluginLoadError.raised(entry, f"failed: instantiating {entry.value} raised", exc) from exc
         try:
             LoRAResolverRegistry.register_resolver(entry.name, resolver)
         except ValueError as exc:

@@ -7,6 +7,7 @@ never skipped silently.
 
 from __future__ import annotations
 
+import traceback
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,6 +44,14 @@ class PluginLoadError(PluginError):
             distribution=entry.distribution,
             traceback_text=traceback_text,
         )
+
+    @classmethod
+    def raised(cls, entry: PluginEntry, what: str, exc: BaseException) -> PluginLoadError:
+        """The error for a plugin whose code raised ``exc`` (call it in the ``except``
+        block: the current traceback goes into the message). ``what`` says what was being
+        done, e.g. ``"failed: Backend.validate_configuration raised"``."""
+        tb = traceback.format_exc()
+        return cls.for_entry(entry, f"{entry.describe()} {what} {type(exc).__name__}: {exc}\n{tb}", tb)
 
 
 class PluginAPIVersionError(PluginError):

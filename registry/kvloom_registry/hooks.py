@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import traceback
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -28,15 +27,6 @@ from kvloom_registry.errors import PluginLoadError, PluginTypeError
 from kvloom_registry.loader import PluginEntry
 
 logger = logging.getLogger(__name__)
-
-
-def _load_error(entry: PluginEntry, what: str, exc: BaseException) -> PluginLoadError:
-    tb = traceback.format_exc()
-    return PluginLoadError.for_entry(
-        entry,
-        f"{entry.describe()} failed {what}: {type(exc).__name__}: {exc}\n{tb}",
-        traceback_text=tb,
-    )
 
 
 class HookPlugins:
@@ -70,14 +60,14 @@ class HookPlugins:
         try:
             register()
         except Exception as exc:
-            raise _load_error(entry, f"while running {entry.value}()", exc) from exc
+            raise PluginLoadError.raised(entry, f"failed: running {entry.value}() raised", exc) from exc
         logger.debug("Ran %s", entry.describe())
 
     def _register_hooks(self, entry: PluginEntry, target: ModuleType | type) -> None:
         try:
             plugin = target() if inspect.isclass(target) else target
         except Exception as exc:
-            raise _load_error(entry, f"while instantiating {entry.value}", exc) from exc
+            raise PluginLoadError.raised(entry, f"failed: instantiating {entry.value} raised", exc) from exc
         try:
             self._pm.register(plugin, name=entry.name)
             # Hooks that match no spec are "pending"; there are no optional hooks, so a
@@ -125,4 +115,4 @@ class HookPlugins:
             try:
                 impl.function(*[kwargs[arg] for arg in impl.argnames])
             except Exception as exc:
-                raise _load_error(entry, f"in hook {hook_name}", exc) from exc
+                raise PluginLoadError.raised(entry, f"failed: its hook {hook_name} raised", exc) from exc

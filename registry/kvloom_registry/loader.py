@@ -27,7 +27,6 @@ import dataclasses
 import importlib
 import inspect
 import logging
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -173,13 +172,7 @@ def _load_target(ep: EntryPoint, entry: PluginEntry, api_version: str) -> Any:
     try:
         module = importlib.import_module(ep.module)
     except Exception as exc:
-        tb = traceback.format_exc()
-        raise PluginLoadError.for_entry(
-            entry,
-            f"{entry.describe()} failed to load: importing {ep.module} raised "
-            f"{type(exc).__name__}: {exc}\n{tb}",
-            traceback_text=tb,
-        ) from exc
+        raise PluginLoadError.raised(entry, f"failed to load: importing {ep.module} raised", exc) from exc
     check_plugin_api(module, entry, api_version)
     target: Any = module
     for part in ep.attr.split(".") if ep.attr else []:

@@ -23,7 +23,6 @@ decides the size (``AttentionBackend.preferred_block_size``): ``SelectionResult.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,12 +122,8 @@ def _validate(entry: PluginEntry, config: AttentionSelectorConfig) -> list[str]:
     except Exception as exc:
         # A crash in validation is a bug in the plugin; hiding it as a "reason" would
         # make the backend silently unselectable.
-        tb = traceback.format_exc()
-        raise PluginLoadError.for_entry(
-            entry,
-            f"{entry.describe()}: {backend.__qualname__}.validate_configuration raised "
-            f"{type(exc).__name__}: {exc}\n{tb}",
-            traceback_text=tb,
+        raise PluginLoadError.raised(
+            entry, f"failed: {backend.__qualname__}.validate_configuration raised", exc
         ) from exc
 
 

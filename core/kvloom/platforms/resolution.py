@@ -15,7 +15,6 @@ Rules, in order:
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Mapping, Sequence
 
 from kvloom_registry import PLUGINS_ENV, PluginEntry, PluginError, PluginLoadError
@@ -35,12 +34,7 @@ def is_platform_available(entry: PluginEntry) -> bool:
     try:
         return bool(platform.is_available())
     except Exception as exc:
-        tb = traceback.format_exc()
-        raise PluginLoadError.for_entry(
-            entry,
-            f"{entry.describe()}: {entry.value}.is_available() raised {type(exc).__name__}: {exc}\n{tb}",
-            traceback_text=tb,
-        ) from exc
+        raise PluginLoadError.raised(entry, f"failed: {entry.value}.is_available() raised", exc) from exc
 
 
 def _names(entries: Sequence[PluginEntry]) -> str:
