@@ -12,10 +12,9 @@ import asyncio
 from typing import Any
 
 import pytest
-from tests.helpers.model_fixtures import random_prompts, tiny_model_dir
+from tests.helpers.model_fixtures import random_prompts, tiny_async_llm, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
-from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.engine.core_client import EngineDeadError
 from kvloom.engine.output_processor import RequestOutputCollector
@@ -90,12 +89,6 @@ def model_dir() -> str:
     return str(tiny_model_dir("llama"))
 
 
-def async_llm(model_dir: str) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(
-        EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
-    )
-
-
 async def core_state(engine: AsyncLLM) -> tuple[int, float]:
     """(unfinished requests, KV-cache usage) of the core, read between its steps. Calls
     run in the order they were sent, so aborts sent before this one have been handled."""
@@ -108,7 +101,7 @@ def test_n_comes_back_merged_and_seeded_like_offline(model_dir: str) -> None:
     offline = LLM(model_dir, dtype="float32", kv_cache_memory="32MiB").generate(
         {"prompt_token_ids": PROMPT}, params, use_tqdm=False
     )[0]
-    engine = async_llm(model_dir)
+    engine = tiny_async_llm(model_dir)
 
     async def run() -> dict[int, list[int]]:
         tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
@@ -128,7 +121,7 @@ def test_n_comes_back_merged_and_seeded_like_offline(model_dir: str) -> None:
 
 
 def test_closing_an_n_stream_aborts_every_child_and_frees_its_blocks(model_dir: str) -> None:
-    engine = async_llm(model_dir)
+    engine = tiny_async_llm(model_dir)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=200, ignore_eos=True, output_kind=DELTA)
 
     async def run() -> tuple[set[int], tuple[int, float], tuple[int, float]]:
@@ -154,7 +147,7 @@ def test_closing_an_n_stream_aborts_every_child_and_frees_its_blocks(model_dir: 
 
 
 def test_engine_death_wakes_every_waiting_request(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = async_llm(model_dir)
+    engine = tiny_async_llm(model_dir)
     core = engine.engine_core.core
     step, calls = core.step, []
 

@@ -254,25 +254,60 @@ def make_test_engine_config(
         seed=seed,
         runner="generate",
     )
+    return assemble_engine_config(
+        model_config,
+        backend_cls=backend_cls,
+        block_size=block_size,
+        load_format=load_format,
+        source_kind=source.kind,
+        device_type=device_type,
+    )
+
+
+def assemble_engine_config(
+    model: ModelConfig,
+    *,
+    backend_cls: type[AttentionBackend] = ReferenceBackend,
+    block_size: int = 16,
+    enable_prefix_caching: bool = False,
+    num_blocks: int | None = None,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int | None = None,
+    policy: str = "fcfs",
+    load_format: str = "auto",
+    source_kind: str = "hf",
+    lora_modules: dict[str, str] | None = None,
+    max_lora_rank: int = 16,
+    disable_log_stats: bool = True,
+    device_type: str = "cpu",
+) -> EngineConfig:
+    """The other sections of a test ``EngineConfig`` around ``model``: eager (no CUDA
+    graphs), FCFS unless told otherwise, LoRA on when ``lora_modules`` are given, the
+    stand-in platform of ``device_type``, ``backend_cls`` as the attention backend.
+    ``max_num_batched_tokens`` defaults to ``max(2048, max_model_len)``."""
+    max_len = model.max_model_len
     return EngineConfig(
-        model=model_config,
+        model=model,
         cache=CacheConfig(
             block_size=block_size, user_specified_block_size=True, gpu_memory_utilization=0.9,
             kv_cache_memory=None, num_gpu_blocks_override=None, cache_dtype="auto",
-            enable_prefix_caching=False, prefix_caching_hash_algo="sha256",
+            enable_prefix_caching=enable_prefix_caching, prefix_caching_hash_algo="sha256", num_blocks=num_blocks,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=16, max_num_batched_tokens=max(2048, max_len), max_model_len=max_len,
-            long_prefill_token_threshold=0, enable_chunked_prefill=True, policy="fcfs",
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or max(2048, max_len),
+            max_model_len=max_len, long_prefill_token_threshold=0, enable_chunked_prefill=True, policy=policy,
         ),
         parallel=ParallelConfig(),
         attention=AttentionConfig(requested_backend=None, backend=backend_cls),
-        load=LoadConfig(load_format=load_format, source_kind=source.kind),
+        load=LoadConfig(load_format=load_format, source_kind=source_kind),
         compilation=CompilationConfig(
             optimization_level=0, enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[]
         ),
-        lora=LoRAConfig(enable_lora=False, max_loras=1, max_lora_rank=16, max_cpu_loras=1),
-        observability=ObservabilityConfig(disable_log_stats=True, log_stats_interval=5.0),
+        lora=LoRAConfig(
+            enable_lora=bool(lora_modules), max_loras=1, max_lora_rank=max_lora_rank, max_cpu_loras=1,
+            lora_modules=lora_modules or {},
+        ),
+        observability=ObservabilityConfig(disable_log_stats=disable_log_stats, log_stats_interval=5.0),
         device=DeviceConfig(platform=stand_in_platform(device_type), device_type=device_type),
     )
 
@@ -390,3 +425,13 @@ def hf_greedy_tokens(model_dir, prompts: list[list[int]], n: int) -> list[list[i
             )
             outs.append(out[0, len(p) :].tolist())
     return outs
+
+
+def tiny_async_llm(model_dir: str | Path) -> Any:
+    """An ``AsyncLLM`` on ``model_dir`` in fp32 with a small KV cache (32 MiB), stats off."""
+    from kvloom.engine.arg_utils import EngineArgs
+    from kvloom.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(
+        EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
+    )

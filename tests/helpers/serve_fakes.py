@@ -12,26 +12,12 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvloom.config import (
-    AttentionConfig,
-    CacheConfig,
-    CompilationConfig,
-    CUDAGraphMode,
-    DeviceConfig,
-    EngineConfig,
-    LoadConfig,
-    LoRAConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from kvloom.config import EngineConfig, ModelConfig
 from kvloom.engine.parallel_sampling import ParentRequest
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
 from kvloom.request import EngineCoreRequest
 from kvloom.sampling_params import RequestOutputKind, SamplingParams
-from tests.helpers.model_fixtures import stand_in_platform
-from tests.helpers.reference_backend import ReferenceBackend
+from tests.helpers.model_fixtures import assemble_engine_config
 
 
 def make_config(
@@ -44,50 +30,29 @@ def make_config(
 ) -> EngineConfig:
     import torch
 
-    return EngineConfig(
-        model=ModelConfig(
-            model="/models/fake",
-            tokenizer=None,
-            skip_tokenizer_init=False,
-            served_model_name=served_model_name,
-            hf_config=None,
-            architecture="LlamaForCausalLM",
-            dtype=torch.float32,
-            max_model_len=max_model_len,
-            seed=0,
-            runner="generate",
-        ),
-        cache=CacheConfig(
-            block_size=16,
-            user_specified_block_size=False,
-            gpu_memory_utilization=0.9,
-            kv_cache_memory=None,
-            num_gpu_blocks_override=None,
-            cache_dtype="auto",
-            enable_prefix_caching=True,
-            prefix_caching_hash_algo="sha256",
-            num_blocks=num_blocks,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=256,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=0,
-            enable_chunked_prefill=True,
-            policy=policy,
-        ),
-        parallel=ParallelConfig(),
-        attention=AttentionConfig(requested_backend=None, backend=ReferenceBackend),
-        load=LoadConfig(load_format="dummy"),
-        compilation=CompilationConfig(
-            optimization_level=0, enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[]
-        ),
-        lora=LoRAConfig(
-            enable_lora=bool(lora_modules), max_loras=1, max_lora_rank=8, max_cpu_loras=1,
-            lora_modules=lora_modules or {},
-        ),
-        observability=ObservabilityConfig(disable_log_stats=disable_log_stats, log_stats_interval=5.0),
-        device=DeviceConfig(platform=stand_in_platform("cpu"), device_type="cpu"),
+    model = ModelConfig(
+        model="/models/fake",
+        tokenizer=None,
+        skip_tokenizer_init=False,
+        served_model_name=served_model_name,
+        hf_config=None,
+        architecture="LlamaForCausalLM",
+        dtype=torch.float32,
+        max_model_len=max_model_len,
+        seed=0,
+        runner="generate",
+    )
+    return assemble_engine_config(
+        model,
+        enable_prefix_caching=True,
+        num_blocks=num_blocks,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        policy=policy,
+        load_format="dummy",
+        lora_modules=lora_modules,
+        max_lora_rank=8,
+        disable_log_stats=disable_log_stats,
     )
 
 

@@ -4,7 +4,6 @@ openai client, client disconnects aborting engine requests, periodic stat loggin
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -13,17 +12,9 @@ import pytest
 from kvloom.entrypoints.openai.api_server import build_app
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from tests.helpers.serve_fakes import FakeAsyncLLM, ServerThread, WordTokenizer, expected_text, expected_tokens, make_config
+from tests.helpers.waiting import wait_for
 
 TOK = WordTokenizer()
-
-
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_openai_client_completions_and_chat() -> None:
@@ -77,7 +68,7 @@ def test_streaming_client_disconnect_aborts_engine_requests() -> None:
                 assert len(engine.active) == 2
             # The connection is closed mid-stream: the engine request (n=2) is cancelled,
             # both of its sequences aborted.
-            assert wait_for(lambda: not engine.active)
+            assert wait_for(lambda: not engine.active, timeout=5)
             assert len(engine.requests) == 1 and len(engine.core_requests) == 2
             assert sorted(engine.aborted) == sorted(engine.core_requests)
             assert engine.finished == []
@@ -93,7 +84,7 @@ def test_non_streaming_client_disconnect_aborts_engine_request() -> None:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}],
                                                         "max_completion_tokens": 60, "ignore_eos": True})  # fmt: skip
-        assert wait_for(lambda: len(engine.aborted) == 1)
+        assert wait_for(lambda: len(engine.aborted) == 1, timeout=5)
         assert not engine.active and engine.finished == []
 
 

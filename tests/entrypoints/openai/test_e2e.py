@@ -24,6 +24,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.waiting import wait_for
+
 API_KEY = "e2e-key"
 MAX_MODEL_LEN = 512
 PLUGIN_SOURCE = Path(__file__).resolve().parents[2] / "plugins" / "serve_stat_logger"
@@ -120,15 +122,6 @@ def metrics(server: ServeProcess) -> dict[tuple[str, tuple], float]:
 def metric(values: dict, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     return sum(v for (n, ls), v in values.items() if n == name and set(labels.items()) <= set(ls))
-
-
-def wait_until(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return condition()
 
 
 # ----------------------------------------------------------------- basics
@@ -269,8 +262,8 @@ def test_disconnected_clients_are_aborted_and_kv_freed(server: ServeProcess, mod
                     received += line.startswith("data: {")
                     if received == 3:
                         break  # leave mid-stream: the connection closes
-        assert wait_until(lambda: metric(metrics(server), "kvloom:num_requests_running") == 0)
-        assert wait_until(lambda: metric(metrics(server), "kvloom:kv_cache_usage_perc") == 0)
+        assert wait_for(lambda: metric(metrics(server), "kvloom:num_requests_running") == 0, timeout=30, interval=0.2)
+        assert wait_for(lambda: metric(metrics(server), "kvloom:kv_cache_usage_perc") == 0, timeout=30, interval=0.2)
         assert metric(metrics(server), "kvloom:num_requests_waiting") == 0
         # The server still answers.
         ok = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
@@ -286,7 +279,7 @@ def test_metrics_reflect_requests(server: ServeProcess, client: openai.OpenAI, m
         return metric(metrics(server), "kvloom:e2e_request_latency_seconds_count") >= metric(
             before, "kvloom:e2e_request_latency_seconds_count") + 3  # fmt: skip
 
-    assert wait_until(settled, timeout=10)
+    assert wait_for(settled, timeout=10, interval=0.2)
     after = metrics(server)
 
     def delta(name: str, **labels: str) -> float:
@@ -379,7 +372,7 @@ def test_stat_logger_plugin_receives_records(server: ServeProcess, client: opena
             return []
         return [json.loads(line) for line in server.records.read_text().splitlines() if line.strip()]
 
-    assert wait_until(lambda: any(e["event"] == "log" for e in entries()), timeout=10)
+    assert wait_for(lambda: any(e["event"] == "log" for e in entries()), timeout=10, interval=0.2)
     got = entries()
     init = [e for e in got if e["event"] == "init"]
     assert init and init[0]["model_name"] == model

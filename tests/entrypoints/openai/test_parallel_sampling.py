@@ -9,32 +9,23 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from tests.helpers.model_fixtures import random_prompts, tiny_model_dir
+from tests.helpers.model_fixtures import random_prompts, tiny_async_llm, tiny_model_dir
 from tests.helpers.serve_fakes import FakeAsyncLLM, ServerThread
+from tests.helpers.waiting import wait_for
 
 from kvloom import LLM, SamplingParams
-from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.entrypoints.openai.api_server import build_app
 from kvloom.entrypoints.openai.serving_engine import merge_async_iterators
 from kvloom.outputs import EngineCoreOutputs
 
 PROMPT = random_prompts(320)[2]
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_merge_async_iterators_interleaves_and_closing_stops_every_iterator() -> None:
@@ -130,15 +121,9 @@ def model_dir() -> str:
     return str(tiny_model_dir("llama"))
 
 
-def async_llm(model_dir: str) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(
-        EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
-    )
-
-
 @pytest.fixture
 def served(model_dir: str) -> Iterator[AsyncLLM]:
-    engine = async_llm(model_dir)
+    engine = tiny_async_llm(model_dir)
     try:
         yield engine
     finally:
