@@ -9,13 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,84 +17,34 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.plugin_server import KvloomServer, install_distribution
 from tests.helpers.waiting import wait_for
 
 API_KEY = "e2e-key"
 MAX_MODEL_LEN = 512
 PLUGIN_SOURCE = Path(__file__).resolve().parents[2] / "plugins" / "serve_stat_logger"
-STARTUP_TIMEOUT_S = 300
-
-
-class ServeProcess:
-    def __init__(self, tmp: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.records = tmp / "stat_logger_records.jsonl"
-        self.log_path = tmp / "server.log"
-        plugin_dir = tmp / "plugin_site"
-        build_copy = tmp / "plugin_src"
-        shutil.copytree(PLUGIN_SOURCE, build_copy)  # keep build leftovers out of the repository
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-             "--target", str(plugin_dir), str(build_copy)],
-            check=True,
-        )  # fmt: skip
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir), *filter(None, [env.get("PYTHONPATH")])])
-        env["KVLOOM_TEST_STAT_LOGGER_OUT"] = str(self.records)
-        self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvloom.entrypoints.cli.main", "serve",
-             "--host", "127.0.0.1", "--port", str(self.port), "--api-key", API_KEY,
-             "--max-model-len", str(MAX_MODEL_LEN), "--log-stats-interval", "1"],
-            env=env,
-            stdout=self.log_file,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text()[-5000:]
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvloom serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"kvloom serve not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log_file.close()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(tmp_path_factory.mktemp("serve"))
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the stat logger plugin of the server writes what it receives."""
+    return tmp_path_factory.mktemp("records") / "stat_logger_records.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[KvloomServer]:
+    work = tmp_path_factory.mktemp("serve")
+    site = install_distribution(PLUGIN_SOURCE, work)
+    args = ["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--log-stats-interval", "1"]
+    srv = KvloomServer(args, work, [site], KVLOOM_TEST_STAT_LOGGER_OUT=str(records))
+    with srv:
+        yield srv
     # Ctrl-C is a clean, graceful shutdown.
-    assert proc.process.returncode == 0, proc.log_tail()
+    assert srv.process.returncode == 0, srv.log()[-5000:]
 
 
 @pytest.fixture(scope="module")
-def client(server: ServeProcess) -> openai.OpenAI:
+def client(server: KvloomServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
@@ -110,7 +53,7 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def metrics(server: ServeProcess) -> dict[tuple[str, tuple], float]:
+def metrics(server: KvloomServer) -> dict[tuple[str, tuple], float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -127,7 +70,7 @@ def metric(values: dict, name: str, **labels: str) -> float:
 # ----------------------------------------------------------------- basics
 
 
-def test_models_health_version_tokenize(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+def test_models_health_version_tokenize(server: KvloomServer, client: openai.OpenAI, model: str) -> None:
     (card,) = client.models.list().data
     assert card.id == "SmolLM2-135M-Instruct" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(server.url + "/health").status_code == 200
@@ -138,7 +81,7 @@ def test_models_health_version_tokenize(server: ServeProcess, client: openai.Ope
     assert text == "Hello world"
 
 
-def test_completion_greedy_stream_equals_whole(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+def test_completion_greedy_stream_equals_whole(server: KvloomServer, client: openai.OpenAI, model: str) -> None:
     prompt = "The capital of France is"
     whole = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
     chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
@@ -154,7 +97,7 @@ def test_completion_greedy_stream_equals_whole(server: ServeProcess, client: ope
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
 
-def test_chat_greedy_stream_equals_whole(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+def test_chat_greedy_stream_equals_whole(server: KvloomServer, client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "user", "content": "Name a primary colour."}]
     whole = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=12, temperature=0)
     chunks = list(client.chat.completions.create(model=model, messages=messages, max_completion_tokens=12,
@@ -217,7 +160,7 @@ def test_stop_strings(client: openai.OpenAI, model: str) -> None:
 # ----------------------------------------------------------------- load
 
 
-def test_64_concurrent_streaming_clients(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+def test_64_concurrent_streaming_clients(server: KvloomServer, client: openai.OpenAI, model: str) -> None:
     prompts = [f"Write the number {i} in words:" for i in range(8)]
     reference = {
         p: client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0,
@@ -249,7 +192,7 @@ def test_64_concurrent_streaming_clients(server: ServeProcess, client: openai.Op
         assert text == reference[prompts[i % 8]]
 
 
-def test_disconnected_clients_are_aborted_and_kv_freed(server: ServeProcess, model: str) -> None:
+def test_disconnected_clients_are_aborted_and_kv_freed(server: KvloomServer, model: str) -> None:
     body = {"model": model, "prompt": "Tell me a very long story about a dragon.", "max_tokens": 400,
             "ignore_eos": True, "stream": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -270,7 +213,7 @@ def test_disconnected_clients_are_aborted_and_kv_freed(server: ServeProcess, mod
         assert ok.status_code == 200
 
 
-def test_metrics_reflect_requests(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+def test_metrics_reflect_requests(server: KvloomServer, client: openai.OpenAI, model: str) -> None:
     before = metrics(server)
     usages = [client.completions.create(model=model, prompt=f"Fact {i}:", max_tokens=5, temperature=0,
                                         extra_body={"ignore_eos": True}).usage for i in range(3)]  # fmt: skip
@@ -320,7 +263,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_input_gets_the_right_error_while_others_are_served(server: ServeProcess, model: str) -> None:
+def test_bad_input_gets_the_right_error_while_others_are_served(server: KvloomServer, model: str) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
     async def good_stream(http: httpx.AsyncClient) -> str:
@@ -364,19 +307,21 @@ def test_bad_input_gets_the_right_error_while_others_are_served(server: ServePro
 # ----------------------------------------------------------------- stat logger plugin
 
 
-def test_stat_logger_plugin_receives_records(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+def test_stat_logger_plugin_receives_records(
+    server: KvloomServer, records: Path, client: openai.OpenAI, model: str
+) -> None:
     client.completions.create(model=model, prompt="Plugins are", max_tokens=4, temperature=0)
 
     def entries() -> list[dict]:
-        if not server.records.exists():
+        if not records.exists():
             return []
-        return [json.loads(line) for line in server.records.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
 
     assert wait_for(lambda: any(e["event"] == "log" for e in entries()), timeout=10, interval=0.2)
     got = entries()
     init = [e for e in got if e["event"] == "init"]
     assert init and init[0]["model_name"] == model
-    records = [e for e in got if e["event"] == "record"]
-    assert sum(e.get("generation_tokens", 0) for e in records) >= 4
-    assert any("length" in e.get("finished", []) or "stop" in e.get("finished", []) for e in records)
-    assert any(e.get("running", 0) > 0 for e in records)
+    recorded = [e for e in got if e["event"] == "record"]
+    assert sum(e.get("generation_tokens", 0) for e in recorded) >= 4
+    assert any("length" in e.get("finished", []) or "stop" in e.get("finished", []) for e in recorded)
+    assert any(e.get("running", 0) > 0 for e in recorded)
