@@ -1,9 +1,10 @@
 """GPU tests of the FLASHINFER and FLEX_ATTENTION backends (skipped without CUDA).
 
 1. kvloom's backend conformance suite on each backend.
-2. Direct checks of each backend through the plugin contract against a float64 reference
-   (prefill, chunked prefill with context, decode, a mixed batch in arbitrary order, GQA,
-   slot -1), and for FLASHINFER a CUDA-graph capture and replay of a padded decode step.
+2. Direct checks of each backend through the plugin contract against the float64 reference
+   of ``kvloom.testing.reference`` (prefill, chunked prefill with context, decode, a mixed
+   batch in arbitrary order, GQA, slot -1), and for FLASHINFER a CUDA-graph capture and
+   replay of a padded decode step.
 
 JIT/compile budget on a fresh machine: one dtype/head-size combination (bf16, 128) and one
 block size, so FlashInfer builds one FA2 module (~27 s, shared by its prefill and
@@ -19,7 +20,16 @@ import math
 import pytest
 import torch
 
-from kvloom.attention.backend import AttentionBackend, AttentionLayerSpec, CommonAttentionMetadata
+from kvloom.attention.backend import AttentionBackend, AttentionLayerSpec
+from kvloom.testing.reference import (
+    PagedCache,
+    PagedCase,
+    PagedRun,
+    check_paged_case,
+    make_paged_case,
+    place_requests,
+    run_paged_case,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,69 +60,29 @@ def _backend(name: str) -> type[AttentionBackend]:
     return FlexAttentionBackend
 
 
-def _parts(name: str):
-    backend = _backend(name)
-    device = torch.device("cuda")
-    spec = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=DTYPE,
+def _spec() -> AttentionLayerSpec:
+    return AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=DTYPE,
                               kv_cache_dtype=DTYPE, block_size=BLOCK, max_num_seqs=16,
                               max_model_len=WIDTH * BLOCK, scale=SCALE)
-    builder = backend.get_builder_cls()(spec, device, NUM_BLOCKS)
-    impl = backend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS)
-    cache = torch.zeros(backend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, KV_HEADS, DIM), dtype=DTYPE, device=device)
-    return backend, builder, impl, cache
 
 
-def _make_batch(backend, cache, requests, gen, *, pad_requests=0, slot_minus_one=()):
-    """Context of each ``(context_len, query_len)`` request written through
-    ``split_kv_cache``; returns (common, q, k, v, float64 reference [real tokens])."""
-    k_cache, v_cache = backend.split_kv_cache(cache)
-    needed = [-(-(c + q) // BLOCK) for c, q in requests]
-    pages = torch.randperm(NUM_BLOCKS, generator=gen)[: sum(needed)].tolist()
-    num_reqs = len(requests) + pad_requests
-    block_table = torch.zeros(num_reqs, WIDTH, dtype=torch.int32)
-    qs, ks, vs, slots, refs, q_lens, seq_lens = [], [], [], [], [], [], []
-    for i, ((ctx, qlen), n) in enumerate(zip(requests, needed)):
-        block_table[i, :n] = torch.tensor(pages[:n], dtype=torch.int32)
-        pages = pages[n:]
-        seq = ctx + qlen
-        k_full = torch.randn(seq, KV_HEADS, DIM, generator=gen).to(DTYPE)
-        v_full = torch.randn(seq, KV_HEADS, DIM, generator=gen).to(DTYPE)
-        q = torch.randn(qlen, HEADS, DIM, generator=gen).to(DTYPE)
-        pos = torch.arange(seq)
-        flat = block_table[i, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        blk, off = (flat[:ctx] // BLOCK).cuda(), (flat[:ctx] % BLOCK).cuda()
-        k_cache[blk, off], v_cache[blk, off] = k_full[:ctx].cuda(), v_full[:ctx].cuda()
-        slots.append(flat[ctx:])
-        qs.append(q), ks.append(k_full[ctx:]), vs.append(v_full[ctx:])
-        kk = k_full.double().repeat_interleave(HEADS // KV_HEADS, 1)
-        vv = v_full.double().repeat_interleave(HEADS // KV_HEADS, 1)
-        s = torch.einsum("qhd,khd->hqk", q.double(), kk) * SCALE
-        s = s.masked_fill(pos[None, :] > pos[ctx:, None], float("-inf"))
-        refs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
-        q_lens.append(qlen), seq_lens.append(seq)
-    for _ in range(pad_requests):  # CUDA-graph padding: query 1, seq_len 1, row 0, slot -1
-        qs.append(torch.randn(1, HEADS, DIM, generator=gen).to(DTYPE))
-        ks.append(torch.randn(1, KV_HEADS, DIM, generator=gen).to(DTYPE))
-        vs.append(torch.randn(1, KV_HEADS, DIM, generator=gen).to(DTYPE))
-        slots.append(torch.tensor([-1]))
-        q_lens.append(1), seq_lens.append(1)
-    slot_mapping = torch.cat(slots)
-    for t in slot_minus_one:
-        slot_mapping[t] = -1
-    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl.cuda(), seq_lens=seq_t.cuda(), block_table=block_table.cuda(),
-        slot_mapping=slot_mapping.cuda(), num_reqs=num_reqs, num_actual_tokens=sum(q for _, q in requests),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_t,
+def _shape(requests) -> tuple[list[int], list[int]]:
+    """Query and sequence lengths of ``(context_len, query_len)`` requests."""
+    return [q for _, q in requests], [c + q for c, q in requests]
+
+
+def _case(name: str, requests, *, seed: int) -> PagedCase:
+    """One step of ``(context_len, query_len)`` requests on shuffled blocks of a fresh cache
+    of NUM_BLOCKS blocks (the same cache shape for every step, as in serving). Its spare
+    slots hold large random values: finite, as flex_attention reads whole pages."""
+    query_lens, seq_lens = _shape(requests)
+    spec = _spec()
+    return make_paged_case(
+        _backend(name), query_lens, seq_lens, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM,
+        block_size=BLOCK, dtype=DTYPE, device="cuda", seed=seed, max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len, extra_blocks=NUM_BLOCKS - sum(-(-s // BLOCK) for s in seq_lens),
+        fill="random",
     )
-    ref = torch.cat(refs) if refs else torch.zeros(0, HEADS, DIM, dtype=torch.float64)
-    return common, torch.cat(qs).cuda(), torch.cat(ks).cuda(), torch.cat(vs).cuda(), ref
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
 
 
 CASES = {
@@ -126,65 +96,58 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name", BACKENDS)
 def test_against_float64_reference(name, case):
-    backend, builder, impl, cache = _parts(name)
-    gen = torch.Generator().manual_seed(list(CASES).index(case))
-    common, q, k, v, ref = _make_batch(backend, cache, CASES[case], gen, slot_minus_one=())
-    out = torch.full_like(q, float("nan"))
-    impl.forward(q, k, v, cache, builder.build(common), out)
+    step = _case(name, CASES[case], seed=list(CASES).index(case))
+    run = run_paged_case(step)
     torch.cuda.synchronize()
-    assert _rel_err(out, ref) < 2e-2
-    # The new tokens landed in the cache where the slot mapping says.
-    k_cache, v_cache = backend.split_kv_cache(cache)
-    slots = common.slot_mapping.long()
-    assert torch.equal(k_cache[slots // BLOCK, slots % BLOCK], k)
-    assert torch.equal(v_cache[slots // BLOCK, slots % BLOCK], v)
+    # The cache exactly (the new tokens where the slot mapping says, nothing else
+    # written), and each request's output against the float64 reference.
+    check = check_paged_case(step, run)
+    assert not check.problems, check.problems
+    assert check.rel_error < 2e-2, check
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_slot_minus_one_is_not_written(name):
-    backend, builder, impl, cache = _parts(name)
-    gen = torch.Generator().manual_seed(42)
-    common, q, k, v, _ = _make_batch(backend, cache, [(20, 5), (0, 3)], gen, slot_minus_one=(1,))
-    before = cache.clone()
-    impl.forward(q, k, v, cache, builder.build(common), torch.empty_like(q))
-    changed = (cache != before).any(dim=-1).any(dim=-1)
+    step = _case(name, [(20, 5), (0, 3)], seed=42)
+    step.common.slot_mapping[1] = -1
+    before = step.kv_cache.clone()
+    run_paged_case(step)
+    changed = (step.kv_cache != before).any(dim=-1).any(dim=-1)
     assert int(changed.sum()) == 2 * 7  # 7 of 8 tokens, K and V each
 
 
 def test_flashinfer_cudagraph_decode_replay():
-    """Capture a padded decode step of batch size 4 once, then replay it for a new step."""
-    backend, builder, impl, cache = _parts("FLASHINFER")
-    gen = torch.Generator().manual_seed(7)
-    # Persistent inputs, as a model runner keeps them for graphs.
-    static_q = torch.zeros(4, HEADS, DIM, dtype=DTYPE, device="cuda")
-    static_k = torch.zeros(4, KV_HEADS, DIM, dtype=DTYPE, device="cuda")
-    static_v = torch.zeros_like(static_k)
-    static_out = torch.zeros_like(static_q)
-    static_slots = torch.full((4,), -1, dtype=torch.int64, device="cuda")
-
-    dummy, *_ = _make_batch(backend, cache, [], gen, pad_requests=4)
-    dummy.slot_mapping = static_slots
-    meta = builder.build_for_cudagraph_capture(dummy)
+    """Capture a padded decode step of batch size 4 once, then replay it for new steps."""
+    cache = PagedCache.allocate(_backend("FLASHINFER"), _spec(), NUM_BLOCKS, "cuda", torch.Generator().manual_seed(7),
+                                fill="random")
+    builder, impl = cache.make_builder(WIDTH), cache.make_impl()
+    # Persistent inputs, as a model runner keeps them for graphs, holding a dummy step of
+    # filler requests alone (seq_len 1, block-table row 0, slot -1) to capture with.
+    buffers = cache.step([], filler_requests=4, max_blocks=WIDTH)
+    out = torch.zeros_like(buffers.query)
+    meta = builder.build_for_cudagraph_capture(buffers.common)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph
-        impl.forward(static_q, static_k, static_v, cache, meta, static_out)
+        impl.forward(buffers.query, buffers.key, buffers.value, cache.kv_cache, meta, out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(static_q, static_k, static_v, cache, meta, static_out)
+        impl.forward(buffers.query, buffers.key, buffers.value, cache.kv_cache, meta, out)
 
-    for seed, requests in ((1, [(30, 1), (700, 1), (5, 1)]), (2, [(64, 1), (1, 1), (300, 1)])):
-        common, q, k, v, ref = _make_batch(backend, cache, requests, torch.Generator().manual_seed(seed),
-                                           pad_requests=1)
-        static_slots.copy_(common.slot_mapping)
-        common.slot_mapping = static_slots
-        step_meta = builder.build(common)
+    for requests in ([(30, 1), (700, 1), (5, 1)], [(64, 1), (1, 1), (300, 1)]):
+        query_lens, seq_lens = _shape(requests)
+        placed = place_requests(query_lens, seq_lens, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                generator=cache.generator)
+        step = cache.step(placed, filler_requests=1, max_blocks=WIDTH)
+        buffers.refill_from(step)
+        step_meta = builder.build(buffers.common)
         assert step_meta.wrapper is meta.wrapper, "a decode step of a captured size must use the graph wrapper"
-        static_q.copy_(q), static_k.copy_(k), static_v.copy_(v)
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _rel_err(static_out[:3], ref) < 2e-2
-        k_cache, _ = backend.split_kv_cache(cache)
-        slots = common.slot_mapping[:3]
-        assert torch.equal(k_cache[slots // BLOCK, slots % BLOCK], k[:3])
+        # Against the float64 reference; and the cache exactly: the real requests' new K/V
+        # at their slots, nothing else written (the filler's slot -1 included).
+        check = check_paged_case(step, PagedRun(out, step_meta, None))
+        assert not check.problems, check.problems
+        assert check.rel_error < 2e-2, check

@@ -8,10 +8,13 @@ import math
 import pytest
 import torch
 
-from kvloom.attention.backend import CommonAttentionMetadata
+from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.testing.reference import (
+    PagedCache,
+    PagedRun,
     check_paged_case,
     make_paged_case,
+    place_requests,
     reference_attention,
     relative_error,
     run_paged_case,
@@ -132,3 +135,63 @@ def test_a_correct_backend_passes_and_mistakes_are_caught() -> None:
     run.output[4] = float("nan")
     check = check_paged_case(skipped, run)
     assert check.rel_error == float("inf") and "not fully written" in check.problems[-1]
+
+
+def test_place_requests() -> None:
+    gen = torch.Generator().manual_seed(0)
+    requests = place_requests([3, 1, 6], [10, 17, 6], block_size=4, num_blocks=12, generator=gen)
+    assert [(r.context_len, r.query_len, len(r.blocks)) for r in requests] == [(7, 3, 3), (16, 1, 5), (0, 6, 2)]
+    owned = [b for r in requests for b in r.blocks]
+    assert len(set(owned)) == 10 and max(owned) < 12  # each request on its own blocks
+    with pytest.raises(ValueError, match="the requests need 10 blocks of 4; the cache has 9"):
+        place_requests([3, 1, 6], [10, 17, 6], block_size=4, num_blocks=9, generator=gen)
+    with pytest.raises(ValueError, match="1 <= query_len <= seq_len"):
+        place_requests([0], [5], block_size=4, num_blocks=9, generator=gen)
+
+
+def test_a_step_of_fillers_alone_is_a_dummy_capture_batch() -> None:
+    case = make_paged_case(ReferenceBackend, [], [], num_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+                           dtype=torch.float32, pad_reqs=3)
+    common = case.common
+    assert (common.num_reqs, common.num_actual_tokens, common.max_query_len, common.max_seq_len) == (3, 0, 1, 1)
+    assert common.query_start_loc_cpu.tolist() == [0, 1, 2, 3] and common.seq_lens_cpu.tolist() == [1, 1, 1]
+    assert common.slot_mapping.tolist() == [-1] * 3 and (common.block_table == 0).all()
+    assert case.query.shape == (3, 4, 8) and case.expected_output.shape == (0, 4, 8)
+    check = check_paged_case(case, run_paged_case(case, for_cudagraph=True))
+    assert not check.problems and check.request_errors == []
+    with pytest.raises(ValueError, match="at least one request or filler"):
+        make_paged_case(ReferenceBackend, [], [], num_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+                        dtype=torch.float32)
+
+
+def test_refill_from_replays_a_later_step_on_the_captured_tensors() -> None:
+    """What a CUDA-graph test does: capture on a dummy step's tensors, then refill them
+    with each new step over the same cache and run on them; checked against the new step."""
+    spec = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=8, dtype=torch.float32,
+                              kv_cache_dtype=torch.float32, block_size=4, max_num_seqs=4, max_model_len=32,
+                              scale=0.3)
+    gen = torch.Generator().manual_seed(2)
+    cache = PagedCache.allocate(ReferenceBackend, spec, 20, "cpu", gen, fill="nan")
+    captured = cache.step([], filler_requests=4, max_blocks=8)
+    builder, impl = cache.make_builder(8), cache.make_impl()
+    out = torch.full_like(captured.query, float("nan"))
+    for seq_lens in ([9, 1, 32], [4, 17]):
+        requests = place_requests([1] * len(seq_lens), seq_lens, block_size=4, num_blocks=20, generator=gen)
+        step = cache.step(requests, filler_requests=4 - len(seq_lens), max_blocks=8)
+        qkv_ptr = captured.query.data_ptr()
+        captured.refill_from(step)
+        assert captured.query.data_ptr() == qkv_ptr and torch.equal(captured.query, step.query)
+        assert captured.common.num_actual_tokens == len(seq_lens) and captured.common.max_seq_len == max(seq_lens)
+        assert captured.common.seq_lens_cpu.tolist() == seq_lens + [1] * (4 - len(seq_lens))
+        metadata = builder.build_for_cudagraph_capture(captured.common)
+        impl.forward(captured.query, captured.key, captured.value, cache.kv_cache, metadata, out)
+        check = check_paged_case(step, PagedRun(out, metadata, None))
+        assert not check.problems and check.rel_error < 1e-6
+
+    other = make_paged_case(ReferenceBackend, [1] * 4, [5] * 4, num_heads=4, num_kv_heads=2, head_size=8,
+                            block_size=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs a step over the same PagedCache"):
+        captured.refill_from(other)
+    with pytest.raises(ValueError, match="replays one batch shape: 4 requests x 4 token rows, not 5 x 5"):
+        captured.refill_from(cache.step(place_requests([1] * 5, [2] * 5, block_size=4, num_blocks=20,
+                                                       generator=gen), max_blocks=8))

@@ -6,7 +6,6 @@ import importlib.metadata
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvloom.attention.backend import (
     AttentionLayerSpec,
@@ -17,6 +16,7 @@ from kvloom.attention.backend import (
 from kvloom.attention.layer import Attention
 from kvloom.forward_context import set_forward_context
 from kvloom.testing import ConformanceCase, check_case, conformance_cases, run_case
+from kvloom.testing.reference import PagedCache, PagedRequest, PagedRun, check_paged_case, place_requests
 from kvloom_backend_cpu import CPUAttentionBackend
 from kvloom_backend_cpu.impl import CPUAttentionImpl
 from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
@@ -160,22 +160,19 @@ def test_workspace_is_shared_by_layers_and_reused_across_steps() -> None:
 
 
 def test_through_the_attention_layer() -> None:
-    """The model-facing Attention layer with CPU_ATTN: one prompt, then one decode step,
-    against torch SDPA on the whole sequence in float64."""
-    torch.manual_seed(0)
+    """The model-facing Attention layer with CPU_ATTN: one prompt, then one decode step
+    over the K/V the prompt wrote, each against the float64 reference."""
     H, Hkv, D, bs = 6, 2, 32, 4
     layer = Attention(H, D, D**-0.5, Hkv, CPUAttentionBackend, prefix="layers.0.attn")
-    layer.kv_cache = torch.zeros(CPUAttentionBackend.get_kv_cache_shape(8, bs, Hkv, D))
     builder = _builder(block_size=bs, num_heads=H, num_kv_heads=Hkv, head_size=D)
-    q, k, v = torch.randn(11, H * D), torch.randn(11, Hkv * D), torch.randn(11, Hkv * D)
-    outputs = []
-    for query_lens, seq_len, rows in (([10], 10, slice(0, 10)), ([1], 11, slice(10, 11))):
-        common, _ = _common(query_lens, [seq_len], bs)
-        with set_forward_context(builder.build(common)):
-            outputs.append(layer(q[rows], k[rows], v[rows]))
-    got = torch.cat(outputs).view(11, H, D).transpose(0, 1).double()
-    qd = q.view(11, H, D).transpose(0, 1).double()
-    kd = k.view(11, Hkv, D).transpose(0, 1).double().repeat_interleave(H // Hkv, 0)
-    vd = v.view(11, Hkv, D).transpose(0, 1).double().repeat_interleave(H // Hkv, 0)
-    ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedCache.allocate(CPUAttentionBackend, builder.spec, 8, "cpu", gen)
+    layer.kv_cache = cache.kv_cache
+    (sequence,) = place_requests([11], [11], block_size=bs, num_blocks=8, generator=gen)
+    for request in (PagedRequest(0, 10, sequence.blocks), PagedRequest(10, 1, sequence.blocks)):
+        step = cache.step([request], prewrite_context=False)  # the prompt's K/V: written by the layer
+        with set_forward_context(builder.build(step.common)):
+            out = layer(step.query.flatten(1), step.key.flatten(1), step.value.flatten(1))
+        check = check_paged_case(step, PagedRun(out.view(step.query.shape), None, None))
+        assert not check.problems, check.problems
+        assert check.rel_error < 1e-5, check

@@ -6,8 +6,9 @@ the KV-cache write through the slot mapping (pure torch), the metadata builder
 (``cu_seqlens_k``, kernel choice, CUDA-graph launch parameters and persistent buffers),
 and the impl's call plumbing end to end: with the stand-in ``flash_attn`` of
 ``flash_attn_standin`` (float64, the library's signatures and argument rules) the backend
-passes kvloom's conformance suite on the CPU and direct checks against a reference built
-from the block tables. The real kernels are covered by tests/test_flash_attn_backend_gpu.py.
+passes kvloom's conformance suite on the CPU and direct checks against the float64
+reference of ``kvloom.testing.reference``. The real kernels are covered by
+tests/test_flash_attn_backend_gpu.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ from kvloom.attention.backend import (  # noqa: E402
 )
 from kvloom.platforms.interface import DeviceCapability  # noqa: E402
 from kvloom.testing import run_conformance  # noqa: E402
+from kvloom.testing.reference import (  # noqa: E402
+    PagedCache,
+    PagedCase,
+    PagedRun,
+    check_paged_case,
+    make_paged_case,
+    place_requests,
+    run_paged_case,
+)
 from kvloom_backend_flash_attn import KVLOOM_PLUGIN_API, FlashAttentionBackend  # noqa: E402
 from kvloom.attention.kv_write import write_kv_default_layout as write_kv_cache  # noqa: E402
 from kvloom_backend_flash_attn.metadata import (  # noqa: E402
@@ -293,48 +303,15 @@ def test_conformance_suite_through_the_standin(fake_flash_attn, monkeypatch):
     assert kernels == {"varlen", "kvcache"}
 
 
-def _paged_batch(requests, gen, dtype=torch.bfloat16, fillers=0):
-    """Random paged data for ``(context_len, query_len)`` requests on shuffled blocks, the
-    step's inputs, and the float64 reference output."""
-    cache = torch.randn(FlashAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, KV_HEADS, DIM),
-                        generator=gen).to(dtype)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    block_table = torch.zeros(len(requests) + fillers, WIDTH, dtype=torch.int32)
-    q_rows, k_new, v_new, slots, refs, q_lens, s_lens = [], [], [], [], [], [], []
-    for i, (ctx, qlen) in enumerate(requests):
-        seq = ctx + qlen
-        n = -(-seq // BLOCK)
-        block_table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
-        perm = perm[n:]
-        q = torch.randn(qlen, HEADS, DIM, generator=gen).to(dtype)
-        k = torch.randn(qlen, KV_HEADS, DIM, generator=gen).to(dtype)
-        v = torch.randn(qlen, KV_HEADS, DIM, generator=gen).to(dtype)
-        pos = torch.arange(ctx, seq)
-        slots.append(block_table[i, pos // BLOCK].long() * BLOCK + pos % BLOCK)
-        all_pos = torch.arange(seq)
-        blocks = block_table[i, all_pos // BLOCK].long()
-        keys = cache[0, blocks, all_pos % BLOCK].clone()
-        values = cache[1, blocks, all_pos % BLOCK].clone()
-        keys[ctx:], values[ctx:] = k, v
-        kk = keys.double().repeat_interleave(HEADS // KV_HEADS, 1)
-        vv = values.double().repeat_interleave(HEADS // KV_HEADS, 1)
-        s = torch.einsum("qhd,khd->hqk", q.double(), kk) * SCALE
-        s = s.masked_fill(all_pos[None, :] > pos[:, None], float("-inf"))
-        refs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
-        q_rows.append(q), k_new.append(k), v_new.append(v), q_lens.append(qlen), s_lens.append(seq)
-    for _ in range(fillers):  # CUDA-graph padding: query 1, seq_len 1, block-table row 0, slot -1
-        q_rows.append(torch.randn(1, HEADS, DIM, generator=gen).to(dtype))
-        k_new.append(torch.randn(1, KV_HEADS, DIM, generator=gen).to(dtype))
-        v_new.append(torch.randn(1, KV_HEADS, DIM, generator=gen).to(dtype))
-        slots.append(torch.tensor([-1])), q_lens.append(1), s_lens.append(1)
-    common = _common(q_lens, s_lens, block_table)
-    common.slot_mapping = torch.cat(slots)
-    common.num_actual_tokens = sum(q for _, q in requests)
-    return cache, torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new), common, torch.cat(refs)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm())
+def _case(requests, kernel: str, seed: int) -> PagedCase:
+    """One step of ``(context_len, query_len)`` requests on shuffled blocks of a fresh bf16
+    cache, with the pure-decode kernel ``kernel``."""
+    spec = _spec(extra={DECODE_KERNEL_EXTRA_KEY: kernel})
+    return make_paged_case(
+        FlashAttentionBackend, [q for _, q in requests], [c + q for c, q in requests], num_heads=HEADS,
+        num_kv_heads=KV_HEADS, head_size=DIM, block_size=BLOCK, dtype=spec.dtype, seed=seed,
+        max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, extra=spec.extra,
+    )
 
 
 @pytest.mark.parametrize("kernel", ["kvcache", "varlen"])
@@ -346,13 +323,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     ],
 )
 def test_impl_forward_matches_reference(fake_flash_attn, kernel, requests):
-    gen = torch.Generator().manual_seed(len(requests) * 7 + len(kernel))
-    cache, q, k, v, common, ref = _paged_batch(requests, gen)
-    builder = FlashAttentionMetadataBuilder(_spec(extra={DECODE_KERNEL_EXTRA_KEY: kernel}), "cpu", WIDTH)
-    impl = FlashAttentionBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS)
-    out = torch.full_like(q, float("nan"))
-    assert impl.forward(q, k, v, cache, builder.build(common), out) is out
-    assert _rel_err(out[: common.num_actual_tokens], ref) < 1e-2
+    case = _case(requests, kernel, seed=len(requests) * 7 + len(kernel))
+    run = run_paged_case(case)
+    check = check_paged_case(case, run)
+    assert run.returned is run.output and not check.problems, check.problems
+    assert check.rel_error < 1e-2, check
     (call,) = standin.calls
     decode = all(qlen == 1 for _, qlen in requests)
     assert call["kernel"] == ("kvcache" if decode and kernel == "kvcache" else "varlen")
@@ -362,37 +337,36 @@ def test_impl_forward_matches_reference(fake_flash_attn, kernel, requests):
 
 
 def test_impl_cudagraph_style_replay_with_fillers(fake_flash_attn):
-    """A padded decode batch built for capture; then the same buffers refilled in place
-    with another step and built again (what the runner does before a replay): correct
-    for the real requests both times, with the launch parameters of the first build."""
+    """A padded decode batch built for capture; then another step over the same cache
+    copied into its tensors in place and built again (what the runner does before a
+    replay): correct for the real requests both times, with the launch parameters of the
+    first build."""
     gen = torch.Generator().manual_seed(5)
-    builder = FlashAttentionMetadataBuilder(_spec(extra={DECODE_KERNEL_EXTRA_KEY: "varlen"}), "cpu", WIDTH)
-    impl = FlashAttentionBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS)
-    cache, q, k, v, common, ref = _paged_batch([(100, 1), (3, 1)], gen, fillers=2)
-    out = torch.full_like(q, float("nan"))
-    captured = None
-    for step in range(2):
-        if step == 1:  # refill the persistent buffers in place with a new step
-            cache2, q2, k2, v2, common2, ref = _paged_batch([(900, 1), (257, 1)], gen, fillers=2)
-            for dst, src in ((cache, cache2), (q, q2), (k, k2), (v, v2), (common.seq_lens, common2.seq_lens),
-                             (common.seq_lens_cpu, common2.seq_lens_cpu), (common.block_table, common2.block_table),
-                             (common.slot_mapping, common2.slot_mapping)):
-                dst.copy_(src)
-            common.max_seq_len = common2.max_seq_len
-        before = cache.clone()
-        md = builder.build_for_cudagraph_capture(common)
+    cache = PagedCache.allocate(FlashAttentionBackend, _spec(extra={DECODE_KERNEL_EXTRA_KEY: "varlen"}), NUM_BLOCKS,
+                                "cpu", gen, fill="nan")
+    builder, impl = cache.make_builder(WIDTH), cache.make_impl()
+    captured = first_md = None
+    for seq_lens in ([101, 4], [901, 258]):
+        requests = place_requests([1, 1], seq_lens, block_size=BLOCK, num_blocks=NUM_BLOCKS, generator=gen)
+        step = cache.step(requests, filler_requests=2, max_blocks=WIDTH)
         if captured is None:
-            captured = md
+            captured = step  # the persistent buffers a graph is captured on
+        else:
+            captured.refill_from(step)
+        md = builder.build_for_cudagraph_capture(captured.common)
+        if first_md is None:
+            first_md = md
         launch = (md.num_reqs, md.num_query_rows, md.max_query_len, md.max_seq_len)
-        assert launch == (captured.num_reqs, captured.num_query_rows, captured.max_query_len, captured.max_seq_len)
-        assert md.cu_seqlens_k.data_ptr() == captured.cu_seqlens_k.data_ptr()
-        impl.forward(q, k, v, cache, md, out)
-        assert _rel_err(out[:2], ref) < 1e-2
+        assert launch == (first_md.num_reqs, first_md.num_query_rows, first_md.max_query_len, first_md.max_seq_len)
+        assert md.cu_seqlens_k.data_ptr() == first_md.cu_seqlens_k.data_ptr()
+        out = torch.full_like(captured.query, float("nan"))
+        impl.forward(captured.query, captured.key, captured.value, cache.kv_cache, md, out)
+        # The cache exactly: the two real tokens' K/V written, the fillers' slot -1 skipped.
+        check = check_paged_case(step, PagedRun(out, md, None))
+        assert not check.problems, check.problems
+        assert check.rel_error < 1e-2, check
         assert (md.num_query_rows, md.max_seq_len) == (4, WIDTH * BLOCK)
         assert standin.calls[-1]["max_seqlen_k"] == WIDTH * BLOCK
-        # Exactly the two real tokens' K/V were written (the fillers' slot -1 was skipped).
-        changed = (cache != before).flatten(3).any(-1)  # [2, blocks, block_size]
-        assert int(changed[0].sum()) == 2 and int(changed[1].sum()) == 2
 
 
 def test_impl_rejects_unsupported_features(fake_flash_attn):

@@ -4,13 +4,18 @@
    64/128/256/80, padding, CUDA-graph fillers) with each pure-decode kernel.
 2. A CUDA graph of a padded decode step: captured once, then replayed for new steps
    whose lengths, block tables, slots and data were refilled in place (after the builder
-   refreshed its persistent state, as the model runner does), against float64 and eager.
+   refreshed its persistent state, as the model runner does), against the float64
+   reference of ``kvloom.testing.reference`` and an eager step.
 3. Selection on the real device: ``kvloom backends --json`` selects FLASH_ATTN with block
    size 256 (Ampere/Hopper, where FLASH_ATTN is first in priority); with ``--block-size
    16`` it does not, and shows the reason; the engine config agrees.
 
-Needs flash-attn (see shared/gpu/flash-attn/README.md for the build) and the backend's
-distribution installed for its entry point: ``pip install --no-deps -e backends/flash_attn``.
+Needs flash-attn, which is built on the GPU machine: ``bash tests/gpu/run.sh fa-start fa-wait``
+builds its wheel from the carried sdist (``.fa/``; about 22 minutes, so call ``fa-wait``
+again on the same warm machine until it is installed), or ``bash tests/gpu/run.sh
+fa-install`` installs a wheel built earlier and carried in ``.fawhl/`` (see the header of
+tests/gpu/run.sh). And the backend's distribution installed for its entry point (run.sh's
+setup stage does it): ``pip install --no-deps -e backends/flash_attn``.
 """
 
 from __future__ import annotations
@@ -27,10 +32,19 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-pytest.importorskip("flash_attn", reason="needs flash-attn (shared/gpu/flash-attn/README.md)")
+pytest.importorskip(
+    "flash_attn", reason="needs flash-attn: bash tests/gpu/run.sh fa-start fa-wait (or fa-install a carried wheel)"
+)
 
 from kvloom import plugins  # noqa: E402
-from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata  # noqa: E402
+from kvloom.attention.backend import AttentionLayerSpec  # noqa: E402
+from kvloom.testing.reference import (  # noqa: E402
+    PagedCache,
+    PagedRun,
+    check_paged_case,
+    place_requests,
+    relative_error,
+)
 
 BLOCK_16_REASON = "block size 16 not supported (supports multiples of 256)"
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS, WIDTH = 16, 4, 128, 256, 64, 8
@@ -73,70 +87,6 @@ def test_conformance_suite(decode_kernel, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- CUDA graphs
-class DecodeBuffers:
-    """A model runner's persistent decode inputs for one padded batch size."""
-
-    def __init__(self, size: int) -> None:
-        dev = "cuda"
-        self.size = size
-        self.query_start_loc_cpu = torch.arange(size + 1, dtype=torch.int32)
-        self.seq_lens_cpu = torch.ones(size, dtype=torch.int32)
-        self.query_start_loc = self.query_start_loc_cpu.to(dev)
-        self.seq_lens = self.seq_lens_cpu.to(dev)
-        self.block_table = torch.zeros(size, WIDTH, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=dev)
-        self.q = torch.zeros(size, HEADS, DIM, dtype=DTYPE, device=dev)
-        self.k = torch.zeros(size, KV_HEADS, DIM, dtype=DTYPE, device=dev)
-        self.v = torch.zeros(size, KV_HEADS, DIM, dtype=DTYPE, device=dev)
-        self.out = torch.zeros(size, HEADS, DIM, dtype=DTYPE, device=dev)
-
-    def fill(self, seq_lens: list[int], gen: torch.Generator) -> None:
-        """A decode step of ``len(seq_lens)`` real requests (each on distinct random blocks),
-        padded with fillers (seq_len 1, block-table row 0, slot -1), written in place."""
-        real = len(seq_lens)
-        lens = seq_lens + [1] * (self.size - real)
-        table = torch.zeros(self.size, WIDTH, dtype=torch.int32)
-        perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-        slots = [-1] * self.size
-        for i, s in enumerate(seq_lens):
-            n = -(-s // BLOCK)
-            table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
-            perm = perm[n:]
-            slots[i] = int(table[i, (s - 1) // BLOCK]) * BLOCK + (s - 1) % BLOCK
-        self.seq_lens_cpu.copy_(torch.tensor(lens, dtype=torch.int32))
-        self.seq_lens.copy_(self.seq_lens_cpu)
-        self.block_table.copy_(table)
-        self.slot_mapping.copy_(torch.tensor(slots))
-        for t in (self.q, self.k, self.v):
-            t.copy_(torch.randn(t.shape, generator=gen).to(DTYPE))
-
-    def common(self) -> CommonAttentionMetadata:
-        return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
-            slot_mapping=self.slot_mapping, num_reqs=self.size, num_actual_tokens=self.size, max_query_len=1,
-            max_seq_len=int(self.seq_lens_cpu.max()), query_start_loc_cpu=self.query_start_loc_cpu,
-            seq_lens_cpu=self.seq_lens_cpu,
-        )
-
-    def reference(self, cache: torch.Tensor, real: int) -> torch.Tensor:
-        """float64 decode attention of the real requests over the cache (new token included)."""
-        k_cache, v_cache = cache[0].cpu(), cache[1].cpu()
-        outs = []
-        for i in range(real):
-            s = int(self.seq_lens_cpu[i])
-            pos = torch.arange(s)
-            blocks = self.block_table[i].cpu().long()[pos // BLOCK]
-            keys = k_cache[blocks, pos % BLOCK].double().repeat_interleave(HEADS // KV_HEADS, 1)
-            values = v_cache[blocks, pos % BLOCK].double().repeat_interleave(HEADS // KV_HEADS, 1)
-            scores = torch.einsum("hd,khd->hk", self.q[i].cpu().double(), keys) * SCALE
-            outs.append(torch.einsum("hk,khd->hd", torch.softmax(scores, -1), values))
-        return torch.stack(outs)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("decode_kernel", ["kvcache", "varlen"])
 def test_cudagraph_capture_and_replay_of_a_padded_decode_step(decode_kernel):
     from kvloom_backend_flash_attn.metadata import DECODE_KERNEL_EXTRA_KEY
@@ -145,44 +95,49 @@ def test_cudagraph_capture_and_replay_of_a_padded_decode_step(decode_kernel):
     spec = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=DTYPE,
                               kv_cache_dtype=DTYPE, block_size=BLOCK, max_num_seqs=16, max_model_len=WIDTH * BLOCK,
                               scale=SCALE, extra={DECODE_KERNEL_EXTRA_KEY: decode_kernel})
-    builder = backend.get_builder_cls()(spec, torch.device("cuda"), WIDTH)
-    impl = backend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS)
     gen = torch.Generator().manual_seed(11)
-    cache = torch.randn(backend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, KV_HEADS, DIM), generator=gen).to(DTYPE).cuda()
-    buffers = DecodeBuffers(size=8)
+    cache = PagedCache.allocate(backend, spec, NUM_BLOCKS, "cuda", gen, fill="random")
+    builder, impl = cache.make_builder(WIDTH), cache.make_impl()
+    # A model runner's persistent decode inputs for batch size 8, holding a dummy step of
+    # filler requests alone (seq_len 1, block-table row 0, slot -1) to capture with.
+    buffers = cache.step([], filler_requests=8, max_blocks=WIDTH)
+    out = torch.zeros_like(buffers.query)
 
-    # Capture with a dummy step (all fillers), after eager warm-up on a side stream.
-    captured = builder.build_for_cudagraph_capture(buffers.common())
+    # Capture with the dummy step, after eager warm-up on a side stream.
+    captured = builder.build_for_cudagraph_capture(buffers.common)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            impl.forward(buffers.q, buffers.k, buffers.v, cache, captured, buffers.out)
+            impl.forward(buffers.query, buffers.key, buffers.value, cache.kv_cache, captured, out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(buffers.q, buffers.k, buffers.v, cache, captured, buffers.out)
+        impl.forward(buffers.query, buffers.key, buffers.value, cache.kv_cache, captured, out)
 
-    # Steps of 5 and 3 real requests, short and long (up to max_model_len), replayed.
+    # Steps of 5 and 3 real requests (each on distinct random blocks), short and long (up to
+    # max_model_len), padded with fillers, written into the buffers in place and replayed.
     for lens in ([300, 1, 2048, 513, 256], [WIDTH * BLOCK, 7, 1000]):
-        buffers.fill(lens, gen)
-        refreshed = builder.build_for_cudagraph_capture(buffers.common())
+        real = len(lens)
+        requests = place_requests([1] * real, lens, block_size=BLOCK, num_blocks=NUM_BLOCKS, generator=gen)
+        step = cache.step(requests, filler_requests=8 - real, max_blocks=WIDTH)
+        buffers.refill_from(step)
+        refreshed = builder.build_for_cudagraph_capture(buffers.common)
         launch = lambda m: (m.num_reqs, m.num_query_rows, m.max_query_len, m.max_seq_len)  # noqa: E731
         assert launch(refreshed) == launch(captured) == (8, 8, 1, WIDTH * BLOCK)
-        before = cache.clone()
+        before = cache.kv_cache.clone()
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        real = len(lens)
-        assert _rel_err(buffers.out[:real], buffers.reference(cache, real)) < 2e-2
-        # Exactly the real requests' new K/V were written; fillers (slot -1) wrote nothing.
-        changed = (cache != before).flatten(3).any(-1)
-        assert int(changed[0].sum()) == real and int(changed[1].sum()) == real
-        slots = buffers.slot_mapping[:real]
-        assert torch.equal(cache[0][slots // BLOCK, slots % BLOCK], buffers.k[:real])
+        # Against the float64 reference; and the cache exactly: the real requests' new K/V
+        # at their slots, nothing else written (the fillers' slot -1 included).
+        check = check_paged_case(step, PagedRun(out, refreshed, None))
+        assert not check.problems, check.problems
+        assert check.rel_error < 2e-2, check
         # The replay equals an eager step on the same inputs.
-        eager_out = torch.empty_like(buffers.out)
-        impl.forward(buffers.q, buffers.k, buffers.v, before, builder.build(buffers.common()), eager_out)
-        assert _rel_err(buffers.out[:real], eager_out[:real].double().cpu()) < 1e-2
+        eager_out = torch.empty_like(out)
+        impl.forward(step.query, step.key, step.value, before, builder.build(step.common), eager_out)
+        assert relative_error(out[:real], eager_out[:real]) < 1e-2
 
 
 # ---------------------------------------------------------------------------- selection

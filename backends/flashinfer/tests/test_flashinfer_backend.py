@@ -3,14 +3,15 @@
 Covered without the library: the support declarations and validation reasons (a missing
 flashinfer is a reason naming the pip package, and importing the backend does not import
 flashinfer), the host-side CSR planning arrays against hand-computed values, the KV-cache
-write through the slot mapping, and the builder/impl plumbing end to end against a float64
-reference. For the latter a small stand-in for the ``flashinfer`` module is installed in
-``sys.modules``: it implements the two wrappers' 0.7 ``__init__``/``plan``/``run``
-signatures used by the backend, computing attention from the planned CSR arrays exactly as
-FlashInfer defines them (for CUDA-graph wrappers, reading them back from the persistent
-buffers). The reference it is compared with is built from the block tables directly, so
-the test checks the backend's planning, wrapper choice, buffer wiring and cache writes;
-the real kernels are covered by the GPU conformance run (tests/gpu/test_backends_fiflex.py).
+write through the slot mapping, and the builder/impl plumbing end to end against the float64
+reference of ``kvloom.testing.reference``. For the latter a small stand-in for the
+``flashinfer`` module is installed in ``sys.modules``: it implements the two wrappers' 0.7
+``__init__``/``plan``/``run`` signatures used by the backend, computing attention from the
+planned CSR arrays exactly as FlashInfer defines them (for CUDA-graph wrappers, reading them
+back from the persistent buffers). The reference reads the cache through the block tables,
+not the CSR arrays, so the tests check the backend's planning, wrapper choice, buffer wiring
+and cache writes; the real kernels are covered by the GPU conformance run
+(tests/gpu/test_backends_fiflex.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import math
 import subprocess
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,9 +38,9 @@ from kvloom.attention.backend import (
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
-    CommonAttentionMetadata,
 )
 from kvloom.platforms.interface import DeviceCapability
+from kvloom.testing.reference import PagedCase, PagedRun, check_paged_case, make_paged_case, run_paged_case
 from kvloom_backend_flashinfer import KVLOOM_PLUGIN_API, FlashInferBackend
 from kvloom_backend_flashinfer.kv_write import copy_rows_skipping_invalid, write_kv_nhd_paired
 from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv
@@ -217,8 +217,9 @@ def _find_spec_without(name: str):
     return find_spec
 
 
-def _reference_paged_attention(q, qo_indptr, kv_cache, kv_indptr, kv_indices, last_page_len, scale, causal):
-    """FlashInfer's paged-attention semantics in float64 (NHD single-tensor cache)."""
+def _standin_paged_attention(q, qo_indptr, kv_cache, kv_indptr, kv_indices, last_page_len, scale, causal):
+    """The stand-in's kernel: FlashInfer's paged-attention semantics in float64 (NHD
+    single-tensor cache), from the planned CSR arrays alone."""
     page = kv_cache.shape[2]
     heads_q, heads_kv = q.shape[1], kv_cache.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -269,14 +270,14 @@ class _FakeWrapper:
         assert paged_kv_cache.shape[2] == self.planned["page_size"] and q.shape[-1] == self.planned["head_dim"]
         assert q.shape[0] == int(self.qo_indptr[-1]), "q rows must match the plan"
         batch = len(self.last_page_len_buf)
-        ref = _reference_paged_attention(
+        result = _standin_paged_attention(
             q, self.qo_indptr, paged_kv_cache, self.indptr_buf[: batch + 1], self.indices_buf,
             self.last_page_len_buf, self.planned["sm_scale"], self.causal,
         )
         if out is None:
-            return ref.to(q.dtype)
+            return result.to(q.dtype)
         assert out.shape == q.shape and out.is_contiguous()
-        out.copy_(ref)
+        out.copy_(result)
         return out
 
 
@@ -324,97 +325,44 @@ def _install_fake_flashinfer(monkeypatch) -> types.ModuleType:
     return fake
 
 
-# ---------------------------------------------------------------------------- batches
-@dataclass
-class Batch:
-    common: CommonAttentionMetadata
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    expected: torch.Tensor  # float64 [num_tokens, heads, dim]
-
-
-def _make_batch(cache, requests, *, block_size, heads, kv_heads, dim, scale, width, gen, dtype,
-                slot_minus_one=(), pad_requests=0):
-    """Fill the context of each ``(context_len, query_len)`` request into ``cache`` (through
-    ``split_kv_cache``), and return the step's inputs plus the float64 reference computed
-    from the full per-request K/V sequences. Pages are distinct and randomly placed."""
-    k_cache, v_cache = FlashInferBackend.split_kv_cache(cache)
-    num_blocks = cache.shape[0]
-    needed = [-(-(c + q) // block_size) for c, q in requests]
-    pages = torch.randperm(num_blocks, generator=gen)[: sum(needed)].tolist()
-    num_reqs = len(requests) + pad_requests
-    block_table = torch.zeros(num_reqs, width, dtype=torch.int32)
-    qs, ks, vs, slots, expected, q_lens, seq_lens = [], [], [], [], [], [], []
-    for i, ((ctx, qlen), n) in enumerate(zip(requests, needed)):
-        block_table[i, :n] = torch.tensor(pages[:n], dtype=torch.int32)
-        pages = pages[n:]
-        seq = ctx + qlen
-        k_full = torch.randn(seq, kv_heads, dim, generator=gen).to(dtype)
-        v_full = torch.randn(seq, kv_heads, dim, generator=gen).to(dtype)
-        q = torch.randn(qlen, heads, dim, generator=gen).to(dtype)
-        for pos in range(ctx):
-            b, o = int(block_table[i, pos // block_size]), pos % block_size
-            k_cache[b, o], v_cache[b, o] = k_full[pos], v_full[pos]
-        pos_new = torch.arange(ctx, seq)
-        slots.append(block_table[i, pos_new // block_size].long() * block_size + pos_new % block_size)
-        qs.append(q), ks.append(k_full[ctx:]), vs.append(v_full[ctx:])
-        kk = k_full.double().repeat_interleave(heads // kv_heads, 1)
-        vv = v_full.double().repeat_interleave(heads // kv_heads, 1)
-        s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-        s = s.masked_fill(torch.arange(seq)[None, :] > pos_new[:, None], float("-inf"))
-        expected.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
-        q_lens.append(qlen), seq_lens.append(seq)
-    for _ in range(pad_requests):  # CUDA-graph padding: query 1, seq_len 1, row 0, slot -1
-        qs.append(torch.randn(1, heads, dim, generator=gen).to(dtype))
-        ks.append(torch.randn(1, kv_heads, dim, generator=gen).to(dtype))
-        vs.append(torch.randn(1, kv_heads, dim, generator=gen).to(dtype))
-        slots.append(torch.tensor([-1]))
-        q_lens.append(1), seq_lens.append(1)
-    slot_mapping = torch.cat(slots)
-    for t in slot_minus_one:
-        slot_mapping[t] = -1
-    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl, seq_lens=seq_lens_t, block_table=block_table, slot_mapping=slot_mapping,
-        num_reqs=num_reqs, num_actual_tokens=int(sum(q for _, q in requests)), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens_t.clone(),
-    )
-    expected_all = torch.cat(expected) if expected else torch.zeros(0, heads, dim, dtype=torch.float64)
-    return Batch(common, torch.cat(qs), torch.cat(ks), torch.cat(vs), expected_all)
-
-
+# ---------------------------------------------------------------------------- steps
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
 SCALE = 1 / math.sqrt(DIM)
+MAX_NUM_SEQS, MAX_MODEL_LEN = 8, 256
 
 
-def _spec(dtype=torch.float32, max_num_seqs=8) -> AttentionLayerSpec:
+def _spec(dtype=torch.float32) -> AttentionLayerSpec:
     return AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=dtype,
-                              kv_cache_dtype=dtype, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                              max_model_len=256, scale=SCALE)
+                              kv_cache_dtype=dtype, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS,
+                              max_model_len=MAX_MODEL_LEN, scale=SCALE)
 
 
-def _run(builder, impl, cache, batch, *, capture=False):
-    meta = builder.build_for_cudagraph_capture(batch.common) if capture else builder.build(batch.common)
-    output = torch.full_like(batch.query, float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, cache, meta, output)
-    return meta, output
+def _case(requests, *, seed: int, pad_reqs: int = 0, fill: str = "nan") -> PagedCase:
+    """One step of ``(context_len, query_len)`` requests on shuffled blocks of a fresh
+    cache (float32, which the stand-in computes in float64), with ``pad_reqs`` CUDA-graph
+    filler requests; slots no request owns hold ``fill``."""
+    return make_paged_case(
+        FlashInferBackend, [q for _, q in requests], [c + q for c, q in requests], num_heads=HEADS,
+        num_kv_heads=KV_HEADS, head_size=DIM, block_size=BLOCK, dtype=torch.float32, seed=seed,
+        pad_reqs=pad_reqs, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, fill=fill,
+    )
 
 
 @pytest.fixture
 def backend_parts(monkeypatch):
+    """The stand-in flashinfer, and one builder and impl for all steps of a test."""
     fake = _install_fake_flashinfer(monkeypatch)
     builder = FlashInferBackend.get_builder_cls()(_spec(), torch.device("cpu"), max_num_blocks=64)
     impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS)
-    cache = torch.zeros(FlashInferBackend.get_kv_cache_shape(64, BLOCK, KV_HEADS, DIM))
-    return fake, builder, impl, cache
+    return fake, builder, impl
 
 
-def _check(batch, output, rows):
-    err = (output[:rows].double() - batch.expected[:rows]).norm() / batch.expected[:rows].norm()
-    assert err < 1e-5, f"relative error {err}"
+def _check(case: PagedCase, run: PagedRun) -> None:
+    """The cache exactly as a correct step leaves it, and each real request's output
+    within 1e-5 of the float64 reference (relative, worst request)."""
+    check = check_paged_case(case, run)
+    assert not check.problems, check.problems
+    assert check.rel_error < 1e-5, check
 
 
 @pytest.mark.parametrize(
@@ -427,95 +375,80 @@ def _check(batch, output, rows):
     ],
 )
 def test_prefill_and_mixed_steps_match_reference(backend_parts, requests):
-    fake, builder, impl, cache = backend_parts
-    gen = torch.Generator().manual_seed(len(requests))
-    batch = _make_batch(cache, requests, block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                        scale=SCALE, width=16, gen=gen, dtype=torch.float32)
-    meta, output = _run(builder, impl, cache, batch)
+    fake, builder, impl = backend_parts
+    case = _case(requests, seed=len(requests))
+    run = run_paged_case(case, builder=builder, impl=impl)
+    meta = run.metadata
     assert not meta.is_decode and isinstance(meta.wrapper, _FakePrefillWrapper)
     assert meta.wrapper.backend == "fa2" and meta.wrapper.causal
     assert meta.wrapper.planned["sm_scale"] == SCALE
-    _check(batch, output, batch.common.num_actual_tokens)
+    _check(case, run)
 
 
 def test_decode_step_uses_decode_wrapper(backend_parts):
-    fake, builder, impl, cache = backend_parts
-    gen = torch.Generator().manual_seed(7)
-    batch = _make_batch(cache, [(40, 1), (0, 1), (100, 1)], block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS,
-                        dim=DIM, scale=SCALE, width=16, gen=gen, dtype=torch.float32)
-    meta, output = _run(builder, impl, cache, batch)
-    assert meta.is_decode and isinstance(meta.wrapper, _FakeDecodeWrapper)
-    assert meta.wrapper.use_tensor_cores and not meta.wrapper.use_cuda_graph
-    _check(batch, output, 3)
+    fake, builder, impl = backend_parts
+    case = _case([(40, 1), (0, 1), (100, 1)], seed=7)
+    run = run_paged_case(case, builder=builder, impl=impl)
+    assert run.metadata.is_decode and isinstance(run.metadata.wrapper, _FakeDecodeWrapper)
+    assert run.metadata.wrapper.use_tensor_cores and not run.metadata.wrapper.use_cuda_graph
+    _check(case, run)
 
 
 def test_slot_minus_one_is_not_written(backend_parts):
-    fake, builder, impl, cache = backend_parts
-    gen = torch.Generator().manual_seed(3)
-    batch = _make_batch(cache, [(0, 5), (16, 3)], block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                        scale=SCALE, width=16, gen=gen, dtype=torch.float32, slot_minus_one=(2,))
-    before = cache.clone()
-    _run(builder, impl, cache, batch)
-    changed = (cache != before).any(dim=(-1, -2))  # [blocks, 2, block_size]
+    fake, builder, impl = backend_parts
+    case = _case([(0, 5), (16, 3)], seed=3, fill="zeros")
+    case.common.slot_mapping[2] = -1
+    before = case.kv_cache.clone()
+    run_paged_case(case, builder=builder, impl=impl)
+    changed = (case.kv_cache != before).any(dim=(-1, -2))  # [blocks, 2, block_size]
     # 7 of the 8 new tokens were written (K and V each); token 2 was skipped.
     assert int(changed[:, 0].sum()) == 7 and int(changed[:, 1].sum()) == 7
 
 
 def test_cudagraph_decode_wrappers_per_batch_size(backend_parts):
-    fake, builder, impl, cache = backend_parts
-    gen = torch.Generator().manual_seed(11)
-    common_kw = dict(block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS, dim=DIM, scale=SCALE, width=16, gen=gen,
-                     dtype=torch.float32)
-    # Capture sizes 4 and 2 (dummy batches), as a model runner would before serving.
-    capture4 = _make_batch(cache, [], pad_requests=4, **common_kw)
-    capture2 = _make_batch(cache, [], pad_requests=2, **common_kw)
-    meta4, _ = _run(builder, impl, cache, capture4, capture=True)
-    meta2, _ = _run(builder, impl, cache, capture2, capture=True)
-    w4, w2 = meta4.wrapper, meta2.wrapper
+    fake, builder, impl = backend_parts
+    # Capture sizes 4 and 2 (dummy batches of fillers alone), as a model runner would before serving.
+    capture4, capture2 = _case([], pad_reqs=4, seed=11), _case([], pad_reqs=2, seed=12)
+    run4 = run_paged_case(capture4, builder=builder, impl=impl, for_cudagraph=True)
+    run2 = run_paged_case(capture2, builder=builder, impl=impl, for_cudagraph=True)
+    assert not check_paged_case(capture4, run4).problems and not check_paged_case(capture2, run2).problems
+    w4, w2 = run4.metadata.wrapper, run2.metadata.wrapper
     assert w4 is not w2 and w4.use_cuda_graph and w2.use_cuda_graph and w4.use_tensor_cores
     assert (w4.fixed_batch_size, w2.fixed_batch_size) == (4, 2)
     assert w4.indices_buf.data_ptr() == w2.indices_buf.data_ptr()  # shared persistent buffers
     assert w4.indptr_buf.data_ptr() == w2.indptr_buf.data_ptr()
 
     # A later decode step of 3 requests padded to 4 is planned into the size-4 wrapper's buffers.
-    batch = _make_batch(cache, [(30, 1), (64, 1), (5, 1)], pad_requests=1, **common_kw)
-    meta, output = _run(builder, impl, cache, batch)
-    assert meta.wrapper is w4 and w4.plan_calls == 2 and meta.num_query_rows == 4
-    _check(batch, output, 3)
+    case = _case([(30, 1), (64, 1), (5, 1)], pad_reqs=1, seed=13)
+    run = run_paged_case(case, builder=builder, impl=impl)
+    assert run.metadata.wrapper is w4 and w4.plan_calls == 2 and run.metadata.num_query_rows == 4
+    _check(case, run)
     # The persistent buffers hold this step's CSR arrays.
     assert w4.indptr_buf.tolist() == [0, 2, 7, 8, 9]
     assert w4.last_page_len_buf.tolist() == [15, 1, 6, 1]
 
     # A decode step of a size without a graph uses the eager decode wrapper.
-    batch5 = _make_batch(cache, [(3, 1)] * 5, **common_kw)
-    meta5, output5 = _run(builder, impl, cache, batch5)
-    assert not meta5.wrapper.use_cuda_graph
-    _check(batch5, output5, 5)
+    case5 = _case([(3, 1)] * 5, seed=14)
+    run5 = run_paged_case(case5, builder=builder, impl=impl)
+    assert not run5.metadata.wrapper.use_cuda_graph
+    _check(case5, run5)
 
 
 def test_cudagraph_capture_refuses_non_decode_batches(backend_parts):
-    fake, builder, impl, cache = backend_parts
-    gen = torch.Generator().manual_seed(1)
-    batch = _make_batch(cache, [(0, 4), (8, 1)], block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                        scale=SCALE, width=16, gen=gen, dtype=torch.float32)
+    fake, builder, impl = backend_parts
     with pytest.raises(ValueError, match="uniform single-token decode"):
-        builder.build_for_cudagraph_capture(batch.common)
+        builder.build_for_cudagraph_capture(_case([(0, 4), (8, 1)], seed=1).common)
     with pytest.raises(ValueError, match="CUDA-graph batch size 9 out of range 1..8"):
-        builder.build_for_cudagraph_capture(
-            _make_batch(cache, [], pad_requests=9, block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS, dim=DIM,
-                        scale=SCALE, width=16, gen=gen, dtype=torch.float32).common
-        )
+        builder.build_for_cudagraph_capture(_case([], pad_reqs=9, seed=1).common)
 
 
 def test_forward_refuses_a_layer_scale_different_from_the_plan(backend_parts):
-    fake, builder, impl, cache = backend_parts
+    fake, builder, impl = backend_parts
     other = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=0.5, num_kv_heads=KV_HEADS)
-    gen = torch.Generator().manual_seed(2)
-    batch = _make_batch(cache, [(0, 3)], block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS, dim=DIM, scale=SCALE,
-                        width=16, gen=gen, dtype=torch.float32)
-    meta = builder.build(batch.common)
+    case = _case([(0, 3)], seed=2)
+    meta = builder.build(case.common)
     with pytest.raises(ValueError, match="differs from the scale the step was planned with"):
-        other.forward(batch.query, batch.key, batch.value, cache, meta, torch.empty_like(batch.query))
+        other.forward(case.query, case.key, case.value, case.kv_cache, meta, torch.empty_like(case.query))
 
 
 def test_impl_rejects_unsupported_features():

@@ -3,16 +3,13 @@
 The backend declares CUDA only (see its backend.py for the CPU measurements), but its
 planning, block masks, cache writes and impl are device-agnostic. Here they run on the CPU
 with flex_attention's uncompiled reference (which evaluates ``mask_mod`` on every
-query/slot pair, so the mask alone must be right) against a float64 reference built from
-the block tables; a structural test checks that the block lists, which only the compiled
+query/slot pair, so the mask alone must be right) against the float64 reference of
+``kvloom.testing.reference``, which reads the cache through the block tables; a structural test checks that the block lists, which only the compiled
 kernels read, cover exactly what the mask allows. The compiled CUDA path runs in the GPU
 conformance test (tests/gpu/test_backends_fiflex.py).
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,9 +20,17 @@ from kvloom.attention.backend import (
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
-    CommonAttentionMetadata,
 )
 from kvloom.platforms.interface import DeviceCapability
+from kvloom.testing.reference import (
+    PagedCase,
+    PagedCache,
+    PagedRun,
+    check_paged_case,
+    make_paged_case,
+    place_requests,
+    run_paged_case,
+)
 from kvloom_backend_flex_attention import KVLOOM_PLUGIN_API, FlexAttentionBackend
 from kvloom_backend_flex_attention.impl import cuda_kernel_options
 from kvloom.attention.kv_write import write_kv_default_layout as write_kv_split
@@ -143,80 +148,42 @@ def test_write_kv_split_lands_in_split_view_and_skips_minus_one():
     assert int((cache != 0).any(dim=(-1, -2)).sum()) == 4
 
 
-# ---------------------------------------------------------------------------- batches
-@dataclass
-class Batch:
-    common: CommonAttentionMetadata
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    expected: torch.Tensor  # float64
+# ---------------------------------------------------------------------------- steps
+BLOCK = 16
 
 
-def _make_batch(cache, requests, *, block_size, heads, kv_heads, dim, scale, width, gen, dtype,
-                slot_minus_one=(), share_first_page=False):
-    """Write each ``(context_len, query_len)`` request's context into ``cache`` and return the
-    step's inputs plus a float64 reference from the full per-request K/V. Pages are distinct
-    and random, except that ``share_first_page`` makes request 1 reuse request 0's first
-    page (same tokens there, as prefix caching would)."""
-    k_cache, v_cache = FlexAttentionBackend.split_kv_cache(cache)
-    needed = [-(-(c + q) // block_size) for c, q in requests]
-    pages = torch.randperm(cache.shape[1], generator=gen)[: sum(needed)].tolist()
-    block_table = torch.zeros(len(requests), width, dtype=torch.int32)
-    qs, ks, vs, slots, expected, q_lens, seq_lens = [], [], [], [], [], [], []
-    first_k = first_v = None
-    for i, ((ctx, qlen), n) in enumerate(zip(requests, needed)):
-        block_table[i, :n] = torch.tensor(pages[:n], dtype=torch.int32)
-        pages = pages[n:]
-        seq = ctx + qlen
-        k_full = torch.randn(seq, kv_heads, dim, generator=gen).to(dtype)
-        v_full = torch.randn(seq, kv_heads, dim, generator=gen).to(dtype)
-        if share_first_page and i == 0:
-            first_k, first_v = k_full[:block_size], v_full[:block_size]
-        if share_first_page and i == 1:
-            assert ctx >= block_size and requests[0][0] >= block_size
-            block_table[1, 0] = block_table[0, 0]
-            k_full[:block_size], v_full[:block_size] = first_k, first_v
-        q = torch.randn(qlen, heads, dim, generator=gen).to(dtype)
-        for pos in range(ctx):
-            b, o = int(block_table[i, pos // block_size]), pos % block_size
-            k_cache[b, o], v_cache[b, o] = k_full[pos], v_full[pos]
-        pos_new = torch.arange(ctx, seq)
-        slots.append(block_table[i, pos_new // block_size].long() * block_size + pos_new % block_size)
-        qs.append(q), ks.append(k_full[ctx:]), vs.append(v_full[ctx:])
-        kk = k_full.double().repeat_interleave(heads // kv_heads, 1)
-        vv = v_full.double().repeat_interleave(heads // kv_heads, 1)
-        s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-        s = s.masked_fill(torch.arange(seq)[None, :] > pos_new[:, None], float("-inf"))
-        expected.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
-        q_lens.append(qlen), seq_lens.append(seq)
-    slot_mapping = torch.cat(slots)
-    for t in slot_minus_one:
-        slot_mapping[t] = -1
-    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl, seq_lens=seq_lens_t, block_table=block_table, slot_mapping=slot_mapping,
-        num_reqs=len(requests), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens_t.clone(),
-    )
-    return Batch(common, torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(expected))
-
-
-BLOCK, NUM_BLOCKS, WIDTH = 16, 48, 16
-
-
-def _parts(heads, kv_heads, dim, dtype, block_size=BLOCK):
-    scale = 1 / math.sqrt(dim)
-    spec = AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, dtype=dtype,
+def _spec(heads, kv_heads, dim, dtype, block_size=BLOCK) -> AttentionLayerSpec:
+    return AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, dtype=dtype,
                               kv_cache_dtype=dtype, block_size=block_size, max_num_seqs=8, max_model_len=256,
-                              scale=scale)
-    builder = FlexAttentionBackend.get_builder_cls()(spec, torch.device("cpu"), NUM_BLOCKS)
-    impl = FlexAttentionBackend.get_impl_cls()(num_heads=heads, head_size=dim, scale=scale, num_kv_heads=kv_heads)
-    impl.flex_fn = flex_attention  # the uncompiled reference (the CPU is not a declared device)
-    cache = torch.zeros(FlexAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, block_size, kv_heads, dim), dtype=dtype)
-    return scale, builder, impl, cache
+                              scale=dim**-0.5)
+
+
+def _case(requests, *, heads, kv_heads, dim, dtype, seed, block_size=BLOCK) -> PagedCase:
+    """One step of ``(context_len, query_len)`` requests on shuffled blocks of a fresh
+    cache. flex_attention reads whole pages, so the slots no request owns must be finite:
+    they hold large random values (a mask letting one through shows in the output)."""
+    spec = _spec(heads, kv_heads, dim, dtype, block_size)
+    return make_paged_case(
+        FlexAttentionBackend, [q for _, q in requests], [c + q for c, q in requests], num_heads=heads,
+        num_kv_heads=kv_heads, head_size=dim, block_size=block_size, dtype=dtype, seed=seed,
+        max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, fill="random",
+    )
+
+
+def _run(case: PagedCase) -> PagedRun:
+    """The backend's own builder and impl on ``case``, the impl calling flex_attention's
+    uncompiled reference (the CPU is not a declared device)."""
+    impl = case.cache.make_impl()
+    impl.flex_fn = flex_attention
+    return run_paged_case(case, impl=impl)
+
+
+def _check(case: PagedCase, run: PagedRun, tol: float) -> None:
+    """The cache exactly as a correct step leaves it, and each real request's output
+    within ``tol`` of the float64 reference (relative, worst request)."""
+    check = check_paged_case(case, run)
+    assert not check.problems, check.problems
+    assert check.rel_error < tol, check
 
 
 CASES = {
@@ -230,71 +197,55 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
 def test_matches_float64_reference(case, heads, kv_heads):
-    scale, builder, impl, cache = _parts(heads, kv_heads, 32, torch.float32)
-    gen = torch.Generator().manual_seed(list(CASES).index(case))
-    batch = _make_batch(cache, CASES[case], block_size=BLOCK, heads=heads, kv_heads=kv_heads, dim=32, scale=scale,
-                        width=WIDTH, gen=gen, dtype=torch.float32)
-    output = torch.full_like(batch.query, float("nan"))
-    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
-    err = (output.double() - batch.expected).norm() / batch.expected.norm()
-    assert err < 1e-5, f"relative error {err}"
+    step = _case(CASES[case], heads=heads, kv_heads=kv_heads, dim=32, dtype=torch.float32,
+                 seed=list(CASES).index(case))
+    _check(step, _run(step), 1e-5)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 def test_half_precision_and_block_size_32(dtype, tol):
-    scale, builder, impl, cache = _parts(8, 2, 64, dtype, block_size=32)
-    gen = torch.Generator().manual_seed(5)
-    batch = _make_batch(cache, [(50, 1), (0, 70), (33, 12)], block_size=32, heads=8, kv_heads=2, dim=64, scale=scale,
-                        width=WIDTH, gen=gen, dtype=dtype)
-    output = torch.empty_like(batch.query)
-    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
-    err = (output.double() - batch.expected).norm() / batch.expected.norm()
-    assert err < tol, f"relative error {err}"
+    step = _case([(50, 1), (0, 70), (33, 12)], heads=8, kv_heads=2, dim=64, dtype=dtype, seed=5, block_size=32)
+    _check(step, _run(step), tol)
 
 
 def test_prefix_shared_page():
-    scale, builder, impl, cache = _parts(8, 2, 32, torch.float32)
+    """Request 1 reuses request 0's first page (same tokens there, as prefix caching would)."""
     gen = torch.Generator().manual_seed(9)
-    batch = _make_batch(cache, [(20, 1), (18, 5)], block_size=BLOCK, heads=8, kv_heads=2, dim=32, scale=scale,
-                        width=WIDTH, gen=gen, dtype=torch.float32, share_first_page=True)
-    output = torch.empty_like(batch.query)
-    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common), output)
-    err = (output.double() - batch.expected).norm() / batch.expected.norm()
-    assert err < 1e-5, f"relative error {err}"
+    cache = PagedCache.allocate(FlexAttentionBackend, _spec(8, 2, 32, torch.float32), 6, "cpu", gen, fill="random")
+    first, second = place_requests([1, 5], [21, 23], block_size=BLOCK, num_blocks=6, generator=gen)
+    second.blocks[0] = first.blocks[0]  # both contexts fill that page: it holds the tokens both read
+    step = cache.step([first, second])
+    assert step.common.block_table[0, 0] == step.common.block_table[1, 0]
+    _check(step, _run(step), 1e-5)
 
 
 def test_slot_minus_one_is_not_written():
-    scale, builder, impl, cache = _parts(8, 2, 32, torch.float32)
-    gen = torch.Generator().manual_seed(4)
-    batch = _make_batch(cache, [(0, 5), (16, 3)], block_size=BLOCK, heads=8, kv_heads=2, dim=32, scale=scale,
-                        width=WIDTH, gen=gen, dtype=torch.float32, slot_minus_one=(2,))
-    before = cache.clone()
-    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(batch.common),
-                 torch.empty_like(batch.query))
-    changed = (cache != before).any(dim=(-1, -2))  # [2, blocks, block_size]
+    step = _case([(0, 5), (16, 3)], heads=8, kv_heads=2, dim=32, dtype=torch.float32, seed=4)
+    skipped = int(step.written_slots[2])
+    step.common.slot_mapping[2] = -1
+    before = step.kv_cache.clone()
+    _run(step)
+    changed = (step.kv_cache != before).any(dim=(-1, -2))  # [2, blocks, block_size]
     assert int(changed[0].sum()) == 7 and int(changed[1].sum()) == 7
-    k_cache, _ = FlexAttentionBackend.split_kv_cache(cache)
-    slot = int(batch.common.block_table[0, 0]) * BLOCK + 2
-    assert torch.equal(k_cache.reshape(-1, 2, 32)[slot], before[0].reshape(-1, 2, 32)[slot])
+    k_cache, _ = FlexAttentionBackend.split_kv_cache(step.kv_cache)
+    assert torch.equal(k_cache.reshape(-1, 2, 32)[skipped], before[0].reshape(-1, 2, 32)[skipped])
 
 
 def test_block_lists_cover_exactly_what_the_mask_allows():
     """What the compiled kernels rely on: for every query block, every slot the mask allows
     lies in a listed page, full pages are allowed for every real row, lists are disjoint."""
-    scale, builder, impl, cache = _parts(8, 2, 32, torch.float32)
-    gen = torch.Generator().manual_seed(12)
-    requests = [(40, 1), (0, 9), (17, 1), (31, 80), (64, 1), (5, 70)]
-    batch = _make_batch(cache, requests, block_size=BLOCK, heads=8, kv_heads=2, dim=32, scale=scale, width=WIDTH,
-                        gen=gen, dtype=torch.float32)
-    meta = builder.build(batch.common)
-    kv_len = NUM_BLOCKS * BLOCK
+    step = _case([(40, 1), (0, 9), (17, 1), (31, 80), (64, 1), (5, 70)], heads=8, kv_heads=2, dim=32,
+                 dtype=torch.float32, seed=12)
+    block_table = step.common.block_table
+    num_blocks, width = step.cache.num_blocks, block_table.shape[1]
+    meta = step.cache.make_builder(width).build(step.common)
+    kv_len = num_blocks * BLOCK
     slot = torch.arange(kv_len)
-    block_table = batch.common.block_table
-    for group, mask in zip(meta.groups, meta.block_masks(NUM_BLOCKS)):
+    for group, mask in zip(meta.groups, meta.block_masks(num_blocks)):
         rows = torch.arange(group.num_rows)
         allowed = mask.mask_mod(torch.tensor(0), torch.tensor(0), rows[:, None], slot[None, :])  # [R, kv_len]
         # Independent expectation from the block table.
-        logical = torch.arange(WIDTH)
+        logical = torch.arange(width)
         page_of = block_table[group.req_of_row]  # [R, W]
         pos = group.pos_of_row
         expected = torch.zeros(group.num_rows, kv_len, dtype=torch.bool)

@@ -21,6 +21,9 @@ poisoned with NaN; ``check_paged_case`` compares output and cache with the expec
 ``make_paged_case`` is the one-step shortcut from query and sequence lengths (backend
 tests, ``benchmarks/bench_attention_kernels.py``); the conformance suite
 (``kvloom.testing.conformance``) plans multi-step scenarios on ``PagedCache`` directly.
+Tests of CUDA-graph replay run several steps over one ``PagedCache`` (requests placed with
+``place_requests``; a step of filler requests alone is the dummy capture batch) and copy
+each new step into the captured one's tensors with ``PagedCase.refill_from``.
 """
 
 from __future__ import annotations
@@ -117,6 +120,32 @@ class PagedRequest:
         return torch.tensor(self.blocks, dtype=torch.int64)[positions // block_size] * block_size + positions % block_size
 
 
+def place_requests(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    block_size: int,
+    num_blocks: int,
+    generator: torch.Generator,
+) -> list[PagedRequest]:
+    """Requests with ``query_lens[r]`` new tokens after ``seq_lens[r] - query_lens[r]``
+    cached ones, each on its own physical blocks, taken in shuffled order from
+    ``num_blocks`` (blocks left over belong to no request)."""
+    if len(query_lens) != len(seq_lens):
+        raise ValueError("query_lens and seq_lens must have the same length")
+    if any(q < 1 or q > s for q, s in zip(query_lens, seq_lens)):
+        raise ValueError("each request needs 1 <= query_len <= seq_len")
+    blocks_per_req = [cdiv(s, block_size) for s in seq_lens]
+    if sum(blocks_per_req) > num_blocks:
+        raise ValueError(f"the requests need {sum(blocks_per_req)} blocks of {block_size}; the cache has {num_blocks}")
+    physical = torch.randperm(num_blocks, generator=generator).tolist()
+    requests = []
+    for q_len, s_len, n in zip(query_lens, seq_lens, blocks_per_req):
+        requests.append(PagedRequest(s_len - q_len, q_len, physical[:n]))
+        physical = physical[n:]
+    return requests
+
+
 def _randn(generator: torch.Generator, dtype: torch.dtype, *shape: int, std: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=generator) * std).to(dtype)
 
@@ -207,9 +236,12 @@ class PagedCache:
         expected cache and, copied whole, in the backend's); False when an earlier step
         wrote it through the backend. ``padding_tokens``: token rows past the real ones that
         belong to no request (slot -1). ``filler_requests``: CUDA-graph fillers (query_len
-        1, seq_len 1, block-table row 0, slot -1). ``max_blocks``: block-table width
-        (default: the longest request's block count).
+        1, seq_len 1, block-table row 0, slot -1); a step of fillers alone (no
+        ``requests``) is the dummy batch a model runner captures a CUDA graph with.
+        ``max_blocks``: block-table width (default: the longest request's block count).
         """
+        if not requests and not filler_requests:
+            raise ValueError("a step needs at least one request or filler request")
         s = self.spec
         H, Hkv, D, bs = s.num_heads, s.num_kv_heads, s.head_size, s.block_size
         flat_k = self.expected_key_cache.view(-1, Hkv, D)
@@ -229,9 +261,11 @@ class PagedCache:
         num_tokens = num_actual + padding_tokens + filler_requests
         num_reqs = len(requests) + filler_requests
         if max_blocks is None:
-            max_blocks = max(len(r.blocks) for r in requests)
+            max_blocks = max((len(r.blocks) for r in requests), default=1)
 
-        written = torch.cat([r.slots(r.context_len, r.seq_len, bs) for r in requests])
+        written = torch.cat(
+            [torch.zeros(0, dtype=torch.int64)] + [r.slots(r.context_len, r.seq_len, bs) for r in requests]
+        )
         slot_mapping = torch.cat([written, torch.full((num_tokens - num_actual,), -1, dtype=torch.int64)])
         query_lens = [r.query_len for r in requests] + [1] * filler_requests
         seq_lens = [r.seq_len for r in requests] + [1] * filler_requests
@@ -348,6 +382,43 @@ class PagedCase:
         the next step over the same cache is built)."""
         return self.cache.problems(self.written_slots)
 
+    def refill_from(self, step: PagedCase) -> None:
+        """Copy a later ``step`` over the same cache into this case's tensors, in place, the
+        way a model runner refills its persistent buffers before replaying a CUDA graph
+        captured on them: query/key/value, query start locations, sequence lengths (device
+        and CPU), the block table (zero-padded to this case's width) and the slot mapping,
+        and the host scalars. A forward on this case's tensors is then checked against
+        ``step``: ``check_paged_case(step, PagedRun(output, metadata, None))``."""
+        if step.cache is not self.cache:
+            raise ValueError("refill_from needs a step over the same PagedCache (the graph's cache)")
+        mine, theirs = self.common, step.common
+        if (mine.num_reqs, self.query.shape[0]) != (theirs.num_reqs, step.query.shape[0]):
+            raise ValueError(
+                f"a CUDA graph replays one batch shape: {mine.num_reqs} requests x {self.query.shape[0]} token "
+                f"rows, not {theirs.num_reqs} x {step.query.shape[0]}"
+            )
+        if theirs.block_table.shape[1] > mine.block_table.shape[1]:
+            raise ValueError(
+                f"the step's block table ({theirs.block_table.shape[1]} columns) is wider than this case's "
+                f"({mine.block_table.shape[1]}); build both with the same max_blocks"
+            )
+        for dst, src in (
+            (self.query, step.query),
+            (self.key, step.key),
+            (self.value, step.value),
+            (mine.query_start_loc, theirs.query_start_loc),
+            (mine.query_start_loc_cpu, theirs.query_start_loc_cpu),
+            (mine.seq_lens, theirs.seq_lens),
+            (mine.seq_lens_cpu, theirs.seq_lens_cpu),
+            (mine.slot_mapping, theirs.slot_mapping),
+        ):
+            dst.copy_(src)
+        mine.block_table.zero_()
+        mine.block_table[:, : theirs.block_table.shape[1]].copy_(theirs.block_table)
+        mine.num_actual_tokens = theirs.num_actual_tokens
+        mine.max_query_len = theirs.max_query_len
+        mine.max_seq_len = theirs.max_seq_len
+
 
 def make_paged_case(
     backend: type[AttentionBackend],
@@ -371,26 +442,19 @@ def make_paged_case(
     fill: Fill = "nan",
 ) -> PagedCase:
     """A step of ``len(query_lens)`` requests on shuffled blocks of a fresh cache; request
-    r has ``seq_lens[r] - query_lens[r]`` cached positions and ``query_lens[r]`` new tokens.
+    r has ``seq_lens[r] - query_lens[r]`` cached positions and ``query_lens[r]`` new tokens
+    (see ``place_requests``).
 
     ``pad_tokens``: extra token rows after the real ones with slot -1 (CUDA-graph token
     padding). ``pad_reqs``: filler requests the way the runner pads a decode batch for a
-    graph (query_len 1, seq_len 1, block-table row 0, slot -1). ``extra_blocks``: spare
-    blocks no request owns. ``scale`` defaults to ``1/sqrt(head_size)``; ``fill``: what the
-    slots no request writes hold (see ``PagedCache.allocate``).
+    graph (query_len 1, seq_len 1, block-table row 0, slot -1); with no requests, the
+    fillers alone are a graph's dummy capture batch. ``extra_blocks``: spare blocks no
+    request owns. ``scale`` defaults to ``1/sqrt(head_size)``; ``fill``: what the slots no
+    request writes hold (see ``PagedCache.allocate``).
     """
-    if len(query_lens) != len(seq_lens):
-        raise ValueError("query_lens and seq_lens must have the same length")
-    if any(q < 1 or q > s for q, s in zip(query_lens, seq_lens)):
-        raise ValueError("each request needs 1 <= query_len <= seq_len")
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = [cdiv(s, block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + extra_blocks
-    physical = torch.randperm(num_blocks, generator=gen).tolist()
-    requests = []
-    for q_len, s_len, n in zip(query_lens, seq_lens, blocks_per_req):
-        requests.append(PagedRequest(s_len - q_len, q_len, physical[:n]))
-        physical = physical[n:]
+    num_blocks = sum(cdiv(s, block_size) for s in seq_lens) + extra_blocks
+    requests = place_requests(query_lens, seq_lens, block_size=block_size, num_blocks=num_blocks, generator=gen)
     spec = AttentionLayerSpec(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -399,7 +463,7 @@ def make_paged_case(
         kv_cache_dtype=dtype,
         block_size=block_size,
         max_num_seqs=max_num_seqs or len(query_lens) + pad_reqs,
-        max_model_len=max_model_len or max(seq_lens),
+        max_model_len=max_model_len or max(seq_lens, default=1),
         scale=head_size**-0.5 if scale is None else scale,
         extra=dict(extra or {}),
     )
