@@ -151,7 +151,7 @@ for i in "${!stages[@]}"; do
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
-    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests/test_fused_ops.py tests/gpu/ -k "not e2e and not flash_attn" ;;
+    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn" ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
