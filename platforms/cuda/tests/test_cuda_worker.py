@@ -1,16 +1,31 @@
 """The CUDA worker's KV-cache sizing, driven on the CPU with torch.cuda's memory calls
 stubbed: the profiling forward must run before the KV cache exists (the order a real
-engine start uses) and the budget must follow gpu_memory_utilization."""
+engine start uses) and the budget must follow gpu_memory_utilization.
+
+The CPU platform is forced (``KVLOOM_PLATFORM=cpu``) so that the same tests run on a GPU
+machine too: there the CUDA platform would otherwise be resolved and offer its Triton
+kernels to a model that these tests keep on the CPU."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 from tests.helpers.model_fixtures import tiny_model_dir
 
+from kvloom import plugins
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 
 GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def cpu_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("KVLOOM_PLATFORM", "cpu")
+    plugins.reset_for_tests()
+    yield
+    plugins.reset_for_tests()
 
 
 @pytest.fixture
