@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvloom
+from kvloom.engine.async_llm import AsyncLLM
 from kvloom.entrypoints.openai.errors import (
     APIError,
     from_validation_errors,
@@ -60,7 +61,6 @@ from kvloom.pooling.io_processors import load_io_processor
 
 if TYPE_CHECKING:
     from kvloom.engine.arg_utils import EngineArgs
-    from kvloom.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -281,8 +281,6 @@ async def serve_http(
     access_log: bool = True,
 ) -> None:
     """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM."""
-    from kvloom.engine.async_llm import AsyncLLM
-
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[PrometheusStatLogger])
     try:
         app = build_app(engine, api_key=api_key)
