@@ -6,6 +6,9 @@ import importlib.metadata
 
 import pytest
 import torch
+from kvloom_backend_cpu import CPUAttentionBackend
+from kvloom_backend_cpu.impl import CPUAttentionImpl
+from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
 
 from kvloom.attention.backend import (
     AttentionLayerSpec,
@@ -17,9 +20,6 @@ from kvloom.attention.layer import Attention
 from kvloom.forward_context import set_forward_context
 from kvloom.testing import ConformanceCase, check_case, conformance_cases, run_case
 from kvloom.testing.reference import PagedCache, PagedRequest, PagedRun, check_paged_case, place_requests
-from kvloom_backend_cpu import CPUAttentionBackend
-from kvloom_backend_cpu.impl import CPUAttentionImpl
-from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
 
 
 @pytest.mark.parametrize("case", conformance_cases(CPUAttentionBackend), ids=str)

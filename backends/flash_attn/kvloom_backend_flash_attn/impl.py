@@ -30,8 +30,7 @@ except ImportError as exc:  # flash_attn's __init__ hides a missing CUDA extensi
         f"importing flash_attn_varlen_func / flash_attn_with_kvcache failed: {exc}"
     ) from exc
 
-from kvloom.attention.backend import AttentionImpl
-from kvloom.attention.kv_write import write_kv_default_layout
+from kvloom.interfaces import AttentionImpl, write_kv_default_layout
 from kvloom_backend_flash_attn.metadata import FlashAttentionMetadata
 
 

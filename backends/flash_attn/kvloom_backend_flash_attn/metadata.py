@@ -39,11 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.attention.backend import (
-    AttentionLayerSpec,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from kvloom.interfaces import AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata
 
 #: ``AttentionLayerSpec.extra`` key choosing the pure-decode kernel.
 DECODE_KERNEL_EXTRA_KEY = "flash_attn_decode_kernel"

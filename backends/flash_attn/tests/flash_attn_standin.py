@@ -21,8 +21,8 @@ import importlib.machinery
 import math
 import sys
 import types
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch

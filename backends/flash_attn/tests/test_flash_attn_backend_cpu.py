@@ -26,6 +26,13 @@ import torch
 
 standin.ensure_backend_importable()
 
+from kvloom_backend_flash_attn import KVLOOM_PLUGIN_API, FlashAttentionBackend  # noqa: E402
+from kvloom_backend_flash_attn.metadata import (  # noqa: E402
+    DECODE_KERNEL_ENV,
+    DECODE_KERNEL_EXTRA_KEY,
+    FlashAttentionMetadataBuilder,
+)
+
 from kvloom.attention.backend import (  # noqa: E402
     AttentionCGSupport,
     AttentionLayerSpec,
@@ -34,6 +41,7 @@ from kvloom.attention.backend import (  # noqa: E402
     CommonAttentionMetadata,
     MultipleOf,
 )
+from kvloom.attention.kv_write import write_kv_default_layout as write_kv_cache  # noqa: E402
 from kvloom.platforms.interface import DeviceCapability  # noqa: E402
 from kvloom.testing import run_conformance  # noqa: E402
 from kvloom.testing.reference import (  # noqa: E402
@@ -44,13 +52,6 @@ from kvloom.testing.reference import (  # noqa: E402
     make_paged_case,
     place_requests,
     run_paged_case,
-)
-from kvloom_backend_flash_attn import KVLOOM_PLUGIN_API, FlashAttentionBackend  # noqa: E402
-from kvloom.attention.kv_write import write_kv_default_layout as write_kv_cache  # noqa: E402
-from kvloom_backend_flash_attn.metadata import (  # noqa: E402
-    DECODE_KERNEL_ENV,
-    DECODE_KERNEL_EXTRA_KEY,
-    FlashAttentionMetadataBuilder,
 )
 
 H100 = DeviceCapability(9, 0)

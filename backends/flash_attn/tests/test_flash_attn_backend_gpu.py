@@ -76,8 +76,9 @@ def _hopper_or_ampere() -> bool:
 # ---------------------------------------------------------------------------- conformance
 @pytest.mark.parametrize("decode_kernel", ["kvcache", "varlen"])
 def test_conformance_suite(decode_kernel, monkeypatch):
-    from kvloom.testing import run_conformance
     from kvloom_backend_flash_attn.metadata import DECODE_KERNEL_ENV
+
+    from kvloom.testing import run_conformance
 
     _backend()
     monkeypatch.setenv(DECODE_KERNEL_ENV, decode_kernel)
@@ -167,10 +168,8 @@ def test_engine_config_on_the_device_uses_flash_attn_and_block_size_256(tmp_path
     repo = str(Path(__file__).resolve().parents[3])  # for tests.helpers
     if repo not in sys.path:
         sys.path.insert(0, repo)
+    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
     from tests.helpers.model_fixtures import make_tiny_model
-
-    from kvloom.engine.arg_utils import EngineArgs
-    from kvloom.engine.arg_utils import create_engine_config
 
     _backend()
     if not _hopper_or_ampere():

@@ -24,12 +24,12 @@ from collections.abc import Iterator
 import flash_attn_standin as standin
 import pytest
 import torch
+
 from tests.helpers.model_fixtures import tiny_model_dir
 
 standin.ensure_backend_importable()
 
 from kvloom_backend_flash_attn import FlashAttentionBackend  # noqa: E402
-from kvloom_registry import PluginEntry  # noqa: E402
 
 from kvloom import plugins  # noqa: E402
 from kvloom.attention import selector  # noqa: E402
@@ -38,6 +38,7 @@ from kvloom.engine.arg_utils import EngineArgs, create_engine_config  # noqa: E4
 from kvloom.entrypoints.cli.main import main  # noqa: E402
 from kvloom.platforms.interface import DeviceCapability  # noqa: E402
 from kvloom.plugins import ATTENTION_BACKENDS  # noqa: E402
+from kvloom_registry import PluginEntry  # noqa: E402
 
 kvloom_platform_cuda = pytest.importorskip("kvloom_platform_cuda.platform")
 kvloom_backend_triton = pytest.importorskip("kvloom_backend_triton")

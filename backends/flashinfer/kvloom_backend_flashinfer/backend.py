@@ -17,15 +17,15 @@ from typing import ClassVar
 
 import torch
 
-from kvloom.attention.backend import (
+from kvloom.interfaces import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
     BlockSizeSpec,
+    DeviceCapability,
 )
-from kvloom.platforms.interface import DeviceCapability
 
 KVLOOM_PLUGIN_API = "1.0"
 

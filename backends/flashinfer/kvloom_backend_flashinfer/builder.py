@@ -41,11 +41,7 @@ from typing import Any
 import flashinfer
 import torch
 
-from kvloom.attention.backend import (
-    AttentionLayerSpec,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from kvloom.interfaces import AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata
 from kvloom_backend_flashinfer.metadata import FlashInferMetadata
 from kvloom_backend_flashinfer.planning import PagedKVPlan, gather_kv_indices, plan_paged_kv
 

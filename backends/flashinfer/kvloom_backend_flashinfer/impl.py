@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import AttentionImpl
+from kvloom.interfaces import AttentionImpl
 from kvloom_backend_flashinfer.kv_write import write_kv_nhd_paired
 from kvloom_backend_flashinfer.metadata import FlashInferMetadata
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.kv_write import copy_rows_skipping_invalid
+from kvloom.interfaces import copy_rows_skipping_invalid
 
 
 def write_kv_nhd_paired(

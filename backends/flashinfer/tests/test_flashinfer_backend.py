@@ -33,6 +33,10 @@ try:
 except ImportError:  # the venv script skips installing this package: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvloom_backend_flashinfer import KVLOOM_PLUGIN_API, FlashInferBackend
+from kvloom_backend_flashinfer.kv_write import copy_rows_skipping_invalid, write_kv_nhd_paired
+from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv
+
 from kvloom.attention.backend import (
     AttentionCGSupport,
     AttentionLayerSpec,
@@ -41,9 +45,6 @@ from kvloom.attention.backend import (
 )
 from kvloom.platforms.interface import DeviceCapability
 from kvloom.testing.reference import PagedCase, PagedRun, check_paged_case, make_paged_case, run_paged_case
-from kvloom_backend_flashinfer import KVLOOM_PLUGIN_API, FlashInferBackend
-from kvloom_backend_flashinfer.kv_write import copy_rows_skipping_invalid, write_kv_nhd_paired
-from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv
 
 H100 = DeviceCapability(9, 0)
 

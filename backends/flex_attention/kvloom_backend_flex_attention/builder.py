@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+from kvloom.interfaces import AttentionMetadataBuilder, CommonAttentionMetadata
 from kvloom_backend_flex_attention.metadata import FlexAttentionMetadata, FlexQueryGroup
 from kvloom_backend_flex_attention.planning import PageOwnership, plan_page_ownership, plan_query_groups
 

@@ -20,10 +20,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from kvloom.attention.backend import AttentionImpl
-from kvloom.attention.kv_write import write_kv_default_layout
+from kvloom.interfaces import AttentionImpl, write_kv_default_layout
 from kvloom_backend_flex_attention.metadata import FlexAttentionMetadata
-
 
 #: Each kernel variant costs dynamo up to two cache entries of flex_attention's frame;
 #: past torch's default limit of 8 it would silently run the uncompiled reference.

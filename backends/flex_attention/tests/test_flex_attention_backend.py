@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvloom_backend_flex_attention import KVLOOM_PLUGIN_API, FlexAttentionBackend
+from kvloom_backend_flex_attention.impl import cuda_kernel_options
+from kvloom_backend_flex_attention.planning import plan_page_ownership, plan_query_groups
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvloom.attention.backend import (
@@ -21,20 +24,17 @@ from kvloom.attention.backend import (
     AttentionSelectorConfig,
     AttentionType,
 )
+from kvloom.attention.kv_write import write_kv_default_layout as write_kv_split
 from kvloom.platforms.interface import DeviceCapability
 from kvloom.testing.reference import (
-    PagedCase,
     PagedCache,
+    PagedCase,
     PagedRun,
     check_paged_case,
     make_paged_case,
     place_requests,
     run_paged_case,
 )
-from kvloom_backend_flex_attention import KVLOOM_PLUGIN_API, FlexAttentionBackend
-from kvloom_backend_flex_attention.impl import cuda_kernel_options
-from kvloom.attention.kv_write import write_kv_default_layout as write_kv_split
-from kvloom_backend_flex_attention.planning import plan_page_ownership, plan_query_groups
 
 H100 = DeviceCapability(9, 0)
 

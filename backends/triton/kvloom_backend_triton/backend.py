@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import (
+from kvloom.interfaces import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
+    DeviceCapability,
     MultipleOf,
 )
-from kvloom.platforms.interface import DeviceCapability
 
 KVLOOM_PLUGIN_API = "1.0"
 

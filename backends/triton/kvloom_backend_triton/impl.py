@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.backend import AttentionImpl
+from kvloom.interfaces import AttentionImpl
 from kvloom_backend_triton import ops
 from kvloom_backend_triton.metadata import TritonAttentionMetadata
 

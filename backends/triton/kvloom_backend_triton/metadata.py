@@ -22,11 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.attention.backend import (
-    AttentionLayerSpec,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from kvloom.interfaces import AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata
 from kvloom_backend_triton.config import KernelConfig, resolve_config
 from kvloom_backend_triton.ops import plan_decode_splits
 

@@ -11,6 +11,8 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
+from kvloom_backend_triton.backend import TritonAttentionBackend
+from kvloom_backend_triton.config import ENV_VAR, KernelConfig, default_config, parse_overrides, resolve_config
 
 from kvloom.attention.backend import (
     AttentionCGSupport,
@@ -20,8 +22,6 @@ from kvloom.attention.backend import (
     CommonAttentionMetadata,
 )
 from kvloom.platforms.interface import DeviceCapability
-from kvloom_backend_triton.backend import TritonAttentionBackend
-from kvloom_backend_triton.config import ENV_VAR, KernelConfig, default_config, parse_overrides, resolve_config
 
 H100 = DeviceCapability(9, 0)
 

@@ -10,10 +10,10 @@ import zlib
 
 import pytest
 import torch
-
-from kvloom.testing.reference import PagedRun, check_paged_case, make_paged_case, place_requests, run_paged_case
 from kvloom_backend_triton.backend import TritonAttentionBackend
 from kvloom_backend_triton.metadata import CONFIG_EXTRA_KEY
+
+from kvloom.testing.reference import PagedRun, check_paged_case, make_paged_case, place_requests, run_paged_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -10,15 +10,10 @@ Config adjustments (``check_and_update_config``):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform
-
-if TYPE_CHECKING:
-    from kvloom.config import EngineConfig
-    from kvloom.worker.worker_base import WorkerBase
+from kvloom.interfaces import BackendCandidate, CUDAGraphMode, DeviceCapability, EngineConfig, Platform, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -50,16 +45,14 @@ class CpuPlatform(Platform):
         ]
 
     @classmethod
-    def get_worker_cls(cls) -> type["WorkerBase"]:
+    def get_worker_cls(cls) -> type[WorkerBase]:
         # Imported here: the worker pulls in the whole model runner.
         from kvloom_platform_cpu.worker import CpuWorker
 
         return CpuWorker
 
     @classmethod
-    def check_and_update_config(cls, config: "EngineConfig") -> None:
-        from kvloom.config import CUDAGraphMode
-
+    def check_and_update_config(cls, config: EngineConfig) -> None:
         if config.compilation.cudagraph_mode != CUDAGraphMode.NONE:
             logger.info(
                 "cudagraph_mode %s is not available on the CPU platform; running eagerly (NONE).",

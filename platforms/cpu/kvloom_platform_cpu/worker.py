@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kvloom.worker.worker import Worker
+from kvloom.interfaces import Worker
 
 KVLOOM_PLUGIN_API = "1.0"
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from kvloom_platform_cpu.platform import CpuPlatform
 from kvloom_platform_cpu.worker import CpuWorker
-from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from tests.helpers.model_fixtures import tiny_model_dir
 
 
 @pytest.fixture

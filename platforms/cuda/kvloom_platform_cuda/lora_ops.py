@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from kvloom.lora.ops import LoRAMapping
+    from kvloom.interfaces import LoRAMapping
 
 __all__ = ["lora_delta", "lora_delta_triton"]
 

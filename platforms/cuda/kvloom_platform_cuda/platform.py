@@ -20,15 +20,10 @@ that provides the backend, so ``kvloom backends`` can say what to install.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform
-
-if TYPE_CHECKING:
-    from kvloom.config import EngineConfig
-    from kvloom.worker.worker_base import WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, EngineConfig, Platform, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -96,14 +91,14 @@ class CudaPlatform(Platform):
         return list(STANDARD_BLACKWELL if blackwell else STANDARD_DEFAULT)
 
     @classmethod
-    def get_worker_cls(cls) -> type["WorkerBase"]:
+    def get_worker_cls(cls) -> type[WorkerBase]:
         # Imported here: the worker pulls in the model runner and CUDA-graph machinery.
         from kvloom_platform_cuda.worker import CUDAWorker
 
         return CUDAWorker
 
     @classmethod
-    def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:
+    def custom_ops(cls, config: EngineConfig) -> dict[str, Callable[..., object]]:
         """Triton kernels replacing torch code:
 
         - the layer math of 16-bit models (one kernel each instead of a chain of small

@@ -14,8 +14,7 @@ import logging
 
 import torch
 
-from kvloom.worker.cudagraph import effective_decode_graphs
-from kvloom.worker.worker import Worker
+from kvloom.interfaces import Worker, effective_decode_graphs
 
 KVLOOM_PLUGIN_API = "1.0"
 

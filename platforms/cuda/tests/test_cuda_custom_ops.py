@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from kvloom_platform_cuda import fused_ops, lora_ops
 from kvloom_platform_cuda.platform import CudaPlatform
-from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.layers.custom_ops import OP_SIGNATURES
+from tests.helpers.model_fixtures import tiny_model_dir
 
 FUSED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk"}
 

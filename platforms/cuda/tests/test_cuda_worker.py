@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom import plugins
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from tests.helpers.model_fixtures import tiny_model_dir
 
 GiB = 2**30
 

@@ -13,6 +13,7 @@ import gc
 
 import pytest
 import torch
+
 from tests.helpers.model_fixtures import random_prompts, tiny_model_dir
 
 pytestmark = [
@@ -72,10 +73,10 @@ def test_profiled_cache_and_captured_graphs_give_the_eager_tokens(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_steps_run_the_triton_op_with_the_torch_codes_tokens(tmp_path, monkeypatch, dtype):
     from kvloom_platform_cuda import lora_ops
-    from tests.helpers.lora_fixtures import make_adapter
 
     from kvloom import LLM
     from kvloom.lora.request import LoRARequest
+    from tests.helpers.lora_fixtures import make_adapter
 
     calls = []
     kernel = lora_ops.lora_delta

@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform
-
-if TYPE_CHECKING:
-    from kvloom.config import EngineConfig
-    from kvloom.worker.worker_base import WorkerBase
+from kvloom.interfaces import BackendCandidate, CUDAGraphMode, DeviceCapability, EngineConfig, Platform, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -65,13 +60,11 @@ class CpuThreadsPlatform(Platform):
         ]
 
     @classmethod
-    def get_worker_cls(cls) -> type["WorkerBase"]:
+    def get_worker_cls(cls) -> type[WorkerBase]:
         from kvloom_platform_cpu_threads.worker import CpuThreadsWorker  # lazily: the worker is heavy
 
         return CpuThreadsWorker
 
     @classmethod
-    def check_and_update_config(cls, config: "EngineConfig") -> None:
-        from kvloom.config import CUDAGraphMode
-
+    def check_and_update_config(cls, config: EngineConfig) -> None:
         config.compilation.cudagraph_mode = CUDAGraphMode.NONE  # no graphs on the CPU

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kvloom.worker.worker import Worker
+from kvloom.interfaces import Worker
 from kvloom_platform_cpu_threads.platform import configured_threads
 
 logger = logging.getLogger(__name__)

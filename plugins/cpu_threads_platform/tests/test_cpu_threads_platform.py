@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.helpers.model_fixtures import load_hf_model, tiny_model_dir
 from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
 

@@ -18,13 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvloom.config import EngineConfig
-from kvloom.layers.layernorm import RMSNorm
-from kvloom.layers.linear import Linear, MergedLinear
-from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
-from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
-from kvloom.models.llama import LlamaAttention
-from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+from kvloom.interfaces import EngineConfig
+from kvloom.interfaces.models import (
+    LLAMA_STACKED_PARAMS,
+    Linear,
+    LlamaAttention,
+    LMHead,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    get_rope_parameters,
+    load_checkpoint_weights,
+    packed_modules_mapping,
+)
 
 
 def _join(prefix: str, name: str) -> str:

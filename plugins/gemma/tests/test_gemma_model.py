@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.model_fixtures import PagedRunner, assert_logits_close, build_tokenizer, hf_logits, load_hf_model, \
-    make_test_engine_config  # fmt: skip
+
+from tests.helpers.model_fixtures import (
+    PagedRunner,
+    assert_logits_close,
+    build_tokenizer,
+    hf_logits,
+    load_hf_model,
+    make_test_engine_config,  # fmt: skip
+)
 from tests.helpers.plugin_server import REPO, KvloomServer, install_distribution, plugin_env
 
 PLUGIN_SRC = REPO / "plugins" / "gemma"

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvloom.interfaces import IOProcessor, PromptType
-from kvloom.sampling_params import PoolingParams
+from kvloom.interfaces import IOProcessor, PoolingParams, PromptType
 
 KVLOOM_PLUGIN_API = "1.0"
 

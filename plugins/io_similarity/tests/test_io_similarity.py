@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tests.helpers.model_fixtures import tiny_model_dir
 from tests.helpers.plugin_server import REPO, KvloomServer, install_distribution, plugin_env
 

@@ -18,8 +18,13 @@ import os
 import zlib
 from pathlib import Path
 
-from kvloom.interfaces import LoRARequest, LoRAResolver
-from kvloom.lora.adapter import CONFIG_FILE, read_adapter_config, validate_adapter_config
+from kvloom.interfaces import (
+    ADAPTER_CONFIG_FILE,
+    LoRARequest,
+    LoRAResolver,
+    read_adapter_config,
+    validate_adapter_config,
+)
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -43,7 +48,7 @@ class FilesystemResolver(LoRAResolver):
         if not lora_name or lora_name in (".", "..") or "/" in lora_name or os.sep in lora_name:
             raise ValueError(f"{lora_name!r} is not a valid adapter name (a directory name in {CACHE_DIR_ENV})")
         path = cache_dir / lora_name
-        if not (path / CONFIG_FILE).is_file():
+        if not (path / ADAPTER_CONFIG_FILE).is_file():
             return None  # LoRA adapter not found here
         config = read_adapter_config(path, lora_name)
         validate_adapter_config(config, base_model_name=base_model_name, name=lora_name)

@@ -8,14 +8,10 @@ tests can run anywhere. It is available unless KVLOOM_TEST_OOT_PLATFORM_AVAILABL
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform
-
-if TYPE_CHECKING:
-    from kvloom.worker.worker_base import WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, Worker, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -40,7 +36,5 @@ class OotTestPlatform(Platform):
         ]
 
     @classmethod
-    def get_worker_cls(cls) -> type["WorkerBase"]:
-        from kvloom.worker.worker import Worker  # the generic torch worker runs on the CPU
-
+    def get_worker_cls(cls) -> type[WorkerBase]:
         return Worker

@@ -1,0 +1,113 @@
+"""kvloom's public plugin API: everything a plugin imports from kvloom, in one place.
+
+Plugins import from here (and model authors also from ``kvloom.interfaces.models``);
+every other kvloom module is private and may change without notice. A test keeps the
+first-party plugins to this rule. What each name is for, by plugin kind
+(``docs/plugins.md`` has the whole contracts, with example packages):
+
+- attention backends: ``AttentionBackend`` (declarations and selection),
+  ``AttentionImpl`` (one layer's forward), ``AttentionMetadataBuilder`` (per-step
+  metadata), ``CommonAttentionMetadata``, ``AttentionLayerSpec``,
+  ``AttentionSelectorConfig``, ``AttentionType``, ``AttentionCGSupport``, ``MultipleOf``,
+  ``BlockSizeSpec``;
+  KV writes for backends without a write kernel: ``write_kv_default_layout``,
+  ``copy_rows_skipping_invalid``;
+- platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; workers:
+  ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
+  subclass); ``EngineConfig`` (what ``check_and_update_config`` adjusts),
+  ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
+  replace: ``CUSTOM_OP_SIGNATURES``, and ``LoRAMapping`` for the ``lora_delta`` op;
+- general plugins: ``hookimpl`` and the registries the hooks receive
+  (``ModelRegistry``, ``LoRAResolverRegistry``);
+- IO processors: ``IOProcessor``, ``PromptType``, ``PoolingParams``, ``SamplingParams``,
+  ``PoolingRequestOutput``;
+- stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
+  ``PrefixCacheStats``, ``IterationStats``, ``FinishedRequestStats``;
+- LoRA resolvers: ``LoRAResolver``, ``LoRARequest``, ``read_adapter_config``,
+  ``validate_adapter_config``, ``ADAPTER_CONFIG_FILE``.
+
+``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
+import it: it declares the version it was written for, as a literal of its own::
+
+    KVLOOM_PLUGIN_API = "1.0"
+
+kvloom refuses a plugin whose major version differs, with a message naming both.
+"""
+
+from kvloom.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    AttentionSelectorConfig,
+    AttentionType,
+    BlockSizeSpec,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
+from kvloom.config import CUDAGraphMode, EngineConfig
+from kvloom.hookspecs import hookimpl
+from kvloom.inputs import PromptType
+from kvloom.io_processor import IOProcessor
+from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
+from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
+from kvloom.lora.adapter import read_adapter_config, validate_adapter_config
+from kvloom.lora.ops import LoRAMapping
+from kvloom.lora.request import LoRARequest
+from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
+from kvloom.metrics.stat_logger_base import StatLoggerBase
+from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+from kvloom.models.registry import ModelRegistry
+from kvloom.outputs import PoolingRequestOutput
+from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
+from kvloom.plugins import PLUGIN_API_VERSION
+from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.worker.cudagraph import effective_decode_graphs
+from kvloom.worker.worker import Worker
+from kvloom.worker.worker_base import WorkerBase
+
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "AttentionBackend",
+    "AttentionCGSupport",
+    "AttentionImpl",
+    "AttentionLayerSpec",
+    "AttentionMetadataBuilder",
+    "AttentionSelectorConfig",
+    "AttentionType",
+    "BackendCandidate",
+    "BlockSizeSpec",
+    "CUDAGraphMode",
+    "CUSTOM_OP_SIGNATURES",
+    "CommonAttentionMetadata",
+    "DeviceCapability",
+    "EngineConfig",
+    "FinishedRequestStats",
+    "IOProcessor",
+    "IterationStats",
+    "LoRAMapping",
+    "LoRARequest",
+    "LoRAResolver",
+    "LoRAResolverRegistry",
+    "ModelRegistry",
+    "MultipleOf",
+    "PLUGIN_API_VERSION",
+    "Platform",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "PrefixCacheStats",
+    "PromptType",
+    "SamplingParams",
+    "SchedulerStats",
+    "StatLoggerBase",
+    "Worker",
+    "WorkerBase",
+    "copy_rows_skipping_invalid",
+    "effective_decode_graphs",
+    "hookimpl",
+    "read_adapter_config",
+    "validate_adapter_config",
+    "write_kv_default_layout",
+]

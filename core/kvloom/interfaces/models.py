@@ -1,0 +1,44 @@
+"""The public face for out-of-tree model authors: the layers kvloom's own models are built
+from, the paged ``Attention`` layer, and the weight-loading helpers.
+
+A model class is registered by a general plugin (``ModelRegistry.register_model`` in a
+``register()`` function or a ``kvloom_register_models`` hook) and built as
+``Model(config: EngineConfig, prefix: str = "")`` on the target device in the run dtype.
+It implements ``forward(input_ids [N], positions [N]) -> hidden [N, hidden_size]``,
+``compute_logits(hidden [M, hidden_size]) -> logits [M, vocab]`` and
+``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]`` (the HF names it
+loaded); ``docs/plugins.md`` says what each layer expects. Its attention layers are
+``Attention`` modules built with ``config.attention.backend``, the backend the engine
+selected; the model runner finds them and binds their KV caches.
+"""
+
+from kvloom.attention.layer import Attention
+from kvloom.config import EngineConfig
+from kvloom.layers.activation import SiluAndMul, get_gated_activation
+from kvloom.layers.layernorm import RMSNorm
+from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
+from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
+from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+
+__all__ = [
+    "Attention",
+    "EngineConfig",
+    "LLAMA_STACKED_PARAMS",
+    "LMHead",
+    "Linear",
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaMLP",
+    "MergedLinear",
+    "QKVLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "VocabEmbedding",
+    "get_gated_activation",
+    "get_rope_parameters",
+    "load_checkpoint_weights",
+    "packed_modules_mapping",
+]
