@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.model_fixtures import tiny_model_dir
+
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
 
@@ -261,6 +263,55 @@ def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Ins
     assert result["resolvers"] == ["test_dir_resolver"]
     assert result["lora"] == ["my_adapter", str(adapter), "base-model", True]
     assert result["missing"] is None
+
+
+ENGINE_WITH_HOOK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory="32MiB", max_num_seqs=256, cudagraph_mode="FULL")
+    (out,) = llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    core = llm.llm_engine.engine_core.core
+    print(json.dumps({
+        "config": llm.config.scheduler.max_num_seqs,
+        "scheduler": core.scheduler.max_num_seqs,
+        "runner": core.worker.runner.max_num_reqs,
+        "tokens": len(out.outputs[0].token_ids),
+    }))
+    """
+)
+
+
+def _hook_calls(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_update_engine_config_hook_shapes_the_engine_that_starts(install: Install, tmp_path: Path) -> None:
+    """The installed general plugin's kvloom_update_engine_config caps max_num_seqs at 64:
+    the engine that starts schedules with the capped value. The hook runs once per engine
+    config, after the platform's adjustment (the CPU platform turned CUDA graphs off), on
+    the resolved EngineConfig."""
+    model = str(tiny_model_dir("llama"))
+    calls = tmp_path / "engine-hook-calls.jsonl"
+    done = run(install, [sys.executable, "-c", ENGINE_WITH_HOOK_SCRIPT, model], ["general_plugin"],
+               KVLOOM_PLATFORM="cpu", KVLOOM_TEST_GENERAL_PLUGIN_CALLS=str(calls))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"config": 64, "scheduler": 64, "runner": 64, "tokens": 2}
+    (call,) = _hook_calls(calls)
+    assert {k: v for k, v in call.items() if k != "pid"} == {
+        "config_type": "EngineConfig", "platform": "cpu", "backend": call["backend"],
+        "cudagraph_mode": "NONE", "max_num_seqs": 256,
+    }
+
+    # kvloom generate: the same hook, once, in the CLI's engine.
+    cli_calls = tmp_path / "generate-hook-calls.jsonl"
+    generate = run(install, [*CLI, "generate", "--model", model, "--prompt", "hello", "--raw", "--max-tokens", "2",
+                             "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-num-seqs", "128"],
+                   ["general_plugin"], KVLOOM_PLATFORM="cpu", KVLOOM_TEST_GENERAL_PLUGIN_CALLS=str(cli_calls))
+    assert generate.returncode == 0, generate.stderr
+    (cli_call,) = _hook_calls(cli_calls)
+    assert (cli_call["config_type"], cli_call["max_num_seqs"], cli_call["cudagraph_mode"]) == ("EngineConfig", 128, "NONE")
 
 
 # ---------------------------------------------------------------------- console script
