@@ -314,6 +314,25 @@ def test_update_engine_config_hook_shapes_the_engine_that_starts(install: Instal
     assert (cli_call["config_type"], cli_call["max_num_seqs"], cli_call["cudagraph_mode"]) == ("EngineConfig", 128, "NONE")
 
 
+def test_stat_logger_plugin_runs_in_kvloom_generate_unless_stats_are_off(install: Install, tmp_path: Path) -> None:
+    generate = [*CLI, "generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hello", "--raw",
+                "--max-tokens", "3", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+    calls = tmp_path / "stats-on.jsonl"
+    done = run(install, generate, ["serve_stat_logger"], KVLOOM_PLATFORM="cpu", KVLOOM_TEST_STAT_LOGGER_OUT=str(calls))
+    assert done.returncode == 0, done.stderr
+    entries = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [e["event"] for e in entries[:2]] == ["init", "engine_initialized"]
+    records = [e for e in entries if e["event"] == "record"]
+    assert len(records) >= 3 and sum(r.get("prompt_tokens", 0) for r in records) > 0
+    assert [reason for r in records for reason in r.get("finished", [])] == ["length"]
+
+    off = tmp_path / "stats-off.jsonl"
+    done = run(install, [*generate, "--disable-log-stats"], ["serve_stat_logger"], KVLOOM_PLATFORM="cpu",
+               KVLOOM_TEST_STAT_LOGGER_OUT=str(off))
+    assert done.returncode == 0, done.stderr
+    assert not off.exists()
+
+
 # ---------------------------------------------------------------------- console script
 
 

@@ -127,7 +127,10 @@ class EngineArgs(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept loaded (default max_loras).")
     lora_modules: dict[str, str] | None = Field(None, description="name=path adapters to preload.")
     # ---- observability
-    disable_log_stats: bool = Field(False, description="Do not log stats periodically.")
+    # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
+    disable_log_stats: bool = Field(
+        False, description="Turn engine stats off: no periodic stats line, no stat logger plugins, no engine metrics."
+    )
     log_stats_interval: float = Field(5.0, gt=0.0, description="Seconds between stat log lines.")
 
     @field_validator("kv_cache_memory")
