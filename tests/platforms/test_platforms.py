@@ -10,10 +10,9 @@ import torch
 
 from kvloom.config import CompilationConfig, CUDAGraphMode
 from kvloom.interfaces import BackendCandidate, Platform
+from kvloom.platforms.resolution import PlatformResolutionError, resolve_platform
 from kvloom.plugins import PLATFORM_PLUGINS
-from kvloom.platforms.resolution import PlatformResolutionError
 from kvloom_registry import PluginEntry, PluginLoadError
-from kvloom.platforms.resolution import resolve_platform
 
 CpuPlatform = pytest.importorskip("kvloom_platform_cpu.platform").CpuPlatform
 CudaPlatform = pytest.importorskip("kvloom_platform_cuda.platform").CudaPlatform
@@ -85,7 +84,7 @@ def test_kvloom_platform_forces_one() -> None:
 def test_forced_platform_must_be_installed_and_available() -> None:
     with pytest.raises(PlatformResolutionError, match="KVLOOM_PLATFORM=tpu: no installed plugin provides it. Loaded platforms: cpu, oot."):
         resolve_platform(entries(CPU, OOT), forced="tpu")
-    with pytest.raises(PlatformResolutionError, match="KVLOOM_PLATFORM=gpu: platform gpu .* not available"):
+    with pytest.raises(PlatformResolutionError, match=r"KVLOOM_PLATFORM=gpu: platform gpu .* is_available\(\) returned False"):
         resolve_platform(entries(CPU, GPU_ABSENT), forced="gpu")
     excluded = list(entries(OOT).values())
     with pytest.raises(PlatformResolutionError, match="installed but KVLOOM_PLUGINS does not list it"):
@@ -110,6 +109,54 @@ def test_crashing_is_available_is_a_plugin_error() -> None:
     with pytest.raises(PluginLoadError, match="crashing.*driver library missing"):
         resolve_platform(entries(CPU, Crashing))
 
+
+class SleepyCpu(fake_platform("sleepy_cpu", builtin=False, available=False)):  # type: ignore[misc]
+    """A CPU-based out-of-tree platform that is off until configured, and says so."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return "SLEEPY_CPU_THREADS is not set"
+
+
+def test_unavailable_platform_is_reported_by_its_is_available_and_reason() -> None:
+    """Not "no cpu device" (there is one): the platform's is_available() said no, and why."""
+    with pytest.raises(PlatformResolutionError) as e:
+        resolve_platform(entries(CPU, SleepyCpu), forced="sleepy_cpu")
+    assert str(e.value) == (
+        "KVLOOM_PLATFORM=sleepy_cpu: platform sleepy_cpu (dist-sleepy_cpu 1.0) is installed, but its "
+        "is_available() returned False: SLEEPY_CPU_THREADS is not set."
+    )
+    assert "device" not in str(e.value)
+    # Without a reason (the default unavailable_reason() is None), the message ends there.
+    assert Platform.unavailable_reason() is None
+    with pytest.raises(PlatformResolutionError, match=r"is installed, but its is_available\(\) returned False\.$"):
+        resolve_platform(entries(CPU, OOT_ABSENT), forced="oot_absent")
+    with pytest.raises(PlatformResolutionError) as e:
+        resolve_platform(entries(SleepyCpu, GPU_ABSENT))
+    assert "none available here: sleepy_cpu (dist-sleepy_cpu 1.0: SLEEPY_CPU_THREADS is not set), gpu (dist-gpu 1.0)" in str(e.value)
+
+
+def test_crashing_unavailable_reason_is_a_plugin_error() -> None:
+    class Crashing(SleepyCpu):
+        @classmethod
+        def unavailable_reason(cls) -> str | None:
+            raise OSError("cannot read the device table")
+
+    with pytest.raises(PluginLoadError, match="unavailable_reason.*cannot read the device table"):
+        resolve_platform(entries(CPU, Crashing), forced="sleepy_cpu")
+
+
+def test_engine_startup_line_names_the_device(fresh_plugins: None, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+    from tests.helpers.model_fixtures import tiny_model_dir
+
+    monkeypatch.setenv("KVLOOM_PLATFORM", "cpu")
+    monkeypatch.setattr(CpuPlatform, "get_device_name", classmethod(lambda cls, device_id=0: "Test CPU 9000"))
+    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+        create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32"))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvloom config:")]
+    assert "platform=cpu device=Test CPU 9000 " in line
 
 # ---------------------------------------------------------------------- built-in platforms
 

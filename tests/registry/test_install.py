@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.model_fixtures import tiny_model_dir
+from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
@@ -122,10 +123,10 @@ def test_oot_backend_selected_by_name_and_never_falls_back(install: Install) -> 
 def test_oot_platform_wins_and_its_priority_picks_the_oot_backend(install: Install) -> None:
     done = run(install, [*CLI, "backends"], ["oot_backend", "oot_platform"])
     assert done.returncode == 0, done.stderr
-    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu" in done.stdout
+    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu (OOT test device)" in done.stdout
     assert "Selected: OOT_TEST_ATTN (block size 16)" in done.stdout
     report = backends_json(install, plugins=["oot_backend", "oot_platform"])
-    assert report["platform"] == "oot_test"
+    assert (report["platform"], report["device_name"]) == ("oot_test", "OOT test device")
     assert report["candidates"][0] == {"name": "OOT_TEST_ATTN", "priority": 1, "valid": True, "reasons": [],
                                        "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
     assert report["selected"] == "OOT_TEST_ATTN"
@@ -142,7 +143,28 @@ def test_unavailable_or_overridden_oot_platform_gives_way_to_cpu(install: Instal
     assert backends_json(install, plugins=plugins, KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")["platform"] == "cpu"
     assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu")["platform"] == "cpu"
     forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="oot_test", KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")
-    assert forced.returncode == 1 and "KVLOOM_PLATFORM=oot_test: platform oot_test" in forced.stderr
+    assert forced.returncode == 1
+    assert ("KVLOOM_PLATFORM=oot_test: platform oot_test (kvloom-test-oot-platform 0.1.0) is installed, but its "
+            "is_available() returned False: KVLOOM_TEST_OOT_PLATFORM_AVAILABLE=0.") in forced.stderr
+
+
+def test_unset_cpu_threads_platform_says_why_it_is_unavailable(tmp_path: Path) -> None:
+    """plugins/cpu_threads_platform is a CPU platform: unavailable, it names its variable
+    (there is a CPU device, so "no cpu device" would be wrong)."""
+    site = install_distribution(REPO / "plugins" / "cpu_threads_platform", tmp_path)
+    done = subprocess.run([*CLI, "backends"], env=plugin_env([site], KVLOOM_PLATFORM="cpu_threads"),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 1
+    assert ("platform cpu_threads (kvloom-platform-cpu-threads 0.1.0) is installed, but its is_available() "
+            "returned False: KVLOOM_CPU_THREADS_PLATFORM is not set.") in done.stderr
+
+
+def test_generate_logs_the_platform_device_name(install: Install) -> None:
+    done = run(install, [*CLI, "generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hello", "--raw",
+                         "--max-tokens", "1", "--dtype", "float32", "--kv-cache-memory", "32MiB"],
+               ["oot_backend", "oot_platform"], KVLOOM_LOGGING_LEVEL="INFO")
+    assert done.returncode == 0, done.stderr
+    assert "platform=oot_test device=OOT test device backend=" in done.stderr
 
 
 # ---------------------------------------------------------------------- loading policy

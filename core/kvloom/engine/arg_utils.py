@@ -342,12 +342,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     platform.check_and_update_config(config)
     plugins.call_update_engine_config(config)
     logger.info(
-        "kvloom config: model=%s arch=%s dtype=%s max_model_len=%d platform=%s backend=%s block_size=%d",
+        "kvloom config: model=%s arch=%s dtype=%s max_model_len=%d platform=%s device=%s backend=%s block_size=%d",
         Path(model.model).name,
         architecture,
         str(dtype).removeprefix("torch."),
         max_model_len,
         platform.name,
+        platform.get_device_name(),
         backend.NAME,
         block_size,
     )

@@ -46,6 +46,10 @@ class CpuThreadsPlatform(Platform):
         return configured_threads() is not None
 
     @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return f"{THREADS_ENV} is not set"
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return f"cpu ({configured_threads()} threads)"
 
