@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from kvloom.config import CompilationConfig, CUDAGraphMode
+from kvloom.config import CUDAGraphMode
 from kvloom.interfaces import BackendCandidate, Platform
 from kvloom.platforms.resolution import PlatformResolutionError, resolve_platform
 from kvloom.plugins import PLATFORM_PLUGINS
@@ -171,15 +170,41 @@ def test_cpu_platform_declarations() -> None:
     assert CpuPlatform.device() == torch.device("cpu")
 
 
-def test_cpu_platform_config_defaults() -> None:
-    config = SimpleNamespace(
-        compilation=CompilationConfig(
-            optimization_level=2, enforce_eager=False, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-            cudagraph_capture_sizes=[1, 2],
-        ),
-    )
-    CpuPlatform.check_and_update_config(config)  # type: ignore[arg-type]
+def _engine_config_on(platform: type[Platform], monkeypatch: pytest.MonkeyPatch, **args: Any) -> Any:
+    from kvloom import plugins
+    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+    from tests.helpers.model_fixtures import tiny_model_dir
+
+    monkeypatch.setattr(plugins, "current_platform", lambda: platform)
+    return create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", **args))
+
+
+def test_supports_cuda_graphs_decides_whether_graphs_run(fresh_plugins: None, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A platform that does not declare ``supports_cuda_graphs`` (the default, False) runs
+    eagerly whatever the mode, without a check_and_update_config of its own."""
+
+    class NoGraphs(CpuPlatform):  # type: ignore[misc, valid-type]
+        name = "no_graphs"
+        builtin = False
+
+        @classmethod
+        def check_and_update_config(cls, config: Any) -> None:
+            pass
+
+    class WithGraphs(NoGraphs):
+        name = "with_graphs"
+        supports_cuda_graphs = True
+
+    assert Platform.supports_cuda_graphs is False and NoGraphs.supports_cuda_graphs is False
+    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+        config = _engine_config_on(NoGraphs, monkeypatch, cudagraph_mode="FULL")
     assert config.compilation.cudagraph_mode == CUDAGraphMode.NONE
+    assert "cudagraph_mode FULL: platform no_graphs does not support CUDA graphs; running eagerly (NONE)" in caplog.text
+    assert _engine_config_on(WithGraphs, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "FULL"
+    assert _engine_config_on(WithGraphs, monkeypatch).compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    # The built-in CPU platform gets its eager mode from its declaration too.
+    assert _engine_config_on(CpuPlatform, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "NONE"
 
 
 def test_cuda_platform_declarations() -> None:

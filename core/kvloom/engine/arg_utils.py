@@ -7,8 +7,9 @@ raises a ``ValidationError`` naming the field and the allowed values.
 ``create_engine_config(args)`` makes the ``EngineConfig`` (``kvloom.config``). The order
 matters and is the same in every process: load plugins (so out-of-tree models and
 backends are registered), pick the platform, read the model's config, settle dtype and
-max_model_len, select the attention backend (which may choose the block size), let the
-platform adjust the result, then the general plugins' ``kvloom_update_engine_config`` hook.
+max_model_len, select the attention backend (which may choose the block size), settle the
+CUDA-graph mode (NONE on a platform without ``supports_cuda_graphs``), let the platform
+adjust the result, then the general plugins' ``kvloom_update_engine_config`` hook.
 """
 
 from __future__ import annotations
@@ -307,6 +308,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     else:
         mode = CUDAGraphMode.FULL_AND_PIECEWISE
     if args.enforce_eager:
+        mode = CUDAGraphMode.NONE
+    if mode != CUDAGraphMode.NONE and not platform.supports_cuda_graphs:
+        logger.info(
+            "cudagraph_mode %s: platform %s does not support CUDA graphs; running eagerly (NONE).",
+            mode.value,
+            platform.name,
+        )
         mode = CUDAGraphMode.NONE
     capture_sizes = args.cudagraph_capture_sizes or _default_capture_sizes(
         args.max_num_seqs, args.max_cudagraph_capture_size

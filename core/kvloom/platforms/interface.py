@@ -64,7 +64,8 @@ class Platform(ABC):
     builtin: ClassVar[bool] = False
     #: Model dtypes the platform can run, preferred first (used for dtype="auto").
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
-    #: Whether the worker can capture and replay CUDA graphs.
+    #: Whether the worker can capture and replay CUDA graphs. False: the engine runs
+    #: eagerly (cudagraph_mode NONE) whatever the user asked for.
     supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, CUDAGraphMode, DeviceCapability, EngineConfig, Platform, WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -68,7 +68,3 @@ class CpuThreadsPlatform(Platform):
         from kvloom_platform_cpu_threads.worker import CpuThreadsWorker  # lazily: the worker is heavy
 
         return CpuThreadsWorker
-
-    @classmethod
-    def check_and_update_config(cls, config: EngineConfig) -> None:
-        config.compilation.cudagraph_mode = CUDAGraphMode.NONE  # no graphs on the CPU
