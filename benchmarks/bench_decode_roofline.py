@@ -128,6 +128,7 @@ def main() -> None:
                 max_model_len=2048, max_num_seqs=max(batches), attention_backend=args.backend,
                 enforce_eager=(base == "eager"), gpu_memory_utilization=0.9,
                 async_scheduling="async" in options, custom_ops="none" if "noops" in options else "all",
+                disable_log_stats=True,  # as recorded: LLM kept stats off by default then
             )
             backend = llm.config.attention.backend.NAME
             for batch in batches:

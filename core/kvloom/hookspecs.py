@@ -34,4 +34,6 @@ class GeneralPluginSpec:
 
     @hookspec
     def kvloom_update_engine_config(self, config: "EngineConfig") -> None:
-        """Adjust the resolved engine config (called after the platform's adjustment)."""
+        """Adjust the resolved engine config in place: called once per ``EngineConfig``, by
+        ``create_engine_config`` when an engine starts, after the platform's
+        ``check_and_update_config``; the engine that starts runs with what the hook left."""

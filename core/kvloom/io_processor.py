@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvloom.inputs import PromptType  # what pre_process returns; part of the plugin contract
-from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.sampling_params import PoolingParams
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
@@ -31,10 +31,9 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
     def parse_data(self, data: object) -> IOProcessorInput:
         """Validate the user's raw input; raise ValueError naming what is wrong."""
 
-    def merge_sampling_params(self, params: SamplingParams | None = None) -> SamplingParams:
-        return params or SamplingParams()
-
     def merge_pooling_params(self, params: PoolingParams | None = None) -> PoolingParams:
+        """The ``PoolingParams`` of every model prompt: the caller's (``LLM.encode``'s
+        ``pooling_params``; None from ``POST /pooling``) merged with the plugin's needs."""
         return params or PoolingParams()
 
     @abstractmethod

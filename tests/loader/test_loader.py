@@ -11,11 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvloom.layers.layernorm import RMSNorm
 from kvloom.loader.model_loader import checkpoint_weight_names, get_model
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.loader.weight_utils import DUMMY_WEIGHT_RANGE, find_weight_files
-from kvloom.layers.layernorm import RMSNorm
+from kvloom.models.llama import LlamaForCausalLM
+from kvloom.models.qwen2 import Qwen2ForCausalLM
 from kvloom.models.registry import ModelRegistry
+from kvloom.models.utils import checkpoint_names
 from tests.helpers.model_fixtures import (
     EOS_TOKEN,
     PagedRunner,
@@ -191,3 +194,94 @@ def test_out_of_tree_architecture_registered_in_model_registry(tmp_path, monkeyp
     reference = get_model(make_test_engine_config(tiny_model_dir("llama")), "cpu")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+
+class LoadsNothingForCausalLM(LlamaForCausalLM):
+    """An out-of-tree model whose ``load_weights`` reads the checkpoint and keeps nothing."""
+
+    def load_weights(self, weights):
+        for _ in weights:
+            pass
+        return set()
+
+
+def _sloppy(skipped: str, returns=None, base: type[torch.nn.Module] = LlamaForCausalLM):
+    """A ``base`` model whose hand-written loader skips ``skipped`` (an HF name) without
+    noticing, and returns ``returns(loaded names)``."""
+
+    class SloppyModel(base):
+        def load_weights(self, weights):
+            targets = checkpoint_names(self, self.stacked_params)
+            loaded = set()
+            with torch.no_grad():
+                for name, tensor in weights:
+                    target = targets.get(name)
+                    if name == skipped or target is None:
+                        continue
+                    loader = getattr(target.module, "weight_loader", None)
+                    if loader is not None:
+                        loader(target.param, tensor, target.shard)
+                    else:
+                        target.param.copy_(tensor)
+                    loaded.add(name)
+            return loaded if returns is None else returns(loaded)
+
+    return SloppyModel
+
+
+def _config_for(monkeypatch, arch: str, model_cls, model_dir=None, **kwargs):
+    monkeypatch.setitem(ModelRegistry._models, arch, model_cls)
+    config = make_test_engine_config(model_dir or tiny_model_dir("llama"), **kwargs)
+    config.model.architecture = arch
+    return config
+
+
+def test_load_weights_that_loads_nothing_is_an_error_naming_the_weights(monkeypatch):
+    """vLLM: "Following weights were not initialized from checkpoint: {...}"."""
+    config = _config_for(monkeypatch, "LoadsNothingForCausalLM", LoadsNothingForCausalLM)
+    expected = len(checkpoint_weight_names(get_model(make_test_engine_config(tiny_model_dir("llama")), "cpu")))
+    with pytest.raises(ValueError) as err:
+        get_model(config, "cpu")
+    message = str(err.value)
+    assert "Following weights were not initialized from checkpoint" in message
+    assert f"({expected} of {expected})" in message and config.model.model in message
+    assert "LoadsNothingForCausalLM.load_weights" in message
+    assert "model.embed_tokens.weight" in message and "(first 10 shown)" in message
+    # The same model with dummy weights loads: there is no checkpoint to compare with.
+    dummy = _config_for(monkeypatch, "LoadsNothingForCausalLM", LoadsNothingForCausalLM, load_format="dummy")
+    get_model(dummy, "cpu")
+
+
+@pytest.mark.parametrize(
+    "skipped",
+    ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"],
+)
+def test_load_weights_that_misses_one_tensor_names_it(monkeypatch, skipped):
+    """One shard of a merged projection (k of qkv_proj, up of gate_up_proj) is one missing
+    checkpoint weight, named by its HF name."""
+    config = _config_for(monkeypatch, "SloppyForCausalLM", _sloppy(skipped))
+    with pytest.raises(ValueError, match=rf"not initialized from checkpoint .*\(1 of \d+\): {skipped}$"):
+        get_model(config, "cpu")
+
+
+def _as_parameter_names(loaded: set[str]) -> set[str]:
+    merged = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+    return {".".join(merged.get(part, part) for part in name.split(".")) for name in loaded}
+
+
+def test_complete_hand_written_loader_passes_whichever_names_it_returns(monkeypatch):
+    """Names may be HF names (the contract) or the model's own parameter names; a tied
+    LM head counts as loaded with the embedding."""
+    get_model(_config_for(monkeypatch, "CompleteForCausalLM", _sloppy("")), "cpu")
+    get_model(_config_for(monkeypatch, "ParamNamesForCausalLM", _sloppy("", returns=_as_parameter_names)), "cpu")
+    tied = _config_for(monkeypatch, "TiedForCausalLM", _sloppy("", base=Qwen2ForCausalLM), tiny_model_dir("qwen2"))
+    model = get_model(tied, "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_load_weights_must_return_the_names(monkeypatch):
+    config = _config_for(monkeypatch, "NoneForCausalLM", _sloppy("", returns=lambda loaded: None))
+    with pytest.raises(TypeError, match=r"SloppyModel\.load_weights returned None; it must return"):
+        get_model(config, "cpu")

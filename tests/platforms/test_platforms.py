@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from kvloom.config import CompilationConfig, CUDAGraphMode
+from kvloom.config import CUDAGraphMode
 from kvloom.interfaces import BackendCandidate, Platform
+from kvloom.platforms.resolution import PlatformResolutionError, resolve_platform
 from kvloom.plugins import PLATFORM_PLUGINS
-from kvloom.platforms.resolution import PlatformResolutionError
 from kvloom_registry import PluginEntry, PluginLoadError
-from kvloom.platforms.resolution import resolve_platform
 
 CpuPlatform = pytest.importorskip("kvloom_platform_cpu.platform").CpuPlatform
 CudaPlatform = pytest.importorskip("kvloom_platform_cuda.platform").CudaPlatform
@@ -85,7 +83,7 @@ def test_kvloom_platform_forces_one() -> None:
 def test_forced_platform_must_be_installed_and_available() -> None:
     with pytest.raises(PlatformResolutionError, match="KVLOOM_PLATFORM=tpu: no installed plugin provides it. Loaded platforms: cpu, oot."):
         resolve_platform(entries(CPU, OOT), forced="tpu")
-    with pytest.raises(PlatformResolutionError, match="KVLOOM_PLATFORM=gpu: platform gpu .* not available"):
+    with pytest.raises(PlatformResolutionError, match=r"KVLOOM_PLATFORM=gpu: platform gpu .* is_available\(\) returned False"):
         resolve_platform(entries(CPU, GPU_ABSENT), forced="gpu")
     excluded = list(entries(OOT).values())
     with pytest.raises(PlatformResolutionError, match="installed but KVLOOM_PLUGINS does not list it"):
@@ -111,6 +109,54 @@ def test_crashing_is_available_is_a_plugin_error() -> None:
         resolve_platform(entries(CPU, Crashing))
 
 
+class SleepyCpu(fake_platform("sleepy_cpu", builtin=False, available=False)):  # type: ignore[misc]
+    """A CPU-based out-of-tree platform that is off until configured, and says so."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return "SLEEPY_CPU_THREADS is not set"
+
+
+def test_unavailable_platform_is_reported_by_its_is_available_and_reason() -> None:
+    """Not "no cpu device" (there is one): the platform's is_available() said no, and why."""
+    with pytest.raises(PlatformResolutionError) as e:
+        resolve_platform(entries(CPU, SleepyCpu), forced="sleepy_cpu")
+    assert str(e.value) == (
+        "KVLOOM_PLATFORM=sleepy_cpu: platform sleepy_cpu (dist-sleepy_cpu 1.0) is installed, but its "
+        "is_available() returned False: SLEEPY_CPU_THREADS is not set."
+    )
+    assert "device" not in str(e.value)
+    # Without a reason (the default unavailable_reason() is None), the message ends there.
+    assert Platform.unavailable_reason() is None
+    with pytest.raises(PlatformResolutionError, match=r"is installed, but its is_available\(\) returned False\.$"):
+        resolve_platform(entries(CPU, OOT_ABSENT), forced="oot_absent")
+    with pytest.raises(PlatformResolutionError) as e:
+        resolve_platform(entries(SleepyCpu, GPU_ABSENT))
+    assert "none available here: sleepy_cpu (dist-sleepy_cpu 1.0: SLEEPY_CPU_THREADS is not set), gpu (dist-gpu 1.0)" in str(e.value)
+
+
+def test_crashing_unavailable_reason_is_a_plugin_error() -> None:
+    class Crashing(SleepyCpu):
+        @classmethod
+        def unavailable_reason(cls) -> str | None:
+            raise OSError("cannot read the device table")
+
+    with pytest.raises(PluginLoadError, match="unavailable_reason.*cannot read the device table"):
+        resolve_platform(entries(CPU, Crashing), forced="sleepy_cpu")
+
+
+def test_engine_startup_line_names_the_device(fresh_plugins: None, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+    from tests.helpers.model_fixtures import tiny_model_dir
+
+    monkeypatch.setenv("KVLOOM_PLATFORM", "cpu")
+    monkeypatch.setattr(CpuPlatform, "get_device_name", classmethod(lambda cls, device_id=0: "Test CPU 9000"))
+    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+        create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32"))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvloom config:")]
+    assert "platform=cpu device=Test CPU 9000 " in line
+
 # ---------------------------------------------------------------------- built-in platforms
 
 
@@ -124,15 +170,41 @@ def test_cpu_platform_declarations() -> None:
     assert CpuPlatform.device() == torch.device("cpu")
 
 
-def test_cpu_platform_config_defaults() -> None:
-    config = SimpleNamespace(
-        compilation=CompilationConfig(
-            optimization_level=2, enforce_eager=False, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-            cudagraph_capture_sizes=[1, 2],
-        ),
-    )
-    CpuPlatform.check_and_update_config(config)  # type: ignore[arg-type]
+def _engine_config_on(platform: type[Platform], monkeypatch: pytest.MonkeyPatch, **args: Any) -> Any:
+    from kvloom import plugins
+    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+    from tests.helpers.model_fixtures import tiny_model_dir
+
+    monkeypatch.setattr(plugins, "current_platform", lambda: platform)
+    return create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", **args))
+
+
+def test_supports_cuda_graphs_decides_whether_graphs_run(fresh_plugins: None, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A platform that does not declare ``supports_cuda_graphs`` (the default, False) runs
+    eagerly whatever the mode, without a check_and_update_config of its own."""
+
+    class NoGraphs(CpuPlatform):  # type: ignore[misc, valid-type]
+        name = "no_graphs"
+        builtin = False
+
+        @classmethod
+        def check_and_update_config(cls, config: Any) -> None:
+            pass
+
+    class WithGraphs(NoGraphs):
+        name = "with_graphs"
+        supports_cuda_graphs = True
+
+    assert Platform.supports_cuda_graphs is False and NoGraphs.supports_cuda_graphs is False
+    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+        config = _engine_config_on(NoGraphs, monkeypatch, cudagraph_mode="FULL")
     assert config.compilation.cudagraph_mode == CUDAGraphMode.NONE
+    assert "cudagraph_mode FULL: platform no_graphs does not support CUDA graphs; running eagerly (NONE)" in caplog.text
+    assert _engine_config_on(WithGraphs, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "FULL"
+    assert _engine_config_on(WithGraphs, monkeypatch).compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    # The built-in CPU platform gets its eager mode from its declaration too.
+    assert _engine_config_on(CpuPlatform, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "NONE"
 
 
 def test_cuda_platform_declarations() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.model_fixtures import make_hf_config, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
 from kvloom.sampling_params import PoolingParams
+from tests.helpers.model_fixtures import make_hf_config, tiny_model_dir
 
 PROMPTS = [[5, 17, 33, 48, 90, 11, 3, 8, 200, 201, 202, 17, 18, 19, 20, 21, 22, 23, 24, 25], [7, 8, 9], [300]]
 TOL = 1e-4
@@ -115,3 +115,14 @@ def test_headless_qwen2_architecture_is_registered(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, pooling_type="LAST", dtype="float32")
     outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     assert_close([o.outputs.embedding for o in outs], reference(tmp_path, "LAST"))
+
+
+def test_io_processor_contract_is_what_kvloom_calls() -> None:
+    """Every method an IO processor plugin may implement is one kvloom calls (LLM.encode:
+    parse_data, pre_process, merge_pooling_params, post_process; POST /pooling: the async
+    variants). merge_sampling_params was never called (IO processors wrap pooling only)."""
+    from kvloom.interfaces import IOProcessor
+
+    public = {name for name in dir(IOProcessor) if not name.startswith("_")}
+    assert public == {"parse_data", "merge_pooling_params", "pre_process", "pre_process_async",
+                      "post_process", "post_process_async"}  # fmt: skip

@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.model_fixtures import tiny_model_dir
+from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
+
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
 
@@ -120,10 +123,10 @@ def test_oot_backend_selected_by_name_and_never_falls_back(install: Install) -> 
 def test_oot_platform_wins_and_its_priority_picks_the_oot_backend(install: Install) -> None:
     done = run(install, [*CLI, "backends"], ["oot_backend", "oot_platform"])
     assert done.returncode == 0, done.stderr
-    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu" in done.stdout
+    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu (OOT test device)" in done.stdout
     assert "Selected: OOT_TEST_ATTN (block size 16)" in done.stdout
     report = backends_json(install, plugins=["oot_backend", "oot_platform"])
-    assert report["platform"] == "oot_test"
+    assert (report["platform"], report["device_name"]) == ("oot_test", "OOT test device")
     assert report["candidates"][0] == {"name": "OOT_TEST_ATTN", "priority": 1, "valid": True, "reasons": [],
                                        "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
     assert report["selected"] == "OOT_TEST_ATTN"
@@ -140,7 +143,28 @@ def test_unavailable_or_overridden_oot_platform_gives_way_to_cpu(install: Instal
     assert backends_json(install, plugins=plugins, KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")["platform"] == "cpu"
     assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu")["platform"] == "cpu"
     forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="oot_test", KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")
-    assert forced.returncode == 1 and "KVLOOM_PLATFORM=oot_test: platform oot_test" in forced.stderr
+    assert forced.returncode == 1
+    assert ("KVLOOM_PLATFORM=oot_test: platform oot_test (kvloom-test-oot-platform 0.1.0) is installed, but its "
+            "is_available() returned False: KVLOOM_TEST_OOT_PLATFORM_AVAILABLE=0.") in forced.stderr
+
+
+def test_unset_cpu_threads_platform_says_why_it_is_unavailable(tmp_path: Path) -> None:
+    """plugins/cpu_threads_platform is a CPU platform: unavailable, it names its variable
+    (there is a CPU device, so "no cpu device" would be wrong)."""
+    site = install_distribution(REPO / "plugins" / "cpu_threads_platform", tmp_path)
+    done = subprocess.run([*CLI, "backends"], env=plugin_env([site], KVLOOM_PLATFORM="cpu_threads"),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 1
+    assert ("platform cpu_threads (kvloom-platform-cpu-threads 0.1.0) is installed, but its is_available() "
+            "returned False: KVLOOM_CPU_THREADS_PLATFORM is not set.") in done.stderr
+
+
+def test_generate_logs_the_platform_device_name(install: Install) -> None:
+    done = run(install, [*CLI, "generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hello", "--raw",
+                         "--max-tokens", "1", "--dtype", "float32", "--kv-cache-memory", "32MiB"],
+               ["oot_backend", "oot_platform"], KVLOOM_LOGGING_LEVEL="INFO")
+    assert done.returncode == 0, done.stderr
+    assert "platform=oot_test device=OOT test device backend=" in done.stderr
 
 
 # ---------------------------------------------------------------------- loading policy
@@ -261,6 +285,74 @@ def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Ins
     assert result["resolvers"] == ["test_dir_resolver"]
     assert result["lora"] == ["my_adapter", str(adapter), "base-model", True]
     assert result["missing"] is None
+
+
+ENGINE_WITH_HOOK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory="32MiB", max_num_seqs=256, cudagraph_mode="FULL")
+    (out,) = llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    core = llm.llm_engine.engine_core.core
+    print(json.dumps({
+        "config": llm.config.scheduler.max_num_seqs,
+        "scheduler": core.scheduler.max_num_seqs,
+        "runner": core.worker.runner.max_num_reqs,
+        "tokens": len(out.outputs[0].token_ids),
+    }))
+    """
+)
+
+
+def _hook_calls(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_update_engine_config_hook_shapes_the_engine_that_starts(install: Install, tmp_path: Path) -> None:
+    """The installed general plugin's kvloom_update_engine_config caps max_num_seqs at 64:
+    the engine that starts schedules with the capped value. The hook runs once per engine
+    config, after the platform's adjustment (the CPU platform turned CUDA graphs off), on
+    the resolved EngineConfig."""
+    model = str(tiny_model_dir("llama"))
+    calls = tmp_path / "engine-hook-calls.jsonl"
+    done = run(install, [sys.executable, "-c", ENGINE_WITH_HOOK_SCRIPT, model], ["general_plugin"],
+               KVLOOM_PLATFORM="cpu", KVLOOM_TEST_GENERAL_PLUGIN_CALLS=str(calls))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"config": 64, "scheduler": 64, "runner": 64, "tokens": 2}
+    (call,) = _hook_calls(calls)
+    assert {k: v for k, v in call.items() if k != "pid"} == {
+        "config_type": "EngineConfig", "platform": "cpu", "backend": call["backend"],
+        "cudagraph_mode": "NONE", "max_num_seqs": 256,
+    }
+
+    # kvloom generate: the same hook, once, in the CLI's engine.
+    cli_calls = tmp_path / "generate-hook-calls.jsonl"
+    generate = run(install, [*CLI, "generate", "--model", model, "--prompt", "hello", "--raw", "--max-tokens", "2",
+                             "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-num-seqs", "128"],
+                   ["general_plugin"], KVLOOM_PLATFORM="cpu", KVLOOM_TEST_GENERAL_PLUGIN_CALLS=str(cli_calls))
+    assert generate.returncode == 0, generate.stderr
+    (cli_call,) = _hook_calls(cli_calls)
+    assert (cli_call["config_type"], cli_call["max_num_seqs"], cli_call["cudagraph_mode"]) == ("EngineConfig", 128, "NONE")
+
+
+def test_stat_logger_plugin_runs_in_kvloom_generate_unless_stats_are_off(install: Install, tmp_path: Path) -> None:
+    generate = [*CLI, "generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hello", "--raw",
+                "--max-tokens", "3", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+    calls = tmp_path / "stats-on.jsonl"
+    done = run(install, generate, ["serve_stat_logger"], KVLOOM_PLATFORM="cpu", KVLOOM_TEST_STAT_LOGGER_OUT=str(calls))
+    assert done.returncode == 0, done.stderr
+    entries = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [e["event"] for e in entries[:2]] == ["init", "engine_initialized"]
+    records = [e for e in entries if e["event"] == "record"]
+    assert len(records) >= 3 and sum(r.get("prompt_tokens", 0) for r in records) > 0
+    assert [reason for r in records for reason in r.get("finished", [])] == ["length"]
+
+    off = tmp_path / "stats-off.jsonl"
+    done = run(install, [*generate, "--disable-log-stats"], ["serve_stat_logger"], KVLOOM_PLATFORM="cpu",
+               KVLOOM_TEST_STAT_LOGGER_OUT=str(off))
+    assert done.returncode == 0, done.stderr
+    assert not off.exists()
 
 
 # ---------------------------------------------------------------------- console script

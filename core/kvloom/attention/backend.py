@@ -420,7 +420,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def support_summary(cls) -> dict[str, Any]:
-        """The declared support as plain data (for ``kvloom backends`` and docs)."""
+        """The declared support as plain data (for tests and documentation tables; the
+        engine and ``kvloom backends`` read the declarations themselves)."""
         return {
             "dtypes": [dtype_name(d) for d in cls.supported_dtypes],
             "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),

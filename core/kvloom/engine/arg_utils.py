@@ -7,8 +7,9 @@ raises a ``ValidationError`` naming the field and the allowed values.
 ``create_engine_config(args)`` makes the ``EngineConfig`` (``kvloom.config``). The order
 matters and is the same in every process: load plugins (so out-of-tree models and
 backends are registered), pick the platform, read the model's config, settle dtype and
-max_model_len, select the attention backend (which may choose the block size), let the
-platform adjust the result, then the general plugins' ``kvloom_update_engine_config`` hook.
+max_model_len, select the attention backend (which may choose the block size), settle the
+CUDA-graph mode (NONE on a platform without ``supports_cuda_graphs``), let the platform
+adjust the result, then the general plugins' ``kvloom_update_engine_config`` hook.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ class EngineArgs(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept loaded (default max_loras).")
     lora_modules: dict[str, str] | None = Field(None, description="name=path adapters to preload.")
     # ---- observability
-    disable_log_stats: bool = Field(False, description="Do not log stats periodically.")
+    # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
+    disable_log_stats: bool = Field(
+        False, description="Turn engine stats off: no periodic stats line, no stat logger plugins, no engine metrics."
+    )
     log_stats_interval: float = Field(5.0, gt=0.0, description="Seconds between stat log lines.")
 
     @field_validator("kv_cache_memory")
@@ -305,6 +309,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         mode = CUDAGraphMode.FULL_AND_PIECEWISE
     if args.enforce_eager:
         mode = CUDAGraphMode.NONE
+    if mode != CUDAGraphMode.NONE and not platform.supports_cuda_graphs:
+        logger.info(
+            "cudagraph_mode %s: platform %s does not support CUDA graphs; running eagerly (NONE).",
+            mode.value,
+            platform.name,
+        )
+        mode = CUDAGraphMode.NONE
     capture_sizes = args.cudagraph_capture_sizes or _default_capture_sizes(
         args.max_num_seqs, args.max_cudagraph_capture_size
     )
@@ -339,12 +350,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     platform.check_and_update_config(config)
     plugins.call_update_engine_config(config)
     logger.info(
-        "kvloom config: model=%s arch=%s dtype=%s max_model_len=%d platform=%s backend=%s block_size=%d",
+        "kvloom config: model=%s arch=%s dtype=%s max_model_len=%d platform=%s device=%s backend=%s block_size=%d",
         Path(model.model).name,
         architecture,
         str(dtype).removeprefix("torch."),
         max_model_len,
         platform.name,
+        platform.get_device_name(),
         backend.NAME,
         block_size,
     )

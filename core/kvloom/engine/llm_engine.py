@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.config import EngineConfig
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.core_client import InprocClient
 from kvloom.engine.frontend import Frontend
 from kvloom.inputs import PromptType
@@ -22,17 +22,20 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+    """Stats (the logging stat logger and the stat logger plugins) are on unless
+    ``config.observability.disable_log_stats``."""
+
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.log_stats = log_stats
+        self.log_stats = log_stats = not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=log_stats)
         self.tokenizer = self.frontend.tokenizer
         self.engine_core = InprocClient(config, log_stats=log_stats)
         self.frontend.start_stat_loggers(stat_loggers=None)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
-        return cls(create_engine_config(args), log_stats=log_stats)
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(create_engine_config(args))
 
     def add_request(
         self,

@@ -34,11 +34,14 @@ ChatMessages = list[dict[str, Any]]
 
 class LLM:
     """Offline inference over a batch of prompts. Keyword arguments are ``EngineArgs``
-    fields (``dtype``, ``max_model_len``, ``block_size``, ``attention_backend``, ...)."""
+    fields (``dtype``, ``max_model_len``, ``block_size``, ``attention_backend``, ...), with
+    ``EngineArgs``' defaults: like ``kvloom generate``, ``LLM`` keeps engine stats and runs
+    the stat logger plugins unless ``disable_log_stats=True`` (vLLM's ``LLM`` turns stats
+    off by default; kvloom has one default, ``EngineArgs.disable_log_stats``)."""
 
-    def __init__(self, model: str | None = None, *, disable_log_stats: bool = True, **kwargs: Any) -> None:
-        args = EngineArgs(model=model, disable_log_stats=disable_log_stats, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(args, log_stats=not disable_log_stats)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
         #: The IO processor plugin (``io_processor_plugin``); ``encode`` runs it when set.

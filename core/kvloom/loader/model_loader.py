@@ -8,6 +8,10 @@ are ``torch.empty``), then filled from the model source:
   (``load_format`` "auto", "safetensors" or "pt");
 * ``"gguf"``: the GGUF file, dequantized (``kvloom.loader.gguf_loader``);
 * ``load_format == "dummy"``: random weights made on the device from ``model.seed``.
+
+``load_weights`` returns the names it loaded; every parameter must be among them (a
+model that loads too little is an error naming the weights, as in vLLM), except with
+dummy weights.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import checkpoint_names
+from kvloom.models.utils import checkpoint_names, weights_not_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,29 @@ def model_weights(config: EngineConfig, model: nn.Module) -> Iterable[tuple[str,
     raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
 
 
+#: How many missing weight names an error message lists.
+MISSING_WEIGHTS_SHOWN = 10
+
+
+def check_all_weights_loaded(model: nn.Module, loaded: Iterable[str] | None, source: str) -> None:
+    """Raise unless ``loaded`` (what ``model.load_weights`` returned) covers every
+    parameter of ``model`` (``kvloom.models.utils.weights_not_loaded``)."""
+    name = type(model).__name__
+    if loaded is None:
+        raise TypeError(
+            f"{name}.load_weights returned None; it must return the set of checkpoint weight names it "
+            "loaded (kvloom's model contract), so that kvloom can check that every weight was loaded"
+        )
+    missing, total = weights_not_loaded(model, loaded, getattr(model, "stacked_params", ()))
+    if missing:
+        shown = ", ".join(missing[:MISSING_WEIGHTS_SHOWN])
+        more = f" ... (first {MISSING_WEIGHTS_SHOWN} shown)" if len(missing) > MISSING_WEIGHTS_SHOWN else ""
+        raise ValueError(
+            f"Following weights were not initialized from checkpoint {source} by {name}.load_weights "
+            f"({len(missing)} of {total}): {shown}{more}"
+        )
+
+
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     """The model of ``config`` on ``device`` in ``config.model.dtype``, weights loaded, in eval mode."""
     device = torch.device(device)
@@ -74,8 +101,9 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
         initialize_dummy_weights(model, seed=config.model.seed)
         source = "dummy weights"
     else:
-        model.load_weights(model_weights(config, model))
         source = config.model.model
+        loaded = model.load_weights(model_weights(config, model))
+        check_all_weights_loaded(model, loaded, source)
     model.eval()
     model.requires_grad_(False)
     logger.info(

@@ -71,6 +71,45 @@ def checkpoint_names(model: nn.Module, stacked: Sequence[tuple[str, str, str]]) 
     return names
 
 
+
+def weights_not_loaded(
+    model: nn.Module, loaded: Iterable[str], stacked: Sequence[tuple[str, str, str]] = ()
+) -> tuple[list[str], int]:
+    """The checkpoint names of ``model``'s parameters that ``loaded`` (what
+    ``load_weights`` returned) leaves out, and how many checkpoint weights the model has.
+
+    A parameter counts as loaded when ``loaded`` holds its own name or, for a merged
+    projection (``qkv_proj``, ``gate_up_proj``, mapped by ``stacked``), every checkpoint
+    name of its shards; a shared (tied) parameter counts under any of its names. Missing
+    weights are named as in the checkpoint (only the missing shards of a merged one).
+    """
+    loaded = set(loaded)
+    modules = dict(model.named_modules())
+    shard_to_original = {(merged, shard): original for merged, original, shard in stacked}
+
+    def hf_names(param_name: str) -> list[str]:
+        module_name, _, leaf = param_name.rpartition(".")
+        module = modules.get(module_name)
+        if isinstance(module, LinearBase) and len(module.shard_names) > 1:
+            parent, _, merged = module_name.rpartition(".")
+            originals = [shard_to_original.get((merged, shard)) for shard in module.shard_names]
+            if all(originals):
+                return [f"{parent}.{o}.{leaf}" if parent else f"{o}.{leaf}" for o in originals]
+        return [param_name]
+
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    missing: list[str] = []
+    total = 0
+    for names in aliases.values():
+        expected = hf_names(names[0])
+        total += len(expected)
+        if any(name in loaded or set(hf_names(name)) <= loaded for name in names):
+            continue
+        missing.extend(n for n in expected if n not in loaded)
+    return missing, total
+
 def load_checkpoint_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

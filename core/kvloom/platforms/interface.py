@@ -64,7 +64,8 @@ class Platform(ABC):
     builtin: ClassVar[bool] = False
     #: Model dtypes the platform can run, preferred first (used for dtype="auto").
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
-    #: Whether the worker can capture and replay CUDA graphs.
+    #: Whether the worker can capture and replay CUDA graphs. False: the engine runs
+    #: eagerly (cudagraph_mode NONE) whatever the user asked for.
     supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
@@ -73,12 +74,22 @@ class Platform(ABC):
         """Whether this platform's device is usable in the current process."""
 
     @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why ``is_available()`` returns False, in words for the user (e.g. "no NPU driver
+        found", "KVLOOM_MY_PLATFORM is not set"); kvloom appends it to the error it shows
+        when the platform is forced or none is available. Default: None (no reason given)."""
+        return None
+
+    @classmethod
     def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
         """Compute capability (CUDA-like devices); ``None`` when the notion does not apply."""
         return None
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
+        """The device's name for people (e.g. "NVIDIA H100 80GB HBM3"), shown in the
+        engine's startup line and by ``kvloom backends``; only called when the platform is
+        available. Default: the device type."""
         return cls.device_type
 
     @classmethod

@@ -4,7 +4,8 @@ active in this process.
 Rules, in order:
 
 1. ``KVLOOM_PLATFORM=name`` forces that platform; it must be installed, loaded (not
-   excluded by ``KVLOOM_PLUGINS``) and available.
+   excluded by ``KVLOOM_PLUGINS``) and available (an unavailable one is reported with
+   its ``unavailable_reason()``).
 2. Otherwise an available out-of-tree platform (``Platform.builtin`` False) wins over
    the built-in ones; two available out-of-tree platforms are an error naming both.
 3. Otherwise an available built-in platform for an accelerator wins over the host CPU
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvloom_registry import PLUGINS_ENV, PluginEntry, PluginError, PluginLoadError
-
 from kvloom.platforms.interface import Platform
+from kvloom_registry import PLUGINS_ENV, PluginEntry, PluginError, PluginLoadError
 
 PLATFORM_ENV = "KVLOOM_PLATFORM"
 
@@ -37,8 +37,22 @@ def is_platform_available(entry: PluginEntry) -> bool:
         raise PluginLoadError.raised(entry, f"failed: {entry.value}.is_available() raised", exc) from exc
 
 
-def _names(entries: Sequence[PluginEntry]) -> str:
-    return ", ".join(f"{e.name} ({e.distribution} {e.version})" for e in entries)
+def unavailable_reason(entry: PluginEntry) -> str | None:
+    """``Platform.unavailable_reason()``, with a crash reported as the plugin's error."""
+    platform: type[Platform] = entry.target
+    try:
+        reason = platform.unavailable_reason()
+    except Exception as exc:
+        raise PluginLoadError.raised(entry, f"failed: {entry.value}.unavailable_reason() raised", exc) from exc
+    return str(reason) if reason else None
+
+
+def _names(entries: Sequence[PluginEntry], with_reasons: bool = False) -> str:
+    def describe(e: PluginEntry) -> str:
+        reason = unavailable_reason(e) if with_reasons else None
+        return f"{e.name} ({e.distribution} {e.version}{': ' + reason if reason else ''})"
+
+    return ", ".join(describe(e) for e in entries)
 
 
 def _excluded_note(excluded: Sequence[PluginEntry]) -> str:
@@ -74,9 +88,10 @@ def resolve_platform(
                 f"{', '.join(sorted(platforms)) or 'none'}."
             )
         if not is_platform_available(entry):
+            reason = unavailable_reason(entry)
             raise PlatformResolutionError(
                 f"{PLATFORM_ENV}={forced}: platform {forced} ({entry.distribution} {entry.version}) "
-                f"is installed but not available in this process (no {entry.target.device_type} device)."
+                f"is installed, but its is_available() returned False{': ' + reason if reason else ''}."
             )
         return entry
 
@@ -106,7 +121,7 @@ def resolve_platform(
     if available:
         return available[0]
     installed = (
-        f"Installed platforms, none available here: {_names(list(platforms.values()))}."
+        f"Installed platforms, none available here: {_names(list(platforms.values()), with_reasons=True)}."
         if platforms
         else "No platform plugin is loaded (install one, e.g. pip install kvloom-platform-cpu)."
     )

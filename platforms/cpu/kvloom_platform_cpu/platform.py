@@ -1,23 +1,17 @@
 """The CPU platform: torch on the host CPU, attention by the CPU_ATTN backend, models
 run by ``CpuWorker`` (the generic worker; ``KVLOOM_CPU_THREADS`` sets torch's threads).
 
-Config adjustments (``check_and_update_config``):
-
-- CUDA graphs do not exist on the CPU, so ``cudagraph_mode`` becomes NONE (logged when
-  the user had asked for another mode).
+CUDA graphs do not exist on the CPU: ``supports_cuda_graphs = False``, so the engine runs
+eagerly (``cudagraph_mode`` NONE, logged when the user had asked for another mode).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from kvloom.interfaces import BackendCandidate, CUDAGraphMode, DeviceCapability, EngineConfig, Platform, WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
-
-logger = logging.getLogger(__name__)
 
 
 class CpuPlatform(Platform):
@@ -50,12 +44,3 @@ class CpuPlatform(Platform):
         from kvloom_platform_cpu.worker import CpuWorker
 
         return CpuWorker
-
-    @classmethod
-    def check_and_update_config(cls, config: EngineConfig) -> None:
-        if config.compilation.cudagraph_mode != CUDAGraphMode.NONE:
-            logger.info(
-                "cudagraph_mode %s is not available on the CPU platform; running eagerly (NONE).",
-                config.compilation.cudagraph_mode.value,
-            )
-            config.compilation.cudagraph_mode = CUDAGraphMode.NONE

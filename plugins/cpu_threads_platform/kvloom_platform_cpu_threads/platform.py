@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, CUDAGraphMode, DeviceCapability, EngineConfig, Platform, WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -46,6 +46,10 @@ class CpuThreadsPlatform(Platform):
         return configured_threads() is not None
 
     @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return f"{THREADS_ENV} is not set"
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return f"cpu ({configured_threads()} threads)"
 
@@ -64,7 +68,3 @@ class CpuThreadsPlatform(Platform):
         from kvloom_platform_cpu_threads.worker import CpuThreadsWorker  # lazily: the worker is heavy
 
         return CpuThreadsWorker
-
-    @classmethod
-    def check_and_update_config(cls, config: EngineConfig) -> None:
-        config.compilation.cudagraph_mode = CUDAGraphMode.NONE  # no graphs on the CPU

@@ -56,8 +56,9 @@ def test_cuda_table_with_simulated_capability(capsys: pytest.CaptureFixture[str]
 def test_json_shape_on_the_active_platform(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["backends", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"platform", "selected", "block_size", "candidates"}
+    assert set(report) == {"platform", "device_name", "selected", "block_size", "candidates"}
     assert report["platform"] == plugins.current_platform().name
+    assert report["device_name"] == plugins.current_platform().get_device_name()
     assert code == (0 if report["selected"] else 1)
     if report["selected"] is not None:
         first_valid = next(c["name"] for c in report["candidates"] if c["valid"])
@@ -67,7 +68,9 @@ def test_json_shape_on_the_active_platform(capsys: pytest.CaptureFixture[str]) -
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     main(["backends", "--platform", "cuda", "--device-capability", "8.0", "--dtype", "float16", "--kv-cache-dtype", "fp8"])
     out = capsys.readouterr().out
-    assert "Platform: cuda (kvloom-platform-cuda 0.1.0), device cuda, capability 8.0" in out
+    # The device's name (get_device_name()) follows its type where the platform is available here.
+    device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cuda"
+    assert f"Platform: cuda (kvloom-platform-cuda 0.1.0), device {device}, capability 8.0" in out
     assert "Configuration: head_size=128, dtype=float16, kv_cache_dtype=fp8, block_size=auto, use_mla=False" in out
     for header in ("#", "Backend", "Status", "Distribution", "Version", "Reasons"):
         assert header in out

@@ -6,9 +6,10 @@ the backend that would be selected and the block size it would use (the one give
 ``--block-size``, else the selected backend's choice: e.g. 256 for FLASH_ATTN, whose
 kernels take multiples of 256 only; with ``--block-size 16`` FLASH_ATTN is invalid and
 its reason names the sizes it accepts).
-``--json`` prints ``{"platform", "selected", "block_size", "candidates": [{"name",
-"priority", "valid", "reasons", "distribution", "version"}]}``. Exit status: 0 when a
-backend is selected, 1 otherwise.
+``--json`` prints ``{"platform", "device_name", "selected", "block_size", "candidates":
+[{"name", "priority", "valid", "reasons", "distribution", "version"}]}`` (``device_name``:
+the platform's ``get_device_name()``, null where the platform is not available here).
+Exit status: 0 when a backend is selected, 1 otherwise.
 
 Without ``--model`` the configuration is ``--head-size`` (default 128, the head size of
 most current LLMs) and ``--dtype`` (default: the platform's preferred dtype).
@@ -29,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.platforms.interface import Platform
     from kvloom.attention.selector import SelectionReport
+    from kvloom.platforms.interface import Platform
 
 #: Head size used when neither --model nor --head-size is given (Llama/Qwen/Mistral's).
 DEFAULT_HEAD_SIZE = 128
@@ -136,7 +137,7 @@ def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) 
     )
 
 
-def _print_table(report: "SelectionReport", platform_label: str) -> None:
+def _print_table(report: "SelectionReport", platform_label: str, device_name: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -146,8 +147,11 @@ def _print_table(report: "SelectionReport", platform_label: str) -> None:
     # Piped output gets 120 columns rather than rich's 80, so reasons stay readable.
     console = Console(width=None if sys.stdout.isatty() else 120)
     capability = config.device_capability if config.device_capability is not None else "n/a"
+    device = config.device_type
+    if device_name and device_name != device:
+        device += f" ({device_name})"
     console.print(
-        f"Platform: {platform_label}, device {config.device_type}, capability {capability}",
+        f"Platform: {platform_label}, device {device}, capability {capability}",
         soft_wrap=True,
         highlight=False,
     )
@@ -185,20 +189,23 @@ def _print_table(report: "SelectionReport", platform_label: str) -> None:
 
 
 def run_backends(args: argparse.Namespace) -> int:
-    from kvloom.attention import selector
     from kvloom import plugins
+    from kvloom.attention import selector
 
     if args.platform:
         platform = plugins.get_platform_by_name(args.platform)
     else:
         platform = plugins.current_platform()
     entry = plugins.platforms()[platform.name]
+    # The device's name where it is here (--platform may show an absent one's table).
+    device_name = platform.get_device_name() if platform.is_available() else None
     config = build_selector_config(args, platform)
     report = selector.report_attention_backends(platform, config, requested=args.attention_backend)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        data = report.to_json()
+        print(json.dumps({"platform": data.pop("platform"), "device_name": device_name, **data}, indent=2))
     else:
-        _print_table(report, f"{platform.name} ({entry.distribution} {entry.version})")
+        _print_table(report, f"{platform.name} ({entry.distribution} {entry.version})", device_name)
     if report.error is not None:
         print(f"kvloom: error: {report.error}", file=sys.stderr)
         return 1

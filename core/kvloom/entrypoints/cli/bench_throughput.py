@@ -180,7 +180,7 @@ def run(ns: argparse.Namespace) -> int:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
-    engine_kwargs = engine_args_from_namespace(ns).model_dump(exclude_defaults=True)
+    engine_kwargs = engine_args_from_namespace(ns).model_dump()  # every field, defaults included
     result = run_throughput(engine_kwargs, ns.num_prompts, ns.input_len, ns.output_len, ns.compare_hf,
                             ns.hf_batch_size, ns.bench_seed)
     print(json.dumps(result, indent=2))

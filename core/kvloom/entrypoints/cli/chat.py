@@ -30,7 +30,7 @@ def run(ns: argparse.Namespace) -> int:
     from kvloom.sampling_params import RequestOutputKind
 
     params = sampling_params_from(ns, output_kind=RequestOutputKind.DELTA)
-    llm = LLM(**engine_args_from_namespace(ns).model_dump(exclude_defaults=True))
+    llm = LLM(**engine_args_from_namespace(ns).model_dump())  # every field, defaults included
     engine = llm.llm_engine
     system = [{"role": "system", "content": ns.system}] if ns.system else []
     messages: list[dict[str, str]] = list(system)

@@ -27,6 +27,14 @@ class OotTestPlatform(Platform):
         return os.environ.get("KVLOOM_TEST_OOT_PLATFORM_AVAILABLE", "1") != "0"
 
     @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return "KVLOOM_TEST_OOT_PLATFORM_AVAILABLE=0"
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "OOT test device"
+
+    @classmethod
     def get_attn_backend_priority(
         cls, use_mla: bool, capability: DeviceCapability | None
     ) -> list[BackendCandidate]:
