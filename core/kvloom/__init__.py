@@ -13,7 +13,7 @@ _LAZY = {
     "RequestOutput": "kvloom.outputs",
     "CompletionOutput": "kvloom.outputs",
     "PoolingRequestOutput": "kvloom.outputs",
-    "EngineArgs": "kvloom.config",
+    "EngineArgs": "kvloom.engine.arg_utils",
     "LoRARequest": "kvloom.lora.request",
     "ModelRegistry": "kvloom.models.registry",
     "AsyncLLM": "kvloom.engine.async_llm",

@@ -19,6 +19,15 @@ import logging
 import os
 import threading
 
+from kvloom.attention.backend import AttentionBackend
+from kvloom.config import EngineConfig
+from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
+from kvloom.io_processor import IOProcessor
+from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
+from kvloom.metrics.stat_logger_base import StatLoggerBase
+from kvloom.models.registry import ModelRegistry, _ModelRegistry
+from kvloom.platforms.interface import Platform
+from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
 from kvloom_registry import (
     PLUGINS_ENV,
     DuplicatePluginError,
@@ -31,16 +40,6 @@ from kvloom_registry import (
     load_entry_points,
     parse_allowlist,
 )
-
-from kvloom.attention.backend import AttentionBackend
-from kvloom.config import EngineConfig
-from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
-from kvloom.io_processor import IOProcessor
-from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
-from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.models.registry import ModelRegistry, _ModelRegistry
-from kvloom.platforms.interface import Platform
-from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +135,17 @@ def reset_for_tests() -> None:
     with _lock:
         _loaded = _hooks = _failure = _platform = None
         LoRAResolverRegistry.clear()
+
+
+def set_platform_for_tests(entry: PluginEntry | None) -> PluginEntry | None:
+    """Make ``entry`` the active platform (``None``: resolve it again on next use) and
+    return the one it replaces (``None`` if none was resolved yet). Plugins load first.
+    For ``kvloom.testing.active_platform``."""
+    global _platform
+    load_plugins()
+    with _lock:
+        previous, _platform = _platform, entry
+        return previous
 
 
 def excluded(group: str) -> list[PluginEntry]:

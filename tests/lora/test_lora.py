@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.lora_fixtures import edit_adapter_config, hf_greedy, make_adapter
-from tests.helpers.model_fixtures import tiny_model_dir
-from tests.helpers.fake_model import step
-from tests.helpers.fake_model import make_configs
 
 from kvloom import LLM, SamplingParams
 from kvloom.kv_cache.hashing import get_hash_function, update_block_hashes
 from kvloom.lora.adapter import LoRAAdapterError, load_adapter
-from kvloom.lora.ops import lora_delta_grouped, lora_delta_reference
+from kvloom.lora.ops import lora_delta_grouped
 from kvloom.lora.request import LoRARequest
 from kvloom.request import Request
 from kvloom.scheduler.scheduler import Scheduler
+from kvloom.testing import lora_delta_reference
+from tests.helpers.fake_model import make_configs, step
+from tests.helpers.lora_fixtures import edit_adapter_config, hf_greedy, make_adapter
+from tests.helpers.model_fixtures import tiny_model_dir
 
 MAX_NEW = 8
 # The last prompt spans several KV blocks, so a second run gets prefix-cache hits.

@@ -10,15 +10,14 @@ from kvloom_backend_cpu import CPUAttentionBackend
 from kvloom_backend_cpu.impl import CPUAttentionImpl
 from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
 
-from kvloom.attention.backend import (
+from kvloom.interfaces import (
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
     CommonAttentionMetadata,
 )
-from kvloom.attention.layer import Attention
-from kvloom.forward_context import set_forward_context
-from kvloom.testing import ConformanceCase, check_case, conformance_cases, run_case
+from kvloom.interfaces.models import Attention
+from kvloom.testing import ConformanceCase, check_case, conformance_cases, forward_context, run_case
 from kvloom.testing.reference import PagedCache, PagedRequest, PagedRun, check_paged_case, place_requests
 
 
@@ -171,7 +170,7 @@ def test_through_the_attention_layer() -> None:
     (sequence,) = place_requests([11], [11], block_size=bs, num_blocks=8, generator=gen)
     for request in (PagedRequest(0, 10, sequence.blocks), PagedRequest(10, 1, sequence.blocks)):
         step = cache.step([request], prewrite_context=False)  # the prompt's K/V: written by the layer
-        with set_forward_context(builder.build(step.common)):
+        with forward_context(builder.build(step.common)):
             out = layer(step.query.flatten(1), step.key.flatten(1), step.value.flatten(1))
         check = check_paged_case(step, PagedRun(out.view(step.query.shape), None, None))
         assert not check.problems, check.problems

@@ -33,16 +33,16 @@ from kvloom_backend_flash_attn.metadata import (  # noqa: E402
     FlashAttentionMetadataBuilder,
 )
 
-from kvloom.attention.backend import (  # noqa: E402
+from kvloom.interfaces import (  # noqa: E402
     AttentionCGSupport,
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
     CommonAttentionMetadata,
+    DeviceCapability,
     MultipleOf,
 )
-from kvloom.attention.kv_write import write_kv_default_layout as write_kv_cache  # noqa: E402
-from kvloom.platforms.interface import DeviceCapability  # noqa: E402
+from kvloom.interfaces import write_kv_default_layout as write_kv_cache  # noqa: E402
 from kvloom.testing import run_conformance  # noqa: E402
 from kvloom.testing.reference import (  # noqa: E402
     PagedCache,
@@ -397,13 +397,9 @@ import runpy, sys
 sys.path[:0] = [{str(here)!r}]
 import flash_attn_standin as standin
 standin.ensure_backend_importable()
-from kvloom import plugins
-from kvloom.plugins import ATTENTION_BACKENDS
-from kvloom_registry import PluginEntry
+from kvloom.testing import installed_backend
 from kvloom_backend_flash_attn import FlashAttentionBackend
-with standin.installed():
-    plugins.loaded_plugins().entries[ATTENTION_BACKENDS].append(PluginEntry(
-        "FLASH_ATTN", ATTENTION_BACKENDS, "kvloom-backend-flash-attn", "0.1.0", "-", FlashAttentionBackend))
+with standin.installed(), installed_backend(FlashAttentionBackend):
     sys.argv = ["bench", "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
                 "--head-size", "32", "--decode-batch", "2", "--decode-context", "300", "--prefill-batch", "1",
                 "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64", "--backends", "FLASH_ATTN",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,8 @@ pytest.importorskip(
     "flash_attn", reason="needs flash-attn: bash tests/gpu/run.sh fa-start fa-wait (or fa-install a carried wheel)"
 )
 
-from kvloom import plugins  # noqa: E402
-from kvloom.attention.backend import AttentionLayerSpec  # noqa: E402
+from kvloom.interfaces import AttentionLayerSpec  # noqa: E402
+from kvloom.testing import fresh_plugins, resolve_engine_config, run_cli, run_conformance  # noqa: E402
 from kvloom.testing.reference import (  # noqa: E402
     PagedCache,
     PagedRun,
@@ -56,17 +57,16 @@ SCALE = 1 / math.sqrt(DIM)
 def fresh_registry(monkeypatch: pytest.MonkeyPatch):
     for var in ("KVLOOM_PLUGINS", "KVLOOM_PLATFORM"):
         monkeypatch.delenv(var, raising=False)
-    plugins.reset_for_tests()
-    yield
-    plugins.reset_for_tests()
+    with fresh_plugins():
+        yield
 
 
 def _backend():
-    backends = plugins.attention_backends()
+    backends = {ep.name: ep for ep in entry_points(group="kvloom.attention_backends")}
     assert "FLASH_ATTN" in backends, (
         "kvloom-backend-flash-attn is not installed: pip install --no-deps -e backends/flash_attn"
     )
-    return backends["FLASH_ATTN"].target
+    return backends["FLASH_ATTN"].load()
 
 
 def _hopper_or_ampere() -> bool:
@@ -77,8 +77,6 @@ def _hopper_or_ampere() -> bool:
 @pytest.mark.parametrize("decode_kernel", ["kvcache", "varlen"])
 def test_conformance_suite(decode_kernel, monkeypatch):
     from kvloom_backend_flash_attn.metadata import DECODE_KERNEL_ENV
-
-    from kvloom.testing import run_conformance
 
     _backend()
     monkeypatch.setenv(DECODE_KERNEL_ENV, decode_kernel)
@@ -143,23 +141,21 @@ def test_cudagraph_capture_and_replay_of_a_padded_decode_step(decode_kernel):
 
 # ---------------------------------------------------------------------------- selection
 def test_kvloom_backends_selects_flash_attn_with_block_size_256(capsys):
-    from kvloom.entrypoints.cli.main import main
-
     _backend()
     if not _hopper_or_ampere():
         pytest.skip("FLASH_ATTN is first in priority on SM 8.x/9.x only")
-    assert main(["backends", "--json"]) == 0
+    assert run_cli(["backends", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["platform"] == "cuda"
     assert (report["selected"], report["block_size"]) == ("FLASH_ATTN", 256), report
 
-    assert main(["backends", "--json", "--block-size", "16"]) == 0
+    assert run_cli(["backends", "--json", "--block-size", "16"]) == 0
     forced = json.loads(capsys.readouterr().out)
     flash = next(c for c in forced["candidates"] if c["name"] == "FLASH_ATTN")
     assert flash["reasons"] == [BLOCK_16_REASON] and not flash["valid"]
     assert forced["selected"] not in (None, "FLASH_ATTN") and forced["block_size"] == 16
 
-    main(["backends", "--block-size", "16"])
+    run_cli(["backends", "--block-size", "16"])
     table = capsys.readouterr().out
     assert "block size 16 not supported" in table and "(supports multiples of 256)" in table
 
@@ -168,14 +164,13 @@ def test_engine_config_on_the_device_uses_flash_attn_and_block_size_256(tmp_path
     repo = str(Path(__file__).resolve().parents[3])  # for tests.helpers
     if repo not in sys.path:
         sys.path.insert(0, repo)
-    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
     from tests.helpers.model_fixtures import make_tiny_model
 
     _backend()
     if not _hopper_or_ampere():
         pytest.skip("FLASH_ATTN is first in priority on SM 8.x/9.x only")
     model = make_tiny_model("qwen3", tmp_path / "qwen3", max_position_embeddings=2048)
-    config = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16"))
+    config = resolve_engine_config(model=str(model), dtype="bfloat16")
     assert (config.attention.backend.NAME, config.cache.block_size) == ("FLASH_ATTN", 256)
-    forced = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16", block_size=16))
+    forced = resolve_engine_config(model=str(model), dtype="bfloat16", block_size=16)
     assert forced.attention.backend.NAME != "FLASH_ATTN" and forced.cache.block_size == 16

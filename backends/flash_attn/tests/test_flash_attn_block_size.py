@@ -6,8 +6,8 @@ first valid one in priority order is selected and decides the block size (FLASH_
 256, the smallest multiple of 256 >= 16); with ``--block-size 16`` FLASH_ATTN is invalid
 with the reason naming the sizes it accepts and selection falls to the next valid
 backend; a missing flash-attn is a reason naming the pip package. Checked through
-``select_attention_backend``, through ``create_engine_config`` (what the engine uses,
-including its log line) and through ``kvloom backends``.
+``select_attention_backend``, through ``resolve_engine_config`` (what the engine uses,
+including its log line) and through ``kvloom backends`` (all from ``kvloom.testing``).
 
 flash-attn needs CUDA, so ``flash_attn_standin`` stands in for it where the backend must
 look installed; the CUDA platform's capability is simulated (9.0, as on the H100).
@@ -31,28 +31,22 @@ standin.ensure_backend_importable()
 
 from kvloom_backend_flash_attn import FlashAttentionBackend  # noqa: E402
 
-from kvloom import plugins  # noqa: E402
-from kvloom.attention import selector  # noqa: E402
-from kvloom.attention.backend import AttentionSelectorConfig  # noqa: E402
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config  # noqa: E402
-from kvloom.entrypoints.cli.main import main  # noqa: E402
-from kvloom.platforms.interface import DeviceCapability  # noqa: E402
-from kvloom.plugins import ATTENTION_BACKENDS  # noqa: E402
-from kvloom_registry import PluginEntry  # noqa: E402
+from kvloom.interfaces import AttentionSelectorConfig, DeviceCapability  # noqa: E402
+from kvloom.testing import (  # noqa: E402
+    active_platform,
+    fresh_plugins,
+    installed_backend,
+    report_attention_backends,
+    resolve_engine_config,
+    run_cli,
+    select_attention_backend,
+)
 
 kvloom_platform_cuda = pytest.importorskip("kvloom_platform_cuda.platform")
 kvloom_backend_triton = pytest.importorskip("kvloom_backend_triton")
 
 H100 = DeviceCapability(9, 0)
-FLASH_ATTN_ENTRY = PluginEntry(
-    "FLASH_ATTN", ATTENTION_BACKENDS, "kvloom-backend-flash-attn", "0.1.0",
-    "kvloom_backend_flash_attn:FlashAttentionBackend", FlashAttentionBackend,
-)
-TRITON_ENTRY = PluginEntry(
-    "TRITON_ATTN", ATTENTION_BACKENDS, "kvloom-backend-triton", "0.1.0",
-    "kvloom_backend_triton.backend:TritonAttentionBackend", kvloom_backend_triton.TritonAttentionBackend,
-)
-BACKENDS = {"FLASH_ATTN": FLASH_ATTN_ENTRY, "TRITON_ATTN": TRITON_ENTRY}
+BACKENDS = (FlashAttentionBackend, kvloom_backend_triton.TritonAttentionBackend)
 BLOCK_16_REASON = "block size 16 not supported (supports multiples of 256)"
 MISSING_REASON = "flash_attn is not installed (pip install flash-attn)"
 
@@ -90,11 +84,8 @@ def registry_with_flash_attn(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     kvloom-backend-flash-attn, whose flash-attn dependency needs CUDA)."""
     for var in ("KVLOOM_PLUGINS", "KVLOOM_PLATFORM"):
         monkeypatch.delenv(var, raising=False)
-    plugins.reset_for_tests()
-    loaded = plugins.loaded_plugins()
-    monkeypatch.setitem(loaded.entries, ATTENTION_BACKENDS, [*loaded.group(ATTENTION_BACKENDS), FLASH_ATTN_ENTRY])
-    yield
-    plugins.reset_for_tests()
+    with fresh_plugins(), installed_backend(FlashAttentionBackend, distribution="kvloom-backend-flash-attn"):
+        yield
 
 
 def h100_config(**overrides) -> AttentionSelectorConfig:
@@ -106,14 +97,14 @@ def h100_config(**overrides) -> AttentionSelectorConfig:
 
 # ---------------------------------------------------------------------------- selection
 def test_no_block_size_selects_flash_attn_which_chooses_256(flash_attn_present) -> None:
-    result = selector.select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    result = select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
     assert result.selected is FlashAttentionBackend
     assert result.block_size == 256
     assert result.candidates[0].name == "FLASH_ATTN" and result.candidates[0].valid
 
 
 def test_block_size_16_falls_to_the_next_valid_backend_with_the_reason(flash_attn_present) -> None:
-    result = selector.select_attention_backend(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
+    result = select_attention_backend(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
     reasons = {c.name: c.reasons for c in result.candidates}
     assert reasons["FLASH_ATTN"] == (BLOCK_16_REASON,)
     assert reasons["FLASHINFER"] == ("not installed (pip install kvloom-backend-flashinfer)",)
@@ -121,39 +112,39 @@ def test_block_size_16_falls_to_the_next_valid_backend_with_the_reason(flash_att
 
 
 def test_a_block_size_flash_attn_accepts_keeps_it(flash_attn_present) -> None:
-    result = selector.select_attention_backend(SimulatedH100, h100_config(block_size=512), backends=BACKENDS)
+    result = select_attention_backend(SimulatedH100, h100_config(block_size=512), backends=BACKENDS)
     assert (result.selected.NAME, result.block_size) == ("FLASH_ATTN", 512)
 
 
 def test_missing_flash_attn_is_the_reason_and_selection_moves_on(flash_attn_missing) -> None:
-    result = selector.select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    result = select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
     assert result.candidates[0].reasons == (MISSING_REASON,)
     assert (result.selected.NAME, result.block_size) == ("TRITON_ATTN", 16)
     # Both reasons at once when both apply.
-    both = selector.report_attention_backends(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
+    both = report_attention_backends(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
     assert both.candidates[0].reasons == (BLOCK_16_REASON, MISSING_REASON)
 
 
 def test_requested_flash_attn_with_block_size_16_fails_with_the_reason(flash_attn_present) -> None:
     with pytest.raises(ValueError, match=r"Selected backend FLASH_ATTN is not valid for this configuration\. "
                                          r"Reasons: \['block size 16 not supported \(supports multiples of 256\)'\]"):
-        selector.select_attention_backend(
+        select_attention_backend(
             SimulatedH100, h100_config(block_size=16), requested="FLASH_ATTN", backends=BACKENDS
         )
 
 
 # ---------------------------------------------------------------------------- the engine config
-def _engine_config(monkeypatch: pytest.MonkeyPatch, **args):
-    monkeypatch.setattr(plugins, "current_platform", lambda: SimulatedH100)
+def _engine_config(**args):
     # qwen3's tiny model: head size 24 (a multiple of 8), 4 heads over 2 KV heads.
-    return create_engine_config(EngineArgs(model=str(tiny_model_dir("qwen3")), **args))
+    with active_platform(SimulatedH100):
+        return resolve_engine_config(model=str(tiny_model_dir("qwen3")), **args)
 
 
 def test_engine_config_takes_the_block_size_from_flash_attn(
-    registry_with_flash_attn, flash_attn_present, monkeypatch, caplog
+    registry_with_flash_attn, flash_attn_present, caplog
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kvloom.engine.arg_utils"):
-        config = _engine_config(monkeypatch)
+        config = _engine_config()
     assert config.attention.backend.NAME == "FLASH_ATTN"
     assert (config.cache.block_size, config.cache.user_specified_block_size) == (256, False)
     assert (
@@ -163,26 +154,26 @@ def test_engine_config_takes_the_block_size_from_flash_attn(
 
 
 def test_engine_config_with_block_size_16_uses_the_next_backend(
-    registry_with_flash_attn, flash_attn_present, monkeypatch
+    registry_with_flash_attn, flash_attn_present
 ) -> None:
-    config = _engine_config(monkeypatch, block_size=16)
+    config = _engine_config(block_size=16)
     assert config.attention.backend.NAME != "FLASH_ATTN"
     assert (config.cache.block_size, config.cache.user_specified_block_size) == (16, True)
     with pytest.raises(ValueError, match=BLOCK_16_REASON.replace("(", r"\(").replace(")", r"\)")):
-        _engine_config(monkeypatch, block_size=16, attention_backend="FLASH_ATTN")
+        _engine_config(block_size=16, attention_backend="FLASH_ATTN")
 
 
 def test_engine_config_without_flash_attn_keeps_the_default_block_size(
-    registry_with_flash_attn, flash_attn_missing, monkeypatch
+    registry_with_flash_attn, flash_attn_missing
 ) -> None:
-    config = _engine_config(monkeypatch)
+    config = _engine_config()
     assert config.attention.backend.NAME != "FLASH_ATTN"
     assert config.cache.block_size == 16
 
 
 # ---------------------------------------------------------------------------- kvloom backends
 def _backends_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
-    main(["backends", "--json", "--platform", "cuda", "--device-capability", "9.0", *args])
+    run_cli(["backends", "--json", "--platform", "cuda", "--device-capability", "9.0", *args])
     return json.loads(capsys.readouterr().out)
 
 
@@ -194,11 +185,11 @@ def test_kvloom_backends_shows_the_negotiated_block_size(registry_with_flash_att
     assert flash["reasons"] == [BLOCK_16_REASON] and not flash["valid"]
     assert forced["selected"] not in (None, "FLASH_ATTN") and forced["block_size"] == 16
 
-    main(["backends", "--platform", "cuda", "--device-capability", "9.0"])
+    run_cli(["backends", "--platform", "cuda", "--device-capability", "9.0"])
     table = capsys.readouterr().out
     assert "Selected: FLASH_ATTN (block size 256)" in table
     assert "Block size 256 chosen by FLASH_ATTN; set --block-size to override." in table
-    main(["backends", "--platform", "cuda", "--device-capability", "9.0", "--block-size", "16"])
+    run_cli(["backends", "--platform", "cuda", "--device-capability", "9.0", "--block-size", "16"])
     table = capsys.readouterr().out
     flash_row = table[table.index("FLASH_ATTN"):table.index("FLASHINFER")]  # the reason wraps in the table
     assert "invalid" in flash_row and "block size 16 not supported" in flash_row

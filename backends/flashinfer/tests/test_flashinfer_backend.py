@@ -37,13 +37,13 @@ from kvloom_backend_flashinfer import KVLOOM_PLUGIN_API, FlashInferBackend
 from kvloom_backend_flashinfer.kv_write import copy_rows_skipping_invalid, write_kv_nhd_paired
 from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv
 
-from kvloom.attention.backend import (
+from kvloom.interfaces import (
     AttentionCGSupport,
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
+    DeviceCapability,
 )
-from kvloom.platforms.interface import DeviceCapability
 from kvloom.testing.reference import PagedCase, PagedRun, check_paged_case, make_paged_case, run_paged_case
 
 H100 = DeviceCapability(9, 0)

@@ -18,14 +18,14 @@ from kvloom_backend_flex_attention.impl import cuda_kernel_options
 from kvloom_backend_flex_attention.planning import plan_page_ownership, plan_query_groups
 from torch.nn.attention.flex_attention import flex_attention
 
-from kvloom.attention.backend import (
+from kvloom.interfaces import (
     AttentionCGSupport,
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
+    DeviceCapability,
 )
-from kvloom.attention.kv_write import write_kv_default_layout as write_kv_split
-from kvloom.platforms.interface import DeviceCapability
+from kvloom.interfaces import write_kv_default_layout as write_kv_split
 from kvloom.testing.reference import (
     PagedCache,
     PagedCase,

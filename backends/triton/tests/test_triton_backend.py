@@ -14,14 +14,14 @@ import torch
 from kvloom_backend_triton.backend import TritonAttentionBackend
 from kvloom_backend_triton.config import ENV_VAR, KernelConfig, default_config, parse_overrides, resolve_config
 
-from kvloom.attention.backend import (
+from kvloom.interfaces import (
     AttentionCGSupport,
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
     CommonAttentionMetadata,
+    DeviceCapability,
 )
-from kvloom.platforms.interface import DeviceCapability
 
 H100 = DeviceCapability(9, 0)
 

@@ -1,9 +1,13 @@
 """kvloom's public plugin API: everything a plugin imports from kvloom, in one place.
 
 Plugins import from here (and model authors also from ``kvloom.interfaces.models``);
-every other kvloom module is private and may change without notice. A test keeps the
-first-party plugins to this rule. What each name is for, by plugin kind
-(``docs/plugins.md`` has the whole contracts, with example packages):
+every other kvloom module is private and may change without notice. A plugin's tests
+also use ``kvloom`` itself (the user API: ``LLM``, ``SamplingParams``, ``EngineArgs``,
+...) and ``kvloom.testing`` (the conformance suite, the float64 references, helpers to
+resolve an engine config, make a backend class look installed, run the CLI in-process).
+``tests/test_plugin_face.py`` keeps the first-party plugins and their tests to this rule.
+What each name is for, by plugin kind (``docs/plugins.md`` has the whole contracts, with
+example packages):
 
 - attention backends: ``AttentionBackend`` (declarations and selection),
   ``AttentionImpl`` (one layer's forward), ``AttentionMetadataBuilder`` (per-step
@@ -14,7 +18,9 @@ first-party plugins to this rule. What each name is for, by plugin kind
   ``copy_rows_skipping_invalid``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; workers:
   ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
-  subclass); ``EngineConfig`` (what ``check_and_update_config`` adjusts),
+  subclass), which drives a ``ModelRunner`` (``self.runner``: a platform's worker calls
+  its ``profile_peak_memory`` to size the KV cache and ``capture_cudagraphs``);
+  ``EngineConfig`` (what ``check_and_update_config`` adjusts),
   ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
   replace: ``CUSTOM_OP_SIGNATURES``, and ``LoRAMapping`` for the ``lora_delta`` op;
 - general plugins: ``hookimpl`` and the registries the hooks receive
@@ -27,7 +33,8 @@ first-party plugins to this rule. What each name is for, by plugin kind
   ``validate_adapter_config``, ``ADAPTER_CONFIG_FILE``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
-import it: it declares the version it was written for, as a literal of its own::
+import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
+declares the version it was written for, as a literal of its own::
 
     KVLOOM_PLUGIN_API = "1.0"
 
@@ -65,6 +72,7 @@ from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platf
 from kvloom.plugins import PLUGIN_API_VERSION
 from kvloom.sampling_params import PoolingParams, SamplingParams
 from kvloom.worker.cudagraph import effective_decode_graphs
+from kvloom.worker.model_runner import ModelRunner
 from kvloom.worker.worker import Worker
 from kvloom.worker.worker_base import WorkerBase
 
@@ -92,6 +100,7 @@ __all__ = [
     "LoRAResolver",
     "LoRAResolverRegistry",
     "ModelRegistry",
+    "ModelRunner",
     "MultipleOf",
     "PLUGIN_API_VERSION",
     "Platform",

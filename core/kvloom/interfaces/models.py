@@ -10,6 +10,13 @@ It implements ``forward(input_ids [N], positions [N]) -> hidden [N, hidden_size]
 loaded); ``docs/plugins.md`` says what each layer expects. Its attention layers are
 ``Attention`` modules built with ``config.attention.backend``, the backend the engine
 selected; the model runner finds them and binds their KV caches.
+
+``LlamaForCausalLM`` is kvloom's Llama, whole: register it under another architecture
+name for checkpoints of Llama's structure, or subclass it for a Llama variant; its
+``attention_kwargs(hf_config)`` classmethod returns the attention block's flags
+(``qkv_bias``, ``o_bias``, ``qk_norm``), which is all kvloom's Qwen2 and Qwen3 change.
+``kvloom.testing.load_model`` and ``kvloom.testing.forward_context`` run a model class in
+a test, outside the engine.
 """
 
 from kvloom.attention.layer import Attention
@@ -19,7 +26,7 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
-from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 __all__ = [
@@ -30,6 +37,7 @@ __all__ = [
     "Linear",
     "LlamaAttention",
     "LlamaDecoderLayer",
+    "LlamaForCausalLM",
     "LlamaMLP",
     "MergedLinear",
     "QKVLinear",

@@ -10,7 +10,8 @@ their slices into ``R``). The torch code groups the tokens by adapter and runs t
 per group (``lora_delta_grouped``). A platform may replace it with the ``lora_delta``
 custom op (``kvloom.layers.custom_ops``): the CUDA platform's Triton kernel gathers per
 token (``kvloom_platform_cuda.lora_ops``), reading the slots from a device tensor so it
-can run inside a CUDA graph.
+can run inside a CUDA graph. The float64 definition both are tested against is
+``kvloom.testing.lora_delta_reference``.
 """
 
 from __future__ import annotations
@@ -48,16 +49,6 @@ def lora_delta_grouped(
         xs = x.index_select(0, index)
         out.index_add_(0, index, (xs @ lora_a[slot].T) @ lora_b[slot].T)
     return out
-
-
-def lora_delta_reference(
-    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
-) -> torch.Tensor:
-    """The per-token definition, in float64 (for tests)."""
-    a = lora_a.double()[token_slots.long()]  # [N, R, in]
-    b = lora_b.double()[token_slots.long()]  # [N, out, R]
-    shrunk = torch.bmm(a, x.double().unsqueeze(-1))  # [N, R, 1]
-    return y.double() + torch.bmm(b, shrunk).squeeze(-1)
 
 
 def apply_lora(

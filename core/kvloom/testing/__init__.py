@@ -1,10 +1,27 @@
-"""Testing tools shipped with kvloom.
+"""Testing tools shipped with kvloom, for kvloom's tests and for plugin authors' alike.
 
-- ``kvloom.testing.conformance``: the attention backend conformance suite (cases and usage
-  patterns: CLI, Python, pytest); its public names are re-exported here.
-- ``kvloom.testing.reference``: the float64 reference attention over the paged layout and
-  the random paged batches that tests and benchmarks check backends with.
-- ``kvloom.testing.host_sync``: detect host synchronisations in code meant for CUDA graphs.
+A plugin's tests import kvloom's user API (``from kvloom import LLM, SamplingParams,
+EngineArgs``), ``kvloom.interfaces`` and ``kvloom.testing``; the names here are:
+
+- the attention backend conformance suite (``kvloom.testing.conformance``: cases and
+  usage patterns, CLI, Python, pytest): ``conformance_cases``, ``check_case``,
+  ``run_case``, ``run_conformance``, ``ConformanceCase``, ``CaseResult``,
+  ``ConformanceReport``, ``DEFAULT_TOLERANCES``;
+- plugins in a test (``kvloom.testing.plugins``): ``fresh_plugins`` (load them afresh
+  under the test's environment), ``installed_backend`` / ``active_platform`` (a class
+  looks installed, or is the active platform), ``select_attention_backend`` /
+  ``report_attention_backends`` (what selection does, among given backend classes);
+- the engine (``kvloom.testing.engine``): ``resolve_engine_config`` (the config the
+  engine would run with), ``run_cli`` (the ``kvloom`` command in-process);
+- models (``kvloom.testing.models``): ``load_model`` (a model class built and loaded as
+  the engine does) and ``forward_context`` (run a model or ``Attention`` layer outside
+  the engine);
+- ``lora_delta_reference``: the float64 definition of the ``lora_delta`` custom op.
+
+Modules with more: ``kvloom.testing.reference`` (the float64 reference attention over the
+paged layout and the random paged batches that tests and benchmarks check backends with)
+and ``kvloom.testing.host_sync`` (detect host synchronisations in code meant for CUDA
+graphs).
 """
 
 from kvloom.testing.conformance import (
@@ -17,14 +34,34 @@ from kvloom.testing.conformance import (
     run_case,
     run_conformance,
 )
+from kvloom.testing.engine import resolve_engine_config, run_cli
+from kvloom.testing.models import forward_context, load_model
+from kvloom.testing.plugins import (
+    active_platform,
+    fresh_plugins,
+    installed_backend,
+    report_attention_backends,
+    select_attention_backend,
+)
+from kvloom.testing.reference import lora_delta_reference
 
 __all__ = [
     "DEFAULT_TOLERANCES",
     "CaseResult",
     "ConformanceCase",
     "ConformanceReport",
+    "active_platform",
     "check_case",
     "conformance_cases",
+    "forward_context",
+    "fresh_plugins",
+    "installed_backend",
+    "load_model",
+    "lora_delta_reference",
+    "report_attention_backends",
+    "resolve_engine_config",
     "run_case",
+    "run_cli",
     "run_conformance",
+    "select_attention_backend",
 ]

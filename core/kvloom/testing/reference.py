@@ -24,6 +24,9 @@ tests, ``benchmarks/bench_attention_kernels.py``); the conformance suite
 Tests of CUDA-graph replay run several steps over one ``PagedCache`` (requests placed with
 ``place_requests``; a step of filler requests alone is the dummy capture batch) and copy
 each new step into the captured one's tensors with ``PagedCase.refill_from``.
+
+``lora_delta_reference`` is the float64 definition of the LoRA update (the ``lora_delta``
+custom op a platform may provide).
 """
 
 from __future__ import annotations
@@ -542,3 +545,18 @@ def check_paged_case(case: PagedCase, run: PagedRun) -> PagedCheck:
         rows = slice(starts[i], starts[i + 1])
         check.request_errors.append(relative_error(out[rows], case.expected_output[rows]))
     return check
+
+
+# ---------------------------------------------------------------------------- LoRA
+def lora_delta_reference(
+    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """What the ``lora_delta`` op (``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) computes,
+    token by token in float64: ``y[t] + B[s] @ (A[s] @ x[t])`` with ``s = token_slots[t]``
+    (the op reads them from its ``LoRAMapping``),
+    for ``x [N, in]``, ``y [N, out]``, ``lora_a [slots, R, in]``, ``lora_b [slots, out, R]``
+    (slot 0, no adapter, holds zeros). Returns ``[N, out]`` float64."""
+    a = lora_a.double()[token_slots.long()]  # [N, R, in]
+    b = lora_b.double()[token_slots.long()]  # [N, out, R]
+    shrunk = torch.bmm(a, x.double().unsqueeze(-1))  # [N, R, 1]
+    return y.double() + torch.bmm(b, shrunk).squeeze(-1)

@@ -8,7 +8,7 @@ import torch
 from kvloom_platform_cpu.platform import CpuPlatform
 from kvloom_platform_cpu.worker import CpuWorker
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.testing import resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
 
@@ -20,7 +20,7 @@ def restore_threads():
 
 
 def _init_worker() -> CpuWorker:
-    config = create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32"))
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), dtype="float32")
     assert CpuPlatform.get_worker_cls() is CpuWorker
     worker = CpuWorker(config, CpuPlatform)
     worker.init_device()

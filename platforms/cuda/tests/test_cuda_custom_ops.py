@@ -9,8 +9,8 @@ import pytest
 from kvloom_platform_cuda import fused_ops, lora_ops
 from kvloom_platform_cuda.platform import CudaPlatform
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
-from kvloom.layers.custom_ops import OP_SIGNATURES
+from kvloom.interfaces import CUSTOM_OP_SIGNATURES
+from kvloom.testing import resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
 FUSED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk"}
@@ -19,9 +19,9 @@ FUSED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk"}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("enable_lora", [False, True])
 def test_lora_kernel_is_offered_for_every_dtype_when_lora_is_on(dtype, enable_lora):
-    config = create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype=dtype, enable_lora=enable_lora))
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), dtype=dtype, enable_lora=enable_lora)
     ops = CudaPlatform.custom_ops(config)
-    assert set(ops) <= set(OP_SIGNATURES)
+    assert set(ops) <= set(CUSTOM_OP_SIGNATURES)
     assert (set(ops) & FUSED) == (set() if dtype == "float32" else FUSED)
     assert ("lora_delta" in ops) == enable_lora
     if enable_lora:

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvloom import plugins
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom import LLM, SamplingParams
+from kvloom.interfaces import AttentionCGSupport, CUDAGraphMode, ModelRunner, Worker
+from kvloom.testing import fresh_plugins, resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
 GiB = 2**30
@@ -23,9 +24,8 @@ GiB = 2**30
 @pytest.fixture(autouse=True)
 def cpu_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KVLOOM_PLATFORM", "cpu")
-    plugins.reset_for_tests()
-    yield
-    plugins.reset_for_tests()
+    with fresh_plugins():
+        yield
 
 
 @pytest.fixture
@@ -45,12 +45,10 @@ def _worker(**kwargs):
     from kvloom_platform_cpu.platform import CpuPlatform
     from kvloom_platform_cuda.worker import CUDAWorker
 
-    config = create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32,
-                                             max_num_batched_tokens=512, **kwargs))
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32,
+                                   max_num_batched_tokens=512, **kwargs)
     worker = CUDAWorker(config, CpuPlatform)  # the CPU device stands in for the GPU
     worker.model_runner = None
-    from kvloom.worker.worker import Worker
-
     Worker.init_device(worker)  # the generic part (no torch.cuda.set_device)
     worker.load_model()
     return worker
@@ -89,10 +87,6 @@ def test_engine_start_profiles_through_the_runner_then_serves(fake_cuda_memory, 
     from kvloom_platform_cpu.platform import CpuPlatform
     from kvloom_platform_cuda.worker import CUDAWorker
 
-    from kvloom import LLM, SamplingParams
-    from kvloom.worker.model_runner import ModelRunner
-    from kvloom.worker.worker import Worker
-
     class CpuStandInCUDAWorker(CUDAWorker):
         def init_device(self) -> None:
             Worker.init_device(self)  # the generic part (no torch.cuda.set_device)
@@ -123,9 +117,6 @@ def test_engine_start_profiles_through_the_runner_then_serves(fake_cuda_memory, 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_warm_up_captures_graphs_through_the_runner(monkeypatch, enforce_eager):
-    from kvloom.attention.backend import AttentionCGSupport
-    from kvloom.config import CUDAGraphMode
-
     worker = _worker()
     worker.initialize_cache(8)
     compilation = worker.config.compilation

@@ -42,7 +42,7 @@ def _free(llm) -> None:
 
 def test_profiled_cache_and_captured_graphs_give_the_eager_tokens(monkeypatch):
     from kvloom import LLM
-    from kvloom.worker.model_runner import ModelRunner
+    from kvloom.interfaces import ModelRunner
 
     peaks = []
     profile = ModelRunner.profile_peak_memory
@@ -74,8 +74,7 @@ def test_profiled_cache_and_captured_graphs_give_the_eager_tokens(monkeypatch):
 def test_lora_steps_run_the_triton_op_with_the_torch_codes_tokens(tmp_path, monkeypatch, dtype):
     from kvloom_platform_cuda import lora_ops
 
-    from kvloom import LLM
-    from kvloom.lora.request import LoRARequest
+    from kvloom import LLM, LoRARequest
     from tests.helpers.lora_fixtures import make_adapter
 
     calls = []

@@ -27,7 +27,7 @@ def _worker() -> None:
     import torch
     from kvloom_platform_cuda.lora_ops import lora_delta_triton
 
-    from kvloom.lora.ops import lora_delta_reference
+    from kvloom.testing import lora_delta_reference
 
     results = {}
     for name, (n, k, out, rank, slots, pad, dtype_name) in CASES.items():

@@ -18,7 +18,7 @@ from tests.helpers.model_fixtures import load_hf_model, tiny_model_dir
 from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
 
 PLUGIN_SRC = REPO / "plugins" / "cpu_threads_platform"
-CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
+CLI = [sys.executable, "-m", "kvloom"]
 PROMPT = "The quick brown fox"
 
 

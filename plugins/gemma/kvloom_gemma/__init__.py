@@ -11,6 +11,6 @@ KVLOOM_PLUGIN_API = "1.0"
 
 
 def register() -> None:
-    from kvloom import ModelRegistry
+    from kvloom.interfaces import ModelRegistry
 
     ModelRegistry.register_model("GemmaForCausalLM", "kvloom_gemma.model:GemmaForCausalLM")

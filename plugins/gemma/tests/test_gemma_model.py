@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvloom.testing import load_model
 from tests.helpers.model_fixtures import (
     PagedRunner,
     assert_logits_close,
@@ -53,13 +54,8 @@ def test_gemma_class_matches_hf_logits(gemma_dir: Path, monkeypatch: pytest.Monk
     monkeypatch.syspath_prepend(str(PLUGIN_SRC))
     from kvloom_gemma.model import GemmaForCausalLM
 
-    from kvloom.loader.model_loader import default_dtype
-    from kvloom.loader.weight_utils import hf_dir_weights
-
-    config = make_test_engine_config(gemma_dir)
-    with default_dtype(torch.float32):
-        model = GemmaForCausalLM(config)
-    model.load_weights(hf_dir_weights(str(gemma_dir), "auto"))
+    config = make_test_engine_config(gemma_dir)  # float32
+    model = load_model(GemmaForCausalLM, config)
     runner = PagedRunner(model.eval(), config)
     hf = load_hf_model(gemma_dir)
     for i, ids in enumerate(PROMPTS):
@@ -91,7 +87,7 @@ def test_kvloom_serve_runs_the_out_of_tree_model(gemma_dir: Path, tmp_path: Path
 def test_without_the_plugin_gemma_is_not_supported(gemma_dir: Path) -> None:
     # KVLOOM_PLUGINS lists what may load: the platform and backend, not kvloom-gemma
     # (which a development install may have installed).
-    code = f"from kvloom.engine.arg_utils import EngineArgs, create_engine_config; create_engine_config(EngineArgs(model={str(gemma_dir)!r}))"
+    code = f"from kvloom.testing import resolve_engine_config; resolve_engine_config(model={str(gemma_dir)!r})"
     done = subprocess.run([sys.executable, "-c", code], env=plugin_env([], KVLOOM_PLUGINS="cpu,CPU_ATTN"),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode != 0

@@ -5,11 +5,11 @@ so the architecture name is mapped onto kvloom's Llama implementation (lazily, a
 "module:Class" string: nothing is imported until such a model is loaded).
 """
 
-from kvloom import ModelRegistry
+from kvloom.interfaces import ModelRegistry
 
 KVLOOM_PLUGIN_API = "1.0"
 
 
 def register() -> None:
     # Re-entrant: registering the same target again is a no-op.
-    ModelRegistry.register_model("KvloomTestLlamaForCausalLM", "kvloom.models.llama:LlamaForCausalLM")
+    ModelRegistry.register_model("KvloomTestLlamaForCausalLM", "kvloom.interfaces.models:LlamaForCausalLM")

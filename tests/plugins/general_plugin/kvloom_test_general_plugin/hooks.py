@@ -20,7 +20,10 @@ CALLS_ENV = "KVLOOM_TEST_GENERAL_PLUGIN_CALLS"
 
 @hookimpl
 def kvloom_register_models(model_registry: Any) -> None:
-    model_registry.register_model("KvloomTestQwen2ForCausalLM", "kvloom.models.qwen2:Qwen2ForCausalLM")
+    # A class of this plugin (models.py), imported when such a checkpoint is loaded.
+    model_registry.register_model(
+        "KvloomTestQwen2ForCausalLM", "kvloom_test_general_plugin.models:KvloomTestQwen2ForCausalLM"
+    )
 
 
 @hookimpl
