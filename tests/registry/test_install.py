@@ -1,4 +1,6 @@
-"""Acceptance: plugin distributions under tests/plugins/, installed with pip, seen by `kvloom`.
+"""Acceptance: plugin distributions, installed with pip, seen by `kvloom`: the example packages
+under plugins/examples/ (the backend and platform of docs/plugins.md) and the test fixtures
+under tests/plugins/ (broken plugins, API 2.0, duplicate names, ...).
 
 Each distribution is pip-installed once per session into its own ``--target`` directory
 and made visible to a subprocess through PYTHONPATH, so the test environment itself is
@@ -21,6 +23,17 @@ from typing import Any
 import pytest
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+EXAMPLES = Path(__file__).resolve().parents[2] / "plugins" / "examples"
+#: Example packages by the names the tests use (anything else is a tests/plugins fixture).
+EXAMPLE_SOURCES = {
+    "example_backend": EXAMPLES / "attention_backend",
+    "example_platform": EXAMPLES / "platform",
+    "example_io_processor": EXAMPLES / "io_processor",
+    "example_stat_logger": EXAMPLES / "stat_logger",
+    "example_lora_resolver": EXAMPLES / "lora_resolver",
+}
+#: Makes the example platform available (it is not, by default).
+PLATFORM_ON = {"KVLOOM_EXAMPLE_PLATFORM": "1"}
 CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
 
 Install = Callable[[str], Path]
@@ -28,14 +41,16 @@ Install = Callable[[str], Path]
 
 @pytest.fixture(scope="session")
 def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
-    """pip-installs tests/plugins/NAME into its own target directory (once per session)."""
+    """pip-installs an example package or tests/plugins/NAME into its own target
+    directory (once per session)."""
     sites: dict[str, Path] = {}
 
     def _install(name: str) -> Path:
         if name not in sites:
             # Build from a copy: an in-tree build would leave build/ and *.egg-info behind.
             src = tmp_path_factory.mktemp(f"src-{name}") / name
-            shutil.copytree(PLUGINS / name, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+            source = EXAMPLE_SOURCES.get(name, PLUGINS / name)
+            shutil.copytree(source, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
             target = tmp_path_factory.mktemp(f"site-{name}")
             cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                    "--no-index", "--target", str(target), str(src)]
@@ -74,80 +89,83 @@ def candidate(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def test_oot_backend_appears_in_backends_json(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLATFORM="cpu")
+    report = backends_json(install, plugins=["example_backend"], KVLOOM_PLATFORM="cpu")
     assert report["platform"] == "cpu"
-    oot = candidate(report, "OOT_TEST_ATTN")
-    assert oot == {"name": "OOT_TEST_ATTN", "priority": oot["priority"], "valid": True, "reasons": [],
-                   "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
+    oot = candidate(report, "EXAMPLE_ATTN")
+    assert oot == {"name": "EXAMPLE_ATTN", "priority": oot["priority"], "valid": True, "reasons": [],
+                   "distribution": "kvloom-example-attention-backend", "version": "0.1.0"}
     # The CPU platform does not list it: it ranks after the platform's own list.
     assert [c["name"] for c in report["candidates"][:2]] == ["CPU_ATTN", "FLEX_ATTENTION"]
     assert oot["priority"] > 2
 
 
 def test_oot_backend_is_validated(install: Install) -> None:
-    pinned = {"KVLOOM_PLUGINS": "cpu,OOT_TEST_ATTN"}
-    report = backends_json(install, "--head-size", "96", "--block-size", "12", plugins=["oot_backend"], expect_rc=1, **pinned)
+    pinned = {"KVLOOM_PLUGINS": "cpu,EXAMPLE_ATTN"}
+    report = backends_json(install, "--head-size", "96", "--block-size", "12", plugins=["example_backend"],
+                           expect_rc=1, **pinned)  # fmt: skip
     assert report["selected"] is None
-    assert candidate(report, "OOT_TEST_ATTN")["reasons"] == [
+    assert candidate(report, "EXAMPLE_ATTN")["reasons"] == [
         "block size 12 not supported (supports multiples of 8)",
-        "head size 96 not supported (supports 32, 64, 128)",
+        "head size 96 not supported (supports 16, 32, 64, 128)",
     ]
 
 
 def test_oot_backend_chosen_by_priority_when_cpu_backends_are_filtered_out(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
-    assert (report["selected"], report["block_size"]) == ("OOT_TEST_ATTN", 16)
-    assert [c["name"] for c in report["candidates"] if c["valid"]] == ["OOT_TEST_ATTN"]
+    report = backends_json(install, plugins=["example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
+    assert (report["selected"], report["block_size"]) == ("EXAMPLE_ATTN", 16)
+    assert [c["name"] for c in report["candidates"] if c["valid"]] == ["EXAMPLE_ATTN"]
 
 
 def test_oot_backend_selected_by_name_and_never_falls_back(install: Install) -> None:
-    report = backends_json(install, "--attention-backend", "OOT_TEST_ATTN", "--block-size", "32",
-                           plugins=["oot_backend"], KVLOOM_PLATFORM="cpu")
-    assert (report["selected"], report["block_size"]) == ("OOT_TEST_ATTN", 32)
-    done = run(install, [*CLI, "backends", "--json", "--attention-backend", "OOT_TEST_ATTN", "--head-size", "96"],
-               ["oot_backend"], KVLOOM_PLATFORM="cpu")
+    report = backends_json(install, "--attention-backend", "EXAMPLE_ATTN", "--block-size", "32",
+                           plugins=["example_backend"], KVLOOM_PLATFORM="cpu")
+    assert (report["selected"], report["block_size"]) == ("EXAMPLE_ATTN", 32)
+    done = run(install, [*CLI, "backends", "--json", "--attention-backend", "EXAMPLE_ATTN", "--head-size", "96"],
+               ["example_backend"], KVLOOM_PLATFORM="cpu")
     assert done.returncode == 1 and json.loads(done.stdout)["selected"] is None
-    assert ("Selected backend OOT_TEST_ATTN is not valid for this configuration. "
-            "Reasons: ['head size 96 not supported (supports 32, 64, 128)']") in done.stderr
-    unknown = run(install, [*CLI, "backends", "--attention-backend", "OOT_TEST"], ["oot_backend"], KVLOOM_PLATFORM="cpu")
+    assert ("Selected backend EXAMPLE_ATTN is not valid for this configuration. "
+            "Reasons: ['head size 96 not supported (supports 16, 32, 64, 128)']") in done.stderr
+    unknown = run(install, [*CLI, "backends", "--attention-backend", "EXAMPLE"], ["example_backend"],
+                  KVLOOM_PLATFORM="cpu")  # fmt: skip
     assert unknown.returncode == 1
-    assert "Unknown attention backend 'OOT_TEST'. Valid names: " in unknown.stderr and "OOT_TEST_ATTN" in unknown.stderr
+    assert "Unknown attention backend 'EXAMPLE'. Valid names: " in unknown.stderr and "EXAMPLE_ATTN" in unknown.stderr
 
 
 # ---------------------------------------------------------------------- out-of-tree platform
 
 
 def test_oot_platform_wins_and_its_priority_picks_the_oot_backend(install: Install) -> None:
-    done = run(install, [*CLI, "backends"], ["oot_backend", "oot_platform"])
+    done = run(install, [*CLI, "backends"], ["example_backend", "example_platform"], **PLATFORM_ON)
     assert done.returncode == 0, done.stderr
-    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu" in done.stdout
-    assert "Selected: OOT_TEST_ATTN (block size 16)" in done.stdout
-    report = backends_json(install, plugins=["oot_backend", "oot_platform"])
-    assert report["platform"] == "oot_test"
-    assert report["candidates"][0] == {"name": "OOT_TEST_ATTN", "priority": 1, "valid": True, "reasons": [],
-                                       "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
-    assert report["selected"] == "OOT_TEST_ATTN"
+    assert "Platform: example_cpu (kvloom-example-platform 0.1.0), device cpu" in done.stdout
+    assert "Selected: EXAMPLE_ATTN (block size 16)" in done.stdout
+    report = backends_json(install, plugins=["example_backend", "example_platform"], **PLATFORM_ON)
+    assert report["platform"] == "example_cpu"
+    assert report["candidates"][0] == {"name": "EXAMPLE_ATTN", "priority": 1, "valid": True, "reasons": [],
+                                       "distribution": "kvloom-example-attention-backend", "version": "0.1.0"}
+    assert report["selected"] == "EXAMPLE_ATTN"
 
 
 def test_oot_platform_reports_its_missing_backend(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_platform"], expect_rc=1, KVLOOM_PLUGINS="oot_test")
-    assert report["platform"] == "oot_test"
-    assert report["candidates"][0]["reasons"] == ["not installed (pip install kvloom-test-oot-backend)"]
+    report = backends_json(install, plugins=["example_platform"], expect_rc=1, KVLOOM_PLUGINS="example_cpu",
+                           **PLATFORM_ON)  # fmt: skip
+    assert report["platform"] == "example_cpu"
+    assert report["candidates"][0]["reasons"] == ["not installed (pip install kvloom-example-attention-backend)"]
 
 
 def test_unavailable_or_overridden_oot_platform_gives_way_to_cpu(install: Install) -> None:
-    plugins = ["oot_backend", "oot_platform"]
-    assert backends_json(install, plugins=plugins, KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")["platform"] == "cpu"
-    assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu")["platform"] == "cpu"
-    forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="oot_test", KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")
-    assert forced.returncode == 1 and "KVLOOM_PLATFORM=oot_test: platform oot_test" in forced.stderr
+    plugins = ["example_backend", "example_platform"]
+    assert backends_json(install, plugins=plugins)["platform"] == "cpu"  # KVLOOM_EXAMPLE_PLATFORM unset
+    assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu", **PLATFORM_ON)["platform"] == "cpu"
+    forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="example_cpu")
+    assert forced.returncode == 1 and "KVLOOM_PLATFORM=example_cpu: platform example_cpu" in forced.stderr
 
 
 # ---------------------------------------------------------------------- loading policy
 
 
 def test_broken_plugin_is_a_loud_error_with_traceback(install: Install) -> None:
-    done = run(install, [*CLI, "backends", "--json"], ["broken_plugin", "oot_backend"])
+    done = run(install, [*CLI, "backends", "--json"], ["broken_plugin", "example_backend"])
     assert done.returncode == 1 and done.stdout == ""
     err = done.stderr
     assert "plugin 'broken_test' (group kvloom.general_plugins, distribution kvloom-test-broken-plugin 0.1.0) failed to load" in err
@@ -156,26 +174,27 @@ def test_broken_plugin_is_a_loud_error_with_traceback(install: Install) -> None:
 
 
 def test_kvloom_plugins_excludes_the_broken_plugin(install: Install) -> None:
-    report = backends_json(install, plugins=["broken_plugin", "oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
-    assert report["selected"] == "OOT_TEST_ATTN"
+    report = backends_json(install, plugins=["broken_plugin", "example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
+    assert report["selected"] == "EXAMPLE_ATTN"
 
 
 def test_kvloom_plugins_leaves_out_the_oot_platform_and_backend(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_backend", "oot_platform"], expect_rc=1, KVLOOM_PLUGINS="cpu")
+    plugins = ["example_backend", "example_platform"]
+    report = backends_json(install, plugins=plugins, expect_rc=1, KVLOOM_PLUGINS="cpu", **PLATFORM_ON)
     assert report["platform"] == "cpu" and report["selected"] is None
-    assert candidate(report, "OOT_TEST_ATTN")["reasons"] == [
-        "installed (kvloom-test-oot-backend 0.1.0) but KVLOOM_PLUGINS does not list it"
+    assert candidate(report, "EXAMPLE_ATTN")["reasons"] == [
+        "installed (kvloom-example-attention-backend 0.1.0) but KVLOOM_PLUGINS does not list it"
     ]
-    only_oot = backends_json(install, plugins=["oot_backend", "oot_platform"], KVLOOM_PLUGINS="oot_test,OOT_TEST_ATTN")
-    assert (only_oot["platform"], only_oot["selected"]) == ("oot_test", "OOT_TEST_ATTN")
+    only_oot = backends_json(install, plugins=plugins, KVLOOM_PLUGINS="example_cpu,EXAMPLE_ATTN", **PLATFORM_ON)
+    assert (only_oot["platform"], only_oot["selected"]) == ("example_cpu", "EXAMPLE_ATTN")
 
 
 def test_kvloom_plugins_unknown_name_and_empty_value(install: Install) -> None:
-    unknown = run(install, [*CLI, "backends"], ["oot_backend"], KVLOOM_PLUGINS="cpu,NOT_A_PLUGIN")
+    unknown = run(install, [*CLI, "backends"], ["example_backend"], KVLOOM_PLUGINS="cpu,NOT_A_PLUGIN")
     assert unknown.returncode == 1
     assert "KVLOOM_PLUGINS lists NOT_A_PLUGIN, which no installed plugin provides. Installed plugins: " in unknown.stderr
-    assert "OOT_TEST_ATTN" in unknown.stderr and "cpu" in unknown.stderr
-    empty = run(install, [*CLI, "backends"], ["oot_backend"], KVLOOM_PLUGINS="")
+    assert "EXAMPLE_ATTN" in unknown.stderr and "cpu" in unknown.stderr
+    empty = run(install, [*CLI, "backends"], ["example_backend"], KVLOOM_PLUGINS="")
     assert empty.returncode == 1
     assert "No kvloom platform is available" in empty.stderr
     assert "KVLOOM_PLUGINS leaves out the installed platform plugins" in empty.stderr
@@ -189,10 +208,10 @@ def test_incompatible_plugin_api_is_refused_naming_both_versions(install: Instal
 
 
 def test_two_distributions_with_one_backend_name(install: Install) -> None:
-    done = run(install, [*CLI, "backends"], ["oot_backend", "dup_backend"])
+    done = run(install, [*CLI, "backends"], ["example_backend", "dup_backend"])
     assert done.returncode == 1
-    assert "Two attention backends are named 'OOT_TEST_ATTN': " in done.stderr
-    assert "kvloom-test-oot-backend 0.1.0" in done.stderr and "kvloom-test-dup-backend 0.2.0" in done.stderr
+    assert "Two attention backends are named 'EXAMPLE_ATTN': " in done.stderr
+    assert "kvloom-example-attention-backend 0.1.0" in done.stderr and "kvloom-test-dup-backend 0.2.0" in done.stderr
 
 
 # ---------------------------------------------------------------------- other plugin kinds
@@ -269,9 +288,9 @@ def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Ins
 def test_kvloom_console_script(install: Install) -> None:
     script = Path(sys.executable).parent / "kvloom"
     assert script.is_file(), f"the kvloom console script is not installed next to {sys.executable}"
-    done = run(install, [str(script), "backends", "--json"], ["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
+    done = run(install, [str(script), "backends", "--json"], ["example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["selected"] == "OOT_TEST_ATTN"
+    assert json.loads(done.stdout)["selected"] == "EXAMPLE_ATTN"
 
 
 # ---------------------------------------------------------------------- with CPU_ATTN installed
@@ -279,11 +298,11 @@ def test_kvloom_console_script(install: Install) -> None:
 
 def test_cpu_attn_outranks_the_oot_backend_on_the_cpu_platform(install: Install) -> None:
     pytest.importorskip("kvloom_backend_cpu")
-    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,CPU_ATTN,OOT_TEST_ATTN")
+    report = backends_json(install, plugins=["example_backend"], KVLOOM_PLUGINS="cpu,CPU_ATTN,EXAMPLE_ATTN")
     assert report["selected"] == "CPU_ATTN"
     assert report["candidates"][0]["name"] == "CPU_ATTN" and report["candidates"][0]["priority"] == 1
-    assert candidate(report, "OOT_TEST_ATTN")["valid"]
+    assert candidate(report, "EXAMPLE_ATTN")["valid"]
     # Filtering CPU_ATTN out by KVLOOM_PLUGINS hands the choice to the OOT backend.
-    filtered = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
-    assert filtered["selected"] == "OOT_TEST_ATTN"
+    filtered = backends_json(install, plugins=["example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
+    assert filtered["selected"] == "EXAMPLE_ATTN"
     assert candidate(filtered, "CPU_ATTN")["reasons"][0].endswith("but KVLOOM_PLUGINS does not list it")
