@@ -222,33 +222,35 @@ EXTENSIONS_SCRIPT = textwrap.dedent(
     from types import SimpleNamespace
     import torch
     from kvloom import plugins
+    from kvloom.interfaces import IterationStats, SchedulerStats
     from kvloom.lora.resolver import LoRAResolverRegistry
     from kvloom.models.registry import ModelRegistry
 
     plugins.load_plugins()
     plugins.load_plugins()  # idempotent
-    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256))
+    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256), model=SimpleNamespace(served_model_name="m"))
     plugins.call_update_engine_config(config)
 
-    processor = plugins.get_io_processor_cls("test_mean_embedding")(None)
-    texts = processor.parse_data({"texts": ["a", "b"]})
-    outputs = [SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))) for v in ([3.0, 0.0], [1.0, 0.0])]
+    processor = plugins.get_io_processor_cls("example_search")(None)
+    request = processor.parse_data({"query": "q", "documents": ["a", "b"], "top_k": 1})
+    prompts = processor.pre_process(request, request_id="r1")
+    outputs = [SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))) for v in ([1.0, 0.0], [0.0, 1.0], [3.0, 0.0])]
 
     (logger_cls,) = [entry.target for entry in plugins.stat_logger_plugins()]
-    stat_logger = logger_cls(None)
-    stat_logger.record(SimpleNamespace(num_running_reqs=3), None)
+    stat_logger = logger_cls(config)
+    stat_logger.record(SchedulerStats(num_running_reqs=3), IterationStats(num_generation_tokens=2))
     stat_logger.record(None, None)
 
-    resolver = LoRAResolverRegistry.get_resolver("test_dir_resolver")
+    resolver = LoRAResolverRegistry.get_resolver("example_index")
     lora = asyncio.run(resolver.resolve_lora("base-model", "my_adapter"))
     missing = asyncio.run(resolver.resolve_lora("base-model", "other"))
     print(json.dumps({
         "archs": [ModelRegistry.is_supported(a) for a in ("KvloomTestLlamaForCausalLM", "KvloomTestQwen2ForCausalLM")],
         "max_num_seqs": config.scheduler.max_num_seqs,
         "io_processors": sorted(plugins.io_processor_plugins()),
-        "prompts": processor.pre_process(texts),
-        "pooled": processor.post_process(outputs),
-        "stat_logger": [logger_cls.__name__, stat_logger.num_steps, stat_logger.peak_running],
+        "prompts": prompts,
+        "pooled": processor.post_process(outputs, request_id="r1"),
+        "stat_logger": [logger_cls.__name__, stat_logger.steps, stat_logger.generation_tokens],
         "resolvers": LoRAResolverRegistry.get_supported_resolvers(),
         "lora": [lora.lora_name, lora.lora_path, lora.base_model_name, lora.lora_int_id > 0],
         "missing": missing,
@@ -261,23 +263,25 @@ def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Ins
     adapter = tmp_path / "my_adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    names = "test_general_register,test_general_hooks,test_mean_embedding,test_step_counter,test_dir_resolver"
+    index = tmp_path / "adapters.json"
+    index.write_text(json.dumps({"my_adapter": str(adapter)}))
+    names = "test_general_register,test_general_hooks,example_search,example_jsonl,example_index"
     done = run(
         install,
         [sys.executable, "-c", EXTENSIONS_SCRIPT],
-        ["general_plugin", "io_processor", "stat_logger", "lora_resolver"],
+        ["general_plugin", "example_io_processor", "example_stat_logger", "example_lora_resolver"],
         KVLOOM_PLUGINS=names,
-        KVLOOM_TEST_LORA_DIR=str(tmp_path),
+        KVLOOM_LORA_INDEX=str(index),
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["archs"] == [True, True]
     assert result["max_num_seqs"] == 64
-    assert result["io_processors"] == ["test_mean_embedding"]
-    assert result["prompts"] == ["a", "b"]
-    assert result["pooled"] == {"embedding": [1.0, 0.0], "num_texts": 2}
-    assert result["stat_logger"] == ["StepCountingLogger", 2, 3]
-    assert result["resolvers"] == ["test_dir_resolver"]
+    assert result["io_processors"] == ["example_search"]
+    assert result["prompts"] == ["q", "a", "b"]
+    assert result["pooled"] == {"results": [{"index": 1, "score": 1.0}]}  # [3, 0] is closest to [1, 0]
+    assert result["stat_logger"] == ["JsonLinesStatLogger", 2, 2]
+    assert result["resolvers"] == ["example_index"]
     assert result["lora"] == ["my_adapter", str(adapter), "base-model", True]
     assert result["missing"] is None
 
