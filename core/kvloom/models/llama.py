@@ -120,6 +120,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, with gate and up in one
+    ``MergedLinear`` (``gate_up_proj``) and the activation from ``hidden_act`` (SiLU)."""
+
     def __init__(self, config: EngineConfig, prefix: str) -> None:
         super().__init__()
         hf = config.model.hf_config
@@ -135,6 +138,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One pre-norm decoder layer: ``input_layernorm``, ``LlamaAttention``,
+    ``post_attention_layernorm``, ``LlamaMLP``; the residual adds happen inside the norms
+    (``RMSNorm(x, residual)``), where HF adds them. ``attention_kwargs`` are
+    ``LlamaAttention``'s ``qkv_bias``, ``o_bias`` and ``qk_norm``."""
+
     def __init__(self, config: EngineConfig, layer_idx: int, prefix: str, attention_kwargs: dict[str, bool]) -> None:
         super().__init__()
         hf = config.model.hf_config
