@@ -31,7 +31,7 @@ import kvloom
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLOOM_SRC = ROOT / "core" / "kvloom"
-DISTRIBUTION_GLOBS = ("backends/*", "platforms/*", "plugins/*", "tests/plugins/*")
+DISTRIBUTION_GLOBS = ("backends/*", "platforms/*", "plugins/*", "plugins/examples/*", "tests/plugins/*")
 #: What ``from kvloom import NAME`` may name: the user API (everything else is a module).
 USER_API = frozenset(kvloom.__all__)
 
@@ -214,7 +214,7 @@ def test_the_walk_finds_the_distributions_and_their_imports(uses: dict[str, list
     dists = distribution_files()
     names = {str(d.relative_to(ROOT)) for d in dists}
     assert {"backends/cpu", "backends/triton", "platforms/cpu", "platforms/cuda", "plugins/gemma",
-            "tests/plugins/oot_backend"} <= names  # fmt: skip
+            "plugins/examples/attention_backend", "tests/plugins/dup_backend"} <= names  # fmt: skip
     assert all(dists.values()), [str(d) for d, files in dists.items() if not files]
     package = {u.module for u in uses["package"]}
     assert package >= {"kvloom.interfaces", "kvloom.interfaces.models"}

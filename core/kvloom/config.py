@@ -23,10 +23,15 @@ class CUDAGraphMode(str, enum.Enum):
     PIECEWISE parts of a mode run eagerly (documented in docs/cuda_graphs.md)."""
 
     NONE = "NONE"
+    """No CUDA graphs: every step runs eagerly."""
     PIECEWISE = "PIECEWISE"
+    """Piecewise graphs (vLLM); kvloom runs them eagerly."""
     FULL = "FULL"
+    """Full graphs; kvloom captures uniform decode batches, the rest runs eagerly."""
     FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    """Full graphs of uniform decode batches; everything else eagerly."""
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
+    """Full graphs for decode, piecewise for the rest (kvloom: the rest eagerly)."""
 
 
 # ---------------------------------------------------------------------- resolved sections
@@ -148,12 +153,28 @@ class EngineConfig(_Section):
     """The resolved configuration every component receives."""
 
     model: ModelConfig
+    """The model: path, ``hf_config``, ``architecture``, ``dtype``, ``max_model_len``, the
+    resolved ``num_layers`` / ``num_heads`` / ``num_kv_heads`` / ``head_size`` /
+    ``hidden_size`` / ``vocab_size``, ``served_model_name``, ``runner``, pooling settings."""
     cache: CacheConfig
+    """The KV cache: ``block_size``, ``cache_dtype``, memory budget, prefix caching,
+    ``num_blocks`` (once the worker sized the cache)."""
     scheduler: SchedulerConfig
+    """Batching: ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill, policy,
+    async scheduling."""
     parallel: ParallelConfig
+    """Parallelism (``tensor_parallel_size``, 1 today)."""
     attention: AttentionConfig
+    """``backend``: the selected ``AttentionBackend`` class; ``requested_backend``: the
+    user's ``--attention-backend``."""
     load: LoadConfig
+    """Weight loading: ``load_format`` and the source kind (``hf``, ``gguf``, ``dummy``)."""
     compilation: CompilationConfig
+    """CUDA graphs (``cudagraph_mode``, ``cudagraph_capture_sizes``, ``enforce_eager``) and
+    ``custom_ops`` (``"all"`` or ``"none"``)."""
     lora: LoRAConfig
+    """LoRA: ``enable_lora``, ``max_loras``, ``max_lora_rank``, ``lora_modules``."""
     observability: ObservabilityConfig
+    """Stats logging: ``disable_log_stats``, ``log_stats_interval``."""
     device: DeviceConfig
+    """``platform``: the active ``Platform`` class; ``device_type``."""

@@ -24,6 +24,17 @@ IOProcessorOutput = TypeVar("IOProcessorOutput")
 
 
 class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
+    """Turns a request's own input into model prompts and their pooled outputs into its own
+    output, around a pooling model.
+
+    kvloom builds one per engine with the ``EngineConfig`` (kept as ``self.config``).
+    Offline, ``LLM.encode(data)`` runs ``parse_data`` -> ``pre_process`` ->
+    ``merge_pooling_params`` -> pooling of every prompt -> ``post_process``; online,
+    ``POST /pooling`` runs ``parse_data`` -> ``pre_process_async`` -> pooling ->
+    ``post_process_async``. A ``ValueError`` from ``parse_data`` or pre-processing is the
+    caller's error (HTTP 400).
+    """
+
     def __init__(self, config: "EngineConfig") -> None:
         self.config = config
 
@@ -32,8 +43,9 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
         """Validate the user's raw input; raise ValueError naming what is wrong."""
 
     def merge_pooling_params(self, params: PoolingParams | None = None) -> PoolingParams:
-        """The ``PoolingParams`` of every model prompt: the caller's (``LLM.encode``'s
-        ``pooling_params``; None from ``POST /pooling``) merged with the plugin's needs."""
+        """The ``PoolingParams`` every prompt of the request is pooled with, given the
+        caller's (``LLM.encode``'s ``pooling_params``; ``None`` from ``POST /pooling``).
+        Default: theirs, or the defaults."""
         return params or PoolingParams()
 
     @abstractmethod
@@ -45,6 +57,8 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
     async def pre_process_async(
         self, prompt: IOProcessorInput, request_id: str | None = None, **kwargs: Any
     ) -> PromptType | Sequence[PromptType]:
+        """``pre_process`` for the server (``POST /pooling``); override it for I/O-bound
+        work. Default: calls ``pre_process``."""
         return self.pre_process(prompt, request_id, **kwargs)
 
     @abstractmethod
@@ -62,6 +76,9 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
         request_id: str | None = None,
         **kwargs: Any,
     ) -> IOProcessorOutput:
+        """``post_process`` for the server: ``model_output`` yields ``(prompt index,
+        output)`` pairs as the prompts finish. Default: collects them, sorts them by prompt
+        index and calls ``post_process``."""
         # Outputs may arrive in any order: sort by prompt index first.
         collected = sorted([(i, item) async for i, item in model_output], key=lambda x: x[0])
         return self.post_process([item for _, item in collected], request_id=request_id, **kwargs)

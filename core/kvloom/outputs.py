@@ -157,10 +157,20 @@ class PoolingOutput:
 
 @dataclass
 class PoolingRequestOutput:
+    """The pooled result of one prompt (``LLM.encode``; what IO processors post-process).
+
+    With an IO processor, ``LLM.encode`` returns one of these whose ``outputs`` is the
+    processor's output instead.
+    """
+
     request_id: str
+    """The engine request's id."""
     outputs: PoolingOutput
+    """``outputs.data``: the pooled vector (a float tensor on the CPU)."""
     prompt_token_ids: list[int]
+    """The prompt's token ids."""
     finished: bool = True
+    """Always ``True`` (pooling finishes in one step)."""
 
 
 @dataclass

@@ -30,25 +30,43 @@ class SamplingParams(BaseModel):
 
     n: int = Field(1, ge=1, le=128, description="Number of output sequences per prompt.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Penalise tokens that appeared in the output so far (OpenAI semantics)."""
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """Penalise tokens by how often they appeared in the output so far."""
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    """Penalise prompt and output tokens: positive logits are divided by it, negative ones
+    multiplied (1 = off)."""
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Sample from the smallest token set whose probability reaches ``top_p`` (1 = off)."""
     top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Drop tokens whose probability is below ``min_p`` times the most likely one (0 = off)."""
     seed: int | None = Field(None, ge=-_MAX_SEED, le=_MAX_SEED)
+    """Per-request seed for reproducible sampling (``None`` = the engine's generator)."""
     stop: list[str] = Field(default_factory=list)
+    """Strings that end the output (not included unless ``include_stop_str_in_output``)."""
     stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end the output (included in it)."""
     ignore_eos: bool = False
+    """Keep generating after the EOS token."""
     max_tokens: int | None = Field(16, ge=1, description="None = up to max_model_len.")
     min_tokens: int = Field(0, ge=0)
+    """Tokens to generate before EOS or stop token ids may end the output."""
     logprobs: int | None = Field(None, ge=0, le=20, description="Top-N logprobs per output token.")
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """Top-N logprobs per prompt token."""
     detokenize: bool = True
+    """Produce output text (else only token ids)."""
     skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
     spaces_between_special_tokens: bool = True
+    """Put spaces between special tokens in the output text."""
     include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the output text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Outputs carry everything so far (``CUMULATIVE``), only the new part (``DELTA``), or
+    come once, at the end (``FINAL_ONLY``)."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -89,6 +107,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
+        """Whether sampling is greedy (temperature 0)."""
         return self.temperature < 1e-5
 
     @property
@@ -108,5 +127,8 @@ class PoolingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pooling_type: str | None = Field(None, pattern="^(LAST|MEAN|CLS)$")
+    """``"LAST"``, ``"MEAN"`` or ``"CLS"``; ``None`` = the model's pooling type."""
     normalize: bool | None = None
+    """L2-normalise the pooled vector; ``None`` = the model's setting."""
     dimensions: int | None = Field(None, ge=1)
+    """Keep the first ``dimensions`` values (then normalise); ``None`` = all."""

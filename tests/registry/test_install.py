@@ -1,4 +1,6 @@
-"""Acceptance: plugin distributions under tests/plugins/, installed with pip, seen by `kvloom`.
+"""Acceptance: plugin distributions, installed with pip, seen by `kvloom`: the example packages
+under plugins/examples/ (the backend and platform of docs/plugins.md) and the test fixtures
+under tests/plugins/ (broken plugins, API 2.0, duplicate names, ...).
 
 Each distribution is pip-installed once per session into its own ``--target`` directory
 and made visible to a subprocess through PYTHONPATH, so the test environment itself is
@@ -24,6 +26,17 @@ from tests.helpers.model_fixtures import tiny_model_dir
 from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+EXAMPLES = Path(__file__).resolve().parents[2] / "plugins" / "examples"
+#: Example packages by the names the tests use (anything else is a tests/plugins fixture).
+EXAMPLE_SOURCES = {
+    "example_backend": EXAMPLES / "attention_backend",
+    "example_platform": EXAMPLES / "platform",
+    "example_io_processor": EXAMPLES / "io_processor",
+    "example_stat_logger": EXAMPLES / "stat_logger",
+    "example_lora_resolver": EXAMPLES / "lora_resolver",
+}
+#: Makes the example platform available (it is not, by default).
+PLATFORM_ON = {"KVLOOM_EXAMPLE_PLATFORM": "1"}
 CLI = [sys.executable, "-m", "kvloom.entrypoints.cli.main"]
 
 Install = Callable[[str], Path]
@@ -31,14 +44,16 @@ Install = Callable[[str], Path]
 
 @pytest.fixture(scope="session")
 def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
-    """pip-installs tests/plugins/NAME into its own target directory (once per session)."""
+    """pip-installs an example package or tests/plugins/NAME into its own target
+    directory (once per session)."""
     sites: dict[str, Path] = {}
 
     def _install(name: str) -> Path:
         if name not in sites:
             # Build from a copy: an in-tree build would leave build/ and *.egg-info behind.
             src = tmp_path_factory.mktemp(f"src-{name}") / name
-            shutil.copytree(PLUGINS / name, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+            source = EXAMPLE_SOURCES.get(name, PLUGINS / name)
+            shutil.copytree(source, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
             target = tmp_path_factory.mktemp(f"site-{name}")
             cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                    "--no-index", "--target", str(target), str(src)]
@@ -77,75 +92,78 @@ def candidate(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def test_oot_backend_appears_in_backends_json(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLATFORM="cpu")
+    report = backends_json(install, plugins=["example_backend"], KVLOOM_PLATFORM="cpu")
     assert report["platform"] == "cpu"
-    oot = candidate(report, "OOT_TEST_ATTN")
-    assert oot == {"name": "OOT_TEST_ATTN", "priority": oot["priority"], "valid": True, "reasons": [],
-                   "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
+    oot = candidate(report, "EXAMPLE_ATTN")
+    assert oot == {"name": "EXAMPLE_ATTN", "priority": oot["priority"], "valid": True, "reasons": [],
+                   "distribution": "kvloom-example-attention-backend", "version": "0.1.0"}
     # The CPU platform does not list it: it ranks after the platform's own list.
     assert [c["name"] for c in report["candidates"][:2]] == ["CPU_ATTN", "FLEX_ATTENTION"]
     assert oot["priority"] > 2
 
 
 def test_oot_backend_is_validated(install: Install) -> None:
-    pinned = {"KVLOOM_PLUGINS": "cpu,OOT_TEST_ATTN"}
-    report = backends_json(install, "--head-size", "96", "--block-size", "12", plugins=["oot_backend"], expect_rc=1, **pinned)
+    pinned = {"KVLOOM_PLUGINS": "cpu,EXAMPLE_ATTN"}
+    report = backends_json(install, "--head-size", "96", "--block-size", "12", plugins=["example_backend"],
+                           expect_rc=1, **pinned)  # fmt: skip
     assert report["selected"] is None
-    assert candidate(report, "OOT_TEST_ATTN")["reasons"] == [
+    assert candidate(report, "EXAMPLE_ATTN")["reasons"] == [
         "block size 12 not supported (supports multiples of 8)",
-        "head size 96 not supported (supports 32, 64, 128)",
+        "head size 96 not supported (supports 16, 32, 64, 128)",
     ]
 
 
 def test_oot_backend_chosen_by_priority_when_cpu_backends_are_filtered_out(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
-    assert (report["selected"], report["block_size"]) == ("OOT_TEST_ATTN", 16)
-    assert [c["name"] for c in report["candidates"] if c["valid"]] == ["OOT_TEST_ATTN"]
+    report = backends_json(install, plugins=["example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
+    assert (report["selected"], report["block_size"]) == ("EXAMPLE_ATTN", 16)
+    assert [c["name"] for c in report["candidates"] if c["valid"]] == ["EXAMPLE_ATTN"]
 
 
 def test_oot_backend_selected_by_name_and_never_falls_back(install: Install) -> None:
-    report = backends_json(install, "--attention-backend", "OOT_TEST_ATTN", "--block-size", "32",
-                           plugins=["oot_backend"], KVLOOM_PLATFORM="cpu")
-    assert (report["selected"], report["block_size"]) == ("OOT_TEST_ATTN", 32)
-    done = run(install, [*CLI, "backends", "--json", "--attention-backend", "OOT_TEST_ATTN", "--head-size", "96"],
-               ["oot_backend"], KVLOOM_PLATFORM="cpu")
+    report = backends_json(install, "--attention-backend", "EXAMPLE_ATTN", "--block-size", "32",
+                           plugins=["example_backend"], KVLOOM_PLATFORM="cpu")
+    assert (report["selected"], report["block_size"]) == ("EXAMPLE_ATTN", 32)
+    done = run(install, [*CLI, "backends", "--json", "--attention-backend", "EXAMPLE_ATTN", "--head-size", "96"],
+               ["example_backend"], KVLOOM_PLATFORM="cpu")
     assert done.returncode == 1 and json.loads(done.stdout)["selected"] is None
-    assert ("Selected backend OOT_TEST_ATTN is not valid for this configuration. "
-            "Reasons: ['head size 96 not supported (supports 32, 64, 128)']") in done.stderr
-    unknown = run(install, [*CLI, "backends", "--attention-backend", "OOT_TEST"], ["oot_backend"], KVLOOM_PLATFORM="cpu")
+    assert ("Selected backend EXAMPLE_ATTN is not valid for this configuration. "
+            "Reasons: ['head size 96 not supported (supports 16, 32, 64, 128)']") in done.stderr
+    unknown = run(install, [*CLI, "backends", "--attention-backend", "EXAMPLE"], ["example_backend"],
+                  KVLOOM_PLATFORM="cpu")  # fmt: skip
     assert unknown.returncode == 1
-    assert "Unknown attention backend 'OOT_TEST'. Valid names: " in unknown.stderr and "OOT_TEST_ATTN" in unknown.stderr
+    assert "Unknown attention backend 'EXAMPLE'. Valid names: " in unknown.stderr and "EXAMPLE_ATTN" in unknown.stderr
 
 
 # ---------------------------------------------------------------------- out-of-tree platform
 
 
 def test_oot_platform_wins_and_its_priority_picks_the_oot_backend(install: Install) -> None:
-    done = run(install, [*CLI, "backends"], ["oot_backend", "oot_platform"])
+    done = run(install, [*CLI, "backends"], ["example_backend", "example_platform"], **PLATFORM_ON)
     assert done.returncode == 0, done.stderr
-    assert "Platform: oot_test (kvloom-test-oot-platform 0.1.0), device cpu (OOT test device)" in done.stdout
-    assert "Selected: OOT_TEST_ATTN (block size 16)" in done.stdout
-    report = backends_json(install, plugins=["oot_backend", "oot_platform"])
-    assert (report["platform"], report["device_name"]) == ("oot_test", "OOT test device")
-    assert report["candidates"][0] == {"name": "OOT_TEST_ATTN", "priority": 1, "valid": True, "reasons": [],
-                                       "distribution": "kvloom-test-oot-backend", "version": "0.1.0"}
-    assert report["selected"] == "OOT_TEST_ATTN"
+    assert "Platform: example_cpu (kvloom-example-platform 0.1.0), device cpu (example device (host CPU))" in done.stdout
+    assert "Selected: EXAMPLE_ATTN (block size 16)" in done.stdout
+    report = backends_json(install, plugins=["example_backend", "example_platform"], **PLATFORM_ON)
+    assert (report["platform"], report["device_name"]) == ("example_cpu", "example device (host CPU)")
+    assert report["candidates"][0] == {"name": "EXAMPLE_ATTN", "priority": 1, "valid": True, "reasons": [],
+                                       "distribution": "kvloom-example-attention-backend", "version": "0.1.0"}
+    assert report["selected"] == "EXAMPLE_ATTN"
 
 
 def test_oot_platform_reports_its_missing_backend(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_platform"], expect_rc=1, KVLOOM_PLUGINS="oot_test")
-    assert report["platform"] == "oot_test"
-    assert report["candidates"][0]["reasons"] == ["not installed (pip install kvloom-test-oot-backend)"]
+    report = backends_json(install, plugins=["example_platform"], expect_rc=1, KVLOOM_PLUGINS="example_cpu",
+                           **PLATFORM_ON)  # fmt: skip
+    assert report["platform"] == "example_cpu"
+    assert report["candidates"][0]["reasons"] == ["not installed (pip install kvloom-example-attention-backend)"]
 
 
 def test_unavailable_or_overridden_oot_platform_gives_way_to_cpu(install: Install) -> None:
-    plugins = ["oot_backend", "oot_platform"]
-    assert backends_json(install, plugins=plugins, KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")["platform"] == "cpu"
-    assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu")["platform"] == "cpu"
-    forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="oot_test", KVLOOM_TEST_OOT_PLATFORM_AVAILABLE="0")
+    plugins = ["example_backend", "example_platform"]
+    assert backends_json(install, plugins=plugins)["platform"] == "cpu"  # KVLOOM_EXAMPLE_PLATFORM unset
+    assert backends_json(install, plugins=plugins, KVLOOM_PLATFORM="cpu", **PLATFORM_ON)["platform"] == "cpu"
+    forced = run(install, [*CLI, "backends"], plugins, KVLOOM_PLATFORM="example_cpu")
     assert forced.returncode == 1
-    assert ("KVLOOM_PLATFORM=oot_test: platform oot_test (kvloom-test-oot-platform 0.1.0) is installed, but its "
-            "is_available() returned False: KVLOOM_TEST_OOT_PLATFORM_AVAILABLE=0.") in forced.stderr
+    assert ("KVLOOM_PLATFORM=example_cpu: platform example_cpu (kvloom-example-platform 0.1.0) is installed, but "
+            "its is_available() returned False: KVLOOM_EXAMPLE_PLATFORM is not set to 1.") in forced.stderr
 
 
 def test_unset_cpu_threads_platform_says_why_it_is_unavailable(tmp_path: Path) -> None:
@@ -162,16 +180,16 @@ def test_unset_cpu_threads_platform_says_why_it_is_unavailable(tmp_path: Path) -
 def test_generate_logs_the_platform_device_name(install: Install) -> None:
     done = run(install, [*CLI, "generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hello", "--raw",
                          "--max-tokens", "1", "--dtype", "float32", "--kv-cache-memory", "32MiB"],
-               ["oot_backend", "oot_platform"], KVLOOM_LOGGING_LEVEL="INFO")
+               ["example_backend", "example_platform"], KVLOOM_LOGGING_LEVEL="INFO", **PLATFORM_ON)
     assert done.returncode == 0, done.stderr
-    assert "platform=oot_test device=OOT test device backend=" in done.stderr
+    assert "platform=example_cpu device=example device (host CPU) backend=" in done.stderr
 
 
 # ---------------------------------------------------------------------- loading policy
 
 
 def test_broken_plugin_is_a_loud_error_with_traceback(install: Install) -> None:
-    done = run(install, [*CLI, "backends", "--json"], ["broken_plugin", "oot_backend"])
+    done = run(install, [*CLI, "backends", "--json"], ["broken_plugin", "example_backend"])
     assert done.returncode == 1 and done.stdout == ""
     err = done.stderr
     assert "plugin 'broken_test' (group kvloom.general_plugins, distribution kvloom-test-broken-plugin 0.1.0) failed to load" in err
@@ -180,26 +198,27 @@ def test_broken_plugin_is_a_loud_error_with_traceback(install: Install) -> None:
 
 
 def test_kvloom_plugins_excludes_the_broken_plugin(install: Install) -> None:
-    report = backends_json(install, plugins=["broken_plugin", "oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
-    assert report["selected"] == "OOT_TEST_ATTN"
+    report = backends_json(install, plugins=["broken_plugin", "example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
+    assert report["selected"] == "EXAMPLE_ATTN"
 
 
 def test_kvloom_plugins_leaves_out_the_oot_platform_and_backend(install: Install) -> None:
-    report = backends_json(install, plugins=["oot_backend", "oot_platform"], expect_rc=1, KVLOOM_PLUGINS="cpu")
+    plugins = ["example_backend", "example_platform"]
+    report = backends_json(install, plugins=plugins, expect_rc=1, KVLOOM_PLUGINS="cpu", **PLATFORM_ON)
     assert report["platform"] == "cpu" and report["selected"] is None
-    assert candidate(report, "OOT_TEST_ATTN")["reasons"] == [
-        "installed (kvloom-test-oot-backend 0.1.0) but KVLOOM_PLUGINS does not list it"
+    assert candidate(report, "EXAMPLE_ATTN")["reasons"] == [
+        "installed (kvloom-example-attention-backend 0.1.0) but KVLOOM_PLUGINS does not list it"
     ]
-    only_oot = backends_json(install, plugins=["oot_backend", "oot_platform"], KVLOOM_PLUGINS="oot_test,OOT_TEST_ATTN")
-    assert (only_oot["platform"], only_oot["selected"]) == ("oot_test", "OOT_TEST_ATTN")
+    only_oot = backends_json(install, plugins=plugins, KVLOOM_PLUGINS="example_cpu,EXAMPLE_ATTN", **PLATFORM_ON)
+    assert (only_oot["platform"], only_oot["selected"]) == ("example_cpu", "EXAMPLE_ATTN")
 
 
 def test_kvloom_plugins_unknown_name_and_empty_value(install: Install) -> None:
-    unknown = run(install, [*CLI, "backends"], ["oot_backend"], KVLOOM_PLUGINS="cpu,NOT_A_PLUGIN")
+    unknown = run(install, [*CLI, "backends"], ["example_backend"], KVLOOM_PLUGINS="cpu,NOT_A_PLUGIN")
     assert unknown.returncode == 1
     assert "KVLOOM_PLUGINS lists NOT_A_PLUGIN, which no installed plugin provides. Installed plugins: " in unknown.stderr
-    assert "OOT_TEST_ATTN" in unknown.stderr and "cpu" in unknown.stderr
-    empty = run(install, [*CLI, "backends"], ["oot_backend"], KVLOOM_PLUGINS="")
+    assert "EXAMPLE_ATTN" in unknown.stderr and "cpu" in unknown.stderr
+    empty = run(install, [*CLI, "backends"], ["example_backend"], KVLOOM_PLUGINS="")
     assert empty.returncode == 1
     assert "No kvloom platform is available" in empty.stderr
     assert "KVLOOM_PLUGINS leaves out the installed platform plugins" in empty.stderr
@@ -213,10 +232,10 @@ def test_incompatible_plugin_api_is_refused_naming_both_versions(install: Instal
 
 
 def test_two_distributions_with_one_backend_name(install: Install) -> None:
-    done = run(install, [*CLI, "backends"], ["oot_backend", "dup_backend"])
+    done = run(install, [*CLI, "backends"], ["example_backend", "dup_backend"])
     assert done.returncode == 1
-    assert "Two attention backends are named 'OOT_TEST_ATTN': " in done.stderr
-    assert "kvloom-test-oot-backend 0.1.0" in done.stderr and "kvloom-test-dup-backend 0.2.0" in done.stderr
+    assert "Two attention backends are named 'EXAMPLE_ATTN': " in done.stderr
+    assert "kvloom-example-attention-backend 0.1.0" in done.stderr and "kvloom-test-dup-backend 0.2.0" in done.stderr
 
 
 # ---------------------------------------------------------------------- other plugin kinds
@@ -227,33 +246,35 @@ EXTENSIONS_SCRIPT = textwrap.dedent(
     from types import SimpleNamespace
     import torch
     from kvloom import plugins
+    from kvloom.interfaces import IterationStats, SchedulerStats
     from kvloom.lora.resolver import LoRAResolverRegistry
     from kvloom.models.registry import ModelRegistry
 
     plugins.load_plugins()
     plugins.load_plugins()  # idempotent
-    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256))
+    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=256), model=SimpleNamespace(served_model_name="m"))
     plugins.call_update_engine_config(config)
 
-    processor = plugins.get_io_processor_cls("test_mean_embedding")(None)
-    texts = processor.parse_data({"texts": ["a", "b"]})
-    outputs = [SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))) for v in ([3.0, 0.0], [1.0, 0.0])]
+    processor = plugins.get_io_processor_cls("example_search")(None)
+    request = processor.parse_data({"query": "q", "documents": ["a", "b"], "top_k": 1})
+    prompts = processor.pre_process(request, request_id="r1")
+    outputs = [SimpleNamespace(outputs=SimpleNamespace(data=torch.tensor(v))) for v in ([1.0, 0.0], [0.0, 1.0], [3.0, 0.0])]
 
     (logger_cls,) = [entry.target for entry in plugins.stat_logger_plugins()]
-    stat_logger = logger_cls(None)
-    stat_logger.record(SimpleNamespace(num_running_reqs=3), None)
+    stat_logger = logger_cls(config)
+    stat_logger.record(SchedulerStats(num_running_reqs=3), IterationStats(num_generation_tokens=2))
     stat_logger.record(None, None)
 
-    resolver = LoRAResolverRegistry.get_resolver("test_dir_resolver")
+    resolver = LoRAResolverRegistry.get_resolver("example_index")
     lora = asyncio.run(resolver.resolve_lora("base-model", "my_adapter"))
     missing = asyncio.run(resolver.resolve_lora("base-model", "other"))
     print(json.dumps({
         "archs": [ModelRegistry.is_supported(a) for a in ("KvloomTestLlamaForCausalLM", "KvloomTestQwen2ForCausalLM")],
         "max_num_seqs": config.scheduler.max_num_seqs,
         "io_processors": sorted(plugins.io_processor_plugins()),
-        "prompts": processor.pre_process(texts),
-        "pooled": processor.post_process(outputs),
-        "stat_logger": [logger_cls.__name__, stat_logger.num_steps, stat_logger.peak_running],
+        "prompts": prompts,
+        "pooled": processor.post_process(outputs, request_id="r1"),
+        "stat_logger": [logger_cls.__name__, stat_logger.steps, stat_logger.generation_tokens],
         "resolvers": LoRAResolverRegistry.get_supported_resolvers(),
         "lora": [lora.lora_name, lora.lora_path, lora.base_model_name, lora.lora_int_id > 0],
         "missing": missing,
@@ -266,23 +287,25 @@ def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Ins
     adapter = tmp_path / "my_adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    names = "test_general_register,test_general_hooks,test_mean_embedding,test_step_counter,test_dir_resolver"
+    index = tmp_path / "adapters.json"
+    index.write_text(json.dumps({"my_adapter": str(adapter)}))
+    names = "test_general_register,test_general_hooks,example_search,example_jsonl,example_index"
     done = run(
         install,
         [sys.executable, "-c", EXTENSIONS_SCRIPT],
-        ["general_plugin", "io_processor", "stat_logger", "lora_resolver"],
+        ["general_plugin", "example_io_processor", "example_stat_logger", "example_lora_resolver"],
         KVLOOM_PLUGINS=names,
-        KVLOOM_TEST_LORA_DIR=str(tmp_path),
+        KVLOOM_LORA_INDEX=str(index),
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["archs"] == [True, True]
     assert result["max_num_seqs"] == 64
-    assert result["io_processors"] == ["test_mean_embedding"]
-    assert result["prompts"] == ["a", "b"]
-    assert result["pooled"] == {"embedding": [1.0, 0.0], "num_texts": 2}
-    assert result["stat_logger"] == ["StepCountingLogger", 2, 3]
-    assert result["resolvers"] == ["test_dir_resolver"]
+    assert result["io_processors"] == ["example_search"]
+    assert result["prompts"] == ["q", "a", "b"]
+    assert result["pooled"] == {"results": [{"index": 1, "score": 1.0}]}  # [3, 0] is closest to [1, 0]
+    assert result["stat_logger"] == ["JsonLinesStatLogger", 2, 2]
+    assert result["resolvers"] == ["example_index"]
     assert result["lora"] == ["my_adapter", str(adapter), "base-model", True]
     assert result["missing"] is None
 
@@ -340,17 +363,17 @@ def test_stat_logger_plugin_runs_in_kvloom_generate_unless_stats_are_off(install
     generate = [*CLI, "generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hello", "--raw",
                 "--max-tokens", "3", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
     calls = tmp_path / "stats-on.jsonl"
-    done = run(install, generate, ["serve_stat_logger"], KVLOOM_PLATFORM="cpu", KVLOOM_TEST_STAT_LOGGER_OUT=str(calls))
+    done = run(install, generate, ["example_stat_logger"], KVLOOM_PLATFORM="cpu", KVLOOM_STATS_JSONL=str(calls))
     assert done.returncode == 0, done.stderr
     entries = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [e["event"] for e in entries[:2]] == ["init", "engine_initialized"]
-    records = [e for e in entries if e["event"] == "record"]
-    assert len(records) >= 3 and sum(r.get("prompt_tokens", 0) for r in records) > 0
-    assert [reason for r in records for reason in r.get("finished", [])] == ["length"]
+    records = [e["iteration"] for e in entries if e["event"] == "record" and e["iteration"] is not None]
+    assert len(records) >= 3 and sum(r["num_prompt_tokens"] for r in records) > 0
+    assert [f["finish_reason"] for r in records for f in r["finished_requests"]] == ["length"]
 
     off = tmp_path / "stats-off.jsonl"
-    done = run(install, [*generate, "--disable-log-stats"], ["serve_stat_logger"], KVLOOM_PLATFORM="cpu",
-               KVLOOM_TEST_STAT_LOGGER_OUT=str(off))
+    done = run(install, [*generate, "--disable-log-stats"], ["example_stat_logger"], KVLOOM_PLATFORM="cpu",
+               KVLOOM_STATS_JSONL=str(off))
     assert done.returncode == 0, done.stderr
     assert not off.exists()
 
@@ -361,9 +384,9 @@ def test_stat_logger_plugin_runs_in_kvloom_generate_unless_stats_are_off(install
 def test_kvloom_console_script(install: Install) -> None:
     script = Path(sys.executable).parent / "kvloom"
     assert script.is_file(), f"the kvloom console script is not installed next to {sys.executable}"
-    done = run(install, [str(script), "backends", "--json"], ["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
+    done = run(install, [str(script), "backends", "--json"], ["example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["selected"] == "OOT_TEST_ATTN"
+    assert json.loads(done.stdout)["selected"] == "EXAMPLE_ATTN"
 
 
 # ---------------------------------------------------------------------- with CPU_ATTN installed
@@ -371,11 +394,11 @@ def test_kvloom_console_script(install: Install) -> None:
 
 def test_cpu_attn_outranks_the_oot_backend_on_the_cpu_platform(install: Install) -> None:
     pytest.importorskip("kvloom_backend_cpu")
-    report = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,CPU_ATTN,OOT_TEST_ATTN")
+    report = backends_json(install, plugins=["example_backend"], KVLOOM_PLUGINS="cpu,CPU_ATTN,EXAMPLE_ATTN")
     assert report["selected"] == "CPU_ATTN"
     assert report["candidates"][0]["name"] == "CPU_ATTN" and report["candidates"][0]["priority"] == 1
-    assert candidate(report, "OOT_TEST_ATTN")["valid"]
+    assert candidate(report, "EXAMPLE_ATTN")["valid"]
     # Filtering CPU_ATTN out by KVLOOM_PLUGINS hands the choice to the OOT backend.
-    filtered = backends_json(install, plugins=["oot_backend"], KVLOOM_PLUGINS="cpu,OOT_TEST_ATTN")
-    assert filtered["selected"] == "OOT_TEST_ATTN"
+    filtered = backends_json(install, plugins=["example_backend"], KVLOOM_PLUGINS="cpu,EXAMPLE_ATTN")
+    assert filtered["selected"] == "EXAMPLE_ATTN"
     assert candidate(filtered, "CPU_ATTN")["reasons"][0].endswith("but KVLOOM_PLUGINS does not list it")

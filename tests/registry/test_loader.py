@@ -22,8 +22,6 @@ from types import SimpleNamespace
 import pytest
 
 import kvloom_registry as registry
-from kvloom_registry import HookPlugins, LoadedPlugins, load_entry_points, parse_allowlist
-
 from kvloom import plugins as state
 from kvloom.attention.selector import get_attention_backend
 from kvloom.lora.resolver import _LoRAResolverRegistry
@@ -39,6 +37,7 @@ from kvloom.plugins import (
     STAT_LOGGER_PLUGINS,
     run_general_plugins,
 )
+from kvloom_registry import HookPlugins, LoadedPlugins, load_entry_points, parse_allowlist
 
 API = 'KVLOOM_PLUGIN_API = "1.0"\n'
 HOOKS = API + "from kvloom.interfaces import hookimpl\n"

@@ -45,10 +45,14 @@ from kvloom.platforms.interface import DeviceCapability
 class AttentionType(str, enum.Enum):
     """Which attention pattern a layer uses (vLLM's names)."""
 
-    DECODER = "decoder"  # causal self-attention over the KV cache
-    ENCODER = "encoder"  # bidirectional, encoder of an encoder-decoder model
-    ENCODER_ONLY = "encoder_only"  # bidirectional, no KV cache (embedding models)
-    ENCODER_DECODER = "encoder_decoder"  # cross-attention
+    DECODER = "decoder"
+    """Causal self-attention over the KV cache (every decoder-only LLM)."""
+    ENCODER = "encoder"
+    """Bidirectional self-attention, the encoder of an encoder-decoder model."""
+    ENCODER_ONLY = "encoder_only"
+    """Bidirectional self-attention without a KV cache (encoder-only embedding models)."""
+    ENCODER_DECODER = "encoder_decoder"
+    """Cross-attention from the decoder to the encoder's output."""
 
 
 class AttentionCGSupport(enum.IntEnum):
@@ -58,9 +62,13 @@ class AttentionCGSupport(enum.IntEnum):
     """
 
     NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1  # only batches where every request has query_len == 1
-    UNIFORM_BATCH = 2  # batches where every request has the same query_len
-    ALWAYS = 3  # any batch, including mixed prefill/decode
+    """No batch: the engine runs every step eagerly."""
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    """Only batches where every request has ``query_len == 1`` (pure decode)."""
+    UNIFORM_BATCH = 2
+    """Batches where every request has the same ``query_len``."""
+    ALWAYS = 3
+    """Any batch, including mixed prefill and decode."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,10 @@ class MultipleOf:
     """A block-size declaration meaning "any positive multiple of ``base``"."""
 
     base: int
+    """The block size must be a positive multiple of this."""
 
     def accepts(self, block_size: int) -> bool:
+        """Whether ``block_size`` is a positive multiple of ``base``."""
         return block_size > 0 and block_size % self.base == 0
 
     def __str__(self) -> str:
@@ -77,6 +87,7 @@ class MultipleOf:
 
 
 BlockSizeSpec = int | MultipleOf
+"""One entry of ``AttentionBackend.supported_block_sizes``: an exact block size, or ``MultipleOf(n)``."""
 
 #: The block size the engine uses when neither the user nor the backend asks for another
 #: (``AttentionBackend.preferred_block_size``).
@@ -100,15 +111,25 @@ class AttentionSelectorConfig:
     """
 
     head_size: int
+    """The model's attention head size."""
     dtype: torch.dtype
+    """The model dtype."""
     kv_cache_dtype: str = "auto"
+    """The KV-cache dtype: ``"auto"`` (the model dtype) or a dtype name."""
     block_size: int | None = None
+    """The user's block size; ``None`` when the user set none (the backend then picks)."""
     use_mla: bool = False
+    """Whether the model uses multi-head latent attention (MLA)."""
     attn_type: AttentionType = AttentionType.DECODER
+    """The attention pattern of the layers."""
     device_type: str = "cpu"
+    """The active platform's torch device type."""
     device_capability: DeviceCapability | None = None
+    """The device's compute capability (CUDA-like devices), else ``None``."""
     num_heads: int | None = None
+    """Query heads of the model (``None`` when unknown, e.g. ``kvloom backends`` without ``--model``)."""
     num_kv_heads: int | None = None
+    """Key/value heads of the model (``None`` when unknown)."""
 
 
 @dataclass
@@ -119,24 +140,40 @@ class CommonAttentionMetadata:
     builders that plan on the host (e.g. FlashInfer) so they need not synchronise.
     """
 
-    query_start_loc: torch.Tensor  # int32 [B + 1]
-    seq_lens: torch.Tensor  # int32 [B]: context + this step's tokens
-    block_table: torch.Tensor  # int32 [B, max_blocks_per_req]
-    slot_mapping: torch.Tensor  # int64 [N]; -1 = do not write (padding)
+    query_start_loc: torch.Tensor
+    """int32 ``[B + 1]``: request ``i`` owns token rows ``query_start_loc[i]:query_start_loc[i+1]``."""
+    seq_lens: torch.Tensor
+    """int32 ``[B]``: each request's context plus this step's tokens."""
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks_per_req]``: ``block_table[i, k]`` is the physical block holding
+    positions ``k*block_size : (k+1)*block_size`` of request ``i``; entries past the request's
+    last block hold arbitrary valid block ids."""
+    slot_mapping: torch.Tensor
+    """int64 ``[N]``: ``block * block_size + offset`` of each token's K/V; ``-1`` = do not write
+    (padding)."""
     num_reqs: int
-    num_actual_tokens: int  # tokens before CUDA-graph padding
+    """B, the requests in the step (CUDA-graph filler requests included)."""
+    num_actual_tokens: int
+    """Tokens before CUDA-graph padding; attention is computed for these rows only."""
     max_query_len: int
+    """The largest query length of the step."""
     max_seq_len: int
-    query_start_loc_cpu: torch.Tensor  # int32 [B + 1]
-    seq_lens_cpu: torch.Tensor  # int32 [B]
+    """The largest ``seq_lens`` entry of the step."""
+    query_start_loc_cpu: torch.Tensor
+    """int32 ``[B + 1]``: the host copy of ``query_start_loc``."""
+    seq_lens_cpu: torch.Tensor
+    """int32 ``[B]``: the host copy of ``seq_lens``."""
     causal: bool = True
+    """Whether attention is causal (token ``j`` sees positions up to its own)."""
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
+        """int32 ``[B]``: each request's query length, on the host."""
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
     @property
     def is_uniform_single_token_decode(self) -> bool:
+        """Whether every request of the step has query length 1."""
         return self.max_query_len == 1
 
 
@@ -145,15 +182,25 @@ class AttentionLayerSpec:
     """The static shape of the attention layers a builder serves."""
 
     num_heads: int
+    """Query heads of every attention layer."""
     num_kv_heads: int
+    """Key/value heads of every attention layer."""
     head_size: int
+    """Head size of every attention layer."""
     dtype: torch.dtype
+    """The model dtype (of query, key, value and output)."""
     kv_cache_dtype: torch.dtype
+    """The dtype of the KV-cache tensors."""
     block_size: int
+    """Tokens per KV-cache block."""
     max_num_seqs: int
+    """The most requests in one step (size persistent buffers by it)."""
     max_model_len: int
+    """The longest sequence, in tokens."""
     scale: float
+    """The softmax scale of the layers."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else a builder may need (empty today)."""
 
 
 M = TypeVar("M")
@@ -199,9 +246,13 @@ class AttentionImpl(ABC, Generic[M]):
     """
 
     impl_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
+    """Attention types this impl computes (others are refused by the constructor)."""
     impl_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    """KV-cache dtypes this impl reads and writes."""
     impl_supports_sliding_window: ClassVar[bool] = False
+    """Whether this impl masks to a ``sliding_window`` (else a window is refused)."""
     impl_supports_logits_soft_cap: ClassVar[bool] = False
+    """Whether this impl applies ``logits_soft_cap`` (else a cap is refused)."""
 
     def __init__(
         self,
@@ -249,7 +300,13 @@ class AttentionImpl(ABC, Generic[M]):
     ) -> torch.Tensor:
         """Write ``key``/``value`` into ``kv_cache`` at ``slot_mapping`` (skipping -1),
         then write attention for the first ``num_actual_tokens`` queries into ``output``
-        (``[N, num_heads, head_size]``) and return it."""
+        (``[N, num_heads, head_size]``) and return it.
+
+        ``query`` is ``[N, num_heads, head_size]``, ``key``/``value`` are ``[N, num_kv_heads,
+        head_size]``, all strided views of the model's fused QKV output (last dimension
+        contiguous, token rows further apart). Rows past ``num_actual_tokens`` are padding
+        (slot ``-1``). ``kv_cache`` is this layer's tensor of ``get_kv_cache_shape``;
+        ``attn_metadata`` is what the builder built for this step."""
 
 
 class AttentionBackend(ABC):
@@ -261,41 +318,46 @@ class AttentionBackend(ABC):
     """
 
     NAME: ClassVar[str]
-    #: Model dtypes the kernels accept.
+    """The backend's unique name (also its entry-point name and what ``--attention-backend`` takes)."""
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
-    #: KV-cache dtypes ("auto" = same as the model dtype).
+    """Model dtypes the kernels accept."""
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
-    #: Block sizes: exact ints and/or ``MultipleOf(n)``. When the user sets no block size
-    #: the engine uses 16 if it is accepted, else the first entry (for a ``MultipleOf(n)``
-    #: first entry, the smallest multiple of n that is >= 16): see ``preferred_block_size``
-    #: and docs/attention_backends.md.
+    """KV-cache dtypes ("auto" = same as the model dtype)."""
     supported_block_sizes: ClassVar[tuple[BlockSizeSpec, ...]] = (MultipleOf(16),)
-    #: Head sizes; ``None`` means any size up to ``max_head_size``.
+    """Block sizes: exact ints and/or ``MultipleOf(n)``. When the user sets no block size
+    the engine uses 16 if it is accepted, else the first entry (for a ``MultipleOf(n)``
+    first entry, the smallest multiple of n that is >= 16): see ``preferred_block_size``
+    and docs/attention_backends.md."""
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    """Head sizes; ``None`` means any size up to ``max_head_size``."""
     max_head_size: ClassVar[int] = 256
-    #: torch device types this backend runs on ("cpu", "cuda", ...).
+    """The largest head size when ``supported_head_sizes`` is ``None``."""
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
-    #: Inclusive compute-capability range (CUDA only); ``None`` = no bound.
+    """torch device types this backend runs on ("cpu", "cuda", ...)."""
     min_compute_capability: ClassVar[DeviceCapability | None] = None
+    """Lowest compute capability served, inclusive (CUDA only); ``None`` = no bound."""
     max_compute_capability: ClassVar[DeviceCapability | None] = None
+    """Highest compute capability served, inclusive (CUDA only); ``None`` = no bound."""
     is_mla: ClassVar[bool] = False
+    """An MLA backend serves only MLA models, and only MLA backends serve them."""
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
-    #: Which batches the builder's metadata can serve inside a captured CUDA graph
-    #: (``NEVER``: the engine runs eagerly).
+    """Attention types the backend serves."""
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-    #: Python modules the kernels import, with the pip distribution that provides each,
-    #: e.g. ``{"flashinfer": "flashinfer-python"}``. A missing one is a reason, not a crash.
+    """Which batches the builder's metadata can serve inside a captured CUDA graph
+    (``NEVER``: the engine runs eagerly)."""
     required_modules: ClassVar[dict[str, str]] = {}
+    """Python modules the kernels import, with the pip distribution that provides each,
+    e.g. ``{"flashinfer": "flashinfer-python"}``. A missing one is a reason, not a crash."""
 
     @staticmethod
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]:
-        ...
+        """The ``AttentionImpl`` subclass; the model's ``Attention`` layers build one per layer."""
 
     @staticmethod
     @abstractmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        ...
+        """The ``AttentionMetadataBuilder`` subclass; the model runner builds one per engine."""
 
     @staticmethod
     @abstractmethod
@@ -318,6 +380,7 @@ class AttentionBackend(ABC):
     # ------------------------------------------------------------------ validation
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
+        """Whether ``supported_block_sizes`` accepts ``block_size``."""
         return any(
             spec.accepts(block_size) if isinstance(spec, MultipleOf) else spec == block_size
             for spec in cls.supported_block_sizes
@@ -325,6 +388,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     def describe_block_sizes(cls) -> str:
+        """The accepted block sizes in words, for validation reasons."""
         return ", ".join(str(s) for s in cls.supported_block_sizes)
 
     @classmethod
@@ -341,6 +405,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
+        """Whether the backend serves ``head_size`` (``supported_head_sizes``, else up to
+        ``max_head_size``). Override it, and ``describe_head_sizes``, for other rules."""
         if cls.supported_head_sizes is not None:
             return head_size in cls.supported_head_sizes
         return 0 < head_size <= cls.max_head_size

@@ -41,6 +41,8 @@ declares the version it was written for, as a literal of its own::
 kvloom refuses a plugin whose major version differs, with a message naming both.
 """
 
+from typing import TYPE_CHECKING
+
 from kvloom.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -120,3 +122,52 @@ __all__ = [
     "validate_adapter_config",
     "write_kv_default_layout",
 ]
+
+# Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):
+# pdoc reads a string after an annotated name as that name's docstring. The bare
+# annotations below bind nothing; the values are the imports above.
+
+if TYPE_CHECKING:
+    from pluggy import HookimplMarker
+
+    from kvloom.lora.resolver import _LoRAResolverRegistry
+    from kvloom.models.registry import _ModelRegistry
+
+ADAPTER_CONFIG_FILE: str
+"""The file name of a PEFT adapter's config inside its directory (``adapter_config.json``)."""
+
+BlockSizeSpec: type
+"""One entry of ``AttentionBackend.supported_block_sizes``: an exact ``int`` block size, or
+``MultipleOf(n)``."""
+
+CUSTOM_OP_SIGNATURES: dict[str, str]
+"""The layer ops a platform may replace through ``Platform.custom_ops(config)``: op name ->
+the call each layer makes (arguments -> result). A replacement takes the same arguments,
+returns new tensors (inputs untouched) and matches the torch code's results for the dtypes
+it is enabled for; ``lora_delta`` may add to ``y`` in place."""
+
+LoRAResolverRegistry: "_LoRAResolverRegistry"
+"""The process's LoRA resolvers, by name, in registration order (what the
+``kvloom_register_lora_resolvers`` hook receives): ``register_resolver(name, resolver)``
+(a ``LoRAResolver`` instance; a taken name is a ``ValueError``), ``get_supported_resolvers()``,
+``get_resolver(name)``."""
+
+ModelRegistry: "_ModelRegistry"
+"""Architecture name -> model class (what the ``kvloom_register_models`` hook receives):
+``register_model(architecture, model_cls)`` with a class or a lazy ``"module:Class"``
+string (re-registering the same target is a no-op; another target overrides, with a
+warning), ``is_supported(architecture)``, ``get_supported_archs()``."""
+
+PLUGIN_API_VERSION: str
+"""The plugin API this kvloom provides (``"1.0"``). A plugin module declares the version it
+was written for as a literal, ``KVLOOM_PLUGIN_API = "1.0"``; a different major version is
+refused, a newer minor version loads with a warning."""
+
+PromptType: type
+"""What a prompt may be: text, ``{"prompt_token_ids": [...]}`` (with an optional
+``"prompt"`` text), or ``{"prompt": text}``."""
+
+hookimpl: "HookimplMarker"
+"""The decorator that marks a general plugin's hook implementations
+(``kvloom_register_models(model_registry)``, ``kvloom_register_lora_resolvers(resolver_registry)``,
+``kvloom_update_engine_config(config)``); pluggy checks each against kvloom's specs when it loads."""

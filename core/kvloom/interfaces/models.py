@@ -50,3 +50,13 @@ __all__ = [
     "load_checkpoint_weights",
     "packed_modules_mapping",
 ]
+
+# Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):
+# pdoc reads a string after an annotated name as that name's docstring. The bare
+# annotation binds nothing; the value is the import above.
+
+LLAMA_STACKED_PARAMS: tuple[tuple[str, str, str], ...]
+"""``(merged module, HF checkpoint module, shard)`` of the Llama family: ``q_proj``,
+``k_proj``, ``v_proj`` -> ``qkv_proj`` shards ``q``, ``k``, ``v``; ``gate_proj``,
+``up_proj`` -> ``gate_up_proj`` shards ``"0"``, ``"1"``. Pass it to
+``load_checkpoint_weights`` and ``packed_modules_mapping``."""

@@ -21,8 +21,8 @@ class RMSNorm(nn.Module):
     ``fused = False``.
     """
 
-    #: Whether the platform's fused rms_norm kernels compute this layer.
     fused: ClassVar[bool] = True
+    """Whether the platform's fused rms_norm kernels compute this layer."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

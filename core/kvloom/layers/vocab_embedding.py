@@ -18,6 +18,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Copy a checkpoint tensor into ``param`` (shapes must match; ``shard`` is unused)."""
         if tuple(param.shape) != tuple(loaded.shape):
             raise ValueError(
                 f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
@@ -39,6 +40,7 @@ class LMHead(VocabEmbedding):
     """
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Use ``embedding``'s weight (the same Parameter) as this head's."""
         if (embedding.num_embeddings, embedding.embedding_dim) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"{self.prefix}: cannot tie to an embedding of another shape")
         self.weight = embedding.weight

@@ -27,13 +27,14 @@ from kvloom.layers.custom_ops import get_custom_op
 class LoRAMapping:
     """Which adapter slot each token of a step uses (the ``"lora"`` forward-context extra)."""
 
-    #: [num_tokens] int32 slot per token, on the model's device.
     token_slots: torch.Tensor
-    #: (slot, token indices) per adapter present in the step (slot 0 excluded).
+    """int32 ``[num_tokens]``: each token's adapter slot (0 = none), on the model's device."""
     groups: list[tuple[int, torch.Tensor]]
+    """``(slot, token indices)`` per adapter present in the step (slot 0 excluded)."""
 
     @property
     def active(self) -> bool:
+        """Whether any token of the step uses an adapter."""
         return bool(self.groups)
 
 

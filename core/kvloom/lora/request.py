@@ -14,9 +14,13 @@ class LoRARequest:
     """
 
     lora_name: str
+    """The adapter's name (the model name requests use)."""
     lora_int_id: int
+    """A unique positive id."""
     lora_path: str
+    """The PEFT adapter directory."""
     base_model_name: str | None = None
+    """The model the adapter was trained for, if known."""
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:

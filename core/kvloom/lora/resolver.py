@@ -14,6 +14,14 @@ from kvloom.lora.request import LoRARequest
 
 
 class LoRAResolver(ABC):
+    """Finds LoRA adapters by name for the server, when a request names an unknown model.
+
+    Built once with no arguments when kvloom loads its plugins; asked only when the server
+    runs with ``--enable-lora`` and ``KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1``. The server
+    keeps the ``lora_path`` of the answer: it loads the adapter from there under the
+    requested name (with its own id) and serves every later request for that name from it.
+    """
+
     @abstractmethod
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         """Find adapter ``lora_name`` for ``base_model_name``; None if this resolver has

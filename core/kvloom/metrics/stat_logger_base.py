@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 
 class StatLoggerBase(ABC):
+    """Receives the engine's statistics: one instance per engine, built with
+    ``(config, engine_index)`` when the engine logs stats (``self.config``,
+    ``self.engine_index``). ``record`` runs after every engine step, ``log`` every
+    ``log_stats_interval`` seconds, ``log_engine_initialized`` once the engine is up."""
+
     def __init__(self, config: "EngineConfig", engine_index: int = 0) -> None:
         self.config = config
         self.engine_index = engine_index

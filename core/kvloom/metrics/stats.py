@@ -45,9 +45,13 @@ class PrefixCacheStats:
     """Prefix-cache lookups of one step (``reset``: the cache was reset in it)."""
 
     requests: int = 0
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found
+    """Requests whose prompt was looked up."""
+    queries: int = 0
+    """Tokens looked up."""
+    hits: int = 0
+    """Tokens found in the cache."""
     reset: bool = False
+    """Whether the prefix cache was reset in this step."""
 
 
 @dataclass
@@ -55,10 +59,15 @@ class SchedulerStats:
     """The scheduler's state after one step."""
 
     num_running_reqs: int = 0
+    """Requests running (scheduled) after the step."""
     num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    """Requests waiting (queued or preempted) after the step."""
+    kv_cache_usage: float = 0.0
+    """Fraction of KV-cache blocks in use, 0..1."""
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    num_preemptions: int = 0  # preemptions in this step
+    """The step's prefix-cache lookups."""
+    num_preemptions: int = 0
+    """Preemptions in this step."""
 
 
 # ----------------------------------------------------------------- front end
@@ -86,16 +95,27 @@ class FinishedRequestStats:
     """Inputs of the per-request histograms, recorded once when a request finishes."""
 
     finish_reason: FinishReason
+    """Why it finished: ``"stop"``, ``"length"`` or ``"abort"`` (a ``str`` enum)."""
     e2e_latency: float
+    """Seconds from arrival to the final token (front-end wall clock)."""
     num_prompt_tokens: int
+    """Prompt tokens."""
     num_generation_tokens: int
+    """Tokens generated."""
     max_tokens_param: int | None
+    """The request's ``max_tokens``."""
     queued_time: float
+    """Seconds queued before first scheduled (engine clock; 0 if never scheduled)."""
     prefill_time: float
+    """Seconds from first scheduled to the first token."""
     inference_time: float
+    """Seconds from first scheduled to the last token."""
     decode_time: float
+    """Seconds from the first to the last token."""
     mean_time_per_output_token: float
+    """``decode_time / (num_generation_tokens - 1)`` (0 for one token)."""
     num_cached_tokens: int = 0
+    """Prompt tokens served by the prefix cache."""
 
 
 def _interval(start: float | None, end: float | None) -> float:
@@ -116,21 +136,28 @@ class IterationStats:
     finished-request values).
     """
 
-    #: Front-end wall-clock time this step's outputs were processed.
     iteration_timestamp: float = field(default_factory=time.time)
+    """Front-end wall-clock time this step's outputs were processed."""
     num_generation_tokens: int = 0
-    #: Prompt tokens of the requests whose prefill completed in this step.
+    """Tokens generated in this step."""
     num_prompt_tokens: int = 0
+    """Prompt tokens of the requests whose prefill completed in this step."""
     num_preempted_reqs: int = 0
+    """Preemptions seen in this step."""
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    """One entry per request that finished in this step."""
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
-    #: Inter-token latencies (time per output token) of the decode outputs in this step.
+    """Seconds from arrival to first token of the requests whose first token came in this step."""
     inter_token_latencies_iter: list[float] = field(default_factory=list)
+    """Inter-token latencies (time per output token) of the decode outputs in this step."""
     queue_times_iter: list[float] = field(default_factory=list)
+    """Queue intervals (queued -> first scheduled) that ended in this step."""
     prefill_times_iter: list[float] = field(default_factory=list)
-    #: Per finished user request (for n > 1: the parent): its ``n`` and the longest output.
+    """Prefill intervals (first scheduled -> first token) that ended in this step."""
     n_params_iter: list[int] = field(default_factory=list)
+    """Per finished user request (for n > 1: the parent): its ``n``."""
     max_num_generation_tokens_iter: list[int] = field(default_factory=list)
+    """Per finished user request: the token count of its longest output."""
 
     def _since(self, wall_start: float) -> float:
         return max(self.iteration_timestamp - wall_start, 0.0)
@@ -168,6 +195,7 @@ class IterationStats:
         req_stats.last_token_ts = engine_core_timestamp
 
     def update_from_events(self, events: list[EngineCoreEvent], req_stats: RequestStateStats) -> None:
+        """Account a request's QUEUED / SCHEDULED / PREEMPTED events (the front end calls it)."""
         for event in events:
             if event.type == EngineCoreEventType.QUEUED:
                 if req_stats.queued_ts is None:
@@ -189,6 +217,7 @@ class IterationStats:
         req_stats: RequestStateStats,
         num_cached_tokens: int = 0,
     ) -> FinishedRequestStats:
+        """Record a finished request in ``finished_requests`` (the front end calls it)."""
         decode_time = _interval(req_stats.first_token_ts, req_stats.last_token_ts)
         n = req_stats.num_generation_tokens
         finished = FinishedRequestStats(

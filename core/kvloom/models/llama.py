@@ -120,6 +120,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, with gate and up in one
+    ``MergedLinear`` (``gate_up_proj``) and the activation from ``hidden_act`` (SiLU)."""
+
     def __init__(self, config: EngineConfig, prefix: str) -> None:
         super().__init__()
         hf = config.model.hf_config
@@ -135,6 +138,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One pre-norm decoder layer: ``input_layernorm``, ``LlamaAttention``,
+    ``post_attention_layernorm``, ``LlamaMLP``; the residual adds happen inside the norms
+    (``RMSNorm(x, residual)``), where HF adds them. ``attention_kwargs`` are
+    ``LlamaAttention``'s ``qkv_bias``, ``o_bias`` and ``qk_norm``."""
+
     def __init__(self, config: EngineConfig, layer_idx: int, prefix: str, attention_kwargs: dict[str, bool]) -> None:
         super().__init__()
         hf = config.model.hf_config
@@ -193,7 +201,9 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits(hidden [M, H]) -> float32 [M, vocab]``, ``load_weights`` by HF names."""
 
     stacked_params = LLAMA_STACKED_PARAMS
+    """(merged parameter, HF name, shard) for the fused q/k/v and gate/up projections."""
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
+    """Merged module -> its HF modules, for LoRA (``{"qkv_proj": ["q_proj", ...], ...}``)."""
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
@@ -215,8 +225,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[M, vocab]`` of the hidden states the sampler needs."""
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named checkpoint tensors (merging q/k/v and gate/up); the names loaded."""
         tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
         return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=tied)

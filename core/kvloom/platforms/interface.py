@@ -50,23 +50,26 @@ class BackendCandidate:
     """
 
     name: str
+    """The backend's ``NAME``."""
     provider: str
+    """The pip distribution that provides the backend (named when it is not installed)."""
 
 
 class Platform(ABC):
     """Describes a device type: capability, dtypes, worker class, backend priorities."""
 
-    #: Unique platform name ("cpu", "cuda", ...), used by KVLOOM_PLATFORM.
     name: ClassVar[str]
-    #: The torch device type tensors are placed on.
+    """Unique platform name ("cpu", "cuda", ...): the entry-point name, used by KVLOOM_PLATFORM."""
     device_type: ClassVar[str]
-    #: True only for the first-party platforms shipped with kvloom.
+    """The torch device type tensors are placed on."""
     builtin: ClassVar[bool] = False
-    #: Model dtypes the platform can run, preferred first (used for dtype="auto").
+    """True only for the first-party platforms shipped with kvloom (an available
+    out-of-tree platform wins over them)."""
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
-    #: Whether the worker can capture and replay CUDA graphs. False: the engine runs
-    #: eagerly (cudagraph_mode NONE) whatever the user asked for.
+    """Model dtypes the platform can run, preferred first (used for dtype="auto")."""
     supports_cuda_graphs: ClassVar[bool] = False
+    """Whether the worker can capture and replay CUDA graphs. False: the engine runs
+    eagerly (cudagraph_mode NONE) whatever the user asked for."""
 
     @classmethod
     @abstractmethod
@@ -116,4 +119,5 @@ class Platform(ABC):
 
     @classmethod
     def device(cls, device_id: int = 0) -> torch.device:
+        """The torch device the worker runs on."""
         return torch.device(cls.device_type, device_id) if cls.device_type != "cpu" else torch.device("cpu")

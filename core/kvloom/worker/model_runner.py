@@ -77,6 +77,14 @@ class StepBatch:
 
 
 class ModelRunner:
+    """One device's model, KV cache and step (see the module docstring).
+
+    A worker builds it in ``init_device`` and drives it through its public methods:
+    ``load_model``, ``kv_cache_bytes_per_block``, ``initialize_kv_cache``,
+    ``dummy_forward`` (warm-up), ``execute_model`` / ``execute_model_async`` per step, and,
+    on devices that need them, ``profile_peak_memory`` (KV-cache sizing) and
+    ``capture_cudagraphs`` (decode graphs). Its other attributes are its own."""
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
@@ -129,6 +137,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
+        """Build the model on the device and load its weights (and LoRA slots when enabled)."""
         self.model = get_model(self.config, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not self.attn_layers:
@@ -137,6 +146,7 @@ class ModelRunner:
             self.lora_manager = LoRAManager(self.model, self.config, self.device, self.max_num_tokens)
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV-cache block takes over all attention layers (for sizing the cache)."""
         dtype = self.kv_cache_dtype()
         per_layer = [
             int(np.prod(self.backend.get_kv_cache_shape(1, self.block_size, a.num_kv_heads, a.head_size)))
@@ -145,6 +155,7 @@ class ModelRunner:
         return sum(per_layer) * torch.empty((), dtype=dtype).element_size()
 
     def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: ``--kv-cache-dtype``, or the model's for "auto"."""
         name = self.config.cache.cache_dtype
         return self.config.model.dtype if name == "auto" else getattr(torch, name)
 

@@ -27,6 +27,11 @@ DEFAULT_HOST_KV_CACHE_BYTES = 2 * 2**30
 
 
 class Worker(WorkerBase):
+    """kvloom's generic torch worker: runs on ``platform.device()`` through a ``ModelRunner``
+    (``self.runner``). Platforms subclass it and override ``init_device`` (device setup),
+    ``kv_cache_budget_bytes`` (the KV-cache memory budget) and ``compile_or_warm_up_model``
+    (e.g. CUDA-graph capture), driving the runner through its public methods only."""
+
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         super().__init__(config, platform)
         self.device = platform.device()
@@ -38,6 +43,7 @@ class Worker(WorkerBase):
 
     @property
     def runner(self) -> ModelRunner:
+        """The model runner (built by ``init_device``)."""
         if self.model_runner is None:
             raise RuntimeError("init_device() must run before the worker is used")
         return self.model_runner
@@ -70,15 +76,18 @@ class Worker(WorkerBase):
         return self.runner.execute_model_async(scheduler_output)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the runner's LoRA manager; ValueError without ``--enable-lora``."""
         manager = getattr(self.runner, "lora_manager", None)
         if manager is None:
             raise ValueError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
         return manager.add_adapter(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False if it was not loaded."""
         manager = getattr(self.runner, "lora_manager", None)
         return manager.remove_adapter(lora_id) if manager is not None else False
 
     def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters."""
         manager = getattr(self.runner, "lora_manager", None)
         return manager.list_adapters() if manager is not None else set()

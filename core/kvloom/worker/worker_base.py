@@ -60,12 +60,15 @@ class WorkerBase(ABC):
         return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
+        """Load an adapter (``--enable-lora``); True if it was added. Default: unsupported."""
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
 
     def remove_lora(self, lora_id: int) -> bool:
+        """Unload the adapter with ``lora_id``; True if it was loaded. Default: unsupported."""
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA")
 
     def list_loras(self) -> set[int]:
+        """The ids of the loaded adapters. Default: none."""
         return set()
 
     def shutdown(self) -> None:

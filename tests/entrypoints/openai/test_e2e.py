@@ -1,6 +1,6 @@
 """End to end: a real `kvloom serve` subprocess with the default model (SmolLM2-135M on
 CPU), driven by the official openai client and raw HTTP, with a stat logger plugin
-installed from tests/plugins/serve_stat_logger into a private directory.
+installed from plugins/examples/stat_logger into a private directory.
 
 One server serves the whole module; outputs are kept short because the CPU is small.
 """
@@ -22,7 +22,7 @@ from tests.helpers.waiting import wait_for
 
 API_KEY = "e2e-key"
 MAX_MODEL_LEN = 512
-PLUGIN_SOURCE = Path(__file__).resolve().parents[2] / "plugins" / "serve_stat_logger"
+PLUGIN_SOURCE = Path(__file__).resolve().parents[3] / "plugins" / "examples" / "stat_logger"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[
     work = tmp_path_factory.mktemp("serve")
     site = install_distribution(PLUGIN_SOURCE, work)
     args = ["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--log-stats-interval", "1"]
-    srv = KvloomServer(args, work, [site], KVLOOM_TEST_STAT_LOGGER_OUT=str(records))
+    srv = KvloomServer(args, work, [site], KVLOOM_STATS_JSONL=str(records))
     with srv:
         yield srv
     # Ctrl-C is a clean, graceful shutdown.
@@ -320,8 +320,10 @@ def test_stat_logger_plugin_receives_records(
     assert wait_for(lambda: any(e["event"] == "log" for e in entries()), timeout=10, interval=0.2)
     got = entries()
     init = [e for e in got if e["event"] == "init"]
-    assert init and init[0]["model_name"] == model
+    assert init and init[0]["model"] == model
     recorded = [e for e in got if e["event"] == "record"]
-    assert sum(e.get("generation_tokens", 0) for e in recorded) >= 4
-    assert any("length" in e.get("finished", []) or "stop" in e.get("finished", []) for e in recorded)
-    assert any(e.get("running", 0) > 0 for e in recorded)
+    iterations = [e["iteration"] for e in recorded if e["iteration"] is not None]
+    assert sum(it["num_generation_tokens"] for it in iterations) >= 4
+    finished = [f["finish_reason"] for it in iterations for f in it["finished_requests"]]
+    assert "length" in finished or "stop" in finished
+    assert any(e["scheduler"] and e["scheduler"]["num_running_reqs"] > 0 for e in recorded)

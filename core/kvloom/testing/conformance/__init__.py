@@ -21,7 +21,7 @@ block ids, cache slots nobody wrote hold large random values (so reading past
 
 Command line (the CLI calls ``run_conformance`` and prints ``report.format()``)::
 
-    kvloom backends test MY_BACKEND [--device cuda] [--quick] [--seed N]
+    [KVLOOM_CONFORMANCE_SEED=N] kvloom backends test MY_BACKEND [--device cuda] [--quick]
 
 Python::
 

@@ -1,9 +1,9 @@
-"""A fork of OOT_TEST_ATTN under the same NAME: installing both must be an error."""
+"""A fork of EXAMPLE_ATTN under the same NAME: installing both must be an error."""
 
-from kvloom_test_oot_backend.backend import OotTestAttentionBackend
+from kvloom_example_attention_backend import ExampleAttentionBackend
 
 KVLOOM_PLUGIN_API = "1.0"
 
 
-class ForkedOotBackend(OotTestAttentionBackend):
+class ForkedExampleBackend(ExampleAttentionBackend):
     supported_head_sizes = (64, 128, 256)

@@ -1,1 +1,0 @@
-"""An out-of-tree attention backend used by kvloom's tests and shown in docs/plugins.md."""
