@@ -20,7 +20,7 @@ omitted). ``python -m kvloom.engine.serial`` measures it again.
 
 Frames. Front end -> engine core, on the core's input socket (``ROUTER`` in the front
 end, ``DEALER`` in the core, whose identity is its engine index): ``[kind, payload]`` with
-kind ``ADD`` (an ``EngineCoreRequest``), ``ABORT`` (a list of request ids), ``UTILITY`` (a
+kind ``ADD`` (a list of ``EngineCoreRequest``s, admitted together), ``ABORT`` (a list of request ids), ``UTILITY`` (a
 ``UtilityRequest``) or ``SHUTDOWN`` (empty). The core answers the handshake on the same
 socket: ``[READY, EngineCoreReady]`` or ``[FAILED, EngineCoreErrorInfo]``. Engine core ->
 front end, on the output socket (``PUSH`` -> ``PULL``): ``[OUTPUTS, EngineCoreOutputs]``,
@@ -249,7 +249,7 @@ def convert_args(fn: Any, args: list[Any]) -> list[Any]:
 #: The decoders of each input kind, for the engine core's input thread.
 def input_decoders() -> dict[bytes, MsgpackDecoder]:
     return {
-        ADD: MsgpackDecoder(EngineCoreRequest),
+        ADD: MsgpackDecoder(list[EngineCoreRequest]),
         ABORT: MsgpackDecoder(list[str]),
         UTILITY: MsgpackDecoder(UtilityRequest),
     }
