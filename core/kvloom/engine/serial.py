@@ -12,11 +12,13 @@ Everything is msgpack, encoded and decoded with msgspec; nothing is pickled:
   dtype's name, the shape and the raw bytes of the contiguous CPU tensor; any dtype,
   bfloat16 included.
 
-Cost (measured on the development machine's CPU, one core): one step's outputs for 256
-running requests, one new token each, encode + decode ~0.36 ms (13.7 KB; encode alone
-~0.05 ms); with 5 top logprobs per token ~1.1 ms (31.6 KB). The same outputs as
-dataclasses encoded as maps took 1.2 ms / 4.3 ms, hence the Structs (array-like, defaults
-omitted). ``python -m kvloom.engine.serial`` measures it again.
+Cost (``python -m kvloom.engine.serial``, on the 2-core development CPU, shared): one
+step's outputs for 256 running requests, one new token each, with scheduler stats:
+13.8 KB, encode 0.02-0.04 ms, encode + decode 0.11-0.13 ms; with 5 top logprobs per
+token: 34.8 KB, encode 0.05-0.07 ms, encode + decode 0.34-0.40 ms. The same outputs as
+dataclasses (msgspec encodes them as maps) were 3-4x slower side by side (1.2 ms and
+4.3 ms against 0.36 ms and 1.1 ms on a busier machine), hence the Structs (array-like,
+defaults omitted).
 
 Frames. Front end -> engine core, on the core's input socket (``ROUTER`` in the front
 end, ``DEALER`` in the core, whose identity is its engine index): ``[kind, payload]`` with
