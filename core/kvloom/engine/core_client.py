@@ -41,6 +41,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
@@ -288,9 +289,9 @@ def _main_module_not_reimported() -> Iterator[None]:
         yield
     finally:
         if main is not None:
+            for name in ("__spec__", "__file__"):
+                main.__dict__.pop(name, None)
             main.__dict__.update(saved)
-            if "__file__" not in saved:
-                main.__dict__.pop("__file__", None)
 
 
 def _parent_logging() -> tuple[int | None, str | None]:
@@ -466,6 +467,7 @@ class MPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         self.config = config
         self.dead_error = None
+        self._engine_reported = False
         self.resources = resources = _MPResources()
         self._finalizer = weakref.finalize(self, resources.close)
         self.input_address = f"ipc://{resources.ipc_dir}/input"
@@ -530,16 +532,25 @@ class MPClient(EngineCoreClient):
             raise RuntimeError(f"unexpected output frame kind {kind!r} from the engine core")
         return kind, decoder.decode(frames[1].buffer)
 
+    #: Seconds a reader that got the monitor's DEAD waits for the engine core's own report
+    #: (sent before it exited, so normally there already): it names the cause.
+    ENGINE_REPORT_WAIT_S = 0.2
+
+    @staticmethod
+    def _from_monitor(info: EngineCoreErrorInfo) -> bool:
+        return info.short_type == "EngineDeadError"
+
     def _dead(self, info: EngineCoreErrorInfo) -> EngineDeadError:
-        """Record the engine's death (the first report wins) and return the error."""
-        if self.dead_error is None:
-            if info.short_type == "EngineDeadError":
-                self.dead_error = EngineDeadError(info.message)
-            else:
-                error = EngineDeadError(f"The engine core failed: {info.describe()}")
-                error.__cause__ = info.to_exception()
-                self.dead_error = error
-            logger.error("%s", self.dead_error)
+        """Record the engine's death and return the error. The engine core's own report
+        (the error of a failed step) wins over the monitor's (how the process ended)."""
+        if not self._from_monitor(info) and not self._engine_reported:
+            self._engine_reported = True
+            error = EngineDeadError(f"The engine core failed: {info.describe()}")
+            error.__cause__ = info.to_exception()
+            self.dead_error = error
+            logger.error("%s", error)
+        elif self.dead_error is None:
+            self.dead_error = EngineDeadError(info.message)
         return EngineDeadError(str(self.dead_error))
 
     @staticmethod
@@ -608,7 +619,14 @@ class SyncMPClient(MPClient):
                 raise EngineDeadError(str(self.dead_error))
         kind, obj = self._decode(sock.recv_multipart(copy=False))
         if kind == DEAD:
-            raise self._dead(obj)
+            error = self._dead(obj)
+            deadline = time.monotonic() + self.ENGINE_REPORT_WAIT_S
+            while self._from_monitor(obj) and sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+                follow_kind, follow = self._decode(sock.recv_multipart(copy=False))
+                if follow_kind == DEAD and not self._from_monitor(follow):
+                    error = self._dead(follow)
+                    break
+            raise error
         return kind, obj
 
     def get_output(self) -> EngineCoreOutputs:
@@ -672,6 +690,13 @@ class AsyncMPClient(MPClient):
                         future.set_exception(e)
                 continue
             error = self._dead(obj)
+            sock = self._async_output
+            deadline = time.monotonic() + self.ENGINE_REPORT_WAIT_S
+            while self._from_monitor(obj) and await sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+                follow_kind, follow = self._decode(await sock.recv_multipart(copy=False))
+                if follow_kind == DEAD and not self._from_monitor(follow):
+                    error = self._dead(follow)
+                    break
             self._fail_utility_calls()
             raise error
 
