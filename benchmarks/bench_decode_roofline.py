@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs|eager[+async][+noops]")
     args = parser.parse_args()
+    # measure() reads the scheduler between steps: the engine core runs in this process.
+    os.environ.setdefault("KVLOOM_ENABLE_MULTIPROCESSING", "0")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from kvloom.metrics.stats import SchedulerStats
@@ -14,8 +15,7 @@ from kvloom.request import EngineCoreEvent, FinishReason
 # ----------------------------------------------------------------- model runner -> scheduler
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs for one position: the chosen token first, then the top-N.
 
     ``token_ids[0]`` is the sampled (or prompt) token and ``ranks[0]`` its rank in the
@@ -70,10 +70,12 @@ class _CompletedModelRunnerOutput(PendingModelRunnerOutput):
 
 
 # ----------------------------------------------------------------- scheduler -> front end
+#
+# msgspec Structs (array-like, defaults omitted): they cross the process boundary as
+# msgpack, see ``kvloom.engine.serial``.
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
@@ -89,13 +91,14 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     #: Monotonic time (engine-core process) at which these outputs were produced.
     timestamp: float = 0.0
-    finished_requests: set[str] = field(default_factory=set)
+    finished_requests: set[str] = msgspec.field(default_factory=set)
+    #: Which engine core produced them (several serve one front end with data parallelism).
+    engine_index: int = 0
 
 
 # ----------------------------------------------------------------- front end -> user

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+
+import msgspec
 
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import PoolingParams, SamplingParams
@@ -58,8 +59,7 @@ class EngineCoreEventType(enum.IntEnum):
     PREEMPTED = 3
 
 
-@dataclass
-class EngineCoreEvent:
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
     """An event with a monotonic timestamp taken in the engine-core process."""
 
     type: EngineCoreEventType
@@ -70,20 +70,24 @@ class EngineCoreEvent:
         return cls(event_type, time.monotonic() if timestamp is None else timestamp)
 
 
-@dataclass
-class EngineCoreRequest:
-    """What the front end sends to the engine core: a tokenized, validated request."""
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the front end sends to the engine core: a tokenized, validated request.
+
+    A msgspec Struct (as are the engine core's outputs): it crosses the process boundary
+    as msgpack (``kvloom.engine.serial``). ``client_index`` names the front end (API
+    server process) that sent it, for when several share an engine core; 0 for now.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams | None
     pooling_params: PoolingParams | None = None
     eos_token_id: int | None = None
-    arrival_time: float = field(default_factory=time.time)
+    arrival_time: float = msgspec.field(default_factory=time.time)
     lora_request: LoRARequest | None = None
     cache_salt: str | None = None
     priority: int = 0
-
+    client_index: int = 0
 
 
 class Request:

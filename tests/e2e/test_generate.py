@@ -67,7 +67,8 @@ def test_greedy_matches_hf_under_scheduling_pressure(engine_kwargs, hf_reference
     assert _generate(llm, prompts) == expected
 
 
-def test_preemption_really_happens(hf_reference):
+def test_preemption_really_happens(hf_reference, monkeypatch):
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # counts the core's preemptions step by step
     prompts, expected = hf_reference["llama"]
     llm = LLM(
         str(tiny_model_dir("llama")), dtype="float32", num_gpu_blocks_override=14, max_model_len=128, disable_log_stats=True

@@ -56,8 +56,9 @@ def prompts_and_reference(long_model) -> tuple[list[list[int]], list[list[int]]]
 # once: the scheduler must preempt.
 @pytest.mark.parametrize(("block_size", "num_blocks"), [(256, 6), (512, 3)])
 def test_large_blocks_match_hf_with_prefix_caching_chunking_and_preemption(
-    long_model, prompts_and_reference, block_size: int, num_blocks: int
+    long_model, prompts_and_reference, block_size: int, num_blocks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # counts the core's preemptions step by step
     prompts, expected = prompts_and_reference
     llm = LLM(
         str(long_model), dtype="float32", attention_backend="CPU_ATTN", block_size=block_size,

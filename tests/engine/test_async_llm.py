@@ -3,7 +3,7 @@
 Each ``generate()`` registers a ``RequestOutputCollector`` with the output processor; the
 output handler fills it and the call awaits it. n > 1 fans out in the front end
 (``ParentRequest``) and comes back merged under the caller's request id. The collector is
-tested alone; the rest runs a tiny random model (core loop in a thread).
+tested alone; the rest runs a tiny random model (the engine core in its own process).
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ import asyncio
 from typing import Any
 
 import pytest
-from tests.helpers.model_fixtures import random_prompts, tiny_async_llm, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.engine.core_client import EngineDeadError
 from kvloom.engine.output_processor import RequestOutputCollector
 from kvloom.outputs import CompletionOutput, Logprob, RequestOutput
 from kvloom.sampling_params import RequestOutputKind
+from tests.helpers.engine_faults import STEP_FAILURE, StepFailsPlatform, with_platform
+from tests.helpers.model_fixtures import random_prompts, tiny_async_llm, tiny_model_dir
 
 DELTA, FINAL = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 PROMPT = random_prompts(320)[2]
@@ -92,8 +94,8 @@ def model_dir() -> str:
 async def core_state(engine: AsyncLLM) -> tuple[int, float]:
     """(unfinished requests, KV-cache usage) of the core, read between its steps. Calls
     run in the order they were sent, so aborts sent before this one have been handled."""
-    fn = lambda core: (core.scheduler.get_num_unfinished_requests(), core.scheduler.kv_cache_manager.usage)  # noqa: E731
-    return await asyncio.wrap_future(engine.engine_core.utility(fn))
+    state = await engine.call_utility("core_state")
+    return state["num_unfinished_requests"], state["kv_cache_usage"]
 
 
 def test_n_comes_back_merged_and_seeded_like_offline(model_dir: str) -> None:
@@ -146,18 +148,15 @@ def test_closing_an_n_stream_aborts_every_child_and_frees_its_blocks(model_dir: 
     assert after == (0, 0.0)
 
 
-def test_engine_death_wakes_every_waiting_request(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = tiny_async_llm(model_dir)
-    core = engine.engine_core.core
-    step, calls = core.step, []
-
-    def failing_step() -> Any:
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("GPU on fire")
-        return step()
-
-    monkeypatch.setattr(core, "step", failing_step)
+def test_engine_death_wakes_every_waiting_request(model_dir: str) -> None:
+    """A step fails (in the engine core process) with an error no single request caused:
+    every open request, and every new one, gets it; health checks fail; the engine core
+    process exits with status 1."""
+    args = EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
+    engine = AsyncLLM(with_platform(create_engine_config(args), StepFailsPlatform))
+    process = engine.engine_core.engine.process
+    deaths: list[BaseException] = []
+    engine.on_engine_dead(deaths.append)
 
     async def one(i: int, n: int) -> BaseException | None:
         params = SamplingParams(n=n, max_tokens=100, ignore_eos=True, output_kind=DELTA)
@@ -168,12 +167,21 @@ def test_engine_death_wakes_every_waiting_request(model_dir: str, monkeypatch: p
             return e
         return None
 
-    async def run() -> list[BaseException | None]:
-        return await asyncio.wait_for(asyncio.gather(one(0, 1), one(1, 2)), timeout=60)
+    async def run() -> tuple[list[BaseException | None], BaseException | None, BaseException | None]:
+        errors = await asyncio.wait_for(asyncio.gather(one(0, 1), one(1, 2)), timeout=60)
+        try:
+            await engine.check_health()
+            health = None
+        except EngineDeadError as e:
+            health = e
+        return errors, health, await one(2, 1)  # a new request fails at once
 
     try:
-        errors = asyncio.run(run())
+        errors, health, new = asyncio.run(run())
+        process.join(timeout=15)
     finally:
         engine.shutdown()
-    assert all(e is not None and "GPU on fire" in str(e) for e in errors)
-    assert engine.errored is not None
+    assert all(e is not None and STEP_FAILURE in str(e) for e in errors)
+    assert engine.errored is not None and health is not None and isinstance(new, EngineDeadError)
+    assert len(deaths) == 1 and STEP_FAILURE in str(deaths[0])
+    assert process.exitcode == 1

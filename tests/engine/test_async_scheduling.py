@@ -53,6 +53,7 @@ def test_greedy_tokens_equal_hf(engine_kwargs, llama_hf):
 
 
 def test_two_steps_are_in_flight_and_inputs_come_from_the_device(monkeypatch):
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spies live in this process
     llm = _llm(async_scheduling=True)
     core = llm.llm_engine.engine_core.core
     runner = core.worker.runner
@@ -119,7 +120,8 @@ def test_penalties_seeds_and_logprobs_match_sync():
     assert len(b.prompt_logprobs) == len(PROMPTS[2])
 
 
-def test_abort_while_a_step_is_in_flight_keeps_the_others(llama_hf):
+def test_abort_while_a_step_is_in_flight_keeps_the_others(llama_hf, monkeypatch):
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # reads the core's state
     llm = _llm(async_scheduling=True)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -231,6 +233,7 @@ def test_sync_engine_is_unchanged_by_the_flag_default():
 def test_preemption_of_a_request_with_a_step_in_flight_keeps_its_token(llama_hf, monkeypatch):
     """10 blocks of 16 tokens for 5 requests: a request is preempted while its previous
     step is still in flight, and its token arrives after the preemption."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spy lives in this process
     llm = _llm(async_scheduling=True, num_gpu_blocks_override=10, max_model_len=96)
     scheduler = llm.llm_engine.engine_core.core.scheduler
     update, late = scheduler.update_from_output, []

@@ -69,6 +69,7 @@ def test_loader_activates_the_platforms_ops_unless_none(monkeypatch, setting):
         return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
     monkeypatch.setattr(platform, "custom_ops", classmethod(lambda cls, config: {"silu_and_mul": silu_and_mul}))
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched platform lives in this process
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="32MiB", custom_ops=setting)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

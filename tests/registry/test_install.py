@@ -312,9 +312,10 @@ def test_general_io_processor_stat_logger_and_lora_resolver_plugins(install: Ins
 
 ENGINE_WITH_HOOK_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from kvloom import LLM, SamplingParams
 
+    os.environ["KVLOOM_ENABLE_MULTIPROCESSING"] = "0"  # the core in this process, to read it
     llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory="32MiB", max_num_seqs=256, cudagraph_mode="FULL")
     (out,) = llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     core = llm.llm_engine.engine_core.core

@@ -9,21 +9,24 @@ table here. n > 1 is handled below this class: the front end fans the request ou
 (``ParentRequest``) and the collector receives the merged outputs under the caller's
 request id.
 
-Closing or cancelling a generator before its request finished (a client disconnecting)
-aborts the request, every child of it included. If the output handler fails (the engine
-died), every waiting call raises ``EngineDeadError``.
+The engine core runs in its own process (``AsyncMPClient``; the output handler reads its
+socket in this event loop), or with ``KVLOOM_ENABLE_MULTIPROCESSING=0`` in a thread of
+this process (``ThreadedClient``). Closing or cancelling a generator before its request
+finished (a client disconnecting) aborts the request, every child of it included. If the
+engine core dies, every waiting call raises ``EngineDeadError`` at once, ``check_health``
+raises it, and the callbacks given to ``on_engine_dead`` run (the server exits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.config import EngineConfig
-from kvloom.engine.core_client import EngineDeadError, ThreadedClient
+from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.core_client import EngineCoreClient, EngineDeadError
 from kvloom.engine.frontend import Frontend
 from kvloom.engine.output_processor import RequestOutputCollector
 from kvloom.inputs import PromptType
@@ -45,10 +48,17 @@ class AsyncLLM:
         self.log_stats = log_stats and not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=self.log_stats)
         self.tokenizer = self.frontend.tokenizer
-        self.engine_core = ThreadedClient(config, log_stats=self.log_stats)
+        self.engine_core: Any = EngineCoreClient.make_client(config, self.log_stats, asyncio_mode=True)
         self.frontend.start_stat_loggers(stat_loggers)
         self._output_handler: asyncio.Task | None = None
         self.errored: BaseException | None = None
+        self._dead_callbacks: list[Callable[[BaseException], Any]] = []
+        try:  # made inside the event loop (the server): read outputs from the start
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self._ensure_running()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[Any] | None = None) -> "AsyncLLM":
@@ -75,9 +85,22 @@ class AsyncLLM:
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
         except Exception as e:  # wake every waiting request with the error
-            logger.exception("AsyncLLM output handler failed")
+            if isinstance(e, EngineDeadError):
+                logger.error("AsyncLLM: %s", e)
+            else:
+                logger.exception("AsyncLLM output handler failed")
             self.errored = e
             self.frontend.propagate_error(e)
+            for callback in self._dead_callbacks:
+                try:
+                    callback(e)
+                except Exception:
+                    logger.exception("An on_engine_dead callback failed")
+
+    def on_engine_dead(self, callback: Callable[[BaseException], Any]) -> None:
+        """Call ``callback(error)`` in the event loop once the engine has died (after
+        every open request got the error)."""
+        self._dead_callbacks.append(callback)
 
     async def _run(
         self,
@@ -103,7 +126,7 @@ class AsyncLLM:
                 try:
                     output = await collector.get()
                 except Exception as e:  # put there by propagate_error
-                    raise EngineDeadError(f"engine failed while serving {request_id}: {e!r}") from e
+                    raise EngineDeadError(f"engine failed while serving {request_id}: {e}") from e
                 finished = output.finished
                 yield output
         finally:
@@ -138,25 +161,31 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
 
-    async def check_health(self) -> None:
-        if self.errored is not None or self.engine_core.dead is not None:
-            raise EngineDeadError(f"engine is dead: {self.errored or self.engine_core.dead!r}")
+    @property
+    def is_dead(self) -> bool:
+        return self.errored is not None or self.engine_core.dead_error is not None
 
-    async def _utility(self, fn: Any) -> Any:
+    async def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(f"engine is dead: {self.errored or self.engine_core.dead_error}")
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run the engine core's utility ``method`` between two steps (the names in
+        ``kvloom.engine.core_proc.UTILITY_METHODS``)."""
         self._ensure_running()
-        return await asyncio.wrap_future(self.engine_core.utility(fn))
+        return await self.engine_core.call_utility_async(method, *args)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        return await self._utility(lambda core: core.add_lora(lora_request))
+        return await self.call_utility("add_lora", lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return await self._utility(lambda core: core.remove_lora(lora_id))
+        return await self.call_utility("remove_lora", lora_id)
 
     async def list_loras(self) -> set[int]:
-        return await self._utility(lambda core: core.list_loras())
+        return set(await self.call_utility("list_loras"))
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._utility(lambda core: core.reset_prefix_cache())
+        return await self.call_utility("reset_prefix_cache")
 
     def get_stat_loggers(self) -> list[Any]:
         return self.frontend.stat_loggers

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from kvloom import plugins
 from kvloom.config import EngineConfig
+from kvloom.lora.request import LoRARequest
 from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
 from kvloom.scheduler.output import SchedulerOutput
@@ -98,7 +99,7 @@ class EngineCore:
         return scheduler.update_from_output(scheduler_output, pending.get_output())
 
     # ------------------------------------------------------------------ LoRA
-    def add_lora(self, lora_request) -> bool:  # type: ignore[no-untyped-def]
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.worker.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -1,39 +1,103 @@
 """EngineCoreClient: how a front end talks to the engine core.
 
-Two implementations share one interface:
+With multiprocessing (the default, ``KVLOOM_ENABLE_MULTIPROCESSING=1``), the engine core
+runs in its own process (``core_proc.EngineCoreProc``), so tokenization,
+detokenization, HTTP and JSON in the front end never compete with the scheduler and the
+model runner for one interpreter lock:
 
-* ``InprocClient`` runs the core in the caller's thread (``LLM``, offline batches): each
-  ``get_output()`` is one ``step()``.
-* ``ThreadedClient`` runs the core's busy loop in a background thread (``AsyncLLM``):
-  requests and aborts go in through a thread-safe queue and are admitted between steps,
-  outputs come back through an asyncio queue. Heavy torch work releases the GIL, so the
-  HTTP server keeps answering while the model runs.
+* ``SyncMPClient`` (``LLM`` / ``LLMEngine``): ``get_output()`` blocks on the output socket;
+* ``AsyncMPClient`` (``AsyncLLM``, the server): ``get_output_async()`` awaits it in the
+  event loop.
 
-A client that runs the core in its own process (ZMQ, as vLLM does) fits the same
-interface; ``utility()`` calls are the extension point for anything else.
+Both send ``[identity, kind, payload]`` frames on a ``ROUTER`` socket that the engine core
+connects to with a ``DEALER`` (identity = its engine index) and receive its outputs on a
+``PULL`` socket it ``PUSH``es to, all msgpack (``serial.py``). Several engine cores (data
+parallelism) can connect to the same ``ROUTER`` and ``PULL`` (outputs carry their
+``engine_index``); several front-end processes would each bind their own pair and stamp
+their requests with their ``client_index``. A monitor thread watches the process; when it
+dies (killed, or a failed step), every open request gets ``EngineDeadError`` at once.
+
+With ``KVLOOM_ENABLE_MULTIPROCESSING=0`` the core stays in the front end's process, for
+debugging and tests that reach into it: ``InprocClient`` (``LLM``: each ``get_output()``
+is one ``step()`` in the caller's thread) and ``ThreadedClient`` (``AsyncLLM``: the busy
+loop in a background thread).
+
+Utility calls cross the boundary by name (``call_utility("add_lora", lora_request)``,
+the names in ``core_proc.UTILITY_METHODS``): functions cannot be sent to another process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
 import queue
+import shutil
+import signal
+import sys
+import tempfile
 import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+import zmq
+import zmq.asyncio
+
 from kvloom.config import EngineConfig
 from kvloom.engine.core import EngineCore
+from kvloom.engine.core_proc import call_utility, engine_identity, make_socket, run_engine_core
+from kvloom.engine.serial import (
+    ABORT,
+    ADD,
+    DEAD,
+    FAILED,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_OUTPUT,
+    EngineCoreErrorInfo,
+    EngineCoreReady,
+    MsgpackDecoder,
+    MsgpackEncoder,
+    UtilityOutput,
+    UtilityRequest,
+    output_decoders,
+)
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
 from kvloom.request import EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 
+#: ``KVLOOM_ENABLE_MULTIPROCESSING``: 1 (default) runs the engine core in its own process.
+MULTIPROCESSING_ENV = "KVLOOM_ENABLE_MULTIPROCESSING"
+
+#: How long shutdown waits for the engine core process to exit before terminating it.
+SHUTDOWN_TIMEOUT_S = 10.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine core failed; no further requests can be served."""
+
+
+def multiprocessing_enabled() -> bool:
+    """Whether the engine core runs in its own process (``KVLOOM_ENABLE_MULTIPROCESSING``,
+    default 1)."""
+    value = os.environ.get(MULTIPROCESSING_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{MULTIPROCESSING_ENV}={value!r}: expected 1 or 0")
 
 
 class EngineCoreClient(ABC):
@@ -44,14 +108,27 @@ class EngineCoreClient(ABC):
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
 
     @abstractmethod
-    def utility(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run ``fn(core)`` between steps and return its result."""
-
-    @abstractmethod
     def shutdown(self) -> None: ...
+
+    #: Why the engine core is dead (None while it lives).
+    dead_error: BaseException | None = None
+
+    @staticmethod
+    def make_client(config: EngineConfig, log_stats: bool, asyncio_mode: bool) -> "EngineCoreClient":
+        """The client ``KVLOOM_ENABLE_MULTIPROCESSING`` asks for: the core in its own
+        process, or in this one (the caller's thread, or a background thread for
+        asyncio)."""
+        if multiprocessing_enabled():
+            return AsyncMPClient(config, log_stats) if asyncio_mode else SyncMPClient(config, log_stats)
+        return ThreadedClient(config, log_stats) if asyncio_mode else InprocClient(config, log_stats)
+
+
+# ===================================================================== in-process
 
 
 class InprocClient(EngineCoreClient):
+    """The core in the caller's thread: each ``get_output()`` is one ``step()``."""
+
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         self.core = EngineCore(config, log_stats=log_stats)
 
@@ -69,7 +146,11 @@ class InprocClient(EngineCoreClient):
     def has_unfinished_requests(self) -> bool:
         return self.core.has_work()
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return call_utility(self.core, method, args)
+
     def utility(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` (in-process clients only: for tests and debugging)."""
         return fn(self.core)
 
     def shutdown(self) -> None:
@@ -88,7 +169,7 @@ class ThreadedClient(EngineCoreClient):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.dead: BaseException | None = None
+        self.dead_error = None
         self._thread = threading.Thread(target=self._run, name="kvloom-engine-core", daemon=True)
         self._thread.start()
 
@@ -106,14 +187,19 @@ class ThreadedClient(EngineCoreClient):
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
-        if ids and self.dead is None:
+        if ids and self.dead_error is None:
             self._inbox.put(("abort", ids))
 
     def utility(self, fn: Callable[[EngineCore], Any]) -> Future:
+        """Run ``fn(core)`` between steps (in-process clients only: for tests and
+        debugging); returns a concurrent future."""
         self._check_alive()
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
         return future
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.utility(lambda core: call_utility(core, method, args)))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         assert self.outputs is not None, "attach() the event loop first"
@@ -128,8 +214,8 @@ class ThreadedClient(EngineCoreClient):
         self.core.shutdown()
 
     def _check_alive(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"engine core failed: {self.dead!r}") from self.dead
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine core failed: {self.dead_error!r}") from self.dead_error
 
     # ---- the engine thread
     def _handle(self, kind: Any, payload: Any) -> bool:
@@ -178,9 +264,456 @@ class ThreadedClient(EngineCoreClient):
                     self._publish(self.core.step())
         except BaseException as e:  # the loop must report, never die silently
             logger.exception("Engine core loop failed")
-            self.dead = e
+            self.dead_error = e
             if self.loop is not None:
                 try:
                     self._publish(e)
                 except RuntimeError:  # event loop already closed
                     pass
+
+
+# ===================================================================== multiprocess
+
+
+@contextlib.contextmanager
+def _main_module_not_reimported() -> Iterator[None]:
+    """Start the spawned process without re-running the caller's ``__main__`` in it:
+    a script that makes an ``LLM`` at top level, without an ``if __name__ ==
+    "__main__"`` guard, would otherwise start another engine from the engine core."""
+    main = sys.modules.get("__main__")
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if main and name in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__["__spec__"] = None
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            for name in ("__spec__", "__file__"):
+                main.__dict__.pop(name, None)
+            main.__dict__.update(saved)
+
+
+def _parent_logging() -> tuple[int | None, str | None]:
+    """The engine core logs like this process: the root logger's level and format when
+    logging is configured here, nothing otherwise (Python's warnings-only default)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None, None
+    fmt = None
+    for handler in root.handlers:
+        formatter = handler.formatter
+        if formatter is not None and getattr(formatter, "_fmt", None):
+            fmt = formatter._fmt
+            break
+    return logging.getLogger("kvloom").getEffectiveLevel(), fmt
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is gone"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+class EngineCoreProcess:
+    """One engine core process of a client: started, handshaken, watched."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool,
+        input_socket: zmq.Socket,
+        input_address: str,
+        output_address: str,
+        engine_index: int = 0,
+    ) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        # The engine core reads the other end: end of file when this process is gone.
+        death_reader, self._death_writer = spawn.Pipe(duplex=False)
+        level, fmt = _parent_logging()
+        self.engine_index = engine_index
+        self.identity = engine_identity(engine_index)
+        self.process = spawn.Process(
+            target=run_engine_core,
+            name=f"kvloom-engine-core-{engine_index}",
+            kwargs=dict(config=config, log_stats=log_stats, input_address=input_address,
+                        output_address=output_address, engine_index=engine_index, death_pipe=death_reader,
+                        log_level=level, log_format=fmt),  # fmt: skip
+            daemon=True,
+        )
+        with _main_module_not_reimported():
+            self.process.start()
+        death_reader.close()
+        self._stop_reader, self._stop_writer = multiprocessing.Pipe(duplex=False)
+        self._monitor: threading.Thread | None = None
+        try:
+            self.ready = self._wait_ready(input_socket)
+        except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
+            self.stop(send_shutdown=None)
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def _wait_ready(self, sock: zmq.Socket) -> EngineCoreReady:
+        """Wait for READY (or FAILED) from the engine core; raise if it fails or dies."""
+        while True:
+            if sock.poll(100):
+                identity, kind, payload = sock.recv_multipart()
+                if identity != self.identity:
+                    logger.warning("Ignoring a handshake from unknown engine %r", identity)
+                    continue
+                if kind == READY:
+                    return MsgpackDecoder(EngineCoreReady).decode(payload)
+                if kind == FAILED:
+                    info: EngineCoreErrorInfo = MsgpackDecoder(EngineCoreErrorInfo).decode(payload)
+                    self.process.join(timeout=SHUTDOWN_TIMEOUT_S)
+                    raise info.to_exception(f"Engine core failed to start: {info.describe()}")
+                raise RuntimeError(f"unexpected handshake frame {kind!r} from the engine core")
+            if not self.process.is_alive():
+                self.process.join()
+                raise RuntimeError(
+                    f"Engine core failed to start: its process {_describe_exit(self.process.exitcode)} before it "
+                    "was ready (its log above may say why)"
+                )
+
+    def start_monitor(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(description)`` from a thread when the process dies, unless
+        ``stop_monitor()`` was called first."""
+
+        def watch() -> None:
+            ready = multiprocessing.connection.wait([self.process.sentinel, self._stop_reader])
+            if self._stop_reader in ready:
+                return
+            self.process.join(timeout=1)  # reap it: no zombie
+            on_death(f"The engine core process (pid {self.pid}) {_describe_exit(self.process.exitcode)}")
+
+        self._monitor = threading.Thread(target=watch, name="kvloom-engine-core-monitor", daemon=True)
+        self._monitor.start()
+
+    def stop_monitor(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stop_writer.send(None)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5)
+
+    def stop(self, send_shutdown: Callable[[], None] | None) -> None:
+        """Ask the process to stop (``send_shutdown``; without it, SIGTERM), then
+        terminate / kill it if it does not."""
+        self.stop_monitor()
+        process = self.process
+        if process.is_alive():
+            if send_shutdown is None:
+                process.terminate()
+            else:
+                with contextlib.suppress(Exception):
+                    send_shutdown()
+            process.join(timeout=SHUTDOWN_TIMEOUT_S)
+        if process.is_alive():
+            logger.warning("The engine core (pid %s) did not stop; terminating it", self.pid)
+            process.terminate()
+            process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        for conn in (self._death_writer, self._stop_reader, self._stop_writer):
+            conn.close()
+
+
+class _MPResources:
+    """What a multiprocess client holds and must release: its sockets, its ZMQ context,
+    its engine core process and the directory of its IPC sockets. A finalizer of the
+    client calls ``close()``, so an ``LLM`` that is dropped stops its engine core."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.ctx = zmq.Context()
+        self.ipc_dir = tempfile.mkdtemp(prefix="kvloom-")
+        self.input_socket: zmq.Socket | None = None
+        self.output_socket: zmq.Socket | None = None
+        self.async_output: zmq.asyncio.Socket | None = None
+        self.engine: EngineCoreProcess | None = None
+
+    def _send_shutdown(self) -> None:
+        assert self.input_socket is not None and self.engine is not None
+        self.input_socket.send_multipart((self.engine.identity, SHUTDOWN, b""), flags=zmq.NOBLOCK)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.engine is not None:
+                self.engine.stop(self._send_shutdown)
+        finally:
+            for sock in (self.async_output, self.input_socket, self.output_socket):
+                if sock is not None:
+                    with contextlib.suppress(Exception):
+                        sock.close(linger=0)
+            self.ctx.term()
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """The parts the sync and asyncio multiprocess clients share: sockets, the engine
+    core process, sending, the death of the engine."""
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self.config = config
+        self.dead_error = None
+        self._engine_reported = False
+        self.resources = resources = _MPResources()
+        self._finalizer = weakref.finalize(self, resources.close)
+        self.input_address = f"ipc://{resources.ipc_dir}/input"
+        self.output_address = f"ipc://{resources.ipc_dir}/output"
+        self._encoder = MsgpackEncoder()
+        self._decoders = output_decoders()
+        self._call_ids = itertools.count(1)
+        try:
+            resources.input_socket = make_socket(resources.ctx, zmq.ROUTER, self.input_address, bind=True)
+            resources.output_socket = make_socket(resources.ctx, zmq.PULL, self.output_address, bind=True)
+            resources.engine = EngineCoreProcess(config, log_stats, resources.input_socket, self.input_address,
+                                                 self.output_address)  # fmt: skip
+        except BaseException:
+            self.shutdown()
+            raise
+        self.engine = resources.engine
+        self._input_socket, self._output_socket = resources.input_socket, resources.output_socket
+        # The values the engine core resolved (the front end's config is a copy).
+        config.cache.num_blocks = self.engine.ready.num_blocks
+        client = weakref.ref(self)  # the monitor must not keep the client alive
+
+        def on_death(description: str) -> None:
+            alive = client()
+            if alive is not None:
+                alive._on_engine_death(description)
+
+        self.engine.start_monitor(on_death)
+
+    @property
+    def closed(self) -> bool:
+        return self.resources.closed
+
+    # ------------------------------------------------------------- sending
+    def _send(self, kind: bytes, obj: Any) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error)) from self.dead_error
+        if self.closed:
+            raise EngineDeadError("the engine core client is shut down")
+        data = self._encoder.encode(obj)
+        try:
+            self._input_socket.send_multipart((self.engine.identity, kind, data), copy=False)
+        except zmq.ZMQError as e:
+            raise EngineDeadError(f"cannot reach the engine core: {e}") from e
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(ADD, [request])
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids and self.dead_error is None and not self.closed:
+            with contextlib.suppress(EngineDeadError):
+                self._send(ABORT, ids)
+
+    def _new_utility_request(self, method: str, args: tuple[Any, ...]) -> UtilityRequest:
+        return UtilityRequest(next(self._call_ids), method, list(args))
+
+    # ------------------------------------------------------------- receiving
+    def _decode(self, frames: list[Any]) -> tuple[bytes, Any]:
+        kind = frames[0].bytes
+        decoder = self._decoders.get(kind)
+        if decoder is None:
+            raise RuntimeError(f"unexpected output frame kind {kind!r} from the engine core")
+        return kind, decoder.decode(frames[1].buffer)
+
+    #: Seconds a reader that got the monitor's DEAD waits for the engine core's own report
+    #: (sent before it exited, so normally there already): it names the cause.
+    ENGINE_REPORT_WAIT_S = 0.2
+
+    @staticmethod
+    def _from_monitor(info: EngineCoreErrorInfo) -> bool:
+        return info.short_type == "EngineDeadError"
+
+    def _dead(self, info: EngineCoreErrorInfo) -> EngineDeadError:
+        """Record the engine's death and return the error. The engine core's own report
+        (the error of a failed step) wins over the monitor's (how the process ended)."""
+        if not self._from_monitor(info) and not self._engine_reported:
+            self._engine_reported = True
+            error = EngineDeadError(f"The engine core failed: {info.describe()}")
+            error.__cause__ = info.to_exception()
+            self.dead_error = error
+            logger.error("%s", error)
+        elif self.dead_error is None:
+            self.dead_error = EngineDeadError(info.message)
+        return EngineDeadError(str(self.dead_error))
+
+    @staticmethod
+    def _utility_result(output: UtilityOutput) -> Any:
+        if output.error is not None:
+            raise output.error.to_exception()
+        return output.result
+
+    # ------------------------------------------------------------- death and shutdown
+    def _on_engine_death(self, description: str) -> None:
+        """From the monitor thread: record the death and wake whoever reads outputs, by
+        sending DEAD to our own output socket."""
+        if self.closed:
+            return
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError(description)
+            logger.error("%s", description)
+        info = EngineCoreErrorInfo(type_name=f"{__name__}:EngineDeadError", message=str(self.dead_error))
+        with contextlib.suppress(zmq.ZMQError):  # the client is closing
+            sock = make_socket(self.resources.ctx, zmq.PUSH, self.output_address, bind=False)
+            try:
+                sock.send_multipart((DEAD, MsgpackEncoder().encode(info)))
+            finally:
+                sock.close(linger=1000)
+
+    def shutdown(self) -> None:
+        """Stop the engine core (SHUTDOWN, then SIGTERM, then SIGKILL) and release
+        everything; idempotent."""
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """For ``LLMEngine``: blocking ``get_output()``; utility calls wait for their result
+    (outputs that arrive meanwhile are kept for ``get_output()``).
+
+    Requests added between two ``get_output()`` calls go to the engine core together, in
+    one message, before it waits for outputs (or sends an abort or a utility call): the
+    engine core admits them together, so an ``LLM.generate`` batch starts as one batch,
+    as it does with the core in-process."""
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self._pending: deque[EngineCoreOutputs] = deque()
+        self._unsent: list[EngineCoreRequest] = []
+        super().__init__(config, log_stats)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error)) from self.dead_error
+        self._unsent.append(request)
+
+    def _flush(self) -> None:
+        if self._unsent:
+            requests, self._unsent = self._unsent, []
+            self._send(ADD, requests)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = set(request_ids)
+        if self._unsent:  # not sent yet: forget them here
+            self._unsent = [r for r in self._unsent if r.request_id not in ids]
+        super().abort_requests(ids)
+
+    def _recv(self) -> tuple[bytes, Any]:
+        sock = self._output_socket
+        while not sock.poll(1000):
+            if self.dead_error is not None and not self.engine.process.is_alive():
+                raise EngineDeadError(str(self.dead_error))
+        kind, obj = self._decode(sock.recv_multipart(copy=False))
+        if kind == DEAD:
+            error = self._dead(obj)
+            deadline = time.monotonic() + self.ENGINE_REPORT_WAIT_S
+            while self._from_monitor(obj) and sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+                follow_kind, follow = self._decode(sock.recv_multipart(copy=False))
+                if follow_kind == DEAD and not self._from_monitor(follow):
+                    error = self._dead(follow)
+                    break
+            raise error
+        return kind, obj
+
+    def get_output(self) -> EngineCoreOutputs:
+        self._flush()
+        if self._pending:
+            return self._pending.popleft()
+        while True:
+            kind, obj = self._recv()
+            if kind == OUTPUTS:
+                return obj
+            logger.warning("Ignoring a utility result nobody waits for (call %s)", obj.call_id)
+
+    def has_unfinished_requests(self) -> bool:
+        # The front end knows which requests are unfinished; the core's are not visible here.
+        return bool(self._pending)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        self._flush()
+        request = self._new_utility_request(method, args)
+        self._send(UTILITY, request)
+        while True:
+            kind, obj = self._recv()
+            if kind == OUTPUTS:
+                self._pending.append(obj)
+            elif obj.call_id == request.call_id:
+                return self._utility_result(obj)
+
+
+class AsyncMPClient(MPClient):
+    """For ``AsyncLLM``: ``get_output_async()`` reads the output socket in the event
+    loop (one reader: the output handler); utility results resolve their futures there."""
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._async_output: zmq.asyncio.Socket | None = None
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        super().__init__(config, log_stats)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.loop is not None and self.loop is not loop:
+            raise RuntimeError("the engine is already bound to another event loop")
+        if self.loop is None:
+            self.loop = loop
+            self._async_output = zmq.asyncio.Socket.from_socket(self._output_socket)
+            self.resources.async_output = self._async_output
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        assert self._async_output is not None, "attach() the event loop first"
+        while True:
+            if self.closed:
+                raise EngineDeadError(str(self.dead_error or "the engine core client is shut down"))
+            kind, obj = self._decode(await self._async_output.recv_multipart(copy=False))
+            if kind == OUTPUTS:
+                return obj
+            if kind == UTILITY_OUTPUT:
+                future = self._utility_futures.pop(obj.call_id, None)
+                if future is not None and not future.done():
+                    try:
+                        future.set_result(self._utility_result(obj))
+                    except Exception as e:
+                        future.set_exception(e)
+                continue
+            error = self._dead(obj)
+            sock = self._async_output
+            deadline = time.monotonic() + self.ENGINE_REPORT_WAIT_S
+            while self._from_monitor(obj) and await sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+                follow_kind, follow = self._decode(await sock.recv_multipart(copy=False))
+                if follow_kind == DEAD and not self._from_monitor(follow):
+                    error = self._dead(follow)
+                    break
+            self._fail_utility_calls()
+            raise error
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        assert self.loop is not None, "attach() the event loop first"
+        request = self._new_utility_request(method, args)
+        future = self.loop.create_future()
+        self._utility_futures[request.call_id] = future
+        try:
+            self._send(UTILITY, request)
+        except BaseException:
+            self._utility_futures.pop(request.call_id, None)
+            raise
+        return await future
+
+    def _fail_utility_calls(self) -> None:
+        futures, self._utility_futures = self._utility_futures, {}
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(str(self.dead_error)))

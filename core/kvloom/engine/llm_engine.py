@@ -1,17 +1,20 @@
 """LLMEngine: the synchronous front end (input processing -> core -> output processing).
 
-Used by ``LLM`` for offline batches. The engine core runs in this thread, one step per
-``step()`` call.
+Used by ``LLM`` for offline batches. The engine core runs in its own process
+(``SyncMPClient``: it steps on its own, ``step()`` takes the next outputs), or with
+``KVLOOM_ENABLE_MULTIPROCESSING=0`` in this thread, one step per ``step()`` call
+(``InprocClient``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
-from kvloom.engine.core_client import InprocClient
+from kvloom.engine.core_client import EngineCoreClient
 from kvloom.engine.frontend import Frontend
 from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
@@ -30,7 +33,7 @@ class LLMEngine:
         self.log_stats = log_stats = not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=log_stats)
         self.tokenizer = self.frontend.tokenizer
-        self.engine_core = InprocClient(config, log_stats=log_stats)
+        self.engine_core: Any = EngineCoreClient.make_client(config, log_stats, asyncio_mode=False)
         self.frontend.start_stat_loggers(stat_loggers=None)
 
     @classmethod
@@ -69,17 +72,22 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.frontend.num_unfinished_requests()
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run the engine core's utility ``method`` (the names in
+        ``kvloom.engine.core_proc.UTILITY_METHODS``) between two steps."""
+        return self.engine_core.call_utility(method, *args)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.engine_core.utility(lambda core: core.add_lora(lora_request))
+        return self.call_utility("add_lora", lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.engine_core.utility(lambda core: core.remove_lora(lora_id))
+        return self.call_utility("remove_lora", lora_id)
 
     def list_loras(self) -> set[int]:
-        return self.engine_core.utility(lambda core: core.list_loras())
+        return set(self.call_utility("list_loras"))
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.utility(lambda core: core.reset_prefix_cache())
+        return self.call_utility("reset_prefix_cache")
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

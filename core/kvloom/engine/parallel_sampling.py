@@ -12,8 +12,9 @@ one ``RequestOutput`` under the parent's id, which is finished when all children
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
+
+import msgspec
 
 from kvloom.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from kvloom.request import EngineCoreRequest
@@ -70,7 +71,7 @@ class ParentRequest:
         return [
             (
                 i,
-                dataclasses.replace(
+                msgspec.structs.replace(
                     self.request,
                     request_id=child_request_id(i, self.request_id),
                     sampling_params=self.child_sampling_params(i),

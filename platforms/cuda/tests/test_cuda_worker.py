@@ -105,6 +105,7 @@ def test_engine_start_profiles_through_the_runner_then_serves(fake_cuda_memory, 
 
     monkeypatch.setattr(ModelRunner, "profile_peak_memory", spy_profile)
     monkeypatch.setattr(CpuPlatform, "get_worker_cls", classmethod(lambda cls: CpuStandInCUDAWorker))
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched platform lives in this process
     llm = LLM(model, dtype="float32", gpu_memory_utilization=0.51)
     worker = llm.llm_engine.engine_core.core.worker
     assert isinstance(worker, CpuStandInCUDAWorker) and profiles == [torch.cuda]

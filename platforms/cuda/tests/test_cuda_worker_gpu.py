@@ -44,6 +44,7 @@ def test_profiled_cache_and_captured_graphs_give_the_eager_tokens(monkeypatch):
     from kvloom import LLM
     from kvloom.interfaces import ModelRunner
 
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spies and the runner live in this process
     peaks = []
     profile = ModelRunner.profile_peak_memory
     monkeypatch.setattr(ModelRunner, "profile_peak_memory", lambda self, memory: peaks.append(profile(self, memory))
@@ -77,6 +78,7 @@ def test_lora_steps_run_the_triton_op_with_the_torch_codes_tokens(tmp_path, monk
     from kvloom import LLM, LoRARequest
     from tests.helpers.lora_fixtures import make_adapter
 
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spy lives in this process
     calls = []
     kernel = lora_ops.lora_delta
     monkeypatch.setattr(lora_ops, "lora_delta", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))

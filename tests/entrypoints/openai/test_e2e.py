@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.engine_faults import child_pids, wait_gone
 from tests.helpers.plugin_server import KvloomServer, install_distribution
 from tests.helpers.waiting import wait_for
 
@@ -38,9 +39,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[
     args = ["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--log-stats-interval", "1"]
     srv = KvloomServer(args, work, [site], KVLOOM_STATS_JSONL=str(records))
     with srv:
+        children = child_pids(srv.process.pid)  # the engine core process (and a resource tracker)
         yield srv
-    # Ctrl-C is a clean, graceful shutdown.
+    # Ctrl-C is a clean, graceful shutdown, which stops the engine core process too.
     assert srv.process.returncode == 0, srv.log()[-5000:]
+    assert all(wait_gone(pid) for pid in children)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,12 @@ def metric(values: dict, name: str, **labels: str) -> float:
 
 
 # ----------------------------------------------------------------- basics
+
+
+def test_the_engine_core_runs_in_its_own_process(server: KvloomServer) -> None:
+    (engine_pid,) = [pid for pid in child_pids(server.process.pid)
+                     if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+    assert f"(EngineCore_0 pid={engine_pid})" in server.log()  # its log lines, in the server's log
 
 
 def test_models_health_version_tokenize(server: KvloomServer, client: openai.OpenAI, model: str) -> None:

@@ -152,7 +152,21 @@ def test_seeded_n_choices_equal_offline_generate(model_dir: str, served: AsyncLL
     assert texts == expected
 
 
-def test_disconnecting_from_an_n_stream_aborts_every_child(served: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def served_in_process(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[AsyncLLM]:
+    """The engine core in a thread of this process (KVLOOM_ENABLE_MULTIPROCESSING=0), so
+    that a test can reach into it."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    engine = tiny_async_llm(model_dir)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def test_disconnecting_from_an_n_stream_aborts_every_child(served_in_process: AsyncLLM,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    served = served_in_process
     core = served.engine_core.core
     step, steps, stall = core.step, [], threading.Event()
     stall.set()

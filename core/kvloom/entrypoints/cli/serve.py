@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 
@@ -61,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
         engine_args = engine_args_from_namespace(args, **overrides)
     except ValueError as exc:
         parser.error(str(exc))
+    # SIGTERM stops the server as Ctrl-C does: gracefully, exit status 0. (uvicorn shuts
+    # down on either, then raises the signal again; this handler turns SIGTERM into the
+    # KeyboardInterrupt below, after the engine core process has been stopped.)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        asyncio.run(
+        status = asyncio.run(
             serve_http(
                 engine_args,
                 host=args.host,
@@ -75,4 +80,13 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # uvicorn shuts down gracefully on Ctrl-C, then re-raises the interrupt.
         logger.info("kvloom serve stopped")
-    return 0
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if status:
+        logger.error("kvloom serve stopped because the engine core died (exit status %d)", status)
+    return status or 0
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

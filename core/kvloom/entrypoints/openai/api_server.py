@@ -272,6 +272,12 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
     return app
 
 
+#: After the engine core died: how long open responses get to send their errors before the
+#: server stops, and how long it then waits for connections before it closes them.
+ENGINE_DEATH_GRACE_S = 1.0
+ENGINE_DEATH_FORCE_EXIT_S = 5.0
+
+
 async def serve_http(
     engine_args: "EngineArgs",
     host: str = "0.0.0.0",
@@ -279,14 +285,34 @@ async def serve_http(
     api_key: str | None = None,
     uvicorn_log_level: str = "info",
     access_log: bool = True,
-) -> None:
-    """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM."""
+) -> int:
+    """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM.
+
+    Returns the exit status: 0 after a shutdown by signal; 1 when the engine core died
+    (every open request got the error, /health answers 503, and the server stops by
+    itself shortly after, so that a supervisor restarts it). The engine core process is
+    stopped either way."""
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[PrometheusStatLogger])
+    engine_error: list[BaseException] = []
     try:
         app = build_app(engine, api_key=api_key)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log)
+        server = uvicorn.Server(config)
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            server.should_exit = True
+            loop.call_later(ENGINE_DEATH_FORCE_EXIT_S, setattr, server, "force_exit", True)
+
+        def on_engine_dead(error: BaseException) -> None:
+            engine_error.append(error)
+            logger.critical("The engine core died (%s); kvloom serve is shutting down (exit status 1)", error)
+            loop.call_later(ENGINE_DEATH_GRACE_S, stop)
+
+        engine.on_engine_dead(on_engine_dead)
         logger.info("kvloom %s serving %s on http://%s:%d", kvloom.__version__,
                     engine.config.model.served_model_name, host, port)  # fmt: skip
-        await uvicorn.Server(config).serve()
+        await server.serve()
     finally:
         engine.shutdown()
+    return 1 if engine_error else 0

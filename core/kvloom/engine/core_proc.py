@@ -1,0 +1,366 @@
+"""EngineCoreProc: the engine core in its own process (vLLM's ``EngineCoreProc``).
+
+The front end (``SyncMPClient`` for ``LLM``, ``AsyncMPClient`` for ``AsyncLLM`` and the
+server, in ``core_client.py``) starts ``run_engine_core`` in a process of the ``spawn``
+context (CUDA cannot be used in a forked child). The ``EngineConfig`` arrives pickled by
+multiprocessing (the platform and backend classes it holds pickle by reference; plugins
+load here too, in ``EngineCore``). Three threads then share the work, so that the busy
+loop only schedules and steps:
+
+* the input thread receives ``[kind, payload]`` frames on the input socket (``DEALER``,
+  identity = the engine index), decodes them (``serial.py``) and puts them on the input
+  queue;
+* the busy loop (the main thread) admits what the input queue holds between steps (add,
+  abort, utility calls), runs ``EngineCore.step()`` while there is work (async
+  scheduling included: ``step()`` keeps its steps in flight) and blocks on the queue
+  when there is none; each step's outputs go to the output queue;
+* the output thread encodes them and sends them on the output socket (``PUSH``).
+
+Startup handshake, on the input socket: ``READY`` with ``EngineCoreReady`` (the number of
+KV blocks and the pid), or ``FAILED`` with the exception that stopped it (type, message,
+traceback). A step that raises kills the engine core: the error goes out as ``DEAD`` and
+the process exits with status 1 (the front end's monitor also notices a process that
+vanished, e.g. killed). The process ignores SIGINT (Ctrl-C in a terminal reaches the
+whole process group; the front end shuts it down), stops cleanly on SIGTERM or a
+``SHUTDOWN`` frame, and exits by itself when its parent dies (the parent holds the write
+end of a pipe whose read end is watched here: end of file = parent gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvloom.config import EngineConfig
+from kvloom.engine.serial import (
+    ABORT,
+    ADD,
+    DEAD,
+    FAILED,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_OUTPUT,
+    EngineCoreErrorInfo,
+    EngineCoreReady,
+    MsgpackEncoder,
+    UtilityOutput,
+    UtilityRequest,
+    convert_args,
+    input_decoders,
+)
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
+from kvloom.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+#: How long the engine core waits for its busy loop to stop once its parent is gone.
+PARENT_DEATH_GRACE_S = 5.0
+
+#: Internal input kind: the output thread failed; the busy loop re-raises the error.
+_FATAL = b"\xff"
+
+
+# ----------------------------------------------------------------- utility calls
+
+
+def core_state(core: Any) -> dict[str, Any]:
+    """The scheduler's state between two steps (for tests and debugging)."""
+    scheduler = core.scheduler
+    return {
+        "num_unfinished_requests": scheduler.get_num_unfinished_requests(),
+        "num_running_requests": len(scheduler.running),
+        "num_waiting_requests": len(scheduler.waiting),
+        "kv_cache_usage": scheduler.kv_cache_manager.usage,
+        "has_work": core.has_work(),
+    }
+
+
+#: The utility calls a front end may make, by name: EngineCore methods, and functions
+#: taking the core first.
+UTILITY_METHODS: dict[str, Any] = {
+    "add_lora": None,
+    "remove_lora": None,
+    "list_loras": None,
+    "reset_prefix_cache": None,
+    "core_state": core_state,
+}
+
+
+def call_utility(core: Any, method: str, args: list[Any] | tuple[Any, ...]) -> Any:
+    """Run the utility ``method`` on ``core`` (arguments typed as its annotations say)."""
+    if method not in UTILITY_METHODS:
+        raise ValueError(f"unknown engine core utility {method!r} (known: {', '.join(sorted(UTILITY_METHODS))})")
+    fn = UTILITY_METHODS[method]
+    if fn is None:
+        bound = getattr(core, method)
+        return bound(*convert_args(bound, list(args)))
+    return fn(core, *args)
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """The input socket identity of engine core ``engine_index`` (how a ROUTER in the
+    front end addresses it; with data parallelism several connect to one ROUTER)."""
+    return engine_index.to_bytes(2, "little")
+
+
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, identity: bytes | None = None) -> zmq.Socket:
+    """A socket with no high-water mark (a ROUTER drops messages at its HWM) and no
+    linger unless set later."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an engine that is gone is an error, not a drop
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+# ----------------------------------------------------------------- the process
+
+
+class EngineCoreProc:
+    """An ``EngineCore`` behind ZMQ sockets: input thread, busy loop, output thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool,
+        input_address: str,
+        output_address: str,
+        engine_index: int = 0,
+    ) -> None:
+        from kvloom.engine.core import EngineCore
+
+        self.engine_index = engine_index
+        self.input_queue: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
+        self.ctx = zmq.Context()
+        self.input_socket = make_socket(self.ctx, zmq.DEALER, input_address, bind=False,
+                                        identity=engine_identity(engine_index))  # fmt: skip
+        self.output_socket = make_socket(self.ctx, zmq.PUSH, output_address, bind=False)
+        # Messages sent before an exit (the handshake, DEAD) are delivered first.
+        self.input_socket.setsockopt(zmq.LINGER, 5000)
+        self.output_socket.setsockopt(zmq.LINGER, 5000)
+        self.core: Any = None
+        self._threads: list[threading.Thread] = []
+        encoder = MsgpackEncoder()
+        try:
+            self.core = EngineCore(config, log_stats=log_stats)
+        except BaseException as exc:
+            try:
+                self.input_socket.send_multipart((FAILED, encoder.encode(EngineCoreErrorInfo.from_exception(exc))))
+            finally:
+                self.input_socket.close()
+                self.output_socket.close()
+                self.ctx.term()  # after the FAILED frame went out (or its linger ran out)
+            raise
+        ready = EngineCoreReady(pid=os.getpid(), num_blocks=int(config.cache.num_blocks or 0))
+        self.input_socket.send_multipart((READY, encoder.encode(ready)))
+        # From here on each socket belongs to one thread.
+        for target, name in ((self._input_loop, "input"), (self._output_loop, "output")):
+            thread = threading.Thread(target=target, name=f"kvloom-engine-core-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    # ------------------------------------------------------------- input thread
+    def _input_loop(self) -> None:
+        decoders = input_decoders()
+        sock = self.input_socket
+        try:
+            while True:
+                frames = sock.recv_multipart(copy=False)
+                kind = frames[0].bytes
+                if kind == SHUTDOWN:
+                    self.input_queue.put((SHUTDOWN, None))
+                    continue
+                decoder = decoders.get(kind)
+                if decoder is None:
+                    raise ValueError(f"unknown input frame kind {kind!r}")
+                self.input_queue.put((kind, decoder.decode(frames[1].buffer)))
+        except zmq.ContextTerminated:
+            pass
+        except BaseException as exc:  # a message it cannot read: the engine cannot go on
+            logger.exception("Engine core input thread failed")
+            self.input_queue.put((_FATAL, exc))
+        finally:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------- output thread
+    def _output_loop(self) -> None:
+        encoder = MsgpackEncoder()
+        sock = self.output_socket
+        try:
+            while True:
+                item = self.output_queue.get()
+                if item is None:
+                    return
+                kind, obj = item
+                try:
+                    data = encoder.encode(obj)
+                except Exception as exc:
+                    if kind != UTILITY_OUTPUT:
+                        raise
+                    # A utility result that cannot be sent is that call's error.
+                    error = EngineCoreErrorInfo.from_exception(exc)
+                    data = encoder.encode(UtilityOutput(obj.call_id, error=error))
+                sock.send_multipart((kind, data), copy=False)
+        except BaseException as exc:
+            logger.exception("Engine core output thread failed")
+            try:
+                sock.send_multipart((DEAD, encoder.encode(EngineCoreErrorInfo.from_exception(exc))))
+            except Exception:
+                pass
+            self.input_queue.put((_FATAL, exc))
+        finally:
+            sock.close()  # with its linger: pending messages go out
+
+    # ------------------------------------------------------------- busy loop
+    def run_busy_loop(self) -> None:
+        core, inbox, outbox = self.core, self.input_queue, self.output_queue
+        while True:
+            # Block for work when idle; otherwise admit whatever arrived, then step.
+            if not core.has_work():
+                if not self._handle_input(*inbox.get()):
+                    return
+            while not inbox.empty():
+                if not self._handle_input(*inbox.get_nowait()):
+                    return
+            if core.has_work():
+                outputs = core.step()
+                if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
+                    outputs.engine_index = self.engine_index
+                    outbox.put((OUTPUTS, outputs))
+
+    def _handle_input(self, kind: bytes, payload: Any) -> bool:
+        if kind == ADD:
+            for request in payload:
+                try:
+                    self.core.add_request(request)
+                except ValueError as e:  # a bad request: reject it, keep serving the rest
+                    logger.warning("Rejected request %s: %s", request.request_id, e)
+                    rejected = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
+                    outputs = EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic(),
+                                                engine_index=self.engine_index)  # fmt: skip
+                    self.output_queue.put((OUTPUTS, outputs))
+        elif kind == ABORT:
+            self.core.abort_requests(payload)
+        elif kind == UTILITY:
+            self.output_queue.put((UTILITY_OUTPUT, self._run_utility(payload)))
+        elif kind == SHUTDOWN:
+            return False
+        elif kind == _FATAL:
+            raise payload
+        return True
+
+    def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
+        try:
+            return UtilityOutput(request.call_id, result=call_utility(self.core, request.method, request.args))
+        except Exception as exc:  # the caller's error; the engine goes on
+            return UtilityOutput(request.call_id, error=EngineCoreErrorInfo.from_exception(exc))
+
+    # ------------------------------------------------------------- exit
+    def report_dead(self, exc: BaseException) -> None:
+        self.output_queue.put((DEAD, EngineCoreErrorInfo.from_exception(exc)))
+
+    def shutdown(self) -> None:
+        """Flush the output queue, stop the threads, shut the core down."""
+        self.output_queue.put(None)
+        for thread in self._threads:
+            if thread.name.endswith("output"):
+                thread.join(timeout=10)
+        try:
+            if self.core is not None:
+                self.core.shutdown()
+        finally:
+            self.ctx.term()  # wakes the input thread (ContextTerminated), waits for the sends
+
+
+def _watch_parent(death_pipe: Any, inbox: list[queue.SimpleQueue]) -> None:
+    """Block until the parent process is gone (end of file on the pipe), then stop: ask
+    the busy loop (``inbox``, filled once it exists) to shut down, and exit regardless
+    after a grace period (a long step, or a core still loading)."""
+    try:
+        death_pipe.recv()
+    except (EOFError, OSError):
+        pass
+    logger.warning("The engine core's parent process is gone; shutting down")
+    if inbox:
+        inbox[0].put((SHUTDOWN, None))
+    time.sleep(PARENT_DEATH_GRACE_S)
+    os._exit(1)
+
+
+def _setup_logging(level: int | None, fmt: str | None, engine_index: int) -> None:
+    if level is None:
+        return
+    prefix = f"(EngineCore_{engine_index} pid={os.getpid()}) "
+    logging.basicConfig(level=level, format=prefix + (fmt or "%(levelname)s %(asctime)s %(name)s: %(message)s"),
+                        stream=sys.stderr)  # fmt: skip
+
+
+def run_engine_core(
+    config: EngineConfig,
+    log_stats: bool,
+    input_address: str,
+    output_address: str,
+    engine_index: int = 0,
+    death_pipe: Any = None,
+    log_level: int | None = None,
+    log_format: str | None = None,
+) -> None:
+    """The engine core process's target: build the core, handshake, run the busy loop.
+    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure."""
+    _setup_logging(log_level, log_format, engine_index)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminated = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal terminated
+        if not terminated:
+            terminated = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    proc: EngineCoreProc | None = None
+    status = 0
+    inbox: list[queue.SimpleQueue] = []
+    if death_pipe is not None:
+        threading.Thread(target=_watch_parent, args=(death_pipe, inbox), name="kvloom-engine-core-parent-watch",
+                         daemon=True).start()  # fmt: skip
+    try:
+        proc = EngineCoreProc(config, log_stats, input_address, output_address, engine_index)
+        inbox.append(proc.input_queue)
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("Engine core stopped by SIGTERM")
+    except BaseException as exc:
+        status = 1
+        if proc is None:
+            logger.error("Engine core failed to start", exc_info=exc)
+        else:
+            logger.error("Engine core failed; it is shutting down", exc_info=exc)
+            proc.report_dead(exc)
+    finally:
+        if proc is not None:
+            try:
+                proc.shutdown()
+            except Exception:
+                logger.exception("Engine core shutdown failed")
+                status = status or 1
+    sys.exit(status)
