@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.lora_fixtures import edit_adapter_config, hf_greedy, make_adapter
-from tests.helpers.model_fixtures import tiny_model_dir
-from tests.helpers.plugin_server import KvloomServer, install_distribution
+from kvloom.testing.install import KvloomServer, install_distribution
+from kvloom.testing.lora import edit_adapter_config, make_adapter
+from kvloom.testing.models import hf_greedy_tokens, tiny_model_dir
 
 SOURCE = Path(__file__).resolve().parents[1]
 SERVED = "tiny-llama"
@@ -53,7 +53,7 @@ def test_resolves_an_adapter_from_the_index(server: KvloomServer, adapters: dict
     status, body = _complete(server, "sql")
     assert status == 200, body
     tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
-    assert tokens == hf_greedy(tiny_model_dir("llama"), adapters["sql"], PROMPT, 6)
+    assert [tokens] == hf_greedy_tokens(tiny_model_dir("llama"), [PROMPT], 6, adapter_dir=adapters["sql"])
     cards = {card["id"]: card for card in server.get("/v1/models").json()["data"]}
     assert cards["sql"]["parent"] == SERVED and cards["sql"]["root"] == str(adapters["sql"])
     assert "LoRA resolver example_index found adapter sql" in server.log()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.model_fixtures import hf_greedy_tokens, tiny_model_dir
-from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
+from kvloom.testing.install import install_distribution, plugin_env
+from kvloom.testing.models import hf_greedy_tokens, tiny_model_dir
 
-EXAMPLES = REPO / "plugins" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2]  # plugins/examples: this example and the backend example
 CLI = [sys.executable, "-m", "kvloom"]
 PROMPT = "The quick brown fox"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.model_fixtures import tiny_model_dir
-from tests.helpers.plugin_server import install_distribution, plugin_env
+from kvloom.testing.install import install_distribution, plugin_env
+from kvloom.testing.models import tiny_model_dir
 
 SOURCE = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "kvloom"]
