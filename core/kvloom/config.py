@@ -141,7 +141,7 @@ class LoRAConfig(_Section):
 
 class ObservabilityConfig(_Section):
     disable_log_stats: bool
-    log_stats_interval: float
+    log_stats_interval: float = Field(gt=0.0)
 
 
 class DeviceConfig(_Section):

@@ -132,7 +132,9 @@ class EngineArgs(BaseModel):
     disable_log_stats: bool = Field(
         False, description="Turn engine stats off: no periodic stats line, no stat logger plugins, no engine metrics."
     )
-    log_stats_interval: float = Field(5.0, gt=0.0, description="Seconds between stat log lines.")
+    log_stats_interval: float = Field(
+        5.0, gt=0.0, description="Seconds (> 0) between stats summaries (the stat loggers' log()); once more at shutdown."
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
