@@ -30,7 +30,8 @@ example packages):
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
   ``PrefixCacheStats``, ``IterationStats``, ``FinishedRequestStats``;
 - LoRA resolvers: ``LoRAResolver``, ``LoRARequest``, ``read_adapter_config``,
-  ``validate_adapter_config``, ``ADAPTER_CONFIG_FILE``.
+  ``validate_adapter_config``, ``LoRAAdapterError`` (the ``ValueError`` those two raise),
+  ``ADAPTER_CONFIG_FILE``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -62,7 +63,7 @@ from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
-from kvloom.lora.adapter import read_adapter_config, validate_adapter_config
+from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
@@ -97,6 +98,7 @@ __all__ = [
     "FinishedRequestStats",
     "IOProcessor",
     "IterationStats",
+    "LoRAAdapterError",
     "LoRAMapping",
     "LoRARequest",
     "LoRAResolver",
