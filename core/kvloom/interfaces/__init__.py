@@ -20,8 +20,11 @@ example packages):
   ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
   subclass), which drives a ``ModelRunner`` (``self.runner``: a platform's worker calls
   its ``profile_peak_memory`` to size the KV cache and ``capture_cudagraphs``);
-  ``EngineConfig`` (what ``check_and_update_config`` adjusts),
-  ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
+  ``EngineConfig`` (what ``check_and_update_config`` adjusts) and its sections
+  ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``,
+  ``AttentionConfig``, ``LoadConfig``, ``CompilationConfig``, ``LoRAConfig``,
+  ``ObservabilityConfig``, ``DeviceConfig`` (each field documented, with what platforms
+  and hooks may change), ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
   replace: ``CUSTOM_OP_SIGNATURES``, and ``LoRAMapping`` for the ``lora_delta`` op;
 - general plugins: ``hookimpl`` and the registries the hooks receive
   (``ModelRegistry``, ``LoRAResolverRegistry``);
@@ -57,7 +60,20 @@ from kvloom.attention.backend import (
     MultipleOf,
 )
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
-from kvloom.config import CUDAGraphMode, EngineConfig
+from kvloom.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    CUDAGraphMode,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    LoRAConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
@@ -83,6 +99,7 @@ __all__ = [
     "ADAPTER_CONFIG_FILE",
     "AttentionBackend",
     "AttentionCGSupport",
+    "AttentionConfig",
     "AttentionImpl",
     "AttentionLayerSpec",
     "AttentionMetadataBuilder",
@@ -92,27 +109,36 @@ __all__ = [
     "BlockSizeSpec",
     "CUDAGraphMode",
     "CUSTOM_OP_SIGNATURES",
+    "CacheConfig",
     "CommonAttentionMetadata",
+    "CompilationConfig",
     "DeviceCapability",
+    "DeviceConfig",
     "EngineConfig",
     "FinishedRequestStats",
     "IOProcessor",
     "IterationStats",
     "LoRAAdapterError",
+    "LoRAConfig",
     "LoRAMapping",
     "LoRARequest",
     "LoRAResolver",
     "LoRAResolverRegistry",
+    "LoadConfig",
+    "ModelConfig",
     "ModelRegistry",
     "ModelRunner",
     "MultipleOf",
+    "ObservabilityConfig",
     "PLUGIN_API_VERSION",
+    "ParallelConfig",
     "Platform",
     "PoolingParams",
     "PoolingRequestOutput",
     "PrefixCacheStats",
     "PromptType",
     "SamplingParams",
+    "SchedulerConfig",
     "SchedulerStats",
     "StatLoggerBase",
     "Worker",
@@ -145,8 +171,12 @@ BlockSizeSpec: type
 CUSTOM_OP_SIGNATURES: dict[str, str]
 """The layer ops a platform may replace through ``Platform.custom_ops(config)``: op name ->
 the call each layer makes (arguments -> result). A replacement takes the same arguments,
-returns new tensors (inputs untouched) and matches the torch code's results for the dtypes
-it is enabled for; ``lora_delta`` may add to ``y`` in place."""
+returns new tensors (inputs untouched; ``lora_delta`` may add to ``y`` in place) and
+matches the torch code (``kvloom.testing.custom_op_reference(name)``) for the dtypes it is
+enabled for: bit-identical for ``silu_and_mul``, ``rotary_qk`` and the residual sum of
+``fused_add_rms_norm``; within 2 ulp (float16/bfloat16) or 1e-5 relative (float32) for the
+norms; ``lora_delta`` within the dtype's tolerance of ``lora_delta_reference``.
+``kvloom.testing.check_custom_op`` checks all of it."""
 
 LoRAResolverRegistry: "_LoRAResolverRegistry"
 """The process's LoRA resolvers, by name, in registration order (what the
