@@ -3,8 +3,10 @@
 Plugins import from here (and model authors also from ``kvloom.interfaces.models``);
 every other kvloom module is private and may change without notice. A plugin's tests
 also use ``kvloom`` itself (the user API: ``LLM``, ``SamplingParams``, ``EngineArgs``,
-...) and ``kvloom.testing`` (the conformance suite, the float64 references, helpers to
-resolve an engine config, make a backend class look installed, run the CLI in-process).
+...) and ``kvloom.testing`` (the conformance suite, the float64 and custom-op references,
+helpers to resolve an engine config, make a backend class look installed, run the CLI
+in-process; tiny checkpoints, LoRA adapters and pip-install helpers in its
+``models``, ``lora`` and ``install`` modules).
 ``tests/test_plugin_face.py`` keeps the first-party plugins and their tests to this rule.
 What each name is for, by plugin kind (``docs/plugins.md`` has the whole contracts, with
 example packages):
