@@ -2,8 +2,9 @@
 
 ``scripts/build-api-docs.sh`` (pdoc) renders ``kvloom.interfaces``,
 ``kvloom.interfaces.models`` and ``kvloom.testing`` into a temporary directory, exactly as a
-developer builds ``docs/api/``. Then every name of ``kvloom.interfaces.__all__`` and
-``kvloom.interfaces.models.__all__`` must have its entry in the rendered page with a
+developer builds ``docs/api/``. Then every name of the ``__all__`` of ``kvloom.interfaces``,
+``kvloom.interfaces.models`` and the test-setup helpers (``kvloom.testing.models``,
+``.lora``, ``.install``) must have its entry in the rendered page with a
 docstring of its own (not one inherited from ``abc.ABC`` or ``torch.nn.Module``), and so
 must every public member that a kvloom class of those lists defines: methods, properties,
 class attributes, dataclass fields and enum members (attributes set in ``__init__`` are
@@ -26,7 +27,13 @@ import pytest
 from pydantic import BaseModel
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = ("kvloom.interfaces", "kvloom.interfaces.models")
+MODULES = (
+    "kvloom.interfaces",
+    "kvloom.interfaces.models",
+    "kvloom.testing.models",
+    "kvloom.testing.lora",
+    "kvloom.testing.install",
+)
 #: Pydantic's own class attributes, not part of any kvloom contract.
 PYDANTIC_INTERNALS = {"model_config", "model_fields", "model_computed_fields"}
 

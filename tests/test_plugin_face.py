@@ -15,7 +15,10 @@ run by ``python -c``). The rule:
   ``kvloom.interfaces.models`` only;
 - test code (a distribution's ``tests/`` folder) uses those, ``kvloom.testing`` and its
   modules, and ``kvloom`` itself for its user API (``from kvloom import LLM,
-  SamplingParams, EngineArgs``; ``python -m kvloom``).
+  SamplingParams, EngineArgs``; ``python -m kvloom``);
+- the example packages (``plugins/examples/*``), which third parties copy, import nothing
+  of this repository but kvloom: not kvloom's own test helpers (``tests.helpers``), which
+  are not installed with kvloom (the first-party distributions' tests may use them).
 """
 
 from __future__ import annotations
@@ -199,6 +202,37 @@ def in_tests_folder(dist: Path, path: Path) -> bool:
     return path.relative_to(dist).parts[0] == "tests"
 
 
+#: Top-level packages of this repository that are not installed with kvloom.
+REPO_PRIVATE_PACKAGES = ("tests",)
+
+
+def repo_private_imports(path: Path) -> list[str]:
+    """``file:line imports MODULE`` for every import of a repository-private package
+    (``tests.helpers...``) in ``path``: import statements anywhere, and import statements
+    inside string literals (code run by ``python -c``)."""
+
+    def private(module: str) -> bool:
+        return module.split(".")[0] in REPO_PRIVATE_PACKAGES
+
+    found = []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif (text := _string_text(node)) is not None:
+            modules = re.findall(r"(?:^|[;\n])[ \t]*(?:from|import)[ \t]+([\w.]+)", text)
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        found += [f"{where}:{node.lineno} imports {m}" for m in modules if private(m)]
+    return found
+
+
+def example_files() -> list[Path]:
+    return [p for dist, files in distribution_files().items() if dist.parent.name == "examples" for p in files]
+
+
 @pytest.fixture(scope="module")
 def uses() -> dict[str, list[Use]]:
     """``"package"`` / ``"tests"`` -> every kvloom use in that kind of code."""
@@ -238,6 +272,29 @@ def test_plugin_tests_import_only_the_public_face(uses: dict[str, list[Use]]) ->
         "plugin tests may import kvloom (its user API), kvloom.interfaces(.models) and "
         "kvloom.testing(.*) only (add a helper to kvloom.testing for what they need):\n" + "\n".join(wrong)
     )
+
+
+def test_the_examples_need_nothing_but_kvloom() -> None:
+    files = example_files()
+    assert len({p.parts[-3] for p in files if p.parent.name == "tests"}) >= 6  # every example's tests
+    wrong = [line for path in files for line in repo_private_imports(path)]
+    assert not wrong, (
+        "the example packages are copied by plugin authors, who have kvloom but not this repository: "
+        "use kvloom.testing (add a helper there) instead of:\n" + "\n".join(wrong)
+    )
+
+
+def test_the_private_import_reader(tmp_path: Path) -> None:
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "import tests.helpers.model_fixtures\n"
+        "from tests.helpers.plugin_server import REPO\n"
+        "from kvloom.testing.models import tiny_model_dir\n"
+        "CODE = 'import json; from tests.helpers.lora_fixtures import make_adapter'\n"
+        "import testsuite\n"
+    )
+    found = [line.split(" imports ")[1] for line in repo_private_imports(source)]
+    assert found == ["tests.helpers.model_fixtures", "tests.helpers.plugin_server", "tests.helpers.lora_fixtures"]
 
 
 def test_the_reader_sees_every_kind_of_import(tmp_path: Path) -> None:

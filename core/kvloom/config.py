@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvloom.attention.backend import AttentionBackend
 from kvloom.platforms.interface import Platform
 
+
 class CUDAGraphMode(str, enum.Enum):
     """vLLM's cudagraph_mode values. kvloom has no piecewise compilation, so the
     PIECEWISE parts of a mode run eagerly (documented in docs/cuda_graphs.md)."""
@@ -42,115 +43,218 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    model: str  # the path that was loaded (HF directory or .gguf file), or the user's string
+    """The model: where it came from, its HF config and the numbers resolved from it.
+
+    Fixed once resolved: a platform's ``check_and_update_config`` and the general plugins'
+    ``kvloom_update_engine_config`` must not change these fields (the engine refuses to
+    start if they do), except ``max_model_len``, which they may lower together with
+    ``scheduler.max_model_len``. Model classes read them (``config.model.head_size``, ...)."""
+
+    model: str
+    """The path that was loaded: the HF directory or the ``.gguf`` file (absolute)."""
     tokenizer: str | None
+    """Directory or ``.gguf`` file of the tokenizer (default: the model's)."""
     skip_tokenizer_init: bool
+    """No tokenizer: prompts are token ids and outputs carry no text."""
     served_model_name: str
+    """The model's name in the API (``model`` of requests, ``/v1/models``, the startup line,
+    stat loggers, what LoRA resolvers receive): ``--served-model-name``, else the model
+    directory's name (``/srv/models/Llama-3.2-1B`` -> ``Llama-3.2-1B``), the ``.gguf``
+    file's stem, or ``SmolLM2-135M-Instruct`` for the default model."""
     hf_config: Any  # transformers.PretrainedConfig
+    """The checkpoint's ``transformers.PretrainedConfig`` (from ``config.json``, or converted
+    from GGUF metadata); a model reads its own fields from it."""
     architecture: str
+    """The ``architectures`` entry of the checkpoint that selected the model class."""
     dtype: torch.dtype
-    max_model_len: int
-    seed: int
+    """The dtype weights and activations run in (``--dtype``; ``auto`` resolved by the
+    platform's ``supported_dtypes``)."""
+    max_model_len: int = Field(ge=1)
+    """The longest sequence (prompt + output) of a request; at most the model's maximum.
+    Equal to ``scheduler.max_model_len``."""
+    seed: int = Field(ge=0)
+    """Seed of dummy weights and of requests without a seed of their own."""
     runner: Literal["generate", "pooling"]
+    """``generate`` (text, through the LM head) or ``pooling`` (embeddings of the hidden
+    states)."""
     pooling_type: str = "LAST"
+    """Pooling runs: ``LAST``, ``MEAN`` or ``CLS``."""
     normalize: bool = True
+    """Pooling runs: L2-normalise the pooled vectors."""
     io_processor_plugin: str | None = None
+    """The IO processor plugin to run (``--io-processor-plugin``, else ``config.json``'s
+    ``io_processor_plugin``), or None."""
 
     def _text_config(self) -> Any:
         return getattr(self.hf_config, "text_config", None) or self.hf_config
 
     @property
     def num_layers(self) -> int:
+        """``num_hidden_layers`` of the (text) config."""
         return self._text_config().num_hidden_layers
 
     @property
     def num_heads(self) -> int:
+        """Query heads per layer: ``num_attention_heads``."""
         return self._text_config().num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:
+        """Key/value heads per layer: ``num_key_value_heads``, else ``num_attention_heads``."""
         c = self._text_config()
         return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
 
     @property
     def head_size(self) -> int:
+        """``head_dim`` when the config has one, else ``hidden_size // num_attention_heads``."""
         c = self._text_config()
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     @property
     def hidden_size(self) -> int:
+        """``hidden_size`` of the (text) config."""
         return self._text_config().hidden_size
 
     @property
     def vocab_size(self) -> int:
+        """``vocab_size`` of the (text) config."""
         return self._text_config().vocab_size
 
 
 class CacheConfig(_Section):
-    block_size: int
+    """The paged KV cache. Platforms and hooks may change the memory budget
+    (``gpu_memory_utilization``, ``kv_cache_memory``, ``num_gpu_blocks_override``) and
+    prefix caching; ``block_size`` and ``cache_dtype`` only to values the selected attention
+    backend serves (checked: the engine refuses others with the backend's reasons)."""
+
+    block_size: int = Field(ge=1)
+    """Tokens per KV-cache block (``--block-size``, else the selected backend's preferred
+    size)."""
     user_specified_block_size: bool
-    gpu_memory_utilization: float
-    kv_cache_memory: int | None
-    num_gpu_blocks_override: int | None
+    """Whether the user gave ``--block-size``."""
+    gpu_memory_utilization: float = Field(gt=0.0, le=1.0)
+    """Fraction of the device memory the engine may use (the CUDA worker sizes the cache
+    from it)."""
+    kv_cache_memory: int | None = Field(default=None, gt=0)
+    """KV-cache bytes (``--kv-cache-memory``); when set, the worker uses exactly this."""
+    num_gpu_blocks_override: int | None = Field(default=None, ge=1)
+    """Force the number of KV-cache blocks (the worker's budget is not asked)."""
     cache_dtype: str
+    """KV-cache dtype: ``auto`` (the model dtype), ``float16``, ``bfloat16`` or ``float32``."""
     enable_prefix_caching: bool
+    """Reuse the KV blocks of shared prompt prefixes."""
     prefix_caching_hash_algo: str
+    """Block hash: ``sha256``, ``sha256_cbor`` or ``xxhash``."""
     num_blocks: int | None = None  # set once the worker has sized the cache
+    """The number of KV-cache blocks, set by the engine once the worker has sized the cache
+    (None before; read-only for plugins)."""
 
 
 class SchedulerConfig(_Section):
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    long_prefill_token_threshold: int
+    """Batching. Platforms and hooks may change every field, keeping
+    ``max_num_batched_tokens >= max_num_seqs`` and ``max_model_len`` equal to
+    ``model.max_model_len``."""
+
+    max_num_seqs: int = Field(ge=1)
+    """The most requests in one step."""
+    max_num_batched_tokens: int = Field(ge=1)
+    """The most tokens in one step (without chunked prefill at least ``max_model_len``)."""
+    max_model_len: int = Field(ge=1)
+    """The longest sequence; equal to ``model.max_model_len`` (change both or neither)."""
+    long_prefill_token_threshold: int = Field(ge=0)
+    """Cap on one request's prefill chunk per step (0: no cap); with chunked prefill only."""
     enable_chunked_prefill: bool
+    """Split long prompts across steps."""
     policy: Literal["fcfs", "priority"]
+    """Queue order: first come first served, or by request priority."""
     async_scheduling: bool = False
+    """Schedule step n+1 while step n runs on the device."""
 
 
 class ParallelConfig(_Section):
-    tensor_parallel_size: int = 1
+    """Parallelism (one device today)."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1)
+    """Tensor-parallel degree: 1 (the only value kvloom supports)."""
 
 
 class AttentionConfig(_Section):
+    """The attention backend. Fixed once resolved: platforms and hooks must not change it
+    (model layers and the KV cache are built for it)."""
+
     requested_backend: str | None  # the user's --attention-backend (None = by priority)
+    """The user's ``--attention-backend`` NAME, or None (selected by the platform's priority)."""
     backend: type[AttentionBackend]  # what selection picked
+    """The selected ``AttentionBackend`` class: pass it to every ``Attention`` layer."""
 
 
 class LoadConfig(_Section):
+    """Weight loading."""
+
     load_format: str
-    #: "hf" (config.json + safetensors/bin), "gguf", or "dummy" (random weights)
+    """``auto``, ``safetensors``, ``pt``, ``gguf`` or ``dummy`` (random weights)."""
     source_kind: str = "hf"
+    """Where the weights come from: ``hf`` (an HF directory) or ``gguf`` (a GGUF file)."""
 
 
 class CompilationConfig(_Section):
-    optimization_level: int
+    """CUDA graphs and the platform's custom ops. Platforms and hooks may change every
+    field (turn graphs off, change the capture sizes, ``custom_ops``)."""
+
+    optimization_level: int = Field(ge=0, le=3)
+    """``-O0`` .. ``-O3``: the defaults of the fields below."""
     enforce_eager: bool
+    """No CUDA graphs at all."""
     cudagraph_mode: CUDAGraphMode
+    """vLLM's mode; NONE on a platform without ``supports_cuda_graphs``."""
     cudagraph_capture_sizes: list[int]
+    """Decode batch sizes whose graphs are captured (sizes above ``max_num_seqs`` are
+    ignored)."""
     custom_ops: Literal["all", "none"] = "all"
+    """``all``: the platform's ``custom_ops`` replace the layers' torch code; ``none``: the
+    torch code runs everywhere."""
 
 
 class LoRAConfig(_Section):
+    """LoRA adapters. Platforms and hooks may lower the limits."""
+
     enable_lora: bool
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
+    """Whether adapters can be served (the projections are wrapped at load)."""
+    max_loras: int = Field(ge=1)
+    """The most adapters in one step."""
+    max_lora_rank: int = Field(ge=1)
+    """The largest adapter rank."""
+    max_cpu_loras: int = Field(ge=1)
+    """Adapters kept loaded in host memory (at least ``max_loras``)."""
     lora_modules: dict[str, str] = Field(default_factory=dict)
+    """``name -> path`` of the adapters the server loads at startup."""
 
 
 class ObservabilityConfig(_Section):
+    """Engine statistics. Platforms and hooks may change both fields."""
+
     disable_log_stats: bool
-    log_stats_interval: float
+    """No stats: no summary line, no engine metrics, no stat logger plugins."""
+    log_stats_interval: float = Field(gt=0.0)
+    """Seconds (> 0) between the stat loggers' ``log()`` summaries."""
 
 
 class DeviceConfig(_Section):
+    """The device. Fixed once resolved: platforms and hooks must not change it."""
+
     platform: type[Platform]  # the active platform
+    """The active ``Platform`` class."""
     device_type: str
+    """Its torch device type (``platform.device_type``)."""
 
 
 class EngineConfig(_Section):
-    """The resolved configuration every component receives."""
+    """The resolved configuration every component receives: one pydantic model per
+    section, each validated on assignment (a wrong type or an out-of-range value raises
+    ``pydantic.ValidationError`` naming the field). A platform's
+    ``check_and_update_config`` and the general plugins' ``kvloom_update_engine_config``
+    adjust it in place; what they may change is said section by section (``docs/plugins.md``,
+    "The engine config"): never the model, the attention backend or the platform."""
 
     model: ModelConfig
     """The model: path, ``hf_config``, ``architecture``, ``dtype``, ``max_model_len``, the

@@ -68,7 +68,10 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
         request_id: str | None = None,
         **kwargs: Any,
     ) -> IOProcessorOutput:
-        """Turn the pooled outputs (in prompt order) into the plugin's output."""
+        """Turn the pooled outputs (in prompt order) into the plugin's output. For
+        ``POST /pooling`` it must be JSON-serialisable (dicts, lists, str, numbers, bool,
+        None, dataclasses, pydantic models; a tensor is not: ``.tolist()`` it); anything
+        else, and any exception raised here, is a 500 for the client."""
 
     async def post_process_async(
         self,
@@ -78,7 +81,8 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
     ) -> IOProcessorOutput:
         """``post_process`` for the server: ``model_output`` yields ``(prompt index,
         output)`` pairs as the prompts finish. Default: collects them, sorts them by prompt
-        index and calls ``post_process``."""
+        index and calls ``post_process``. The result is the response's ``data`` and must be
+        JSON-serialisable (see ``post_process``)."""
         # Outputs may arrive in any order: sort by prompt index first.
         collected = sorted([(i, item) async for i, item in model_output], key=lambda x: x[0])
         return self.post_process([item for _, item in collected], request_id=request_id, **kwargs)

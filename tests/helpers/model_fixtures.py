@@ -1,12 +1,12 @@
 """Tiny random HF models (with real tokenizers) and helpers to run kvloom models in tests.
 
-Reusable by any test module:
+The tiny checkpoints, the tokenizer and HF transformers' references are
+``kvloom.testing.models``' (shipped with kvloom for plugin authors; re-exported here
+under the names kvloom's tests use): ``make_tiny_model``, ``tiny_model_dir``,
+``save_tiny_checkpoint``, ``build_tokenizer``, ``make_hf_config`` (``tiny_hf_config``),
+``load_hf_model``, ``hf_greedy_tokens``, ``random_prompts``, ``ARCHITECTURES``,
+``TINY_CONFIGS``, ``EOS_TOKEN``. What only kvloom's own tests use lives here:
 
-* ``make_tiny_model(arch, out_dir)`` saves a tiny random Llama / Mistral / Qwen2 / Qwen3
-  (GQA, non-default head dims, ``initializer_range`` 0.1 (see ``make_hf_config``), random
-  biases and norm weights, fp32) with ``save_pretrained``, plus a small byte-level BPE
-  tokenizer with an eos token and a ChatML chat template.
-* ``tiny_model_dir(arch)`` makes that model once per session and returns its directory.
 * ``make_test_engine_config(model)`` builds an ``EngineConfig`` directly (a stand-in
   platform, no plugins) whose attention backend is the given class (default: the test
   ``ReferenceBackend``).
@@ -18,10 +18,7 @@ Reusable by any test module:
 
 from __future__ import annotations
 
-import atexit
 import functools
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,143 +44,44 @@ from kvloom.config import (
 from kvloom.forward_context import set_forward_context
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.platforms.interface import Platform
+from kvloom.testing.models import (
+    EOS_TOKEN,
+    TINY_ARCHITECTURES,
+    TINY_CONFIGS,
+    build_tokenizer,
+    hf_greedy_tokens,
+    load_hf_model,
+    make_tiny_model,
+    random_prompts,
+    save_tiny_checkpoint,
+    tiny_model_dir,
+)
+from kvloom.testing.models import tiny_hf_config as make_hf_config
 from kvloom.worker.worker import Worker
-
 from tests.helpers.reference_backend import ReferenceBackend
 
-# ---------------------------------------------------------------------- tokenizer
+ARCHITECTURES = TINY_ARCHITECTURES
 
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "What is the capital of France? The capital of France is Paris.",
-    "Hello world! This is a tiny tokenizer for kvloom tests.",
-    "Large language models predict the next token from the previous tokens.",
-    "One, two, three, four, five, six, seven, eight, nine, ten.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "user assistant system: please answer the question briefly.",
+__all__ = [
+    "ARCHITECTURES",
+    "EOS_TOKEN",
+    "TINY_CONFIGS",
+    "PagedRunner",
+    "assemble_engine_config",
+    "assert_logits_close",
+    "build_tokenizer",
+    "hf_greedy_tokens",
+    "hf_logits",
+    "load_hf_model",
+    "make_hf_config",
+    "make_test_engine_config",
+    "make_tiny_model",
+    "random_prompts",
+    "save_tiny_checkpoint",
+    "stand_in_platform",
+    "tiny_async_llm",
+    "tiny_model_dir",
 ]
-EOS_TOKEN = "<|endoftext|>"
-SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def build_tokenizer(vocab_size: int = 320) -> Any:
-    """A byte-level BPE tokenizer trained on a tiny corpus (any text encodes), wrapped as
-    a transformers ``PreTrainedTokenizerFast`` with eos and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-# ---------------------------------------------------------------------- tiny models
-
-#: Per-architecture config overrides. Sizes are tiny but exercise GQA (kv heads < heads),
-#: head dims that differ from hidden/heads, tied and untied LM heads, biases and q/k norm.
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
-    "mistral": dict(
-        model_type="mistral", vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-        rope_theta=50000.0, sliding_window=4096, tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        model_type="qwen2", vocab_size=600, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    ),
-    "qwen3": dict(
-        model_type="qwen3", vocab_size=520, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
-        rope_theta=1000000.0, tie_word_embeddings=False,
-    ),
-}
-ARCHITECTURES = tuple(TINY_CONFIGS)
-
-
-def make_hf_config(arch: str, **overrides: Any) -> Any:
-    from transformers import AutoConfig
-
-    kwargs = dict(TINY_CONFIGS[arch])
-    kwargs.update(overrides)
-    model_type = kwargs.pop("model_type")
-    # Not HF's default 0.02: at 0.02 a 3-layer model's greedy output collapses to one
-    # repeated token (1 distinct token in 24), which hides bugs; at 0.1 it gives ~20
-    # distinct, context-dependent tokens in 24.
-    kwargs.setdefault("initializer_range", 0.1)
-    kwargs.setdefault("rms_norm_eps", 1e-6)
-    return AutoConfig.for_model(model_type, **kwargs)
-
-
-def make_tiny_model(
-    arch: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides: Any
-) -> Path:
-    """Save a tiny random ``arch`` model (``llama``, ``mistral``, ``qwen2``, ``qwen3``)
-    into ``out_dir``; returns the directory. ``overrides`` change config fields."""
-    from transformers import AutoModelForCausalLM
-
-    out_dir = Path(out_dir)
-    config = make_hf_config(arch, **overrides)
-    tokenizer = build_tokenizer() if with_tokenizer else None
-    if tokenizer is not None:
-        config.eos_token_id = tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        config.bos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # HF initialises biases to 0 and norms to 1, which would hide mistakes in them.
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            elif "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-    model.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
-_TINY_ROOT: Path | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_model_dir(arch: str) -> Path:
-    """A tiny ``arch`` model with tokenizer, made once per test session (shared, read-only:
-    tests that modify files must copy it or call ``make_tiny_model`` themselves)."""
-    global _TINY_ROOT
-    if _TINY_ROOT is None:
-        _TINY_ROOT = Path(tempfile.mkdtemp(prefix="kvloom-tiny-models-"))
-        atexit.register(shutil.rmtree, _TINY_ROOT, True)
-    return make_tiny_model(arch, _TINY_ROOT / arch)
-
-
-def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, **kwargs: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **kwargs).eval()
-
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
@@ -398,33 +296,6 @@ class PagedRunner:
             )
         logits = self.model.compute_logits(hidden)
         return {req: logits[query_start[i] : query_start[i + 1]] for i, req in enumerate(scheduled)}
-
-
-def random_prompts(vocab: int) -> list[list[int]]:
-    """Five random prompts of token ids in [3, vocab) whose lengths cross block boundaries."""
-    g = torch.Generator().manual_seed(1234)
-    # Lengths chosen to cross block boundaries (block size 16) in different ways.
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 16, 23, 41, 64)]
-
-
-def hf_greedy_tokens(model_dir, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt, exactly ``n`` tokens (no eos)."""
-    model = load_hf_model(model_dir)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(out[0, len(p) :].tolist())
-    return outs
 
 
 def tiny_async_llm(model_dir: str | Path) -> Any:

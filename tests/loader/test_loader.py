@@ -13,12 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.loader.model_loader import checkpoint_weight_names, get_model
+from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.loader.weight_utils import DUMMY_WEIGHT_RANGE, find_weight_files
 from kvloom.models.llama import LlamaForCausalLM
 from kvloom.models.qwen2 import Qwen2ForCausalLM
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import checkpoint_names
+from kvloom.models.utils import LLAMA_STACKED_PARAMS, checkpoint_names, load_checkpoint_weights
 from tests.helpers.model_fixtures import (
     EOS_TOKEN,
     PagedRunner,
@@ -285,3 +286,41 @@ def test_load_weights_must_return_the_names(monkeypatch):
     config = _config_for(monkeypatch, "NoneForCausalLM", _sloppy("", returns=lambda loaded: None))
     with pytest.raises(TypeError, match=r"SloppyModel\.load_weights returned None; it must return"):
         get_model(config, "cpu")
+
+
+def test_merged_projections_without_stacked_params_are_explained(monkeypatch):
+    """The engine reads the model's ``stacked_params`` to count merged projections as
+    loaded: load_checkpoint_weights alone is not enough, and the error says so."""
+
+    class NoStackedParams(LlamaForCausalLM):
+        stacked_params = ()
+
+        def load_weights(self, weights):  # type: ignore[no-untyped-def]
+            return load_checkpoint_weights(self, weights, LLAMA_STACKED_PARAMS)
+
+    config = _config_for(monkeypatch, "NoStackedForCausalLM", NoStackedParams)
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight.*NoStackedParams has merged projections \(gate_up_proj, "
+                                         r"qkv_proj\) but no stacked_params: set the class attribute"):  # fmt: skip
+        get_model(config, "cpu")
+
+
+def test_a_model_type_transformers_does_not_know_needs_its_config_registered(tmp_path):
+    from transformers import AutoConfig, PretrainedConfig
+
+    model_dir = tmp_path / "toy"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "kvloom_test_toy", "architectures": ["ToyForCausalLM"], "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 128,
+    }))  # fmt: skip
+    source = resolve_model_source(str(model_dir))
+    with pytest.raises(ValueError, match=r"model type 'kvloom_test_toy' of .* is unknown to transformers: .*"
+                                         r"AutoConfig\.register\('kvloom_test_toy', YourConfig\)"):  # fmt: skip
+        load_hf_config(source)
+
+    class ToyConfig(PretrainedConfig):
+        model_type = "kvloom_test_toy"
+
+    AutoConfig.register("kvloom_test_toy", ToyConfig)
+    config = load_hf_config(source)
+    assert isinstance(config, ToyConfig) and (config.hidden_size, config.architectures) == (64, ["ToyForCausalLM"])

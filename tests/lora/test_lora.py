@@ -13,7 +13,7 @@ import torch
 
 from kvloom import LLM, SamplingParams
 from kvloom.kv_cache.hashing import get_hash_function, update_block_hashes
-from kvloom.lora.adapter import LoRAAdapterError, load_adapter
+from kvloom.lora.adapter import LoRAAdapterError, load_adapter, validate_adapter_config
 from kvloom.lora.ops import lora_delta_grouped
 from kvloom.lora.request import LoRARequest
 from kvloom.request import Request
@@ -164,6 +164,41 @@ def test_base_model_mismatch_is_refused(adapters) -> None:
         load_adapter(1, "a1", adapters["a1"], 16, base_model_name="other-model")
     # The adapter's recorded base model is the tiny model's directory: accepted.
     load_adapter(1, "a1", adapters["a1"], 16, base_model_name=str(tiny_model_dir("llama")))
+
+
+@pytest.mark.parametrize(
+    "recorded, names, accepted",
+    [
+        ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B", True),  # the same name
+        ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B", True),  # a served name defaults to the directory's name
+        ("meta-llama/Llama-3.2-1B", "/srv/models/Llama-3.2-1B/", True),  # the model path: same final component
+        ("/data/ckpt/Llama-3.2-1B", ["my-alias", "/srv/models/Llama-3.2-1B"], True),  # any of several names
+        ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B-Instruct", False),
+        ("meta-llama/Llama-3.2-1B", "my-alias", False),
+        ("meta-llama/Llama-3.2-1B", "llama-3.2-1b", False),  # case counts
+        ("", "Llama-3.2-1B", False),
+    ],
+)
+def test_base_model_names_match_by_name_path_or_final_component(recorded, names, accepted) -> None:
+    config = {"peft_type": "LORA", "r": 4, "base_model_name_or_path": recorded}
+    if accepted:
+        validate_adapter_config(config, base_model_name=names, name="a")
+    else:
+        with pytest.raises(LoRAAdapterError, match="base_model_name_or_path is"):
+            validate_adapter_config(config, base_model_name=names, name="a")
+
+
+def test_base_model_is_not_checked_without_a_name() -> None:
+    validate_adapter_config({"peft_type": "LORA", "r": 4, "base_model_name_or_path": "another/model"}, name="a")
+    validate_adapter_config({"peft_type": "LORA", "r": 4}, base_model_name="Llama-3.2-1B", name="a")  # none recorded
+
+
+def test_lora_adapter_error_is_public_and_a_value_error() -> None:
+    from kvloom import interfaces
+
+    assert interfaces.LoRAAdapterError is LoRAAdapterError and issubclass(LoRAAdapterError, ValueError)
+    with pytest.raises(interfaces.LoRAAdapterError, match="peft_type is 'IA3'"):
+        interfaces.validate_adapter_config({"peft_type": "IA3"}, name="a")
 
 
 def test_adapter_for_another_shape_is_refused_by_the_engine(tmp_path: Path) -> None:

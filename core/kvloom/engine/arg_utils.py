@@ -132,7 +132,9 @@ class EngineArgs(BaseModel):
     disable_log_stats: bool = Field(
         False, description="Turn engine stats off: no periodic stats line, no stat logger plugins, no engine metrics."
     )
-    log_stats_interval: float = Field(5.0, gt=0.0, description="Seconds between stat log lines.")
+    log_stats_interval: float = Field(
+        5.0, gt=0.0, description="Seconds (> 0) between stats summaries (the stat loggers' log()); once more at shutdown."
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -244,18 +246,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
     kv_cache_dtype = args.kv_cache_dtype
-    capability = platform.get_device_capability()
-    selector = AttentionSelectorConfig(
-        head_size=model.head_size,
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        block_size=args.block_size,
-        use_mla=False,
-        device_type=platform.device_type,
-        device_capability=capability,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-    )
+    selector = _selector_config(platform, model, kv_cache_dtype, args.block_size)
     selection = select_attention_backend(platform, selector, requested=args.attention_backend)
     backend = selection.selected
     # Block-size negotiation (docs/attention_backends.md): a user's --block-size was part
@@ -347,17 +338,94 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
     )
+    resolved = _fixed_fields(config)
     platform.check_and_update_config(config)
+    _check_adjusted(config, resolved, f"check_and_update_config of platform {platform.name}", derived_len)
     plugins.call_update_engine_config(config)
+    _check_adjusted(config, resolved, "general plugins' kvloom_update_engine_config hooks", derived_len)
+    # What the engine runs with, after the platform and the hooks.
     logger.info(
-        "kvloom config: model=%s arch=%s dtype=%s max_model_len=%d platform=%s device=%s backend=%s block_size=%d",
-        Path(model.model).name,
-        architecture,
-        str(dtype).removeprefix("torch."),
-        max_model_len,
+        "kvloom config: model=%s served_model_name=%s arch=%s dtype=%s max_model_len=%d platform=%s device=%s "
+        "backend=%s block_size=%d",
+        Path(config.model.model).name,
+        config.model.served_model_name,
+        config.model.architecture,
+        str(config.model.dtype).removeprefix("torch."),
+        config.model.max_model_len,
         platform.name,
         platform.get_device_name(),
-        backend.NAME,
-        block_size,
+        config.attention.backend.NAME,
+        config.cache.block_size,
     )
     return config
+
+
+def _selector_config(
+    platform: type, model: ModelConfig, kv_cache_dtype: str, block_size: int | None
+) -> AttentionSelectorConfig:
+    return AttentionSelectorConfig(
+        head_size=model.head_size,
+        dtype=model.dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        use_mla=False,
+        device_type=platform.device_type,
+        device_capability=platform.get_device_capability(),
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+    )
+
+
+#: (section, field) that a platform's check_and_update_config and the general plugins'
+#: kvloom_update_engine_config must leave as resolved: the model (but its max_model_len),
+#: the selected attention backend, the platform.
+FIXED_FIELDS: tuple[tuple[str, str], ...] = (
+    *(("model", f) for f in ModelConfig.model_fields if f != "max_model_len"),
+    ("attention", "requested_backend"),
+    ("attention", "backend"),
+    ("device", "platform"),
+    ("device", "device_type"),
+)
+
+
+def _fixed_fields(config: EngineConfig) -> dict[str, object]:
+    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+
+
+def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str, max_len: int) -> None:
+    """Refuse what ``who`` left in ``config`` that the engine cannot run: a changed fixed
+    field, max_model_len out of step or range, a block size or KV-cache dtype the selected
+    backend does not serve."""
+
+    def same(a: object, b: object) -> bool:
+        if a is b:
+            return True
+        try:
+            return bool(a == b)
+        except Exception:
+            return False
+
+    changed = [name for name, value in _fixed_fields(config).items() if not same(value, resolved[name])]
+    if changed:
+        raise ValueError(
+            f"EngineConfig: the {who} changed {', '.join(changed)}, which must not change once resolved "
+            "(the model, the attention backend and the platform are fixed; see docs/plugins.md, 'The engine config')"
+        )
+    model_len, scheduler_len = config.model.max_model_len, config.scheduler.max_model_len
+    if model_len != scheduler_len:
+        raise ValueError(
+            f"EngineConfig: after the {who}, model.max_model_len ({model_len}) and scheduler.max_model_len "
+            f"({scheduler_len}) must be equal (change both)"
+        )
+    if model_len > max_len:
+        raise ValueError(
+            f"EngineConfig: after the {who}, max_model_len {model_len} exceeds the model's maximum of {max_len}"
+        )
+    backend = config.attention.backend
+    selector = _selector_config(config.device.platform, config.model, config.cache.cache_dtype, config.cache.block_size)
+    reasons = backend.validate_configuration(selector)
+    if reasons:
+        raise ValueError(
+            f"EngineConfig: after the {who}, attention backend {backend.NAME} cannot serve the adjusted config: "
+            + "; ".join(reasons)
+        )

@@ -193,4 +193,5 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._output_handler is not None:
             self._output_handler.cancel()
+        self.frontend.log_stats_at_shutdown()  # the stat loggers' last log(), after the last step's record()
         self.engine_core.shutdown()

@@ -45,6 +45,7 @@ class Frontend:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[Any] = []
         self._last_log = time.monotonic()
+        self._stats_closed = False
 
     # ------------------------------------------------------------------ stats
     def start_stat_loggers(self, stat_loggers: list[Any] | None) -> None:
@@ -58,10 +59,32 @@ class Frontend:
             stat_logger.log_engine_initialized()
 
     def maybe_log_stats(self, now: float) -> None:
-        if self.stat_loggers and now - self._last_log >= self.config.observability.log_stats_interval:
+        """``log()`` of every stat logger if ``log_stats_interval`` seconds have passed since
+        the last time (or since the front end was built). ``LLMEngine`` calls it after each
+        step, once that step's ``record()`` calls are done. A ``log()`` that raises is
+        logged; the step and the other loggers go on."""
+        if self.stat_loggers and not self._stats_closed and (
+            now - self._last_log >= self.config.observability.log_stats_interval
+        ):
             self._last_log = now
-            for stat_logger in self.stat_loggers:
+            self._log_all("")
+
+    def log_stats_at_shutdown(self) -> None:
+        """The last ``log()`` of every stat logger, when the engine shuts down (after its
+        last step's ``record()``), so no step goes unpublished. Runs once; later calls, and
+        ``maybe_log_stats``, do nothing. A ``log()`` that raises is logged and the other
+        loggers still run: shutdown goes on."""
+        if self._stats_closed:
+            return
+        self._stats_closed = True
+        self._log_all(" at shutdown")
+
+    def _log_all(self, when: str) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
                 stat_logger.log()
+            except Exception:
+                logger.exception("Stat logger %s failed in log()%s", type(stat_logger).__qualname__, when)
 
     # ------------------------------------------------------------------ requests
     def add_request(

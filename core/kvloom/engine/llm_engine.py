@@ -90,4 +90,5 @@ class LLMEngine:
         return self.call_utility("reset_prefix_cache")
 
     def shutdown(self) -> None:
+        self.frontend.log_stats_at_shutdown()  # the stat loggers' last log(), after the last step's record()
         self.engine_core.shutdown()

@@ -3,8 +3,10 @@
 Plugins import from here (and model authors also from ``kvloom.interfaces.models``);
 every other kvloom module is private and may change without notice. A plugin's tests
 also use ``kvloom`` itself (the user API: ``LLM``, ``SamplingParams``, ``EngineArgs``,
-...) and ``kvloom.testing`` (the conformance suite, the float64 references, helpers to
-resolve an engine config, make a backend class look installed, run the CLI in-process).
+...) and ``kvloom.testing`` (the conformance suite, the float64 and custom-op references,
+helpers to resolve an engine config, make a backend class look installed, run the CLI
+in-process; tiny checkpoints, LoRA adapters and pip-install helpers in its
+``models``, ``lora`` and ``install`` modules).
 ``tests/test_plugin_face.py`` keeps the first-party plugins and their tests to this rule.
 What each name is for, by plugin kind (``docs/plugins.md`` has the whole contracts, with
 example packages):
@@ -20,8 +22,11 @@ example packages):
   ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
   subclass), which drives a ``ModelRunner`` (``self.runner``: a platform's worker calls
   its ``profile_peak_memory`` to size the KV cache and ``capture_cudagraphs``);
-  ``EngineConfig`` (what ``check_and_update_config`` adjusts),
-  ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
+  ``EngineConfig`` (what ``check_and_update_config`` adjusts) and its sections
+  ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``,
+  ``AttentionConfig``, ``LoadConfig``, ``CompilationConfig``, ``LoRAConfig``,
+  ``ObservabilityConfig``, ``DeviceConfig`` (each field documented, with what platforms
+  and hooks may change), ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
   replace: ``CUSTOM_OP_SIGNATURES``, and ``LoRAMapping`` for the ``lora_delta`` op;
 - general plugins: ``hookimpl`` and the registries the hooks receive
   (``ModelRegistry``, ``LoRAResolverRegistry``);
@@ -30,7 +35,8 @@ example packages):
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
   ``PrefixCacheStats``, ``IterationStats``, ``FinishedRequestStats``;
 - LoRA resolvers: ``LoRAResolver``, ``LoRARequest``, ``read_adapter_config``,
-  ``validate_adapter_config``, ``ADAPTER_CONFIG_FILE``.
+  ``validate_adapter_config``, ``LoRAAdapterError`` (the ``ValueError`` those two raise),
+  ``ADAPTER_CONFIG_FILE``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -56,13 +62,26 @@ from kvloom.attention.backend import (
     MultipleOf,
 )
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
-from kvloom.config import CUDAGraphMode, EngineConfig
+from kvloom.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    CUDAGraphMode,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    LoRAConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
-from kvloom.lora.adapter import read_adapter_config, validate_adapter_config
+from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
@@ -82,6 +101,7 @@ __all__ = [
     "ADAPTER_CONFIG_FILE",
     "AttentionBackend",
     "AttentionCGSupport",
+    "AttentionConfig",
     "AttentionImpl",
     "AttentionLayerSpec",
     "AttentionMetadataBuilder",
@@ -91,26 +111,36 @@ __all__ = [
     "BlockSizeSpec",
     "CUDAGraphMode",
     "CUSTOM_OP_SIGNATURES",
+    "CacheConfig",
     "CommonAttentionMetadata",
+    "CompilationConfig",
     "DeviceCapability",
+    "DeviceConfig",
     "EngineConfig",
     "FinishedRequestStats",
     "IOProcessor",
     "IterationStats",
+    "LoRAAdapterError",
+    "LoRAConfig",
     "LoRAMapping",
     "LoRARequest",
     "LoRAResolver",
     "LoRAResolverRegistry",
+    "LoadConfig",
+    "ModelConfig",
     "ModelRegistry",
     "ModelRunner",
     "MultipleOf",
+    "ObservabilityConfig",
     "PLUGIN_API_VERSION",
+    "ParallelConfig",
     "Platform",
     "PoolingParams",
     "PoolingRequestOutput",
     "PrefixCacheStats",
     "PromptType",
     "SamplingParams",
+    "SchedulerConfig",
     "SchedulerStats",
     "StatLoggerBase",
     "Worker",
@@ -143,8 +173,12 @@ BlockSizeSpec: type
 CUSTOM_OP_SIGNATURES: dict[str, str]
 """The layer ops a platform may replace through ``Platform.custom_ops(config)``: op name ->
 the call each layer makes (arguments -> result). A replacement takes the same arguments,
-returns new tensors (inputs untouched) and matches the torch code's results for the dtypes
-it is enabled for; ``lora_delta`` may add to ``y`` in place."""
+returns new tensors (inputs untouched; ``lora_delta`` may add to ``y`` in place) and
+matches the torch code (``kvloom.testing.custom_op_reference(name)``) for the dtypes it is
+enabled for: bit-identical for ``silu_and_mul``, ``rotary_qk`` and the residual sum of
+``fused_add_rms_norm``; within 2 ulp (float16/bfloat16) or 1e-5 relative (float32) for the
+norms; ``lora_delta`` within the dtype's tolerance of ``lora_delta_reference``.
+``kvloom.testing.check_custom_op`` checks all of it."""
 
 LoRAResolverRegistry: "_LoRAResolverRegistry"
 """The process's LoRA resolvers, by name, in registration order (what the

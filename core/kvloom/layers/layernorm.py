@@ -10,6 +10,24 @@ from torch import nn
 from kvloom.layers.custom_ops import get_custom_op
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch code of the ``rms_norm`` op: ``weight * (x / sqrt(mean(x^2) + eps))`` over
+    the last dimension, normalised in float32 and cast back to ``x``'s dtype before the
+    multiplication by ``weight`` (HF's rounding)."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch code of the ``fused_add_rms_norm`` op: ``s = x + residual`` (in the input
+    dtype, as HF's decoder layers add), then ``(rms_norm_torch(s, weight, eps), s)``."""
+    s = x + residual
+    return rms_norm_torch(s, weight, eps), s
+
+
 class RMSNorm(nn.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))`` with the normalisation in float32.
 
@@ -31,10 +49,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -46,7 +61,7 @@ class RMSNorm(nn.Module):
         if self.fused and (op := get_custom_op("fused_add_rms_norm")) is not None:
             return op(x, residual, self.weight, self.eps)  # type: ignore[return-value]
         x = x + residual
-        return self._norm(x), x
+        return self._norm(x), x  # fused_add_rms_norm_torch, through _norm (subclasses change the formula)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

@@ -33,6 +33,15 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
 
+def rotary_qk_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch code of the ``rotary_qk`` op: a rotated contiguous copy of ``x [N, heads,
+    D]`` with ``cos``/``sin`` ``[N, 1, D/2]``, in HF's rotate-half layout."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    # Same arithmetic as HF's x*cos + rotate_half(x)*sin, without materialising rotate_half.
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The model's RoPE parameters as one flat dict with ``rope_type`` and ``rope_theta``.
 
@@ -192,10 +201,7 @@ class RotaryEmbedding(nn.Module):
         in one tensor: they rotate the same way)."""
         if (op := get_custom_op("rotary_qk")) is not None:
             return op(x, cos, sin)  # type: ignore[return-value]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        # Same arithmetic as HF's x*cos + rotate_half(x)*sin, without materialising rotate_half.
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotary_qk_torch(x, cos, sin)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

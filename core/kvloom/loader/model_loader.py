@@ -72,14 +72,34 @@ def check_all_weights_loaded(model: nn.Module, loaded: Iterable[str] | None, sou
             f"{name}.load_weights returned None; it must return the set of checkpoint weight names it "
             "loaded (kvloom's model contract), so that kvloom can check that every weight was loaded"
         )
-    missing, total = weights_not_loaded(model, loaded, getattr(model, "stacked_params", ()))
+    stacked = getattr(model, "stacked_params", ())
+    missing, total = weights_not_loaded(model, loaded, stacked)
     if missing:
         shown = ", ".join(missing[:MISSING_WEIGHTS_SHOWN])
         more = f" ... (first {MISSING_WEIGHTS_SHOWN} shown)" if len(missing) > MISSING_WEIGHTS_SHOWN else ""
+        hint = ""
+        unmapped = _merged_without_stacked_params(model, stacked)
+        if unmapped:
+            hint = (
+                f". {name} has merged projections ({', '.join(unmapped)}) but no stacked_params: set the class "
+                "attribute stacked_params to the (merged, HF name, shard) triples its load_weights passes to "
+                "load_checkpoint_weights (e.g. LLAMA_STACKED_PARAMS), so that kvloom counts their HF shards"
+            )
         raise ValueError(
             f"Following weights were not initialized from checkpoint {source} by {name}.load_weights "
-            f"({len(missing)} of {total}): {shown}{more}"
+            f"({len(missing)} of {total}): {shown}{more}{hint}"
         )
+
+
+def _merged_without_stacked_params(model: nn.Module, stacked: Iterable[tuple[str, str, str]]) -> list[str]:
+    """The names of ``model``'s merged projections (several shards) that ``stacked`` does not map."""
+    mapped = {merged for merged, _, _ in stacked}
+    found = {
+        module_name.rpartition(".")[2]
+        for module_name, module in model.named_modules()
+        if len(getattr(module, "shard_names", ())) > 1
+    }
+    return sorted(found - mapped)
 
 
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:

@@ -127,7 +127,15 @@ def load_hf_config(source: ModelSource) -> Any:
         config = AutoConfig.from_pretrained(config_dir)
     except (ValueError, KeyError) as e:
         with open(config_dir / "config.json") as f:
-            arch = json.load(f).get("architectures")
+            raw = json.load(f)
+        arch, model_type = raw.get("architectures"), raw.get("model_type")
+        if model_type is not None and "does not recognize this architecture" in str(e):
+            raise ValueError(
+                f"model: the model type {model_type!r} of {source.path} (architectures={arch}) is unknown to "
+                "transformers: kvloom reads config.json with transformers' AutoConfig, so the model plugin that "
+                f"serves it registers its config class in its register(): "
+                f"transformers.AutoConfig.register({model_type!r}, YourConfig)"
+            ) from e
         raise ValueError(f"model: cannot read the config of {source.path} (architectures={arch}): {e}") from e
     if source.is_gguf and not getattr(config, "architectures", None):
         # Configs converted from GGUF metadata carry a model_type but no architectures.

@@ -8,6 +8,12 @@ MLP projections of its models, so only those may be targeted.
 
 ``validate_adapter_config`` is shared by the engine (``LoRAManager``) and the resolver
 plugins, so both report the same errors for the same bad adapter.
+
+The base model: kvloom does not hold an adapter to the base model its config records
+(``base_model_name_or_path``), as vLLM's server does not: the engine loads any adapter
+whose matrices fit the model's projections (a module the model lacks, or a wrong shape, is
+an error). ``validate_adapter_config(..., base_model_name=...)`` is an opt-in check for
+resolvers that want one (``_same_model`` says what matches).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +41,16 @@ _WEIGHT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<whi
 
 
 class LoRAAdapterError(ValueError):
-    """An adapter that kvloom cannot use; the message names the adapter and the problem."""
+    """An adapter that kvloom cannot use; the message names the adapter and the problem.
+    Raised by ``read_adapter_config``, ``validate_adapter_config`` and kvloom's adapter
+    loading; a ``ValueError``, so a resolver that lets it through refuses the adapter (the
+    client gets a 400)."""
 
 
 def read_adapter_config(path: str | Path, name: str | None = None) -> dict[str, Any]:
-    """The parsed ``adapter_config.json`` of the adapter directory ``path``."""
+    """The parsed ``adapter_config.json`` of the adapter directory ``path``; a
+    ``LoRAAdapterError`` naming ``name`` (default: the path) when the directory or the file
+    is missing or the file is not a JSON object."""
     path = Path(path)
     label = name or str(path)
     if not path.is_dir():
@@ -70,24 +82,37 @@ def _target_names(target_modules: Any) -> list[str] | None:
 def validate_adapter_config(
     config: dict[str, Any],
     max_lora_rank: int | None = None,
-    base_model_name: str | None = None,
+    base_model_name: str | Sequence[str] | None = None,
     name: str = "adapter",
 ) -> None:
-    """Raise ``LoRAAdapterError`` if kvloom cannot run this adapter.
+    """Raise ``LoRAAdapterError`` (a ``ValueError``) if kvloom cannot run this adapter; its
+    message names the adapter (``name``) and the problem.
 
     Checks: ``peft_type`` is LORA; the rank ``r`` is a positive int no larger than
-    ``max_lora_rank``; every target module is one of ``SUPPORTED_TARGET_MODULES``; no
-    feature kvloom lacks (DoRA, trained biases, per-module ranks, extra trained modules);
-    and, when ``base_model_name`` is given, ``base_model_name_or_path`` names it.
+    ``max_lora_rank`` (when given); every target module is one of
+    ``SUPPORTED_TARGET_MODULES``; no feature kvloom lacks (DoRA, trained biases,
+    per-module ranks, extra trained modules).
+
+    The base model is checked only when ``base_model_name`` is given: one name of the
+    served model, or several (the served name and the model's path, say). The adapter's
+    ``base_model_name_or_path`` (what peft recorded: the HF repo id or the path the base
+    model was loaded from) then must match one of them: the same string, the same
+    existing path, or the same final path component (``meta-llama/Llama-3.2-1B``,
+    ``/srv/models/Llama-3.2-1B`` and ``Llama-3.2-1B`` all match one another; case
+    counts). An adapter that records no base model passes. kvloom itself never passes
+    ``base_model_name``: the server does not enforce the base model.
     """
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise LoRAAdapterError(f"LoRA adapter {name}: peft_type is {peft_type!r}; only 'LORA' is supported")
     if base_model_name is not None:
+        names = [base_model_name] if isinstance(base_model_name, str) else list(base_model_name)
         base = config.get("base_model_name_or_path")
-        if base is not None and not _same_model(str(base), base_model_name):
+        if base is not None and not any(_same_model(str(base), n) for n in names):
+            served = " or ".join(repr(n) for n in names)
             raise LoRAAdapterError(
-                f"LoRA adapter {name}: base_model_name_or_path is {base!r}, but this server runs {base_model_name!r}"
+                f"LoRA adapter {name}: base_model_name_or_path is {base!r}, but this server runs {served} "
+                "(accepted: the same name or path, or the same final path component)"
             )
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -119,11 +144,21 @@ def validate_adapter_config(
             raise LoRAAdapterError(f"LoRA adapter {name}: {key} is not supported (one rank and alpha per adapter)")
 
 
-def _same_model(a: str, b: str) -> bool:
-    if a == b:
+def _final_component(name: str) -> str:
+    """``Llama-3.2-1B`` of ``meta-llama/Llama-3.2-1B``, ``/srv/models/Llama-3.2-1B/`` and itself."""
+    return name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+
+
+def _same_model(recorded: str, name: str) -> bool:
+    """Whether an adapter recorded for ``recorded`` belongs to the model called ``name``:
+    the same string, the same existing path, or the same (non-empty) final path component."""
+    if recorded == name:
         return True
-    pa, pb = Path(a), Path(b)
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    pa, pb = Path(recorded).expanduser(), Path(name).expanduser()
+    if pa.exists() and pb.exists() and pa.resolve() == pb.resolve():
+        return True
+    last = _final_component(recorded)
+    return bool(last) and last == _final_component(name)
 
 
 def adapter_scaling(config: dict[str, Any]) -> float:

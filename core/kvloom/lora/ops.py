@@ -52,6 +52,14 @@ def lora_delta_grouped(
     return out
 
 
+def lora_delta_torch(
+    x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+) -> torch.Tensor:
+    """The torch code of the ``lora_delta`` op: ``y`` plus each token's update, grouped by
+    adapter (``lora_delta_grouped``); ``y`` itself is left as it was."""
+    return lora_delta_grouped(x, y, lora_a, lora_b, mapping.groups)
+
+
 def apply_lora(
     x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
 ) -> torch.Tensor:
@@ -59,4 +67,4 @@ def apply_lora(
     by the platform's ``lora_delta`` op when one is active."""
     if (op := get_custom_op("lora_delta")) is not None:
         return op(x, y, lora_a, lora_b, mapping)  # type: ignore[return-value]
-    return lora_delta_grouped(x, y, lora_a, lora_b, mapping.groups)
+    return lora_delta_torch(x, y, lora_a, lora_b, mapping)

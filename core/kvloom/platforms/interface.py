@@ -113,8 +113,13 @@ class Platform(ABC):
 
     @classmethod
     def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:
-        """Fused kernels replacing layer math for this config (names in
-        ``kvloom.layers.custom_ops.OP_SIGNATURES``). Default: none, the torch code runs."""
+        """Fused kernels replacing layer math for this config: op name (a key of
+        ``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) -> a callable taking that op's
+        arguments. Each must match the torch code it replaces as
+        ``kvloom.testing.check_custom_op`` checks (bit-identical, or within 2 ulp for the
+        norms) for the dtypes it is returned for; return only the ops that hold for
+        ``config.model.dtype``. Called once when the model loads, unless ``--custom-ops
+        none``. Default: none, the torch code runs."""
         return {}
 
     @classmethod

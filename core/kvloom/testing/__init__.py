@@ -16,12 +16,29 @@ EngineArgs``), ``kvloom.interfaces`` and ``kvloom.testing``; the names here are:
 - models (``kvloom.testing.models``): ``load_model`` (a model class built and loaded as
   the engine does) and ``forward_context`` (run a model or ``Attention`` layer outside
   the engine);
-- ``lora_delta_reference``: the float64 definition of the ``lora_delta`` custom op.
+- custom ops (``kvloom.testing.reference``): ``custom_op_reference`` (the torch code a
+  platform's custom op replaces), ``check_custom_op`` (hold a replacement to the
+  contract: bit-identical, or within 2 ulp for the norms) and ``lora_delta_reference``
+  (the float64 definition of the ``lora_delta`` op).
 
-Modules with more: ``kvloom.testing.reference`` (the float64 reference attention over the
-paged layout and the random paged batches that tests and benchmarks check backends with)
-and ``kvloom.testing.host_sync`` (detect host synchronisations in code meant for CUDA
-graphs).
+Modules with more, imported on their own (``from kvloom.testing.models import
+tiny_model_dir``; ``import kvloom.testing`` does not load them or their heavy
+dependencies):
+
+- ``kvloom.testing.models``: tiny random HF checkpoints with real tokenizers, made
+  offline (``make_tiny_model``, ``tiny_model_dir``, ``save_tiny_checkpoint`` for any
+  architecture, ``build_tokenizer``), HF transformers' greedy reference tokens
+  (``hf_greedy_tokens``, with or without a LoRA adapter), ``random_prompts``;
+- ``kvloom.testing.lora``: random PEFT LoRA adapters (``make_adapter``,
+  ``edit_adapter_config``);
+- ``kvloom.testing.install``: your distribution pip-installed into a directory
+  (``install_distribution``), the environment of a ``kvloom`` subprocess that sees it
+  (``plugin_env``), and ``kvloom serve`` for a ``with`` block (``KvloomServer``);
+- ``kvloom.testing.reference``: the float64 reference attention over the paged layout,
+  the random paged batches that tests and benchmarks check backends with, and the
+  references of the custom ops;
+- ``kvloom.testing.host_sync``: detect host synchronisations in code meant for CUDA
+  graphs.
 """
 
 from kvloom.testing.conformance import (
@@ -43,7 +60,7 @@ from kvloom.testing.plugins import (
     report_attention_backends,
     select_attention_backend,
 )
-from kvloom.testing.reference import lora_delta_reference
+from kvloom.testing.reference import check_custom_op, custom_op_reference, lora_delta_reference
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -52,7 +69,9 @@ __all__ = [
     "ConformanceReport",
     "active_platform",
     "check_case",
+    "check_custom_op",
     "conformance_cases",
+    "custom_op_reference",
     "forward_context",
     "fresh_plugins",
     "installed_backend",

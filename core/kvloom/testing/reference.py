@@ -560,3 +560,136 @@ def lora_delta_reference(
     b = lora_b.double()[token_slots.long()]  # [N, out, R]
     shrunk = torch.bmm(a, x.double().unsqueeze(-1))  # [N, R, 1]
     return y.double() + torch.bmm(b, shrunk).squeeze(-1)
+
+
+# ---------------------------------------------------------------------- custom ops
+
+#: Relative tolerance (max |op - float64 definition| / max |float64 definition|) of the
+#: ``lora_delta`` op, by dtype; the torch code stays well inside (fp32 ~4e-7, fp16 ~7e-4,
+#: bf16 ~5e-3 on random adapters).
+LORA_DELTA_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+#: The largest distance of a 16-bit norm from the torch code, in units in the last place.
+NORM_MAX_ULP = 2
+#: The largest relative distance (max |diff| / max |torch|) of a float32 norm.
+NORM_FP32_MAX_REL = 1e-5
+
+
+def custom_op_reference(name: str) -> Any:
+    """The torch code that the custom op ``name`` (a key of
+    ``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) replaces: what the layers compute with
+    ``--custom-ops none``, with the op's own signature. ``rms_norm`` and
+    ``fused_add_rms_norm`` are ``RMSNorm``'s, ``silu_and_mul`` is ``SiluAndMul``'s,
+    ``rotary_qk`` is ``RotaryEmbedding.rotate_heads``' and ``lora_delta`` the grouped LoRA
+    GEMMs (its float64 definition is ``lora_delta_reference``). Run it on the device and in
+    the dtype your op runs in: ``check_custom_op`` compares the two."""
+    from kvloom.layers.activation import silu_and_mul_torch
+    from kvloom.layers.custom_ops import OP_SIGNATURES
+    from kvloom.layers.layernorm import fused_add_rms_norm_torch, rms_norm_torch
+    from kvloom.layers.rotary import rotary_qk_torch
+    from kvloom.lora.ops import lora_delta_torch
+
+    references = {
+        "rms_norm": rms_norm_torch,
+        "fused_add_rms_norm": fused_add_rms_norm_torch,
+        "silu_and_mul": silu_and_mul_torch,
+        "rotary_qk": rotary_qk_torch,
+        "lora_delta": lora_delta_torch,
+    }
+    if name not in OP_SIGNATURES or name not in references:
+        raise ValueError(f"unknown custom op {name!r} (known: {', '.join(sorted(OP_SIGNATURES))})")
+    return references[name]
+
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """16-bit floats as integers ordered like their values (adjacent floats differ by 1)."""
+    i = t.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
+    """Run the custom op ``op`` (your platform's kernel for ``name``) and its torch code
+    (``custom_op_reference(name)``) on ``args`` and hold ``op`` to kvloom's contract;
+    raise ``AssertionError`` saying what differs, else return a report (``passed``,
+    ``exact``: the fraction of bit-identical elements, ``max_ulp`` for 16-bit norms,
+    ``max_rel`` for float32 norms and ``lora_delta``). The contract, per op:
+
+    - every op: new output tensors of the reference's shapes and dtypes, and every input
+      left untouched (``lora_delta`` excepted: it may add the update to ``y`` in place);
+    - ``silu_and_mul``, ``rotary_qk``, and the residual sum (second output) of
+      ``fused_add_rms_norm``: bit-identical to the torch code;
+    - ``rms_norm`` and the normalised output of ``fused_add_rms_norm``: at most
+      ``NORM_MAX_ULP`` (2) ulp from the torch code in float16/bfloat16 (a kernel may sum
+      the squares in another order: the fp32 variance then differs in its last bit, the
+      normalised value by one ulp, the product with the weight by up to two; kvloom's CUDA
+      kernels do), at most ``NORM_FP32_MAX_REL`` (1e-5) relative in float32;
+    - ``lora_delta``: within ``LORA_DELTA_TOLERANCES[dtype]`` (relative to the largest
+      value) of the float64 definition ``lora_delta_reference``; rows of tokens without
+      an adapter (slot 0) are ``y`` exactly.
+
+    Use random inputs of your model's shapes, on your device, for every dtype you enable
+    the op for."""
+    reference = custom_op_reference(name)
+
+    def clone(values: tuple[Any, ...]) -> list[Any]:
+        return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+    before = clone(args)
+    expected = reference(*clone(args))
+    actual = op(*args)
+    for i, (arg, original) in enumerate(zip(args, before)):
+        if isinstance(arg, torch.Tensor) and not (name == "lora_delta" and i == 1):
+            assert _same_bits(arg, original), f"{name} changed its argument {i}: inputs must be left untouched"
+    labels = ("normed", "residual") if name == "fused_add_rms_norm" else ("out",)
+    actual_t = actual if isinstance(actual, tuple) else (actual,)
+    expected_t = expected if isinstance(expected, tuple) else (expected,)
+    assert len(actual_t) == len(expected_t), f"{name}: returned {len(actual_t)} tensors, expected {len(expected_t)}"
+    report: dict[str, Any] = {"name": name, "passed": False}
+    for label, got, want in zip(labels, actual_t, expected_t):
+        assert isinstance(got, torch.Tensor), f"{name}: {label} is {type(got).__name__}, not a tensor"
+        assert got.shape == want.shape and got.dtype == want.dtype, (
+            f"{name}: {label} is {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+        )
+        got_c, want_c = got.detach().cpu(), want.detach().cpu()
+        exact = (_bits(got_c) == _bits(want_c)).float().mean().item() if got_c.numel() else 1.0
+        report["exact"] = min(report.get("exact", 1.0), exact)
+        if name in ("rms_norm", "fused_add_rms_norm") and label != "residual":
+            if got_c.dtype == torch.float32:
+                rel = ((got_c - want_c).abs().max() / (want_c.abs().max().clamp_min(1e-30))).item()
+                report["max_rel"] = rel
+                assert rel <= NORM_FP32_MAX_REL, (
+                    f"{name}: {label} is {rel:.3g} (relative) from the torch code; float32 allows {NORM_FP32_MAX_REL}"
+                )
+            else:
+                ulp = int((_ordered_bits(got_c) - _ordered_bits(want_c)).abs().max().item())
+                report["max_ulp"] = ulp
+                assert ulp <= NORM_MAX_ULP, (
+                    f"{name}: {label} is {ulp} ulp from the torch code; {got_c.dtype} allows at most {NORM_MAX_ULP}"
+                )
+        elif name == "lora_delta":
+            x, y, lora_a, lora_b, mapping = before
+            definition = lora_delta_reference(x, y, lora_a, lora_b, mapping.token_slots.cpu()).cpu()
+            rel = ((got_c.double() - definition).abs().max() / definition.abs().max().clamp_min(1e-30)).item()
+            report["max_rel"] = rel
+            tolerance = LORA_DELTA_TOLERANCES.get(got_c.dtype, 1e-5)
+            assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from the float64 definition; allowed {tolerance}"
+            base_rows = mapping.token_slots.cpu() == 0
+            assert _same_bits(got_c[: len(base_rows)][base_rows], y.cpu()[: len(base_rows)][base_rows]), (
+                f"{name}: rows without an adapter must be y exactly"
+            )
+        else:
+            assert exact == 1.0, (
+                f"{name}: {label} differs from the torch code in {1 - exact:.2%} of its elements; it must be "
+                "bit-identical"
+            )
+    report["passed"] = True
+    return report

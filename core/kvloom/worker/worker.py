@@ -30,7 +30,13 @@ class Worker(WorkerBase):
     """kvloom's generic torch worker: runs on ``platform.device()`` through a ``ModelRunner``
     (``self.runner``). Platforms subclass it and override ``init_device`` (device setup),
     ``kv_cache_budget_bytes`` (the KV-cache memory budget) and ``compile_or_warm_up_model``
-    (e.g. CUDA-graph capture), driving the runner through its public methods only."""
+    (e.g. CUDA-graph capture), driving the runner through its public methods only.
+
+    Threads: it leaves torch's thread settings alone, so the model runs with torch's
+    defaults (intra-op threads: the cores torch sees, or ``OMP_NUM_THREADS``) in the
+    process that runs the engine core. ``torch.set_num_threads`` is process-wide: a
+    platform that wants another count calls it in ``init_device`` (kvloom's CPU worker does
+    so from ``KVLOOM_CPU_THREADS``)."""
 
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         super().__init__(config, platform)
@@ -38,6 +44,8 @@ class Worker(WorkerBase):
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
+        """Seed torch with ``config.model.seed`` and build the model runner on
+        ``self.device``; torch's thread count is left as it is."""
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device)
 

@@ -1,5 +1,8 @@
 """The CPU worker: kvloom's generic torch worker, with torch's thread count from
-``KVLOOM_CPU_THREADS`` when it is set (torch's default otherwise)."""
+``KVLOOM_CPU_THREADS`` when it is set to a positive integer (``torch.set_num_threads``,
+process-wide, before the model runner is built); unset or empty, torch's default stays
+(its intra-op threads: the cores it sees, or ``OMP_NUM_THREADS``). Any other value is a
+``ValueError`` naming the variable."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ THREADS_ENV = "KVLOOM_CPU_THREADS"
 
 class CpuWorker(Worker):
     def init_device(self) -> None:
-        threads = os.environ.get(THREADS_ENV)
+        threads = os.environ.get(THREADS_ENV, "").strip()
         if threads:
+            if not threads.isdigit() or int(threads) < 1:
+                raise ValueError(f"{THREADS_ENV} must be a positive integer, got {threads!r}")
             torch.set_num_threads(int(threads))
         super().init_device()

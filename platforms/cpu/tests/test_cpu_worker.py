@@ -1,5 +1,6 @@
 """The CPU platform's worker: the generic worker, with torch's thread count from
-``KVLOOM_CPU_THREADS`` when it is set."""
+``KVLOOM_CPU_THREADS`` when it is set (a positive integer; anything else is an error
+naming the variable)."""
 
 from __future__ import annotations
 
@@ -42,4 +43,12 @@ def test_without_the_env_torchs_threads_stay(monkeypatch, restore_threads, value
     else:
         monkeypatch.setenv("KVLOOM_CPU_THREADS", value)
     _init_worker()
+    assert torch.get_num_threads() == restore_threads
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four", "1.5"])
+def test_a_bad_thread_count_is_refused_by_name(monkeypatch, restore_threads, value):
+    monkeypatch.setenv("KVLOOM_CPU_THREADS", value)
+    with pytest.raises(ValueError, match=f"KVLOOM_CPU_THREADS must be a positive integer, got '{value}'"):
+        _init_worker()
     assert torch.get_num_threads() == restore_threads

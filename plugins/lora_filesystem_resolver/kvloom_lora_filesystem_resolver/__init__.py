@@ -5,9 +5,11 @@ with ``--enable-lora`` and ``KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1``). It answers
 
 * None when ``NAME/adapter_config.json`` does not exist (the adapter is not here; other
   resolvers may have it, else the client gets a 404);
-* a ``LoRARequest`` when the config is valid for this server: ``peft_type`` LORA,
-  ``base_model_name_or_path`` the served model, supported target modules (kvloom then
-  loads the weights and checks the rank against ``--max-lora-rank``);
+* a ``LoRARequest`` when the config is one kvloom can run: ``peft_type`` LORA, supported
+  target modules (kvloom then loads the weights, checks the rank against
+  ``--max-lora-rank`` and the matrices against the model's projections). Like the server
+  (and vLLM's server), it does not hold the adapter to the base model its config records:
+  the served name is often an alias of the model;
 * ``ValueError`` naming the problem otherwise, and when the cache directory is not set
   or is not a directory.
 """
@@ -51,7 +53,7 @@ class FilesystemResolver(LoRAResolver):
         if not (path / ADAPTER_CONFIG_FILE).is_file():
             return None  # LoRA adapter not found here
         config = read_adapter_config(path, lora_name)
-        validate_adapter_config(config, base_model_name=base_model_name, name=lora_name)
+        validate_adapter_config(config, name=lora_name)
         # A stable id per name (the server assigns its own ids when it registers adapters).
         lora_id = zlib.crc32(lora_name.encode()) % (2**31 - 1) + 1
         return LoRARequest(lora_name=lora_name, lora_int_id=lora_id, lora_path=str(path),

@@ -86,12 +86,15 @@ def run_throughput(
     config = llm.config
     prompts = make_prompts(num_prompts, input_len, config.model.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
-    # The warm-up prompts must not make the timed run a prefix-cache hit.
-    llm.llm_engine.reset_prefix_cache()
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
+        # The warm-up prompts must not make the timed run a prefix-cache hit.
+        llm.llm_engine.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    finally:
+        llm.llm_engine.shutdown()  # the stat loggers' last log(); frees the engine before HF runs
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if out_tokens != num_prompts * output_len:
         raise RuntimeError(f"expected {num_prompts * output_len} output tokens, got {out_tokens}")
@@ -107,7 +110,6 @@ def run_throughput(
                    "input_tok_s": num_prompts * input_len / wall},
     }
     if compare_hf:
-        llm.llm_engine.shutdown()
         del llm, outs
         result["hf"] = run_hf(config, prompts, output_len, hf_batch_size or num_prompts)
         result["speedup_output_tok_s"] = result["kvloom"]["output_tok_s"] / result["hf"]["output_tok_s"]

@@ -31,6 +31,13 @@ def run(ns: argparse.Namespace) -> int:
 
     params = sampling_params_from(ns, output_kind=RequestOutputKind.DELTA)
     llm = LLM(**engine_args_from_namespace(ns).model_dump())  # every field, defaults included
+    try:
+        return _converse(ns, llm, params)
+    finally:
+        llm.llm_engine.shutdown()  # the stat loggers' last log()
+
+
+def _converse(ns: argparse.Namespace, llm: Any, params: Any) -> int:
     engine = llm.llm_engine
     system = [{"role": "system", "content": ns.system}] if ns.system else []
     messages: list[dict[str, str]] = list(system)

@@ -57,6 +57,13 @@ def run(ns: argparse.Namespace) -> int:
     params = sampling_params_from(ns)  # validate before loading the model
     args = engine_args_from_namespace(ns)
     llm = LLM(**args.model_dump())  # every field, defaults included: LLM runs with what --help shows
+    try:
+        return _generate(ns, llm, params)
+    finally:
+        llm.llm_engine.shutdown()  # the stat loggers' last log()
+
+
+def _generate(ns: argparse.Namespace, llm: Any, params: Any) -> int:
     tokenizer = llm.get_tokenizer()
     use_chat = not ns.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompts: list[Any] = [

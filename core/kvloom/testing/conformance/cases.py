@@ -94,7 +94,10 @@ class ConformanceCase:
 
 
 def _head_sizes(backend: type[AttentionBackend]) -> list[int]:
-    """64/128/256 where supported, plus one size that is not a power of two."""
+    """64/128/256 where supported, plus one size that is not a power of two (the first of
+    80, 96, 112, 72, 48 supported, else the first such declared size); when none of
+    64/128/256 is supported, the first three declared sizes (or min(64, max_head_size)).
+    ``supported_head_sizes=None`` with the default ``max_head_size`` 256: 64, 128, 256, 80."""
     declared = list(backend.supported_head_sizes) if backend.supported_head_sizes is not None else None
     sizes = [h for h in (64, 128, 256) if backend.supports_head_size(h)]
     odd = next((h for h in (80, 96, 112, 72, 48) if backend.supports_head_size(h)), None)
@@ -122,6 +125,11 @@ def conformance_cases(
     backend: str | type[AttentionBackend], device: str = "cpu", quick: bool = False
 ) -> list[ConformanceCase]:
     """The cases the suite runs for ``backend`` (from its declared support).
+
+    Head layouts: ``HEAD_LAYOUTS`` (base ``gqa4``: 8 query heads, 2 KV heads). Head sizes:
+    64, 128, 256 where supported plus one that is not a power of two (``_head_sizes``; the
+    base is 64 when tested). Block sizes: the declared exact sizes, n and 2n for each
+    ``MultipleOf(n)``, the preferred size (the base), 256 and 512 when accepted.
 
     Full: every scenario at every declared dtype (base layout, head size and block size),
     and for every dtype a mixed batch at each other GQA layout, head size and block size.

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvloom.testing import run_conformance
-from tests.helpers.model_fixtures import hf_greedy_tokens, random_prompts, tiny_model_dir
-from tests.helpers.plugin_server import install_distribution, plugin_env
+from kvloom.testing.install import install_distribution, plugin_env
+from kvloom.testing.models import hf_greedy_tokens, random_prompts, tiny_model_dir
 
 SOURCE = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "kvloom"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.model_fixtures import tiny_model_dir
-from tests.helpers.plugin_server import install_distribution, plugin_env
+from kvloom.testing.install import install_distribution, plugin_env
+from kvloom.testing.models import tiny_model_dir
 
 SOURCE = Path(__file__).resolve().parents[1]
 QUERY = "The quick brown fox"

@@ -43,7 +43,10 @@ class IndexFileResolver(LoRAResolver):
             return None  # not ours: kvloom asks the next resolver, else answers 404
         # Known but unusable: raise ValueError (the client gets a 400 with the message).
         config = read_adapter_config(path, lora_name)
-        validate_adapter_config(config, base_model_name=base_model_name, name=lora_name)
+        # Like the server, this does not hold the adapter to the base model it records
+        # (base_model_name is the served name, often an alias); pass
+        # base_model_name=base_model_name to refuse adapters recorded for another model.
+        validate_adapter_config(config, name=lora_name)
         lora_id = zlib.crc32(lora_name.encode()) % (2**31 - 1) + 1  # any positive int
         return LoRARequest(lora_name=lora_name, lora_int_id=lora_id, lora_path=str(path),
                            base_model_name=base_model_name)  # fmt: skip

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.lora_fixtures import edit_adapter_config, hf_greedy, make_adapter
-from tests.helpers.model_fixtures import tiny_model_dir
-from tests.helpers.plugin_server import KvloomServer, install_distribution
+from kvloom.testing.install import KvloomServer, install_distribution
+from kvloom.testing.lora import edit_adapter_config, make_adapter
+from kvloom.testing.models import hf_greedy_tokens, tiny_model_dir
 
 SOURCE = Path(__file__).resolve().parents[1]
 SERVED = "tiny-llama"
@@ -24,8 +24,9 @@ PROMPT = [5, 17, 33, 48, 90, 11]
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("example-adapters")
+    # A normal PEFT adapter: its config records the tiny model's path as the base model,
+    # and the server serves that model as "tiny-llama". kvloom does not compare the two.
     good = make_adapter(tiny_model_dir("llama"), root / "sql", seed=21, r=8)
-    edit_adapter_config(good, base_model_name_or_path=SERVED)
     broken = Path(shutil.copytree(good, root / "broken"))
     edit_adapter_config(broken, peft_type="IA3")
     return {"sql": good, "broken": broken}
@@ -53,7 +54,7 @@ def test_resolves_an_adapter_from_the_index(server: KvloomServer, adapters: dict
     status, body = _complete(server, "sql")
     assert status == 200, body
     tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
-    assert tokens == hf_greedy(tiny_model_dir("llama"), adapters["sql"], PROMPT, 6)
+    assert [tokens] == hf_greedy_tokens(tiny_model_dir("llama"), [PROMPT], 6, adapter_dir=adapters["sql"])
     cards = {card["id"]: card for card in server.get("/v1/models").json()["data"]}
     assert cards["sql"]["parent"] == SERVED and cards["sql"]["root"] == str(adapters["sql"])
     assert "LoRA resolver example_index found adapter sql" in server.log()

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers.model_fixtures import build_tokenizer, hf_greedy_tokens, random_prompts
-from tests.helpers.plugin_server import install_distribution, plugin_env
+from kvloom.testing.install import install_distribution, plugin_env
+from kvloom.testing.models import hf_greedy_tokens, random_prompts, save_tiny_checkpoint
 
 SOURCE = Path(__file__).resolve().parents[1]
 MAX_NEW = 8
@@ -30,26 +29,16 @@ print(json.dumps([o.outputs[0].token_ids for o in outputs]))
 
 @pytest.fixture(scope="module")
 def granite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, GraniteConfig
+    from transformers import GraniteConfig
 
-    out = tmp_path_factory.mktemp("granite") / "tiny-granite"
-    tokenizer = build_tokenizer()
+    # A tiny random Granite with a real tokenizer, saved as HF transformers saves it (offline).
     config = GraniteConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.5,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # HF starts norms at 1, which would hide mistakes in them
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("granite") / "tiny-granite")
 
 
 @pytest.fixture(scope="module")

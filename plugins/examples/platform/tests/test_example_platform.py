@@ -1,7 +1,8 @@
 """The example platform (plugins/examples/platform), pip-installed with the example backend:
 with KVLOOM_EXAMPLE_PLATFORM=1 it is the active platform, its priority list picks
 EXAMPLE_ATTN, and `kvloom generate` runs through its worker and its custom op with HF
-transformers' greedy tokens; without the variable the built-in CPU platform runs."""
+transformers' greedy tokens; without the variable the built-in CPU platform runs. The
+custom op is bit-identical to the torch code it replaces (kvloom.testing.check_custom_op)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.model_fixtures import hf_greedy_tokens, tiny_model_dir
-from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
+from kvloom.testing import check_custom_op
+from kvloom.testing.install import install_distribution, plugin_env
+from kvloom.testing.models import hf_greedy_tokens, tiny_model_dir
 
-EXAMPLES = REPO / "plugins" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2]  # plugins/examples: this example and the backend example
 CLI = [sys.executable, "-m", "kvloom"]
 PROMPT = "The quick brown fox"
 
@@ -57,3 +59,14 @@ def test_generate_runs_through_the_platform(sites: list[Path]) -> None:
     (result,) = json.loads(done.stdout)
     ids = AutoTokenizer.from_pretrained(model)(PROMPT).input_ids
     assert result["token_ids"] == hf_greedy_tokens(model, [ids], 6)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # the platform's supported_dtypes
+def test_custom_op_matches_the_torch_code(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    import torch
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "platform"))
+    from kvloom_example_platform import silu_and_mul
+
+    x = torch.randn(7, 2 * 128, dtype=getattr(torch, dtype))  # [tokens, 2 * intermediate_size]
+    assert check_custom_op("silu_and_mul", silu_and_mul, x)["exact"] == 1.0  # bit-identical, as required

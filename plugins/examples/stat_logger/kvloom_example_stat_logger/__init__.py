@@ -3,7 +3,9 @@
 Lines: ``{"event": "init", ...}`` when the engine builds the logger,
 ``{"event": "engine_initialized", ...}`` once the engine is up, ``{"event": "record",
 "scheduler": {...} | null, "iteration": {...} | null}`` after every engine step (the
-dataclasses as dicts), and ``{"event": "log", ...}`` at every periodic summary.
+dataclasses as dicts), and ``{"event": "log", ...}`` at every summary: when
+``--log-stats-interval`` seconds have passed (checked after each step), and once more when
+the engine shuts down.
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""kvloom.testing.reference's custom-op references: ``custom_op_reference(name)`` is the
+torch code a platform's op replaces (what the layers run with ``--custom-ops none``), and
+``check_custom_op`` holds a replacement to the contract: silu_and_mul, rotary_qk and the
+residual sum of fused_add_rms_norm bit-identical; the norms within 2 ulp (16-bit) or 1e-5
+relative (float32); lora_delta within the dtype's tolerance of the float64 definition,
+rows without an adapter exact; inputs untouched (lora_delta may update ``y`` in place)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvloom.interfaces import CUSTOM_OP_SIGNATURES, LoRAMapping
+from kvloom.interfaces.models import RMSNorm, RotaryEmbedding, SiluAndMul
+from kvloom.testing.reference import check_custom_op, custom_op_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _args(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+    if name == "rms_norm":
+        return randn(7, 96), 1 + randn(96, scale=0.1), 1e-6
+    if name == "fused_add_rms_norm":
+        return randn(7, 96), randn(7, 96), 1 + randn(96, scale=0.1), 1e-6
+    if name == "silu_and_mul":
+        return (randn(7, 2 * 48),)
+    if name == "rotary_qk":
+        angles = torch.rand(7, 1, 16, generator=g) * 6
+        return randn(7, 5, 32), angles.cos().to(dtype), angles.sin().to(dtype)
+    assert name == "lora_delta"
+    slots = torch.tensor([0, 1, 2, 1, 0, 2, 2], dtype=torch.int32)
+    a, b = randn(3, 8, 64, scale=0.3), randn(3, 80, 8, scale=0.3)
+    a[0], b[0] = 0, 0
+    groups = [(s, (slots == s).nonzero().flatten()) for s in (1, 2)]
+    return randn(7, 64), randn(7, 80), a, b, LoRAMapping(token_slots=slots, groups=groups)
+
+
+def test_there_is_a_reference_for_every_op() -> None:
+    assert {name: callable(custom_op_reference(name)) for name in CUSTOM_OP_SIGNATURES} == dict.fromkeys(
+        CUSTOM_OP_SIGNATURES, True
+    )
+    with pytest.raises(ValueError, match="unknown custom op 'gelu'"):
+        custom_op_reference("gelu")
+
+
+def test_the_references_are_what_the_layers_run() -> None:
+    x, weight, eps = _args("rms_norm", torch.bfloat16)
+    norm = RMSNorm(96, eps=eps).to(torch.bfloat16)
+    norm.weight.data.copy_(weight)
+    assert torch.equal(norm(x), custom_op_reference("rms_norm")(x, weight, eps))
+    (gate_up,) = _args("silu_and_mul", torch.float16)
+    assert torch.equal(SiluAndMul()(gate_up), custom_op_reference("silu_and_mul")(gate_up))
+    heads, cos, sin = _args("rotary_qk", torch.bfloat16)
+    assert torch.equal(RotaryEmbedding.rotate_heads(heads, cos, sin), custom_op_reference("rotary_qk")(heads, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CUSTOM_OP_SIGNATURES))
+def test_the_torch_code_passes(name: str, dtype: torch.dtype) -> None:
+    report = check_custom_op(name, custom_op_reference(name), *_args(name, dtype))
+    assert report["passed"] and report["name"] == name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_norm_summed_in_another_order_passes(dtype: torch.dtype) -> None:
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x64 = x.double()
+        normed = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).float().to(x.dtype)
+        return weight * normed
+
+    report = check_custom_op("rms_norm", rms_norm, *_args("rms_norm", dtype))
+    assert report["max_ulp"] <= 2
+
+
+def _one_ulp_up(t: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    flat = out.view(-1)
+    flat[3] = torch.nextafter(flat[3].float(), torch.tensor(float("inf"))).to(t.dtype)
+    if torch.equal(out, t):  # the float32 step was too small for the 16-bit dtype
+        bits = flat.view(torch.int16)
+        bits[3] += 1 if bits[3] >= 0 else -1
+    return out
+
+
+def test_bit_identical_ops_may_not_differ_by_one_ulp() -> None:
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return _one_ulp_up(F.silu(x[..., :48]) * x[..., 48:])
+
+    with pytest.raises(AssertionError, match="silu_and_mul: out differs from the torch code .* must be bit-identical"):
+        check_custom_op("silu_and_mul", silu_and_mul, *_args("silu_and_mul", torch.bfloat16))
+
+
+def test_a_norm_three_ulps_off_fails() -> None:
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = custom_op_reference("rms_norm")(x, weight, eps)
+        bits = out.view(torch.int16).clone()
+        bits.view(-1)[5] += 3
+        return bits.view(x.dtype)
+
+    with pytest.raises(AssertionError, match="rms_norm: out is 3 ulp from the torch code; .* at most 2"):
+        check_custom_op("rms_norm", rms_norm, *_args("rms_norm", torch.bfloat16))
+
+
+def test_an_op_that_changes_its_input_fails() -> None:
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = custom_op_reference("rms_norm")(x, weight, eps)
+        x.zero_()
+        return out
+
+    with pytest.raises(AssertionError, match="rms_norm changed its argument 0"):
+        check_custom_op("rms_norm", rms_norm, *_args("rms_norm", torch.float32))
+
+
+def test_lora_delta_may_add_in_place_but_not_touch_rows_without_an_adapter() -> None:
+    def in_place(x, y, a, b, mapping):  # type: ignore[no-untyped-def]
+        for slot, index in mapping.groups:
+            y.index_add_(0, index, (x[index] @ a[slot].T) @ b[slot].T)
+        return y
+
+    assert check_custom_op("lora_delta", in_place, *_args("lora_delta", torch.float32))["passed"]
+
+    def touches_base_rows(x, y, a, b, mapping):  # type: ignore[no-untyped-def]
+        out = in_place(x, y, a, b, mapping)
+        out[0] = torch.nextafter(out[0], torch.tensor(float("inf")))  # token 0 has no adapter
+        return out
+
+    with pytest.raises(AssertionError, match="lora_delta: rows without an adapter must be y exactly"):
+        check_custom_op("lora_delta", touches_base_rows, *_args("lora_delta", torch.float32))
