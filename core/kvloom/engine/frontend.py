@@ -111,9 +111,15 @@ class Frontend:
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp, iteration_stats
         )
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(core_outputs.scheduler_stats, iteration_stats)
+        self._record(core_outputs.scheduler_stats, iteration_stats)
         return processed.request_outputs, processed.reqs_to_abort
+
+    def _record(self, scheduler_stats: Any, iteration_stats: IterationStats | None) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration_stats)
+            except Exception:  # a stat logger's failure must not stop the engine's outputs
+                logger.exception("Stat logger %s failed in record()", type(stat_logger).__qualname__)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -44,6 +44,41 @@ def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
+def check_sampling_params(params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
+                          eos_token_id: int | None) -> None:  # fmt: skip
+    """Raise ``ValueError`` if one request's sampling parameters cannot be sampled with.
+
+    The engine core calls this when a request arrives, so that a request whose
+    parameters would fail in a batch is refused alone instead of failing a step: it checks
+    the vocabulary-dependent ranges (``top_k``, ``logprobs``) and builds the request's
+    sampling state, on the CPU, with the same code as a step (``SamplingMetadata.build``)
+    and a generator for its seed.
+    """
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k: {params.top_k} is larger than the vocabulary (allowed: -1 or 0 to disable, "
+                         f"else 1 <= top_k <= {vocab_size})")  # fmt: skip
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise ValueError(f"{name}: {value} is larger than the vocabulary ({vocab_size} tokens)")
+    try:
+        if params.seed is not None:
+            make_generator(params.seed % (2**63), "cpu")
+        # A prompt of one token stands for the real one: only the penalties' prompt mask
+        # reads it, and the token ids were checked against the vocabulary already.
+        SamplingMetadata.build(
+            params=[params],
+            prompt_token_ids=[prompt_token_ids[:1]],
+            output_token_ids=[[]],
+            generators={},
+            vocab_size=vocab_size,
+            device="cpu",
+            eos_token_ids=[eos_token_id],
+        )
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"sampling_params: cannot be sampled with ({type(exc).__name__}: {exc})") from None
+
+
 @dataclass
 class SamplingMetadata:
     """What the sampler needs for one batch. Optional tensors are None when no row uses them."""
