@@ -97,8 +97,13 @@ class Frontend:
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Forget requests (a parent id stands for its children); returns the engine-core
-        ids to abort."""
-        return self.output_processor.abort_requests(request_ids)
+        ids to abort. Each request aborted here counts as finished with reason "abort" in
+        the stats (the core's own abort output finds it gone and is not counted again)."""
+        iteration_stats = IterationStats() if self.log_stats else None
+        core_ids = self.output_processor.abort_requests(request_ids, iteration_stats)
+        if core_ids and iteration_stats is not None:
+            self._record(None, iteration_stats)
+        return core_ids
 
     def propagate_error(self, error: BaseException) -> None:
         """The engine died: every request with a queue gets ``error``."""
