@@ -54,6 +54,10 @@ def check_sampling_params(params: SamplingParams, prompt_token_ids: list[int], v
     sampling state, on the CPU, with the same code as a step (``SamplingMetadata.build``)
     and a generator for its seed.
     """
+    # (stop_token_ids outside the vocabulary are harmless: such a token is never sampled.)
+    bad = [t for t in params.logit_bias or () if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias: token id {bad[0]} is out of range (allowed: 0..{vocab_size - 1})")
     if params.top_k > vocab_size:
         raise ValueError(f"top_k: {params.top_k} is larger than the vocabulary (allowed: -1 or 0 to disable, "
                          f"else 1 <= top_k <= {vocab_size})")  # fmt: skip
@@ -113,6 +117,9 @@ class SamplingMetadata:
     #: (rows, token ids) to set to -inf: for rows with fewer than min_tokens outputs, their
     #: stop token ids and, unless ignore_eos, their EOS. None when no row needs it.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    #: (rows, token ids, values) added to the logits (logit_bias); None when no row has any.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     #: Per row: top-N logprobs requested (0 = only the sampled token), or None.
     num_logprobs: list[int | None] = field(default_factory=list)
@@ -212,6 +219,23 @@ class SamplingMetadata:
             meta.min_tokens_mask = (
                 torch.tensor(banned_rows, dtype=torch.long).to(device, non_blocking=True),
                 torch.tensor(banned_ids, dtype=torch.long).to(device, non_blocking=True),
+            )
+
+        if any(p.logit_bias for p in params):
+            bias_rows: list[int] = []
+            bias_ids: list[int] = []
+            bias_values: list[float] = []
+            for row, p in enumerate(params):
+                for token_id, value in (p.logit_bias or {}).items():
+                    if not 0 <= token_id < vocab_size:
+                        raise ValueError(f"logit_bias: token id {token_id} is out of range (allowed: 0..{vocab_size - 1})")
+                    bias_rows.append(row)
+                    bias_ids.append(token_id)
+                    bias_values.append(value)
+            meta.logit_bias = (
+                torch.tensor(bias_rows, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(bias_ids, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(bias_values, dtype=torch.float32).to(device, non_blocking=True),
             )
 
         meta.num_logprobs = [p.logprobs for p in params]
