@@ -271,3 +271,51 @@ def test_logit_bias_reaches_the_engine(client: TestClient, engine: FakeAsyncLLM)
     assert post(client, "/v1/completions", {"prompt": "w5", "max_tokens": 1, "logit_bias": {"7": -100, "8": 2.5}}).status_code == 200
     (request,) = engine.requests.values()
     assert request["params"].logit_bias == {7: -100.0, 8: 2.5}
+
+
+def test_a_stream_whose_client_is_gone_before_it_starts_aborts_its_requests(engine: FakeAsyncLLM) -> None:
+    """The requests are admitted before the first byte; a client gone before the stream's
+    first chunk (the headers cannot be sent) still has them closed (aborted), at once."""
+    import asyncio
+
+    closed: list[str] = []
+    add_request = engine.add_request
+
+    class Tracked:
+        def __init__(self, request_id: str, stream: Any) -> None:
+            self.request_id, self.stream = request_id, stream
+
+        def __aiter__(self) -> Any:
+            return self
+
+        async def __anext__(self) -> Any:
+            return await self.stream.__anext__()
+
+        async def aclose(self) -> None:
+            closed.append(self.request_id)
+            await self.stream.aclose()
+
+    engine.add_request = lambda request_id, *a, **k: Tracked(request_id, add_request(request_id, *a, **k))  # type: ignore[method-assign]
+    app = build_app(engine, log_stats=False)
+    body = json.dumps({"prompt": ["w5", "w6"], "stream": True, "max_tokens": 50}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            raise OSError("the client is gone")
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            pass
+
+    asyncio.run(run())
+    assert sorted(closed) == sorted({r for r in closed}) and len(set(closed)) == 2, closed

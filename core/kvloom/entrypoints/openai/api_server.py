@@ -216,10 +216,27 @@ async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | No
     return None
 
 
-def _respond(result: Any) -> Response:
+class _ClosingStreamingResponse(StreamingResponse):
+    """A stream whose iterator is closed however the response ends (finished, the client
+    gone before or while it streams, an error), which aborts its engine requests at once."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _respond(result: Any) -> Response:
+    """A stream as server-sent events, else the response as JSON: serialized off the event
+    loop when it is large (n x max_tokens x logprobs can make megabytes)."""
     if isinstance(result, AsyncIterator):
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return JSONResponse(result.model_dump(mode="json"))
+        return _ClosingStreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    usage = getattr(result, "usage", None)
+    size = (usage.total_tokens if usage is not None else 0) * 64 + 64 * len(getattr(result, "data", ()) or ())
+    return Response(await run_blocking(size, result.model_dump_json), media_type="application/json")
 
 
 def metrics_text(engine: "AsyncLLM") -> bytes:
@@ -328,19 +345,19 @@ def build_app(
     async def create_completion(raw: Request) -> Response:
         request = await read_body(raw, CompletionRequest)
         result = await run_until_disconnected(raw, completions.create_completion(request))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @v1.post("/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         request = await read_body(raw, ChatCompletionRequest)
         result = await run_until_disconnected(raw, chat.create_chat_completion(request))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @v1.post("/embeddings")
     async def create_embedding(raw: Request) -> Response:
         request = await read_body(raw, EmbeddingRequest)
         result = await run_until_disconnected(raw, pooling.create_embedding(request))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @v1.get("/models")
     async def list_models() -> JSONResponse:
@@ -385,11 +402,12 @@ def build_app(
         return Response(metrics_text(engine), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @model_ops.post("/tokenize")
-    async def tokenize(raw: Request) -> JSONResponse:
+    async def tokenize(raw: Request) -> Response:
         data = await read_json(raw)
         model = TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
         response = await tokenization.tokenize_request(validate_body(model, data))
-        return JSONResponse(response.model_dump(mode="json"))
+        body = await run_blocking(8 * response.count, response.model_dump_json)  # a long prompt: megabytes
+        return Response(body, media_type="application/json")
 
     @model_ops.post("/pooling")
     async def create_pooling(raw: Request) -> Response:
@@ -399,12 +417,13 @@ def build_app(
         else:
             work = pooling.create_pooling(validate_body(PoolingRequest, data))
         result = await run_until_disconnected(raw, work)
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @model_ops.post("/detokenize")
-    async def detokenize(raw: Request) -> JSONResponse:
+    async def detokenize(raw: Request) -> Response:
         request = await read_body(raw, DetokenizeRequest)
-        return JSONResponse((await tokenization.detokenize_request(request)).model_dump(mode="json"))
+        response = await tokenization.detokenize_request(request)
+        return Response(await run_blocking(len(response.prompt), response.model_dump_json), media_type="application/json")
 
     app.include_router(model_ops)
     return app

@@ -24,7 +24,15 @@ from kvloom.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, PromptOutputs, random_id, sse
+from kvloom.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EventStream,
+    OpenAIServing,
+    Prompt,
+    PromptOutputs,
+    random_id,
+    sse,
+)
 from kvloom.outputs import CompletionOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)
@@ -55,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         outputs = await self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
         if request.stream:
-            return self._stream(request, request_id, prompt, outputs)
+            return EventStream(self._stream(request, request_id, prompt, outputs), outputs)
         return await self._collect(request, request_id, prompt, outputs)
 
     # ------------------------------------------------------------ shared formatting

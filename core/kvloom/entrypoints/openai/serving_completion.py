@@ -19,7 +19,15 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, PromptOutputs, random_id, sse
+from kvloom.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EventStream,
+    OpenAIServing,
+    Prompt,
+    PromptOutputs,
+    random_id,
+    sse,
+)
 from kvloom.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)
@@ -55,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         outputs = await self.generate(request_id, prompts, params, lora_request, request.priority, request.cache_salt)
         if request.stream:
-            return self._stream(request, request_id, prompts, outputs)
+            return EventStream(self._stream(request, request_id, prompts, outputs), outputs)
         return await self._collect(request, request_id, prompts, outputs)
 
     # ------------------------------------------------------------ shared formatting

@@ -319,7 +319,8 @@ class OpenAIServing:
         included) now, then return (prompt index, output) as outputs arrive (``merged``).
         A prompt the engine refuses is a 400 here, and nothing of the request runs."""
         inputs = [{"prompt_token_ids": prompt.token_ids} for prompt in prompts]
-        return self.merged(await self.admit(request_id, inputs, params, lora_request, priority, cache_salt), request_id)
+        streams = await self.admit(request_id, inputs, params, lora_request, priority, cache_salt)
+        return AdmittedOutputs(streams, request_id)
 
     async def admit(
         self,
@@ -371,6 +372,46 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+
+class AdmittedOutputs:
+    """(prompt index, output) of admitted engine requests as outputs arrive
+    (``OpenAIServing.merged``). ``aclose()`` aborts every request not finished, also when
+    the outputs were never read (a client gone before its stream started)."""
+
+    def __init__(self, streams: list[Any], request_id: str) -> None:
+        self._streams = streams
+        self._merged = OpenAIServing.merged(streams, request_id)
+
+    def __aiter__(self) -> "AdmittedOutputs":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        return await self._merged.__anext__()
+
+    async def aclose(self) -> None:
+        await self._merged.aclose()
+        for stream in self._streams:
+            await stream.aclose()
+
+
+class EventStream:
+    """A response's server-sent events (``chunks``) over ``outputs``: ``aclose()`` closes
+    both, so that the server can abort the requests of a stream whatever became of it."""
+
+    def __init__(self, chunks: AsyncGenerator[str, None], outputs: Any) -> None:
+        self._chunks = chunks
+        self._outputs = outputs
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        await self._outputs.aclose()
 
 
 def _as_api_error(error: BaseException, request_id: str) -> APIError:
