@@ -40,6 +40,11 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     #: Per request: the pooled vector for pooling requests whose prompt is complete.
     pooler_output: list[torch.Tensor | None] | None = None
+    #: Requests whose own work failed in this step (request id -> what failed): their
+    #: sampling, prompt logprobs, pooling, LoRA or state set-up. They are in ``req_ids``
+    #: with no tokens; the scheduler finishes them with ``FinishReason.ERROR`` while the
+    #: rest of the batch goes on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class PendingModelRunnerOutput(ABC):
@@ -85,6 +90,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] | None = None
     num_cached_tokens: int = 0
+    #: Why the request ended without a result: with ``FinishReason.ABORT``, the engine
+    #: refused it when it arrived (bad input); with ``FinishReason.ERROR``, its own work
+    #: failed in a step. None otherwise.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

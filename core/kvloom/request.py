@@ -16,7 +16,8 @@ class FinishReason(str, enum.Enum):
 
     STOP = "stop"  # EOS, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORT = "abort"  # aborted by the client or the engine
+    ABORT = "abort"  # aborted by the client, or refused by the engine when it arrived
+    ERROR = "error"  # failed inside the engine (its own work failed; the others went on)
 
     def __str__(self) -> str:
         return self.value
@@ -33,6 +34,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # rejected (e.g. prompt longer than max_model_len)
+    FINISHED_ERROR = enum.auto()  # its own work failed in a step (see ModelRunnerOutput.failed)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -48,6 +50,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

@@ -10,6 +10,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # Upper bound for ``seed`` so it fits a torch generator seed.
 _MAX_SEED = 2**63 - 1
 
+#: Most stop strings a request may have, and the longest (in characters): the front end
+#: searches each one in the new text of every step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LENGTH = 1024
+#: Most stop token ids and logit_bias entries a request may have.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+#: The allowed range of a logit_bias value (OpenAI's).
+MAX_LOGIT_BIAS = 100.0
+#: Largest token id, count or priority that fits the engine's int32/int64 tensors. Token
+#: ids are also checked against the model's vocabulary when the request is added.
+MAX_INT32 = 2**31 - 1
+
+
+def check_unicode(value: str, name: str) -> str:
+    """``value``, or a ``ValueError`` if it is not valid Unicode (a lone UTF-16 surrogate,
+    which no tokenizer or response can encode)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name} is not valid Unicode (lone UTF-16 surrogate \\u{ord(value[exc.start]):04x} "
+                             f"at position {exc.start})") from None  # fmt: skip
+    return value
+
 
 class RequestOutputKind(enum.Enum):
     """How outputs are delivered while a request runs."""
@@ -39,19 +64,21 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Sample from the smallest token set whose probability reaches ``top_p`` (1 = off)."""
-    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    top_k: int = Field(0, ge=-1, le=MAX_INT32, description="0 or -1 disables top-k; at most the vocabulary size.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     """Drop tokens whose probability is below ``min_p`` times the most likely one (0 = off)."""
     seed: int | None = Field(None, ge=-_MAX_SEED, le=_MAX_SEED)
     """Per-request seed for reproducible sampling (``None`` = the engine's generator)."""
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     """Strings that end the output (not included unless ``include_stop_str_in_output``)."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     """Token ids that end the output (included in it)."""
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    """Token id -> value added to its logit before sampling (OpenAI's logit_bias)."""
     ignore_eos: bool = False
     """Keep generating after the EOS token."""
-    max_tokens: int | None = Field(16, ge=1, description="None = up to max_model_len.")
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32, description="None = up to max_model_len.")
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     """Tokens to generate before EOS or stop token ids may end the output."""
     logprobs: int | None = Field(None, ge=0, le=20, description="Top-N logprobs per output token.")
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
@@ -82,6 +109,10 @@ class SamplingParams(BaseModel):
     def _stop_not_empty(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        for s in v:
+            if len(s) > MAX_STOP_STRING_LENGTH:
+                raise ValueError(f"a stop string has {len(s)} characters (allowed: at most {MAX_STOP_STRING_LENGTH})")
+            check_unicode(s, "a stop string")
         return v
 
     @field_validator("stop_token_ids", mode="before")
@@ -92,9 +123,21 @@ class SamplingParams(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids_non_negative(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+        if any(not 0 <= t <= MAX_INT32 for t in v):
+            raise ValueError(f"stop_token_ids must be token ids (allowed range: 0 <= id <= {MAX_INT32}, and "
+                             "below the vocabulary size)")  # fmt: skip
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for token_id, bias in (v or {}).items():
+            if not 0 <= token_id <= MAX_INT32:
+                raise ValueError(f"key {token_id} is not a token id (allowed range: 0 <= id < the vocabulary size)")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {token_id} is {bias} (allowed range: "
+                                 f"{-MAX_LOGIT_BIAS} <= bias <= {MAX_LOGIT_BIAS})")  # fmt: skip
+        return v or None
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "SamplingParams":

@@ -185,3 +185,37 @@ def test_engine_death_wakes_every_waiting_request(model_dir: str) -> None:
     assert engine.errored is not None and health is not None and isinstance(new, EngineDeadError)
     assert len(deaths) == 1 and STEP_FAILURE in str(deaths[0])
     assert process.exitcode == 1
+
+
+def test_aborted_requests_count_as_finished_with_reason_abort(model_dir: str) -> None:
+    """A client that goes away aborts its request: kvloom:request_success_total counts it
+    under finished_reason="abort" (each sequence of an n > 1 request once)."""
+    from prometheus_client import generate_latest
+
+    from kvloom.engine.arg_utils import EngineArgs
+    from kvloom.metrics.loggers import PrometheusStatLogger
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="32MiB"),
+                                       stat_loggers=[PrometheusStatLogger])  # fmt: skip
+    (prom,) = [s for s in engine.get_stat_loggers() if isinstance(s, PrometheusStatLogger)]
+
+    def count(reason: str) -> float:
+        text = generate_latest(prom.registry).decode()
+        line = next(line for line in text.splitlines()
+                    if line.startswith("kvloom:request_success_total") and f'finished_reason="{reason}"' in line)  # fmt: skip
+        return float(line.rsplit(" ", 1)[1])
+
+    async def run() -> None:
+        for request_id, n in (("r1", 1), ("r2", 2)):
+            params = SamplingParams(n=n, max_tokens=200, ignore_eos=True, output_kind=DELTA)
+            stream = engine.generate({"prompt_token_ids": PROMPT}, params, request_id)
+            await stream.__anext__()
+            await stream.aclose()  # the client went away
+        await core_state(engine)
+        await asyncio.sleep(0.1)  # the core's own abort outputs arrive (and are not counted again)
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert count("abort") == 3 and count("length") == 0

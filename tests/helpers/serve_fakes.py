@@ -28,6 +28,8 @@ def make_config(
     lora_modules: dict[str, str] | None = None,
     num_blocks: int | None = 100,
 ) -> EngineConfig:
+    from types import SimpleNamespace
+
     import torch
 
     model = ModelConfig(
@@ -35,7 +37,7 @@ def make_config(
         tokenizer=None,
         skip_tokenizer_init=False,
         served_model_name=served_model_name,
-        hf_config=None,
+        hf_config=SimpleNamespace(vocab_size=len(WordTokenizer.WORDS), hidden_size=16),
         architecture="LlamaForCausalLM",
         dtype=torch.float32,
         max_model_len=max_model_len,
@@ -228,15 +230,17 @@ class FakeAsyncLLM:
     def _decode_token(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer else None
 
-    async def generate(
+    def add_request(
         self,
+        request_id: str,
         prompt: str | dict,
         sampling_params: SamplingParams,
-        request_id: str,
         lora_request: Any = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Validate now (``ValueError`` as ``AsyncLLM.add_request`` raises it), then the
+        stream (the request starts running when it is first read)."""
         if isinstance(prompt, dict):
             prompt_ids = list(prompt["prompt_token_ids"])
             prompt_text = None
@@ -249,6 +253,31 @@ class FakeAsyncLLM:
             )
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already running")
+        return self._run(request_id, prompt_ids, prompt_text, sampling_params, lora_request, priority, cache_salt)
+
+    async def generate(
+        self,
+        prompt: str | dict,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: Any = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, sampling_params, lora_request, priority, cache_salt)
+        async for output in stream:
+            yield output
+
+    async def _run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        prompt_text: str | None,
+        sampling_params: SamplingParams,
+        lora_request: Any,
+        priority: int,
+        cache_salt: str | None,
+    ) -> AsyncIterator[RequestOutput]:
         sp = sampling_params
         self.requests[request_id] = dict(
             prompt_ids=prompt_ids, params=sp, lora=lora_request, priority=priority, cache_salt=cache_salt

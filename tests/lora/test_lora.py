@@ -125,6 +125,30 @@ def test_lora_request_needs_enable_lora(adapters) -> None:
 # ----------------------------------------------------------------- validation
 
 
+def test_an_adapter_that_cannot_be_loaded_fails_its_requests_alone(adapters, hf_reference, tmp_path: Path) -> None:
+    """An adapter whose files are gone when its requests run fails them with finish reason
+    "error" before the step; the base model's and a1's requests in the same batch are
+    exact, and the engine serves on (its blocks are not reused as cached KV)."""
+    gone = _copy(adapters["a2"], tmp_path)
+    shutil.rmtree(gone)
+    llm = LLM(str(tiny_model_dir("llama")), enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
+              block_size=16)  # fmt: skip
+    requests = {"a1": LoRARequest("a1", 1, str(adapters["a1"])), "gone": LoRARequest("gone", 7, str(gone))}
+    keys = [(name, i) for i in range(len(PROMPTS)) for name in (None, "a1", "gone")]
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[i]} for _, i in keys],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+        lora_request=[requests[name] if name else None for name, _ in keys],
+        use_tqdm=False,
+    )
+    for (name, i), out in zip(keys, outs):
+        if name == "gone":
+            assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+        else:
+            assert list(out.outputs[0].token_ids) == hf_reference[(name, i)]
+    assert _run_batch(llm, {"a1": adapters["a1"], "a2": adapters["a2"]}) == hf_reference
+
+
 def _copy(adapter: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(adapter, tmp_path / adapter.name))
 

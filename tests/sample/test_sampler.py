@@ -356,3 +356,74 @@ def test_compute_prompt_logprobs():
         assert tl.ranks[0] == int((ref[p] >= ref[p, t]).sum())
         assert tl.token_ids[1:] == ref[p].argsort(descending=True)[:2].tolist()
     assert compute_prompt_logprobs(logits[:0], nxt[:0], 2) == []
+
+
+# --------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_is_added_before_sampling_and_not_to_logprobs():
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={1: 2.0}, logprobs=1),  # 4 + 2 > 5
+        SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: -100.0, 3: 0.5}),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler()(logits, build(params, vocab=4))
+    assert out.sampled_token_ids.tolist() == [1, 3, 0]
+    # Logprobs are the model's raw ones (vLLM's default), bias not included.
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs_tensors.logprobs[0, 0].item() == pytest.approx(raw[1].item())
+    # A penalty applies after the bias.
+    meta = build([SamplingParams(temperature=0.0, logit_bias={1: 2.0}, frequency_penalty=2.0)], outputs=[[1]],
+                 vocab=4)  # fmt: skip
+    assert Sampler()(logits[:1], meta).sampled_token_ids.tolist() == [0]
+
+
+def test_logit_bias_outside_the_vocabulary_fails_the_build():
+    with pytest.raises(ValueError, match="logit_bias: token id 4 is out of range"):
+        build([SamplingParams(logit_bias={4: 1.0})], vocab=4)
+
+
+# --------------------------------------------------------------- the Python API's ranges
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"top_k": 1180591620717411303424}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 2**63}, "seed"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 129}, "n"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"min_tokens": 2**31}, "min_tokens"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"stop": "x" * 1025}, "stop"),
+        ({"stop": ["ok", "\ud800"]}, "a stop string is not valid Unicode"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"logit_bias": {5: 100.5}}, "the bias of token 5 is 100.5"),
+        ({"logit_bias": {-1: 1.0}}, "key -1 is not a token id"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_sampling_params_refuse_out_of_range_values(kwargs, fragment):
+    with pytest.raises(ValueError, match=None) as info:
+        SamplingParams(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_check_sampling_params_refuses_what_a_batch_would_fail_on():
+    from kvloom.sample.metadata import check_sampling_params
+
+    check_sampling_params(SamplingParams(top_k=32, logprobs=5, seed=-3, logit_bias={31: 1.0}), [1, 2], 32, 0)
+    cases = [
+        (SamplingParams.model_construct(**{**SamplingParams().model_dump(), "top_k": 2**70}), "top_k: 1180591620717411303424"),
+        (SamplingParams(top_k=33), "top_k: 33 is larger than the vocabulary"),
+        (SamplingParams(logprobs=20), "logprobs: 20 is larger than the vocabulary"),
+        (SamplingParams(logit_bias={32: 1.0}), "logit_bias: token id 32 is out of range"),
+    ]
+    for params, fragment in cases:
+        with pytest.raises(ValueError) as info:
+            check_sampling_params(params, [1], 32 if "logprobs" not in fragment else 16, None)
+        assert fragment in str(info.value), str(info.value)

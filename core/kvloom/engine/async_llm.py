@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.core_client import EngineCoreClient, EngineDeadError
 from kvloom.engine.frontend import Frontend
-from kvloom.engine.output_processor import RequestOutputCollector
+from kvloom.engine.output_processor import RequestOutputCollector, RequestOutputStream
 from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import PoolingRequestOutput, RequestOutput
@@ -111,6 +112,25 @@ class AsyncLLM:
         priority: int,
         cache_salt: str | None,
     ) -> AsyncIterator[Any]:
+        stream = self.add_request(request_id, prompt, params, lora_request, priority, cache_salt)
+        async with aclosing(stream):  # cancelled, disconnected or failed: abort it, free its blocks
+            async for output in stream:
+                yield output
+
+    # ------------------------------------------------------------------ public API
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestOutputStream:
+        """Validate, tokenize and admit a request now, and return its output stream (see
+        ``RequestOutputStream``). Bad input raises ``ValueError`` here, before anything
+        runs; closing the stream before the request finished aborts it. ``generate`` and
+        ``encode`` are this plus iteration (their errors come at the first iteration)."""
         self._ensure_running()
         output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         collector = RequestOutputCollector(output_kind)
@@ -118,22 +138,15 @@ class AsyncLLM:
             request_id, prompt, params, lora_request=lora_request, priority=priority, cache_salt=cache_salt,
             queue=collector,
         )
-        finished = False
         try:
             for core_request in core_requests:
                 self.engine_core.add_request(core_request)
-            while not finished:
-                try:
-                    output = await collector.get()
-                except Exception as e:  # put there by propagate_error
-                    raise EngineDeadError(f"engine failed while serving {request_id}: {e}") from e
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:  # cancelled, disconnected or failed: free its blocks
-                self._abort_now(request_id)
+        except BaseException:
+            self._abort_now(request_id)
+            raise
+        return RequestOutputStream(request_id, collector, self._abort_now, lambda e: EngineDeadError(
+            f"engine failed while serving {request_id}: {e}"))  # fmt: skip
 
-    # ------------------------------------------------------------------ public API
     def generate(
         self,
         prompt: PromptType,

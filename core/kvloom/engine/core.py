@@ -19,6 +19,7 @@ from kvloom.config import EngineConfig
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
+from kvloom.sample.metadata import check_sampling_params
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
 from kvloom.utils import cdiv
@@ -61,7 +62,39 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a request. One this engine cannot serve (token ids outside the
+        vocabulary, sampling parameters that cannot be sampled with, pooling it cannot
+        do) is refused alone, before it joins a batch: it finishes with
+        ``FinishReason.ABORT`` and ``error`` saying why, in the next step's outputs."""
+        problem = self.check_request(request)
+        if problem is not None:
+            logger.warning("Refused request %s: %s", request.request_id, problem)
+            self.scheduler.reject_request(request.request_id, problem)
+            return
         self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def check_request(self, request: EngineCoreRequest) -> str | None:
+        """Why this engine cannot serve ``request``, or None. The front end validated it
+        already; this is what a step would trip on, checked where the model is known."""
+        model = self.config.model
+        vocab_size = model.vocab_size
+        ids = request.prompt_token_ids
+        if ids and not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+            bad = next(t for t in ids if not (type(t) is int and 0 <= t < vocab_size))
+            return f"prompt_token_ids: token id {bad!r} is out of range (allowed: 0..{vocab_size - 1})"
+        params = request.sampling_params
+        if params is not None:
+            try:
+                check_sampling_params(params, ids, vocab_size, request.eos_token_id)
+            except ValueError as exc:
+                return str(exc)
+        pooling = request.pooling_params
+        if pooling is not None and pooling.dimensions is not None and pooling.dimensions > model.hidden_size:
+            return f"dimensions: {pooling.dimensions} is larger than the model's {model.hidden_size} (allowed range: " \
+                   f"1 <= dimensions <= {model.hidden_size})"
+        if request.lora_request is not None and not self.config.lora.enable_lora:
+            return "lora_request: LoRA is not enabled; start the engine with --enable-lora"
+        return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

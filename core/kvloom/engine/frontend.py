@@ -120,8 +120,13 @@ class Frontend:
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Forget requests (a parent id stands for its children); returns the engine-core
-        ids to abort."""
-        return self.output_processor.abort_requests(request_ids)
+        ids to abort. Each request aborted here counts as finished with reason "abort" in
+        the stats (the core's own abort output finds it gone and is not counted again)."""
+        iteration_stats = IterationStats() if self.log_stats else None
+        core_ids = self.output_processor.abort_requests(request_ids, iteration_stats)
+        if core_ids and iteration_stats is not None:
+            self._record(None, iteration_stats)
+        return core_ids
 
     def propagate_error(self, error: BaseException) -> None:
         """The engine died: every request with a queue gets ``error``."""
@@ -134,9 +139,15 @@ class Frontend:
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp, iteration_stats
         )
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(core_outputs.scheduler_stats, iteration_stats)
+        self._record(core_outputs.scheduler_stats, iteration_stats)
         return processed.request_outputs, processed.reqs_to_abort
+
+    def _record(self, scheduler_stats: Any, iteration_stats: IterationStats | None) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration_stats)
+            except Exception:  # a stat logger's failure must not stop the engine's outputs
+                logger.exception("Stat logger %s failed in record()", type(stat_logger).__qualname__)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

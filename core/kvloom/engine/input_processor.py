@@ -13,7 +13,7 @@ from kvloom.config import EngineConfig
 from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.request import EngineCoreRequest
-from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.sampling_params import PoolingParams, SamplingParams, check_unicode
 
 
 def _generation_eos_ids(hf_config: Any, model_path: str) -> list[int]:
@@ -48,6 +48,7 @@ class InputProcessor:
         self.extra_eos_ids = [i for i in eos_ids if i != self.eos_token_id]
 
     def tokenize(self, text: str) -> list[int]:
+        check_unicode(text, "prompt")
         if self.tokenizer is None:
             raise ValueError(
                 "prompt: text prompts need a tokenizer, but the engine runs with skip_tokenizer_init=True; "
@@ -63,7 +64,8 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                 for t in ids):  # fmt: skip
                     raise ValueError("prompt_token_ids: must be a list of integers")
                 if not ids:
                     raise ValueError("prompt_token_ids: must not be empty")
@@ -77,6 +79,18 @@ class InputProcessor:
                 return self.prompt_token_ids(prompt["prompt"])
             raise ValueError('prompt: a dict prompt needs "prompt" or "prompt_token_ids"')
         raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """The ranges ``SamplingParams`` cannot check alone: those bounded by the model's
+        vocabulary (``ValueError`` naming the field and its range)."""
+        v = self.vocab_size
+        if params.top_k > v:
+            raise ValueError(f"top_k: {params.top_k} is out of range (allowed: -1 or 0 to disable top-k, "
+                             f"else 1 <= top_k <= {v}, the vocabulary size)")  # fmt: skip
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < v]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is out of range (allowed: 0..{v - 1})")
 
     def process(
         self,
@@ -104,6 +118,8 @@ class InputProcessor:
             raise ValueError("sampling_params: this model runs as a pooling (embedding) model and cannot generate")
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled; start the engine with --enable-lora")
+        if not pooling:
+            self.check_sampling_params(params)  # type: ignore[arg-type]
         sampling_params = None
         pooling_params = None
         if pooling:

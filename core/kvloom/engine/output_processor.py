@@ -21,18 +21,26 @@ wakes up, and ``propagate_error`` puts an exception into every queue (the engine
 ``AsyncLLM`` gives each request a ``RequestOutputCollector`` (vLLM's design), so the
 engine's outputs reach ``generate()`` without any routing table of its own; ``LLMEngine``
 gives none and takes the returned outputs.
+
+Per-request errors: an output that ends a request with an ``error`` (the core refused it,
+or its own work failed in a step) finishes it as usual and then puts
+``RequestRejectedError`` / ``RequestFailedError`` into its queue. A failure while
+processing one request's output here (detokenizing, logprobs) fails that request alone
+the same way, and asks the core to abort it (``reqs_to_abort``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvloom.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from kvloom.engine.errors import RequestFailedError, RequestRejectedError
 from kvloom.engine.logprobs import LogprobsAccumulator, TokenDecoder
 from kvloom.engine.parallel_sampling import ParentRequest
 from kvloom.metrics.stats import IterationStats, RequestStateStats
@@ -47,6 +55,8 @@ from kvloom.outputs import (
 )
 from kvloom.request import EngineCoreEventType, EngineCoreRequest, FinishReason
 from kvloom.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
 
 AnyRequestOutput = RequestOutput | PoolingRequestOutput
 
@@ -95,6 +105,57 @@ class RequestOutputCollector:
         if isinstance(output, BaseException):
             raise output
         return output
+
+
+class RequestOutputStream:
+    """The outputs of one admitted request, as an async iterator (``AsyncLLM.add_request``).
+
+    The request is in the engine already when the stream exists, so bad input was an
+    exception at admission, before anything was sent to a client. ``__anext__`` returns
+    the request's outputs until the finished one. Errors: ``RequestRejectedError`` /
+    ``RequestFailedError`` (this request ended in the engine with an error) are raised as
+    they are; any other exception in the collector (the engine died) is raised as
+    ``engine_error(exc)``. Leaving early (``aclose()``, a cancelled or failed read) calls
+    ``abort(request_id)`` once, which aborts what is left of the request (every sequence
+    of an n > 1 request); a stream that ended normally aborts nothing.
+    """
+
+    def __init__(self, request_id: str, collector: RequestOutputCollector, abort: Callable[[str], None],
+                 engine_error: Callable[[BaseException], BaseException]) -> None:  # fmt: skip
+        self.request_id = request_id
+        self._collector = collector
+        self._abort = abort
+        self._engine_error = engine_error
+        self._done = False
+
+    def __aiter__(self) -> "RequestOutputStream":
+        return self
+
+    async def __anext__(self) -> AnyRequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            output = await self._collector.get()
+        except (RequestRejectedError, RequestFailedError):
+            self._close()
+            raise
+        except Exception as exc:  # put there by propagate_error: the engine died
+            self._close()
+            raise self._engine_error(exc) from exc
+        except BaseException:  # cancelled: the caller went away
+            self._close()
+            raise
+        if output.finished:
+            self._done = True
+        return output
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self.request_id)
 
 
 def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -298,60 +359,16 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted in the front end already
-            finish_reason = output.finish_reason
-            stop_reason = output.stop_reason
-            produced = bool(output.new_token_ids) or output.pooling_output is not None
-
-            if iteration_stats is not None:
-                iteration_stats.update_from_output(
-                    output, engine_core_timestamp, state.is_prefilling, len(state.prompt_token_ids), state.stats
-                )
-            self._update_metrics(state, output, engine_core_timestamp, now, produced)
-            if produced:
-                state.is_prefilling = False
-            if output.num_cached_tokens:
-                state.num_cached_tokens = output.num_cached_tokens
-
-            if state.is_pooling:
-                request_output: AnyRequestOutput | None = None
-                if output.pooling_output is not None:
-                    state.metrics.finished_time = now
-                    request_output = PoolingRequestOutput(
-                        request_id=state.request_id,
-                        outputs=PoolingOutput(data=output.pooling_output),
-                        prompt_token_ids=state.prompt_token_ids,
-                        finished=True,
-                    )
-                    finish_reason = finish_reason or FinishReason.STOP
-            else:
-                assert state.detokenizer is not None and state.logprobs is not None
-                num_before = state.detokenizer.num_output_tokens
-                stop_string = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
-                num_kept = state.detokenizer.num_output_tokens - num_before
-                if stop_string is not None:
-                    # The stop string came first, even if the core also finished the
-                    # request later in this step (a stop token, max_tokens).
-                    if finish_reason is None:
-                        result.reqs_to_abort.append(state.request_id)
-                    finish_reason, stop_reason = FinishReason.STOP, stop_string
-                if output.new_logprobs:
-                    state.logprobs.add_sample_logprobs(output.new_logprobs[:num_kept])
-                if output.new_prompt_logprobs:
-                    state.logprobs.add_prompt_logprobs(output.new_prompt_logprobs)
-                if not produced and finish_reason is None:
-                    continue  # e.g. a prompt-logprobs chunk of a chunked prefill: nothing to show yet
-                if finish_reason is not None:
-                    state.metrics.finished_time = now
-                request_output = self._make_output(state, finish_reason, stop_reason, touched_parents, slots)
-
-            if request_output is not None:
-                if state.queue is not None:
-                    state.queue.put(request_output)
-                else:
-                    slots.append(request_output)
-
-            if finish_reason is not None:
-                self._finish(state, finish_reason, iteration_stats)
+            try:
+                self._process_output(state, output, engine_core_timestamp, now, iteration_stats, result, slots,
+                                     touched_parents)  # fmt: skip
+            except Exception as exc:  # this request's processing failed: it fails, the others go on
+                logger.exception("Processing the output of request %s failed", state.request_id)
+                message = f"processing its output failed ({type(exc).__name__}: {exc})"
+                if output.finish_reason is None:
+                    result.reqs_to_abort.append(state.request_id)
+                self._fail(state, RequestFailedError(state.request_id, message), iteration_stats, touched_parents,
+                           slots)  # fmt: skip
 
         for slot in slots:
             if isinstance(slot, ParentRequest):
@@ -371,6 +388,105 @@ class OutputProcessor:
         return result
 
     # ----------------------------------------------------------------- helpers
+
+    def _process_output(
+        self,
+        state: RequestState,
+        output: EngineCoreOutput,
+        engine_core_timestamp: float,
+        now: float,
+        iteration_stats: IterationStats | None,
+        result: OutputProcessorOutput,
+        slots: list[AnyRequestOutput | ParentRequest],
+        touched_parents: set[str],
+    ) -> None:
+        """One request's output of the step (see ``process_outputs``)."""
+        finish_reason = output.finish_reason
+        stop_reason = output.stop_reason
+        produced = bool(output.new_token_ids) or output.pooling_output is not None
+
+        if iteration_stats is not None:
+            iteration_stats.update_from_output(
+                output, engine_core_timestamp, state.is_prefilling, len(state.prompt_token_ids), state.stats
+            )
+        self._update_metrics(state, output, engine_core_timestamp, now, produced)
+        if produced:
+            state.is_prefilling = False
+        if output.num_cached_tokens:
+            state.num_cached_tokens = output.num_cached_tokens
+
+        if state.is_pooling:
+            request_output: AnyRequestOutput | None = None
+            if output.pooling_output is not None:
+                state.metrics.finished_time = now
+                request_output = PoolingRequestOutput(
+                    request_id=state.request_id,
+                    outputs=PoolingOutput(data=output.pooling_output),
+                    prompt_token_ids=state.prompt_token_ids,
+                    finished=True,
+                )
+                finish_reason = finish_reason or FinishReason.STOP
+        else:
+            assert state.detokenizer is not None and state.logprobs is not None
+            num_before = state.detokenizer.num_output_tokens
+            stop_string = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
+            num_kept = state.detokenizer.num_output_tokens - num_before
+            if stop_string is not None:
+                # The stop string came first, even if the core also finished the
+                # request later in this step (a stop token, max_tokens).
+                if finish_reason is None:
+                    result.reqs_to_abort.append(state.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+            if output.new_logprobs:
+                state.logprobs.add_sample_logprobs(output.new_logprobs[:num_kept])
+            if output.new_prompt_logprobs:
+                state.logprobs.add_prompt_logprobs(output.new_prompt_logprobs)
+            if not produced and finish_reason is None:
+                return  # e.g. a prompt-logprobs chunk of a chunked prefill: nothing to show yet
+            if finish_reason is not None:
+                state.metrics.finished_time = now
+            request_output = self._make_output(state, finish_reason, stop_reason, touched_parents, slots)
+
+        if request_output is not None:
+            if state.queue is not None:
+                state.queue.put(request_output)
+            else:
+                slots.append(request_output)
+
+        if finish_reason is not None:
+            self._finish(state, finish_reason, iteration_stats)
+
+        if output.error is not None:  # it ended in the engine without a result: its caller learns why
+            error: Exception = (
+                RequestRejectedError(state.request_id, output.error)
+                if finish_reason == FinishReason.ABORT
+                else RequestFailedError(state.request_id, output.error)
+            )
+            queue = state.parent.queue if state.parent is not None else state.queue
+            if queue is not None:
+                queue.put(error)
+
+    def _fail(
+        self,
+        state: RequestState,
+        error: Exception,
+        iteration_stats: IterationStats | None,
+        touched_parents: set[str],
+        slots: list[AnyRequestOutput | ParentRequest],
+    ) -> None:
+        """Finish ``state`` with ``error`` (put into its queue) after its processing failed."""
+        parent = state.parent
+        if parent is not None:
+            parent.record_child_output(state.index, None, True, 0, state.metrics_snapshot(), state.prompt, None, 0)
+            if parent.request_id not in touched_parents:
+                touched_parents.add(parent.request_id)
+                slots.append(parent)
+        queue = parent.queue if parent is not None else state.queue
+        if queue is not None:
+            queue.put(error)
+        if state.request_id in self.request_states:
+            self._finish(state, FinishReason.ERROR, iteration_stats)
+
 
     def _make_output(
         self,

@@ -100,6 +100,13 @@ class LoRAManager:
         self._adapters[request.lora_int_id] = adapter
         return True
 
+    def ensure_loaded(self, request: LoRARequest) -> None:
+        """Load ``request``'s adapter unless it is loaded (the model runner does this for
+        each request of a step before the step, so that an adapter that cannot be loaded
+        fails its requests alone). A loaded adapter becomes the most recently used, so
+        loading another for the same step does not evict it."""
+        self.add_adapter(request)
+
     def remove_adapter(self, lora_id: int) -> bool:
         self._free_slot_of(lora_id)
         return self._adapters.pop(lora_id, None) is not None

@@ -44,6 +44,45 @@ def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
+def check_sampling_params(params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
+                          eos_token_id: int | None) -> None:  # fmt: skip
+    """Raise ``ValueError`` if one request's sampling parameters cannot be sampled with.
+
+    The engine core calls this when a request arrives, so that a request whose
+    parameters would fail in a batch is refused alone instead of failing a step: it checks
+    the vocabulary-dependent ranges (``top_k``, ``logprobs``) and builds the request's
+    sampling state, on the CPU, with the same code as a step (``SamplingMetadata.build``)
+    and a generator for its seed.
+    """
+    # (stop_token_ids outside the vocabulary are harmless: such a token is never sampled.)
+    bad = [t for t in params.logit_bias or () if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias: token id {bad[0]} is out of range (allowed: 0..{vocab_size - 1})")
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k: {params.top_k} is larger than the vocabulary (allowed: -1 or 0 to disable, "
+                         f"else 1 <= top_k <= {vocab_size})")  # fmt: skip
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise ValueError(f"{name}: {value} is larger than the vocabulary ({vocab_size} tokens)")
+    try:
+        if params.seed is not None:
+            make_generator(params.seed % (2**63), "cpu")
+        # A prompt of one token stands for the real one: only the penalties' prompt mask
+        # reads it, and the token ids were checked against the vocabulary already.
+        SamplingMetadata.build(
+            params=[params],
+            prompt_token_ids=[prompt_token_ids[:1]],
+            output_token_ids=[[]],
+            generators={},
+            vocab_size=vocab_size,
+            device="cpu",
+            eos_token_ids=[eos_token_id],
+        )
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"sampling_params: cannot be sampled with ({type(exc).__name__}: {exc})") from None
+
+
 @dataclass
 class SamplingMetadata:
     """What the sampler needs for one batch. Optional tensors are None when no row uses them."""
@@ -78,6 +117,9 @@ class SamplingMetadata:
     #: (rows, token ids) to set to -inf: for rows with fewer than min_tokens outputs, their
     #: stop token ids and, unless ignore_eos, their EOS. None when no row needs it.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    #: (rows, token ids, values) added to the logits (logit_bias); None when no row has any.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     #: Per row: top-N logprobs requested (0 = only the sampled token), or None.
     num_logprobs: list[int | None] = field(default_factory=list)
@@ -177,6 +219,23 @@ class SamplingMetadata:
             meta.min_tokens_mask = (
                 torch.tensor(banned_rows, dtype=torch.long).to(device, non_blocking=True),
                 torch.tensor(banned_ids, dtype=torch.long).to(device, non_blocking=True),
+            )
+
+        if any(p.logit_bias for p in params):
+            bias_rows: list[int] = []
+            bias_ids: list[int] = []
+            bias_values: list[float] = []
+            for row, p in enumerate(params):
+                for token_id, value in (p.logit_bias or {}).items():
+                    if not 0 <= token_id < vocab_size:
+                        raise ValueError(f"logit_bias: token id {token_id} is out of range (allowed: 0..{vocab_size - 1})")
+                    bias_rows.append(row)
+                    bias_ids.append(token_id)
+                    bias_values.append(value)
+            meta.logit_bias = (
+                torch.tensor(bias_rows, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(bias_ids, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(bias_values, dtype=torch.float32).to(device, non_blocking=True),
             )
 
         meta.num_logprobs = [p.logprobs for p in params]

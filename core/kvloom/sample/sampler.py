@@ -2,6 +2,7 @@
 
 Order of operations (vLLM's):
 
+0. logit_bias: each row's biases are added to its logits;
 1. penalties: repetition (on prompt + output tokens), then frequency and presence (on
    output tokens);
 2. min_tokens: EOS and stop token ids get -inf until the row has min_tokens outputs;
@@ -204,6 +205,9 @@ class Sampler:
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
 
+        if metadata.logit_bias is not None:
+            rows, ids, values = metadata.logit_bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         if metadata.min_tokens_mask is not None:

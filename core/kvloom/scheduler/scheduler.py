@@ -50,7 +50,7 @@ from kvloom.config import CacheConfig, SchedulerConfig
 from kvloom.kv_cache.manager import KVCacheManager
 from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
-from kvloom.request import EngineCoreEventType, Request, RequestStatus
+from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestStatus
 from kvloom.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
 from kvloom.scheduler.utils import check_stop
@@ -143,6 +143,14 @@ class Scheduler:
         self.waiting.add(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
+
+    def reject_request(self, request_id: str, message: str) -> None:
+        """Refuse a request that never joined the queues (the engine core found it
+        unservable when it arrived): it is reported in the next ``EngineCoreOutputs``,
+        finished with ``FinishReason.ABORT`` and ``error=message``."""
+        self._pending_outputs.append(
+            EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, error=message)
+        )
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests in any state (abort, or a stop string the front end found).
@@ -387,6 +395,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         pooler_output = model_runner_output.pooler_output
         prompt_logprobs = model_runner_output.prompt_logprobs
+        failed = model_runner_output.failed
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
         max_model_len = self.max_model_len
@@ -398,6 +407,10 @@ class Scheduler:
                 raise RuntimeError(f"the model runner returned a result for unscheduled request {req_id!r}")
             request = requests.get(req_id)
             if request is None:  # finished or aborted since scheduled
+                continue
+            if failed and req_id in failed:  # its own work failed: it ends, the others go on
+                outputs.append(self._fail_request(request, failed[req_id]))
+                any_finished = True
                 continue
             new_token_ids = sampled[i]
             # Async scheduling: a request preempted while this step was in flight keeps its
@@ -478,6 +491,21 @@ class Scheduler:
         self._needs_host_tokens.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         self._finished_since_output.add(request.request_id)
+
+    def _fail_request(self, request: Request, message: str) -> EngineCoreOutput:
+        """Finish a request whose own work failed in a step (``FinishReason.ERROR``).
+
+        Its blocks may have been cached for tokens whose KV was never written (a failure
+        before the forward), so the blocks only it holds leave the prefix cache."""
+        logger.error("Request %s failed in the engine and was finished: %s", request.request_id, message)
+        if request.status == RequestStatus.PREEMPTED:
+            self.waiting.remove_all([request])
+        request.status = RequestStatus.FINISHED_ERROR
+        request.num_computed_tokens = 0  # free() uncaches every block no one else holds
+        self._free_request(request)
+        output = self._final_output(request)
+        output.error = message
+        return output
 
     def _final_output(self, request: Request) -> EngineCoreOutput:
         return EngineCoreOutput(

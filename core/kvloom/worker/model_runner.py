@@ -15,13 +15,22 @@ straight from the previous step's sampled tensor on the device.
 
 Platforms drive the runner through its methods: ``profile_peak_memory`` (KV-cache sizing)
 and ``capture_cudagraphs`` besides the setup and step calls of the generic worker.
+
+Per-request isolation: the work that belongs to one request (setting up its state, its
+LoRA adapter, its row of the sampling state, its prompt logprobs, its pooling) runs under
+``_request_work``: a failure there fails that request alone (``ModelRunnerOutput.failed``,
+which the scheduler turns into ``FinishReason.ERROR``), and the rest of the batch goes on
+with the tokens it would have had anyway. A batch whose sampling fails is sampled again
+row by row to find the requests at fault. A failed request is left out of every later
+step until the scheduler reports it finished. Only a failure that belongs to no request
+(the forward pass, the logits) escapes and takes the engine down.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -74,6 +83,8 @@ class StepBatch:
     seq_lens: np.ndarray  # [B]
     logits_indices: np.ndarray  # [B]: index of each request's last scheduled token
     uniform_decode: bool
+    #: Scheduled requests left out of the step because their own work failed.
+    failed_req_ids: list[str] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -134,6 +145,9 @@ class ModelRunner:
         # The last step's sampled tokens on the device, and each request's row in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_sampled_row: dict[str, int] = {}
+        # Requests whose own work failed (id -> why), left out of every step until the
+        # scheduler lists them in finished_req_ids.
+        self._failed: dict[str, str] = {}
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -257,35 +271,60 @@ class ModelRunner:
         gen.manual_seed(seed % (2**63))
         return gen
 
+    def _request_work(self, req_id: str, what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, work that belongs to request ``req_id`` alone. If it raises, the
+        request fails (``self._failed``, logged with the traceback) and None is returned;
+        the caller leaves the request out and goes on with the others."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            logger.exception("Request %s failed in the model runner (%s)", req_id, what)
+            self._failed[req_id] = f"{what} failed ({type(exc).__name__}: {exc})"
+            return None
+
+    def _add_request_state(self, new: Any) -> bool:
+        params = new.sampling_params
+        self.input_batch.add(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            output_token_ids=new.output_token_ids,
+            sampling_params=params,
+            pooling_params=new.pooling_params,
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+            lora_request=new.lora_request,
+            generator=self._make_generator(params.seed if params is not None else None),
+            eos_token_id=new.eos_token_id,
+        )
+        return True
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.input_batch.remove(req_id)
+            self._failed.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             self.input_batch.remove(new.req_id)  # a resumed request replaces its old state
-            params = new.sampling_params
-            self.input_batch.add(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=new.output_token_ids,
-                sampling_params=params,
-                pooling_params=new.pooling_params,
-                block_ids=new.block_ids,
-                num_computed_tokens=new.num_computed_tokens,
-                lora_request=new.lora_request,
-                generator=self._make_generator(params.seed if params is not None else None),
-                eos_token_id=new.eos_token_id,
-            )
+            if new.req_id not in self._failed:
+                self._request_work(new.req_id, "setting up its state", self._add_request_state, new)
         for cached in so.scheduled_cached_reqs:
+            if cached.req_id in self._failed:
+                continue
             state = self.input_batch[cached.req_id]
             self.input_batch.append_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        if self.lora_manager is not None:
+            for req_id in so.num_scheduled_tokens:
+                state = self.input_batch.requests.get(req_id)
+                if state is not None and state.lora_request is not None and req_id not in self._failed:
+                    self._request_work(req_id, f"loading its LoRA adapter {state.lora_request.lora_name!r}",
+                                       self.lora_manager.ensure_loaded, state.lora_request)  # fmt: skip
 
     # ------------------------------------------------------------------ inputs
-    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[StepBatch, CommonAttentionMetadata]:
+    def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]) -> tuple[StepBatch, CommonAttentionMetadata]:
+        """The step's inputs for ``req_ids`` (the scheduled requests that have not failed)."""
         if self._inputs_copied is not None:  # the previous step's host->device copies
             self._inputs_copied.synchronize()
             self._inputs_copied = None
-        req_ids = list(so.num_scheduled_tokens)
         states = [self.input_batch[r] for r in req_ids]
         b = len(req_ids)
         query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=b)
@@ -366,7 +405,15 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return PendingModelRunnerOutput.done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-        batch, common = self._prepare_inputs(so)
+        failed = self._failed
+        req_ids = [r for r in so.num_scheduled_tokens if r not in failed] if failed else list(so.num_scheduled_tokens)
+        if not req_ids:  # every scheduled request has failed
+            self._prev_sampled, self._prev_sampled_row = None, {}
+            ids = list(so.num_scheduled_tokens)
+            return PendingModelRunnerOutput.done(ModelRunnerOutput(
+                req_ids=ids, sampled_token_ids=[[] for _ in ids], failed={r: failed[r] for r in ids}))  # fmt: skip
+        batch, common = self._prepare_inputs(so, req_ids)
+        batch.failed_req_ids = [r for r in so.num_scheduled_tokens if r in failed] if failed else []
         b = len(batch.req_ids)
 
         logits = None
@@ -407,24 +454,8 @@ class ModelRunner:
 
         if gen_idx:
             assert logits is not None
-            rows = gen_idx if len(gen_idx) < len(states) else None
-            gen_states = [states[i] for i in gen_idx]
-            for s in gen_states:
-                if s.generator is not None:
-                    # The noise for output token k depends only on (seed, k): seeded requests
-                    # give the same tokens whatever the batch and across preemptions.
-                    s.generator.manual_seed(_step_seed(s.sampling_params.seed, len(s.output_token_ids)))  # type: ignore[union-attr,arg-type]
-            metadata = SamplingMetadata.build(
-                params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
-                prompt_token_ids=[s.prompt_token_ids for s in gen_states],
-                output_token_ids=[s.output_token_ids for s in gen_states],
-                generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
-                vocab_size=logits.shape[-1],
-                device=logits.device,
-                eos_token_ids=[s.eos_token_id for s in gen_states],
-            )
-            gen_logits = logits if rows is None else logits[torch.as_tensor(rows, device=logits.device)]
-            out = self.sampler(gen_logits.float(), metadata)
+            out, gen_idx = self._sample(logits, states, gen_idx)
+        if gen_idx:
             sampled = out.sampled_token_ids
             sampled_host = self._sampled_host[self._sampled_slot][: len(gen_idx)]
             self._sampled_slot ^= 1
@@ -443,8 +474,49 @@ class ModelRunner:
                     self.input_batch.append_token(s, -1)
 
         return AsyncModelRunnerOutput(
-            self, batch, hidden, done_prefill, tokens, has_pooling=len(gen_idx) < len(states)
+            self, batch, hidden, done_prefill, tokens, has_pooling=any(s.pooling_params is not None for s in states)
         )
+
+    def _sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], gen_idx: list[int]
+    ) -> tuple[SamplerOutput, list[int]]:
+        """Sample the rows ``gen_idx`` of ``logits``; returns the sampler's output and the
+        rows it covers. If the batch fails, each row is sampled alone to find the requests
+        at fault; they fail, and the others are sampled again (with the same noise: a
+        seeded row's generator is re-seeded for the step). A failure that no single row
+        reproduces is the step's own and propagates."""
+        try:
+            return self._sample_rows(logits, states, gen_idx), gen_idx
+        except Exception:
+            at_fault = [i for i in gen_idx if self._request_work(states[i].req_id, "sampling",
+                                                                   self._sample_rows, logits, states, [i]) is None]  # fmt: skip
+            if not at_fault:
+                raise
+            logger.warning("Sampling failed for requests %s; sampling the rest of the batch again",
+                           [states[i].req_id for i in at_fault])  # fmt: skip
+            kept = [i for i in gen_idx if i not in at_fault]
+            if not kept:
+                return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), None, []), []
+            return self._sample_rows(logits, states, kept), kept
+
+    def _sample_rows(self, logits: torch.Tensor, states: list[CachedRequestState], rows: list[int]) -> SamplerOutput:
+        gen_states = [states[i] for i in rows]
+        for s in gen_states:
+            if s.generator is not None:
+                # The noise for output token k depends only on (seed, k): seeded requests
+                # give the same tokens whatever the batch and across preemptions.
+                s.generator.manual_seed(_step_seed(s.sampling_params.seed, len(s.output_token_ids)))  # type: ignore[union-attr,arg-type]
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
+            prompt_token_ids=[s.prompt_token_ids for s in gen_states],
+            output_token_ids=[s.output_token_ids for s in gen_states],
+            generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            eos_token_ids=[s.eos_token_id for s in gen_states],
+        )
+        gen_logits = logits if len(rows) == len(states) else logits[torch.as_tensor(rows, device=logits.device)]
+        return self.sampler(gen_logits.float(), metadata)
 
     def _prompt_logprobs(
         self, batch: StepBatch, hidden: torch.Tensor | None, out: dict[str, list[TokenLogprobs]]
@@ -456,17 +528,26 @@ class ModelRunner:
         np.cumsum(batch.query_lens, out=start_of[1:])
         for i, s in enumerate(batch.states):
             params = s.sampling_params
-            if params is None or params.prompt_logprobs is None or hidden is None:
+            if params is None or params.prompt_logprobs is None or hidden is None or s.req_id in self._failed:
                 continue
             first_pos = int(batch.seq_lens[i] - batch.query_lens[i])
             # token at position p predicts prompt token p+1; only prompt targets count
             last_pos = min(int(batch.seq_lens[i]), s.num_prompt_tokens - 1)
             if last_pos <= first_pos:
                 continue
-            idx = torch.arange(start_of[i], start_of[i] + (last_pos - first_pos), device=hidden.device)
-            targets = torch.as_tensor(s.prompt_token_ids[first_pos + 1 : last_pos + 1], device=hidden.device)
-            logits = self.model.compute_logits(hidden[idx]).float()
-            out[s.req_id] = compute_prompt_logprobs(logits, targets, params.prompt_logprobs)
+            result = self._request_work(s.req_id, "computing its prompt logprobs", self._prompt_logprobs_of,
+                                        s, hidden, int(start_of[i]), first_pos, last_pos)  # fmt: skip
+            if result is not None:
+                out[s.req_id] = result
+
+    def _prompt_logprobs_of(
+        self, s: CachedRequestState, hidden: torch.Tensor, start: int, first_pos: int, last_pos: int
+    ) -> list[TokenLogprobs]:
+        assert self.model is not None and s.sampling_params is not None
+        idx = torch.arange(start, start + (last_pos - first_pos), device=hidden.device)
+        targets = torch.as_tensor(s.prompt_token_ids[first_pos + 1 : last_pos + 1], device=hidden.device)
+        logits = self.model.compute_logits(hidden[idx]).float()
+        return compute_prompt_logprobs(logits, targets, s.sampling_params.prompt_logprobs)  # type: ignore[arg-type]
 
     def _pool(
         self, batch: StepBatch, hidden: torch.Tensor | None, done_prefill: list[bool]
@@ -477,9 +558,10 @@ class ModelRunner:
         start = 0
         for i, s in enumerate(batch.states):
             n = int(batch.query_lens[i])
-            if s.pooling_params is not None:
+            if s.pooling_params is not None and s.req_id not in self._failed:
                 chunk = hidden[start : start + n]
-                results[i] = pool_request(self.config, s, chunk, done_prefill[i])
+                results[i] = self._request_work(s.req_id, "pooling", pool_request, self.config, s, chunk,
+                                                done_prefill[i])  # fmt: skip
             start += n
         return results
 
@@ -605,10 +687,20 @@ class AsyncModelRunnerOutput(PendingModelRunnerOutput):
             runner._prompt_logprobs(batch, hidden, prompt_logprobs)
         if self._has_pooling:
             pooler_output = runner._pool(batch, hidden, self._done_prefill)
+        # Requests whose own work failed (before the step or in it) report no result.
+        failed = {r: runner._failed[r] for r in [*batch.req_ids, *batch.failed_req_ids] if r in runner._failed}
+        req_ids = batch.req_ids
+        if batch.failed_req_ids:
+            req_ids = [*req_ids, *batch.failed_req_ids]
+            sampled_lists += [[] for _ in batch.failed_req_ids]
+            logprobs += [None] * len(batch.failed_req_ids)
+            if pooler_output is not None:
+                pooler_output += [None] * len(batch.failed_req_ids)
         return ModelRunnerOutput(
-            req_ids=batch.req_ids,
+            req_ids=req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs=prompt_logprobs,
             pooler_output=pooler_output,
+            failed=failed,
         )

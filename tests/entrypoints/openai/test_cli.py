@@ -49,6 +49,17 @@ def test_serve_defaults_and_env_api_key(served: list, monkeypatch: pytest.Monkey
     assert (call["host"], call["port"], call["api_key"]) == ("0.0.0.0", 8000, "from-env")
 
 
+def test_serve_request_limit_flags(served: list) -> None:
+    from kvloom.entrypoints.openai.limits import ServerLimits
+
+    main(["serve"])
+    main(["serve", "--max-request-body-bytes", "65536", "--max-sequences-per-request", "16", "--max-json-depth", "8",
+          "--max-json-number-length", "30"])  # fmt: skip
+    assert served[0]["limits"] == ServerLimits()
+    assert served[1]["limits"] == ServerLimits(max_request_body_bytes=65536, max_sequences_per_request=16,
+                                               max_json_depth=8, max_json_number_length=30)  # fmt: skip
+
+
 def test_serve_model_flag_and_positional(served: list) -> None:
     main(["serve", "--model", "/m"])
     main(["serve", "/m", "--model", "/m"])
@@ -62,6 +73,8 @@ def test_serve_model_flag_and_positional(served: list) -> None:
         (["serve", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization: Input should be less than or equal to 1"),
         (["serve", "--port", "70000"], "--port: 70000 is out of range"),
         (["serve", "--dtype", "int3"], "invalid choice"),
+        (["serve", "--max-sequences-per-request", "0"], "--max-sequences-per-request: must be at least 1"),
+        (["serve", "--max-request-body-bytes", "10"], "--max-request-body-bytes: must be at least 1024"),
     ],
 )
 def test_serve_bad_flags_exit_2(served: list, capsys: pytest.CaptureFixture, argv: list[str], message: str) -> None:
@@ -76,7 +89,8 @@ def test_help_lists_engine_flags(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--max-num-seqs", "--enable-prefix-caching"):
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--max-num-seqs", "--enable-prefix-caching",
+                 "--max-request-body-bytes", "--max-sequences-per-request", "--max-json-depth"):  # fmt: skip
         assert flag in out
 
 

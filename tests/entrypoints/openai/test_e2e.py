@@ -22,6 +22,7 @@ from tests.helpers.plugin_server import KvloomServer, install_distribution
 from tests.helpers.waiting import wait_for
 
 API_KEY = "e2e-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # /tokenize and /detokenize need the key too
 MAX_MODEL_LEN = 512
 PLUGIN_SOURCE = Path(__file__).resolve().parents[3] / "plugins" / "examples" / "stat_logger"
 
@@ -84,9 +85,9 @@ def test_models_health_version_tokenize(server: KvloomServer, client: openai.Ope
     assert card.id == "SmolLM2-135M-Instruct" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
-    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == MAX_MODEL_LEN
-    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json()["prompt"]
     assert text == "Hello world"
 
 
@@ -97,7 +98,7 @@ def test_completion_greedy_stream_equals_whole(server: KvloomServer, client: ope
                                             stream_options={"include_usage": True}))  # fmt: skip
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert whole.choices[0].text and streamed == whole.choices[0].text
-    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["count"]
+    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=AUTH).json()["count"]
     assert whole.usage.prompt_tokens == n_prompt
     assert chunks[-1].usage.prompt_tokens == n_prompt
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -115,7 +116,7 @@ def test_chat_greedy_stream_equals_whole(server: KvloomServer, client: openai.Op
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    n_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["count"]
+    n_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=AUTH).json()["count"]
     assert whole.usage.prompt_tokens == n_prompt
 
 

@@ -343,12 +343,25 @@ def test_chat_content_parts(client: TestClient, engine: FakeAsyncLLM) -> None:
          ["stream_options: only allowed when stream is true"], "stream_options"),
         ("/v1/completions", {"prompt": "w5", "stop": ["a", 3]}, ["stop: must be a string or a list of strings"], "stop"),
         ("/v1/completions", {"prompt": "w5", "best_of": 3}, ["best_of: only best_of == n"], "best_of"),
-        ("/v1/completions", {"prompt": "w5", "logit_bias": {"5": 1.0}}, ["logit_bias", "not supported"], "logit_bias"),
+        ("/v1/completions", {"prompt": "w5", "logit_bias": {"abc": 1.0}}, ["logit_bias: key 'abc' is not a token id"], "logit_bias"),
+        ("/v1/completions", {"prompt": "w5", "logit_bias": {"5": 101}}, ["logit_bias: the bias of token 5 must be a number in [-100, 100]"], "logit_bias"),
+        ("/v1/completions", {"prompt": "w5", "logit_bias": {"200": 1}}, ["logit_bias: token id 200 is out of range (allowed: 0..199)"], "logit_bias"),
+        ("/v1/completions", {"prompt": "w5", "top_k": 1180591620717411303424},
+         ["top_k: 1180591620717411303424 is out of range (allowed: -1 or 0 to disable top-k, else 1 <= top_k <= 200"], "top_k"),
+        ("/v1/completions", {"prompt": "w5", "top_k": -2}, ["top_k: Input should be greater than or equal to -1"], "top_k"),
+        ("/v1/completions", {"prompt": "w5", "stop_token_ids": [5, 200]}, ["stop_token_ids: token id 200 is out of range (allowed: 0..199)"], "stop_token_ids"),
+        ("/v1/completions", {"prompt": "w5", "stop_token_ids": [-3]}, ["stop_token_ids[0]: Input should be greater than or equal to 0"], "stop_token_ids[0]"),
+        ("/v1/completions", {"prompt": "w5", "stop": ["x"] * 65}, ["stop: 65 stop strings are too many (allowed: at most 64)"], "stop"),
+        ("/v1/completions", {"prompt": "w5", "stop": "x" * 1025}, ["stop: a stop string has 1025 characters (allowed: 1..1024)"], "stop"),
+        ("/v1/completions", {"prompt": "w5", "seed": 2**63}, ["seed: Input should be less than or equal to 9223372036854775807"], "seed"),
+        ("/v1/completions", {"prompt": "w5", "best_of": 129, "n": 129}, ["n: Input should be less than or equal to 128"], "n"),
+        ("/v1/completions", {"prompt": ["w5"] * 3, "n": 100}, ["prompt: 3 prompt(s) x n=100 make 300 sequences", "prompts x n <= 256"], "prompt"),
+        ("/v1/completions", {"prompt": [[5, 199], [5, 200]]}, ["prompt: token id 200 is out of range (allowed: 0..199)"], "prompt"),
         ("/v1/completions", {"prompt": "w5", "priority": 1}, ["priority: 1 needs", "--scheduling-policy priority"], "priority"),
         ("/v1/completions", {"prompt": "w5", "max_tokens": 2, "min_tokens": 5}, ["min_tokens (5) must be less than or equal to max_tokens (2)"], None),
         ("/v1/completions", {"prompt": " ".join(["w5"] * 70)},
          ["prompt: the prompt is 71 tokens, but this model's maximum context length is 64"], "prompt"),
-        ("/v1/completions", {"prompt": [[5], [-1]]}, ["prompt: token ids must be non-negative"], "prompt"),
+        ("/v1/completions", {"prompt": [[5], [-1]]}, ["prompt: token id -1 is out of range (allowed: 0..199)"], "prompt"),
         ("/v1/chat/completions", {"model": "fake-model"}, ["messages: field required"], "messages"),
         ("/v1/chat/completions", {"messages": []}, ["messages: List should have at least 1 item"], "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, ["messages[0].role: Input should be"], "messages[0].role"),
@@ -409,26 +422,30 @@ def test_fastapi_validation_errors_become_400(engine: FakeAsyncLLM) -> None:
     assert_error(client.post("/typed", content=b"{", headers={"Content-Type": "application/json"}), 400, "Malformed JSON body")
 
 
-def test_engine_value_error_is_400_and_other_errors_500(engine: FakeAsyncLLM) -> None:
+def test_engine_value_error_is_400_and_other_errors_500(engine: FakeAsyncLLM, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine refuses a request when it is added (a ValueError): a 400 with the reason,
+    for a stream too (before any byte). The engine fails while running it: a 500 (or, once
+    streaming, an error event) saying "internal error" with the request id; the detail is
+    only in the log."""
     client = TestClient(build_app(engine, log_stats=False), raise_server_exceptions=False)
+
+    def bad_input(*args: Any, **kwargs: Any):
+        raise ValueError("prompt is 5000 tokens, longer than max_model_len 4096")
 
     async def boom(*args: Any, **kwargs: Any):
         raise RuntimeError("GPU on fire")
         yield  # pragma: no cover
 
-    async def bad_input(*args: Any, **kwargs: Any):
-        raise ValueError("prompt is 5000 tokens, longer than max_model_len 4096")
-        yield  # pragma: no cover
-
-    engine.generate = bad_input  # type: ignore[method-assign]
+    engine.add_request = bad_input  # type: ignore[method-assign]
     assert_error(post(client, "/v1/completions", {"prompt": "w5"}), 400, "prompt is 5000 tokens")
-    events = sse_events(post(client, "/v1/completions", {"prompt": "w5", "stream": True}).text)
-    assert events[-1]["error"]["message"].startswith("prompt is 5000 tokens")
-    engine.generate = boom  # type: ignore[method-assign]
-    err = assert_error(post(client, "/v1/chat/completions", chat_body()), 500, "GPU on fire")
-    assert err["type"] == "server_error"
+    assert_error(post(client, "/v1/completions", {"prompt": "w5", "stream": True}), 400, "prompt is 5000 tokens")
+    engine.add_request = boom  # type: ignore[method-assign]
+    err = assert_error(post(client, "/v1/chat/completions", chat_body()), 500, "Internal server error (request id: chatcmpl-")
+    assert err["type"] == "server_error" and "GPU" not in err["message"]
     events = sse_events(post(client, "/v1/chat/completions", chat_body(stream=True)).text)
-    assert "GPU on fire" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["message"].startswith("Internal server error (request id: chatcmpl-")
+    assert "GPU" not in json.dumps(events)
+    assert "GPU on fire" in caplog.text
 
 
 def test_server_keeps_serving_after_errors(client: TestClient) -> None:
@@ -475,8 +492,8 @@ def test_tokenize_detokenize(client: TestClient) -> None:
     r = post(client, "/tokenize", {"messages": [{"role": "user", "content": "w5"}]}).json()
     assert r["tokens"] == [2, 5, 3]
     assert post(client, "/detokenize", {"tokens": [5, 6]}).json() == {"prompt": "w5 w6"}
-    assert_error(post(client, "/detokenize", {"tokens": [5, 1000]}), 400, "tokens: cannot be decoded")
-    assert_error(post(client, "/detokenize", {"tokens": [-1]}), 400, "non-negative")
+    assert_error(post(client, "/detokenize", {"tokens": [5, 1000]}), 400, "tokens: token id 1000 is out of range (allowed: 0..199)")
+    assert_error(post(client, "/detokenize", {"tokens": [-1]}), 400, "tokens: token id -1 is out of range")
     assert_error(post(client, "/tokenize", {"prompt": "w5", "model": "zzz"}), 404)
     assert_error(post(client, "/tokenize", {"text": "w5"}), 400, "prompt: field required")
 

@@ -9,6 +9,13 @@ import os
 import signal
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+from kvloom.entrypoints.openai.errors import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_JSON_NUMBER_LENGTH
+from kvloom.entrypoints.openai.limits import (
+    BODY_BYTES_PER_TOKEN,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    MIN_DEFAULT_BODY_BYTES,
+    ServerLimits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,32 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="uvicorn's log level (default: info).",
     )
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    limits = parser.add_argument_group("request limits (what one request may ask of the server)")
+    limits.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="Refuse larger request bodies with 413 (default: enough for a prompt of max-model-len tokens, "
+        f"{BODY_BYTES_PER_TOKEN} bytes a token, and at least {MIN_DEFAULT_BODY_BYTES // 2**20} MiB).",
+    )
+    limits.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="Most sequences one request may start, prompts x n (default: %(default)s); more is a 400.",
+    )
+    limits.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=DEFAULT_MAX_JSON_DEPTH,
+        help="How deeply a JSON body's arrays and objects may nest (default: %(default)s); deeper is a 400.",
+    )
+    limits.add_argument(
+        "--max-json-number-length",
+        type=int,
+        default=DEFAULT_MAX_JSON_NUMBER_LENGTH,
+        help="The longest number literal in a JSON body, in characters (default: %(default)s); longer is a 400.",
+    )
     add_engine_args(parser)
     parser.set_defaults(func=run, parser=parser)
     return parser
@@ -60,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--port: {args.port} is out of range (allowed: 1..65535)")
     try:
         engine_args = engine_args_from_namespace(args, **overrides)
+        limits = ServerLimits(
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_sequences_per_request=args.max_sequences_per_request,
+            max_json_depth=args.max_json_depth,
+            max_json_number_length=args.max_json_number_length,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     # SIGTERM stops the server as Ctrl-C does: gracefully, exit status 0. (uvicorn shuts
@@ -75,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 api_key=args.api_key or None,
                 uvicorn_log_level=args.uvicorn_log_level,
                 access_log=not args.disable_uvicorn_access_log,
+                limits=limits,
             )
         )
     except KeyboardInterrupt:

@@ -2,10 +2,17 @@
 
 Endpoints: POST /v1/completions, /v1/chat/completions, /v1/embeddings, GET /v1/models,
 and with ``KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1`` POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter (all under /v1 need the API key when one is set), GET /health,
-/version, /metrics, POST /tokenize, /detokenize, /pooling. Every error is OpenAI's body
+/v1/unload_lora_adapter, POST /tokenize, /detokenize, /pooling (all of these run model
+code and need the API key when one is set), and the open operational endpoints GET
+/health, /version, /metrics. Every error is OpenAI's body
 ``{"error": {message, type, param, code}}``; bad input (malformed JSON, wrong types,
 out-of-range values) is a 400, never FastAPI's 422.
+
+No request can hurt the others (``RequestGuard``, ``limits.ServerLimits``): a body must be
+JSON (or carry no Content-Type; text/plain and form bodies, which a web page can send
+cross-site without a preflight, are a 415) and fit ``--max-request-body-bytes`` (413);
+large bodies are parsed off the event loop; a 500 says "internal error" with the request
+id (also the ``X-Request-Id`` response header), the details going to the log.
 
 The server calls ``log()`` on the engine's stat loggers every ``log_stats_interval``
 seconds, and a client that disconnects cancels its engine requests (streaming or not).
@@ -17,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,9 +41,11 @@ from kvloom.engine.async_llm import AsyncLLM
 from kvloom.entrypoints.openai.errors import (
     APIError,
     from_validation_errors,
+    internal_error,
     parse_json_body,
     validate_body,
 )
+from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,6 +85,112 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+#: Media types a request body may have: JSON, or none said.
+_JSON_MEDIA_TYPES = ("application/json",)
+_REQUEST_ID_HEADER = b"x-request-id"
+
+
+def request_id_of(request: Request) -> str:
+    return request.scope.get("kvloom.request_id") or "unknown"
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route.
+
+    * Gives each HTTP request an id (a sane ``X-Request-Id`` header of the client's, else
+      a new one), in ``scope["kvloom.request_id"]`` and the response's ``X-Request-Id``.
+    * A request with a body must be JSON: a Content-Type other than ``application/json``
+      (or ``*+json``) is refused with 415 before the body is read, in particular the
+      CORS-safelisted text/plain, application/x-www-form-urlencoded and
+      multipart/form-data that a web page can send to a local server without a preflight.
+      A missing Content-Type is accepted (curl, simple clients).
+    * A body larger than ``max_body_bytes`` is refused with 413: at once by its
+      Content-Length, or as soon as a chunked body passes the limit (the route's read of
+      the body raises ``APIError(413)``).
+    """
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        request_id = _sane_request_id(headers.get(_REQUEST_ID_HEADER)) or f"req-{uuid.uuid4().hex}"
+        scope["kvloom.request_id"] = request_id
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (_REQUEST_ID_HEADER, request_id.encode())]}
+            await send(message)
+
+        problem = self._refuse(scope["method"], headers)
+        if problem is not None:
+            await error_response(problem)(scope, receive, send_with_id)
+            return
+        limit, received = self.max_body_bytes, 0
+
+        async def receive_limited() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _too_large(limit)
+            return message
+
+        started = False
+
+        async def send_tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send_with_id(message)
+
+        try:
+            await self.app(scope, receive_limited, send_tracked)
+        except Exception as exc:  # no handler took it: log it, answer "internal error" with the id
+            logger.error("Unhandled error serving %s %s (request id %s)", scope["method"], scope.get("path"),
+                         request_id, exc_info=exc)  # fmt: skip
+            if started:
+                raise  # too late for a response of ours; the server closes the connection
+            await error_response(internal_error(request_id))(scope, receive, send_with_id)
+
+    def _refuse(self, method: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if method not in ("POST", "PUT", "PATCH"):
+            return None
+        content_type = headers.get(b"content-type")
+        if content_type is not None:
+            media_type = content_type.decode("latin-1").split(";", 1)[0].strip().lower()
+            if media_type not in _JSON_MEDIA_TYPES and not media_type.endswith("+json"):
+                return APIError(f"Unsupported Content-Type {media_type[:100]!r}: request bodies must be JSON "
+                                "(Content-Type: application/json)", status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                                code="unsupported_media_type")  # fmt: skip
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                size = int(length)
+            except ValueError:
+                return APIError("Content-Length is not a number", code="invalid_request")
+            if size > self.max_body_bytes:
+                return _too_large(self.max_body_bytes)
+        return None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"Request body too large: this server accepts at most {limit} bytes "
+                    "(--max-request-body-bytes)", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    code="request_too_large")  # fmt: skip
+
+
+def _sane_request_id(value: bytes | None) -> str | None:
+    if value is None or not 0 < len(value) <= 128:
+        return None
+    text = value.decode("latin-1")
+    return text if all(c.isalnum() or c in "-_.:" for c in text) else None
+
+
 async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Await ``work`` unless the client disconnects first; then cancel it (which aborts
     its engine requests) and return None."""
@@ -100,10 +216,27 @@ async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | No
     return None
 
 
-def _respond(result: Any) -> Response:
+class _ClosingStreamingResponse(StreamingResponse):
+    """A stream whose iterator is closed however the response ends (finished, the client
+    gone before or while it streams, an error), which aborts its engine requests at once."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _respond(result: Any) -> Response:
+    """A stream as server-sent events, else the response as JSON: serialized off the event
+    loop when it is large (n x max_tokens x logprobs can make megabytes)."""
     if isinstance(result, AsyncIterator):
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return JSONResponse(result.model_dump(mode="json"))
+        return _ClosingStreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    usage = getattr(result, "usage", None)
+    size = (usage.total_tokens if usage is not None else 0) * 64 + 64 * len(getattr(result, "data", ()) or ())
+    return Response(await run_blocking(size, result.model_dump_json), media_type="application/json")
 
 
 def metrics_text(engine: "AsyncLLM") -> bytes:
@@ -127,10 +260,15 @@ async def _log_stats_periodically(engine: "AsyncLLM", interval: float) -> None:
                 logger.exception("Stat logger %s failed in log()", type(stat_logger).__qualname__)
 
 
-def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = True) -> FastAPI:
-    """The FastAPI app serving ``engine``. With ``api_key``, /v1/* needs
-    ``Authorization: Bearer <api_key>``."""
+def build_app(
+    engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = True, limits: ServerLimits | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine``. With ``api_key``, every endpoint that runs model
+    code (/v1/*, /tokenize, /detokenize, /pooling) needs ``Authorization: Bearer
+    <api_key>``; /health, /version and /metrics stay open (as in vLLM). ``limits``: what one
+    request may ask (``ServerLimits``; the defaults when None)."""
 
+    limits = limits if limits is not None else ServerLimits()
     models = OpenAIServingModels(engine)
 
     @contextlib.asynccontextmanager
@@ -148,11 +286,24 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
 
     app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__, lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(RequestGuard, max_body_bytes=limits.body_limit(engine.config.model.max_model_len))
 
-    completions = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models)
-    tokenization = OpenAIServingTokenization(engine, models)
-    pooling = OpenAIServingPooling(engine, models, load_io_processor(engine.config))
+    completions = OpenAIServingCompletion(engine, models, limits)
+    chat = OpenAIServingChat(engine, models, limits)
+    tokenization = OpenAIServingTokenization(engine, models, limits)
+    pooling = OpenAIServingPooling(engine, models, load_io_processor(engine.config), limits)
+
+    async def read_json(raw: Request) -> Any:
+        """The body as JSON (parsed off the event loop when it is large)."""
+        body = await raw.body()
+        return await run_blocking(len(body), parse_json_body, body, limits.max_json_depth,
+                                  limits.max_json_number_length)  # fmt: skip
+
+    async def read_body(raw: Request, model: type[T]) -> T:
+        """The body validated as ``model`` (parsed and validated off the event loop when large)."""
+        body = await raw.body()
+        return await run_blocking(len(body), lambda: validate_body(model, parse_json_body(
+            body, limits.max_json_depth, limits.max_json_number_length)))  # fmt: skip
 
     # ---------------------------------------------------------------- errors
 
@@ -170,9 +321,10 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("Unhandled error serving %s %s", request.method, request.url.path)
-        return error_response(APIError(f"Internal server error: {type(exc).__name__}: {exc}",
-                                       status=HTTPStatus.INTERNAL_SERVER_ERROR))  # fmt: skip
+        request_id = request_id_of(request)
+        logger.error("Unhandled error serving %s %s (request id %s)", request.method, request.url.path, request_id,
+                     exc_info=exc)  # fmt: skip
+        return error_response(internal_error(request_id))
 
     # ---------------------------------------------------------------- /v1 (API key)
 
@@ -186,24 +338,26 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
                            status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key")  # fmt: skip
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    # The endpoints outside /v1 that run model code (vLLM's paths) need the key as well.
+    model_ops = APIRouter(dependencies=[Depends(check_api_key)])
 
     @v1.post("/completions")
     async def create_completion(raw: Request) -> Response:
-        request = validate_body(CompletionRequest, parse_json_body(await raw.body()))
+        request = await read_body(raw, CompletionRequest)
         result = await run_until_disconnected(raw, completions.create_completion(request))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @v1.post("/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        request = validate_body(ChatCompletionRequest, parse_json_body(await raw.body()))
+        request = await read_body(raw, ChatCompletionRequest)
         result = await run_until_disconnected(raw, chat.create_chat_completion(request))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @v1.post("/embeddings")
     async def create_embedding(raw: Request) -> Response:
-        request = validate_body(EmbeddingRequest, parse_json_body(await raw.body()))
+        request = await read_body(raw, EmbeddingRequest)
         result = await run_until_disconnected(raw, pooling.create_embedding(request))
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     @v1.get("/models")
     async def list_models() -> JSONResponse:
@@ -215,13 +369,13 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
 
         @v1.post("/load_lora_adapter")
         async def load_lora_adapter(raw: Request) -> Response:
-            request = validate_body(LoadLoRAAdapterRequest, parse_json_body(await raw.body()))
+            request = await read_body(raw, LoadLoRAAdapterRequest)
             await models.load_lora_adapter(request.lora_name, request.lora_path)
             return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
 
         @v1.post("/unload_lora_adapter")
         async def unload_lora_adapter(raw: Request) -> Response:
-            request = validate_body(UnloadLoRAAdapterRequest, parse_json_body(await raw.body()))
+            request = await read_body(raw, UnloadLoRAAdapterRequest)
             await models.unload_lora_adapter(request.lora_name)
             return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.",
                             media_type="text/plain")  # fmt: skip
@@ -247,28 +401,31 @@ def build_app(engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = 
     async def metrics() -> Response:
         return Response(metrics_text(engine), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(raw: Request) -> JSONResponse:
-        data = parse_json_body(await raw.body())
+    @model_ops.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        data = await read_json(raw)
         model = TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
-        response = tokenization.tokenize_request(validate_body(model, data))
-        return JSONResponse(response.model_dump(mode="json"))
+        response = await tokenization.tokenize_request(validate_body(model, data))
+        body = await run_blocking(8 * response.count, response.model_dump_json)  # a long prompt: megabytes
+        return Response(body, media_type="application/json")
 
-    @app.post("/pooling")
+    @model_ops.post("/pooling")
     async def create_pooling(raw: Request) -> Response:
-        data = parse_json_body(await raw.body())
+        data = await read_json(raw)
         if isinstance(data, dict) and "data" in data:
             work: Awaitable[Any] = pooling.create_io_processor_pooling(validate_body(IOProcessorRequest, data))
         else:
             work = pooling.create_pooling(validate_body(PoolingRequest, data))
         result = await run_until_disconnected(raw, work)
-        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else _respond(result)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
-    @app.post("/detokenize")
-    async def detokenize(raw: Request) -> JSONResponse:
-        request = validate_body(DetokenizeRequest, parse_json_body(await raw.body()))
-        return JSONResponse(tokenization.detokenize_request(request).model_dump(mode="json"))
+    @model_ops.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        request = await read_body(raw, DetokenizeRequest)
+        response = await tokenization.detokenize_request(request)
+        return Response(await run_blocking(len(response.prompt), response.model_dump_json), media_type="application/json")
 
+    app.include_router(model_ops)
     return app
 
 
@@ -285,6 +442,7 @@ async def serve_http(
     api_key: str | None = None,
     uvicorn_log_level: str = "info",
     access_log: bool = True,
+    limits: ServerLimits | None = None,
 ) -> int:
     """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM.
 
@@ -295,7 +453,7 @@ async def serve_http(
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[PrometheusStatLogger])
     engine_error: list[BaseException] = []
     try:
-        app = build_app(engine, api_key=api_key)
+        app = build_app(engine, api_key=api_key, limits=limits)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log)
         server = uvicorn.Server(config)
         loop = asyncio.get_running_loop()

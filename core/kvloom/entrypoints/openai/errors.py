@@ -41,6 +41,13 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
 
+def internal_error(request_id: str) -> APIError:
+    """The 500 a client gets for anything that is not its fault: no internal detail (that
+    goes to the log), only the request id to look it up by."""
+    return APIError(f"Internal server error (request id: {request_id}); the details are in the server log",
+                    status=HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")  # fmt: skip
+
+
 def _default_type(status: int) -> str:
     if status == HTTPStatus.UNAUTHORIZED:
         return "authentication_error"
@@ -131,14 +138,113 @@ def from_validation_error(exc: ValidationError, model: type[BaseModel] | None = 
     return from_validation_errors(exc.errors(include_url=False), model)
 
 
-def parse_json_body(raw: bytes) -> Any:
-    """The request body as JSON, or a 400 saying why it is not."""
+#: How deeply a request body's arrays and objects may nest (``--max-json-depth``).
+DEFAULT_MAX_JSON_DEPTH = 64
+#: The longest number literal a request body may hold, in characters
+#: (``--max-json-number-length``): an int64 has 19 digits, a float's shortest exact form 24
+#: characters; Python would spend quadratic time on a 10,000-digit integer.
+DEFAULT_MAX_JSON_NUMBER_LENGTH = 100
+
+
+class _NumberTooLong(Exception):
+    pass
+
+
+class _NotJSON(Exception):
+    pass
+
+
+def parse_json_body(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                    max_number_length: int = DEFAULT_MAX_JSON_NUMBER_LENGTH) -> Any:  # fmt: skip
+    """The request body as JSON, or a 400 saying why it is not: malformed, not UTF-8, nested
+    deeper than ``max_depth``, a number literal longer than ``max_number_length``
+    characters, NaN/Infinity (not JSON), or a string that is not valid Unicode (a lone
+    UTF-16 surrogate such as ``"\\ud800"``, which no tokenizer or response can encode;
+    the message names the field)."""
     if not raw.strip():
         raise APIError("Request body is empty; expected a JSON object", code="invalid_json")
+
+    def number(text: str) -> Any:
+        if len(text) > max_number_length:
+            raise _NumberTooLong(text)
+        return int(text) if text.lstrip("-").isdigit() else float(text)
+
+    def constant(text: str) -> Any:
+        raise _NotJSON(text)
+
+    # The number hooks cost a Python call per number: bodies without a digit run longer
+    # than the limit (the common case; a run inside a string also counts) parse without them.
+    hooks: dict[str, Any] = {"parse_constant": constant}
+    if _has_long_digit_run(raw, max_number_length):
+        hooks.update(parse_int=number, parse_float=number)
     try:
-        return json.loads(raw)
+        data = json.loads(raw, **hooks)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"Malformed JSON body: {exc}", code="invalid_json") from None
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise APIError(f"Malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(f"Malformed JSON body: arrays and objects nest more than {max_depth} levels deep",
+                       code="invalid_json") from None  # fmt: skip
+    except _NumberTooLong as exc:
+        raise APIError(f"Malformed JSON body: a number has {len(exc.args[0])} characters, more than the "
+                       f"{max_number_length} allowed ({exc.args[0][:24]}...)", code="invalid_json") from None  # fmt: skip
+    except _NotJSON as exc:
+        raise APIError(f"Malformed JSON body: {exc.args[0]} is not a JSON value", code="invalid_json") from None
+    check_json_value(data, max_depth)
+    return data
+
+
+_DIGITS_AS_ONES = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))
+
+
+def _has_long_digit_run(raw: bytes, max_number_length: int) -> bool:
+    """Whether ``raw`` has a digit run that every number literal longer than
+    ``max_number_length`` contains: such a literal has at most 4 other characters (``-``,
+    ``.``, ``e``, a sign) and at most 3 digit runs (integer, fraction, exponent)."""
+    run = max(1, (max_number_length - 4) // 3)
+    return b"1" * run in raw.translate(_DIGITS_AS_ONES)
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def check_json_value(data: Any, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+    """A 400 if ``data`` nests deeper than ``max_depth`` or holds a string (or object key)
+    that is not valid Unicode; the message names where (``messages[0].content``)."""
+    # Iterative, so that no input can exhaust the stack: (value, path, depth).
+    stack: list[tuple[Any, tuple[str | int, ...], int]] = [(data, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                _check_unicode(value, path)
+        elif isinstance(value, (list, dict)):
+            if depth >= max_depth:
+                raise APIError(f"Malformed JSON body: arrays and objects nest more than {max_depth} levels deep"
+                               f" (at {format_loc(path) or 'the top level'})", code="invalid_json")  # fmt: skip
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if not key.isascii():
+                        _check_unicode(key, path, is_key=True)
+                    if isinstance(item, (str, list, dict)):
+                        stack.append((item, (*path, key), depth + 1))
+            elif not _SCALARS.issuperset(map(type, value)):  # (a list of numbers is done at C speed)
+                for index, item in enumerate(value):
+                    if isinstance(item, (str, list, dict)):
+                        stack.append((item, (*path, index), depth + 1))
+
+
+def _check_unicode(text: str, path: tuple[str | int, ...], is_key: bool = False) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        name = format_loc(path) or "body"
+        what = f"{name}: an object key" if is_key else name + ":"
+        char = text[exc.start]
+        raise APIError(f"{what} is not valid Unicode: it contains the lone UTF-16 surrogate "
+                       f"\\u{ord(char):04x} at position {exc.start}", param=format_loc(path) or None,
+                       code="invalid_value") from None  # fmt: skip
 
 
 def validate_body(model: type[BaseModel], data: Any) -> Any:

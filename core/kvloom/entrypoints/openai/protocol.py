@@ -11,11 +11,20 @@ priority, ...) sit next to OpenAI's fields, as vLLM users pass them through
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvloom.sampling_params import _MAX_SEED, RequestOutputKind, SamplingParams
+from kvloom.sampling_params import (
+    _MAX_SEED,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 MAX_LOGPROBS = 20
 
@@ -53,12 +62,36 @@ class StreamOptions(OpenAIRequest):
 
 
 def _stop_strings(value: Any) -> Any:
-    """``stop`` is a string or a list of strings (or null)."""
-    if value is None or isinstance(value, str):
+    """``stop`` is a string or a list of at most MAX_STOP_STRINGS strings (or null), each
+    of at most MAX_STOP_STRING_LENGTH characters."""
+    if value is None:
         return value
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+    strings = [value] if isinstance(value, str) else value
+    if not (isinstance(strings, list) and all(isinstance(s, str) for s in strings)):
+        raise ValueError("must be a string or a list of strings")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"{len(strings)} stop strings are too many (allowed: at most {MAX_STOP_STRINGS})")
+    for s in strings:
+        if len(s) > MAX_STOP_STRING_LENGTH:
+            raise ValueError(f"a stop string has {len(s)} characters (allowed: 1..{MAX_STOP_STRING_LENGTH})")
+    return value
+
+
+def _logit_bias(value: Any) -> Any:
+    """OpenAI's ``logit_bias``: {"token id": bias}, bias in [-100, 100]."""
+    if value is None:
         return value
-    raise ValueError("must be a string or a list of strings")
+    if not isinstance(value, dict):
+        raise ValueError('must be an object mapping token ids to biases ({"50256": -100})')
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"{len(value)} entries are too many (allowed: at most {MAX_LOGIT_BIAS_ENTRIES})")
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ValueError(f"key {key[:20]!r} is not a token id (a decimal number, 0 <= id < the vocabulary size)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"the bias of token {key} must be a number in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
+                             f"(got {bias!r:.30})")  # fmt: skip
+    return value
 
 
 class SamplingRequest(OpenAIRequest):
@@ -77,12 +110,12 @@ class SamplingRequest(OpenAIRequest):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables top-k; at most the vocabulary size.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -94,12 +127,10 @@ class SamplingRequest(OpenAIRequest):
     def _check_stop(cls, value: Any) -> Any:
         return _stop_strings(value)
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("is not supported by kvloom (send null or {})")
-        return value
+    def _check_logit_bias(cls, value: Any) -> Any:
+        return _logit_bias(value)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "SamplingRequest":
@@ -123,6 +154,7 @@ class SamplingRequest(OpenAIRequest):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "seed": self.seed,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -157,7 +189,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = None
     # vLLM extension: logprobs of the prompt tokens (echo=True with logprobs implies it).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -393,14 +425,7 @@ class TokenizeResponse(OpenAIResponse):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
-
-    @field_validator("tokens")
-    @classmethod
-    def _non_negative(cls, value: list[int]) -> list[int]:
-        if any(t < 0 for t in value):
-            raise ValueError("token ids must be non-negative")
-        return value
+    tokens: list[int]  # token ids: checked against the vocabulary by the server
 
 
 class DetokenizeResponse(OpenAIResponse):

@@ -5,11 +5,12 @@ request (with n) serves the whole response; choice i is its sequence i."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from kvloom.entrypoints.openai.errors import APIError
+from kvloom.entrypoints.openai.errors import APIError, internal_error
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -23,8 +24,18 @@ from kvloom.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, PromptOutputs, random_id, sse
+from kvloom.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EventStream,
+    OpenAIServing,
+    Prompt,
+    PromptOutputs,
+    random_id,
+    sse,
+)
 from kvloom.outputs import CompletionOutput, SampleLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,15 +53,17 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
-        prompt = self.chat_prompt(request.template_messages(), request.add_generation_prompt)
+        self.check_sampling_fields(request)
+        self.check_num_sequences(1, request.n, "n")
+        prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt)
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs, None)
         request_id = random_id("chatcmpl")
-        outputs = self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
+        outputs = await self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
         if request.stream:
-            return self._stream(request, request_id, prompt, outputs)
+            return EventStream(self._stream(request, request_id, prompt, outputs), outputs)
         return await self._collect(request, request_id, prompt, outputs)
 
     # ------------------------------------------------------------ shared formatting
@@ -175,4 +188,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(final.model_dump_json())
         except APIError as error:
             yield sse(json.dumps(error.body()))
+        except Exception:  # a failure formatting the stream: the client learns no detail
+            logger.exception("Streaming chat completion %s failed", request_id)
+            yield sse(json.dumps(internal_error(request_id).body()))
         yield SSE_DONE

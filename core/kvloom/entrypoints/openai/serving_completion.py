@@ -5,11 +5,12 @@ prompt ``prompt_index``."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from kvloom.entrypoints.openai.errors import APIError
+from kvloom.entrypoints.openai.errors import APIError, internal_error
 from kvloom.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -18,8 +19,18 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from kvloom.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, Prompt, PromptOutputs, random_id, sse
+from kvloom.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EventStream,
+    OpenAIServing,
+    Prompt,
+    PromptOutputs,
+    random_id,
+    sse,
+)
 from kvloom.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,7 +50,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
-        prompts = [self.tokenize(p) for p in request.prompts()]
+        self.check_sampling_fields(request)
+        self.check_num_sequences(len(request.prompts()), request.n, "prompt")
+        prompts = [await self.tokenize_async(p) for p in request.prompts()]
         max_tokens = [self.max_tokens_for(p, request.max_tokens, "prompt", "max_tokens") for p in prompts]
         # echo with logprobs reports the prompt tokens' logprobs as well.
         prompt_logprobs = request.prompt_logprobs
@@ -48,9 +61,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
         params = [self.sampling_params(request, m, request.logprobs, prompt_logprobs) for m in max_tokens]
         request_id = random_id("cmpl")
-        outputs = self.generate(request_id, prompts, params, lora_request, request.priority, request.cache_salt)
+        outputs = await self.generate(request_id, prompts, params, lora_request, request.priority, request.cache_salt)
         if request.stream:
-            return self._stream(request, request_id, prompts, outputs)
+            return EventStream(self._stream(request, request_id, prompts, outputs), outputs)
         return await self._collect(request, request_id, prompts, outputs)
 
     # ------------------------------------------------------------ shared formatting
@@ -202,6 +215,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(final.model_dump_json())
         except APIError as error:
             yield sse(json.dumps(error.body()))
+        except Exception:  # a failure formatting the stream: the client learns no detail
+            logger.exception("Streaming completion %s failed", request_id)
+            yield sse(json.dumps(internal_error(request_id).body()))
         yield SSE_DONE
 
 

@@ -9,6 +9,14 @@ every ``RequestOutput`` carries the sequences with something new, each with its
 ``CompletionOutput.index``. Several prompts are several engine requests whose streams are
 merged as outputs arrive (``merge_async_iterators``); choice ``prompt_index * n + index``
 of a response is sequence ``index`` of prompt ``prompt_index``.
+
+Everything is checked before the first byte of a response: the fields' ranges (those the
+model bounds, such as ``top_k`` and token ids, here), the request's size
+(``ServerLimits``), and the prompts are tokenized (large ones off the event loop,
+``limits.run_blocking``) and admitted into the engine (``AsyncLLM.add_request``), so
+that bad input is a 400 even for a stream. Engine errors: a request the engine refused is
+a 400 with its reason; one that failed in the engine, or any other failure, is a 500
+saying "internal error" with the request id, the details going to the log only.
 """
 
 from __future__ import annotations
@@ -19,17 +27,18 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from kvloom.entrypoints.openai.errors import APIError, from_validation_error
+from kvloom.engine.errors import RequestFailedError
+from kvloom.entrypoints.openai.errors import APIError, from_validation_error, internal_error
+from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import SamplingRequest
 from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import SamplingParams
+from kvloom.sampling_params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from kvloom.engine.async_llm import AsyncLLM
@@ -104,13 +113,34 @@ async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncIte
             await iterator.aclose()
 
 
+#: A text prompt longer than this many characters per token of ``max_model_len`` is
+#: first tokenized only up to that length: when that prefix alone has more tokens than the
+#: context holds (plus ``_PREFIX_SLACK`` for a word cut in two), the prompt is refused
+#: without tokenizing the rest (a token averages about 4 characters).
+_PREFIX_CHARS_PER_TOKEN = 16
+_PREFIX_SLACK = 32
+#: Admit this many prompts of one request, then let the event loop serve others.
+_ADMIT_BATCH = 16
+
+
+def _vocab_size(config: Any) -> int | None:
+    try:
+        return int(config.model.vocab_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 class OpenAIServing:
-    def __init__(self, engine: "AsyncLLM", models: OpenAIServingModels | None = None) -> None:
+    def __init__(
+        self, engine: "AsyncLLM", models: OpenAIServingModels | None = None, limits: ServerLimits | None = None
+    ) -> None:
         self.engine = engine
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_name = self.config.model.served_model_name
         self.max_model_len = self.config.model.max_model_len
+        self.vocab_size = _vocab_size(self.config)
+        self.limits = limits if limits is not None else ServerLimits()
         # The base model and its LoRA adapters; the server shares one among its endpoints.
         self.models = models if models is not None else OpenAIServingModels(engine)
 
@@ -136,6 +166,39 @@ class OpenAIServing:
                 param="priority",
             )
 
+    def check_num_sequences(self, num_prompts: int, n: int, param: str) -> None:
+        """At most ``--max-sequences-per-request`` engine sequences (prompts x n)."""
+        limit = self.limits.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise APIError(
+                f"{param}: {num_prompts} prompt(s) x n={n} make {num_prompts * n} sequences, more than this "
+                f"server allows in one request (allowed: prompts x n <= {limit}, --max-sequences-per-request)",
+                param=param,
+            )
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Token ids in 0..vocab_size-1 (non-negative when the vocabulary is unknown)."""
+        if not ids:
+            return
+        vocab = self.vocab_size
+        low, high = min(ids), max(ids)
+        if low >= 0 and (vocab is None or high < vocab):
+            return
+        bad = low if low < 0 else high
+        allowed = f"0..{vocab - 1}" if vocab is not None else "non-negative"
+        raise APIError(f"{param}: token id {bad} is out of range (allowed: {allowed})", param=param)
+
+    def check_sampling_fields(self, request: SamplingRequest) -> None:
+        """The ranges the model's vocabulary bounds (the request's schema checked the rest)."""
+        vocab = self.vocab_size
+        if vocab is not None and request.top_k is not None and request.top_k > vocab:
+            raise APIError(f"top_k: {request.top_k} is out of range (allowed: -1 or 0 to disable top-k, else "
+                           f"1 <= top_k <= {vocab}, the vocabulary size)", param="top_k")  # fmt: skip
+        if request.stop_token_ids:
+            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
+        if request.logit_bias:
+            self.check_token_ids([int(k) for k in request.logit_bias], "logit_bias")
+
     def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
             raise APIError(
@@ -144,13 +207,40 @@ class OpenAIServing:
             )
         return self.tokenizer
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> Prompt:
-        if isinstance(prompt, str):
-            tokenizer = self.require_tokenizer(param)
-            return Prompt(list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), prompt)
-        if any(t < 0 for t in prompt):
-            raise APIError(f"{param}: token ids must be non-negative", param=param)
-        return Prompt(list(prompt))
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+                 limit: int | None = None) -> Prompt:  # fmt: skip
+        """Tokenize a text prompt, or check a token-id prompt against the vocabulary. A
+        text that cannot fit ``limit`` tokens (default: max_model_len) may be refused after
+        tokenizing a prefix of it (see ``_PREFIX_CHARS_PER_TOKEN``)."""
+        if not isinstance(prompt, str):
+            self.check_token_ids(prompt, param)
+            return Prompt(list(prompt))
+        tokenizer = self.require_tokenizer(param)
+        limit = self.max_model_len if limit is None else limit
+        prefix_chars = _PREFIX_CHARS_PER_TOKEN * limit
+        if len(prompt) > prefix_chars:
+            n_prefix = len(self._encode(tokenizer, prompt[:prefix_chars], add_special_tokens, param))
+            if n_prefix > limit + _PREFIX_SLACK:
+                raise APIError(
+                    f"{param}: the prompt has more than {n_prefix - _PREFIX_SLACK} tokens (its first {prefix_chars} "
+                    f"characters alone), but this model's maximum context length is {self.max_model_len} tokens",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+        return Prompt(self._encode(tokenizer, prompt, add_special_tokens, param), prompt)
+
+    @staticmethod
+    def _encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:  # the text cannot be tokenized (the body's strings are valid Unicode)
+            logger.warning("Tokenizing %s failed: %r", param, exc)
+            raise APIError(f"{param}: cannot be tokenized ({type(exc).__name__})", param=param) from None
+
+    async def tokenize_async(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+                             limit: int | None = None) -> Prompt:  # fmt: skip
+        """``tokenize``, off the event loop when the prompt is large."""
+        return await run_blocking(len(prompt), self.tokenize, prompt, add_special_tokens, param, limit)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The chat template applied to ``messages`` (a 400 when it cannot be)."""
@@ -163,10 +253,16 @@ class OpenAIServing:
         except Exception as exc:  # jinja's TemplateError, or the template's own raise_exception
             raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> Prompt:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False) -> Prompt:
         text = self.render_chat(messages, add_generation_prompt)
         # The template already wrote the special tokens (BOS, role markers).
-        return self.tokenize(text, add_special_tokens=False, param="messages")
+        return self.tokenize(text, add_special_tokens=add_special_tokens, param="messages")
+
+    async def chat_prompt_async(self, messages: list[dict], add_generation_prompt: bool,
+                                add_special_tokens: bool = False) -> Prompt:  # fmt: skip
+        """``chat_prompt``, off the event loop when the messages are large."""
+        size = sum(len(str(m.get("content") or "")) for m in messages) + 64 * len(messages)
+        return await run_blocking(size, self.chat_prompt, messages, add_generation_prompt, add_special_tokens)
 
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is None:
@@ -210,7 +306,7 @@ class OpenAIServing:
         except ValidationError as exc:
             raise from_validation_error(exc, SamplingParams) from None
 
-    def generate(
+    async def generate(
         self,
         request_id: str,
         prompts: list[Prompt],
@@ -219,35 +315,54 @@ class OpenAIServing:
         priority: int,
         cache_salt: str | None,
     ) -> PromptOutputs:
-        """One engine request per prompt (``params[i]`` for ``prompts[i]``, n included);
-        (prompt index, output) as outputs arrive. See ``merged``."""
-        return self.merged(
-            [
-                self.engine.generate(
-                    {"prompt_token_ids": prompt.token_ids},
-                    prompt_params,
-                    f"{request_id}-{i}",
-                    lora_request=lora_request,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                )
-                for i, (prompt, prompt_params) in enumerate(zip(prompts, params))
-            ]
-        )
+        """Admit one engine request per prompt (``params[i]`` for ``prompts[i]``, n
+        included) now, then return (prompt index, output) as outputs arrive (``merged``).
+        A prompt the engine refuses is a 400 here, and nothing of the request runs."""
+        inputs = [{"prompt_token_ids": prompt.token_ids} for prompt in prompts]
+        streams = await self.admit(request_id, inputs, params, lora_request, priority, cache_salt)
+        return AdmittedOutputs(streams, request_id)
+
+    async def admit(
+        self,
+        request_id: str,
+        inputs: list[Any],
+        params: list[SamplingParams] | list[PoolingParams],
+        lora_request: LoRARequest | None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[Any]:
+        """``engine.add_request`` for each input (id ``{request_id}-{i}``): the admitted
+        requests' output streams. If one fails, those admitted are aborted and the error
+        raised as an API error. Between batches of admissions the event loop serves others."""
+        streams: list[Any] = []
+        try:
+            for i, (item, item_params) in enumerate(zip(inputs, params)):
+                if i and i % _ADMIT_BATCH == 0:
+                    await asyncio.sleep(0)
+                streams.append(self.engine.add_request(f"{request_id}-{i}", item, item_params,
+                                                       lora_request=lora_request, priority=priority,
+                                                       cache_salt=cache_salt))  # fmt: skip
+        except BaseException as exc:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(exc, Exception):
+                raise _as_api_error(exc, request_id) from None
+            raise
+        return streams
 
     @staticmethod
-    async def merged(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    async def merged(streams: list[AsyncGenerator[T, None]], request_id: str = "") -> AsyncIterator[tuple[int, T]]:
         """(stream index, output) from the engine's streams as outputs arrive.
 
         Leaving the iteration early (the client went away) stops every stream, which
-        aborts its engine request with all its sequences. ``ValueError`` from the engine
-        (bad input) becomes a 400; anything else a 500."""
+        aborts its engine request with all its sequences. A request the engine refused
+        (``ValueError``) becomes a 400; anything else a 500 ("internal error", logged)."""
         try:
             async with aclosing(merge_async_iterators(*streams)) as outputs:
                 async for item in outputs:
                     yield item
         except Exception as exc:
-            raise _as_api_error(exc) from None  # _as_api_error logs an engine failure
+            raise _as_api_error(exc, request_id) from None  # _as_api_error logs an engine failure
 
     # ------------------------------------------------------------ logprobs
 
@@ -259,14 +374,56 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
-def _as_api_error(error: BaseException) -> APIError:
+class AdmittedOutputs:
+    """(prompt index, output) of admitted engine requests as outputs arrive
+    (``OpenAIServing.merged``). ``aclose()`` aborts every request not finished, also when
+    the outputs were never read (a client gone before its stream started)."""
+
+    def __init__(self, streams: list[Any], request_id: str) -> None:
+        self._streams = streams
+        self._merged = OpenAIServing.merged(streams, request_id)
+
+    def __aiter__(self) -> "AdmittedOutputs":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        return await self._merged.__anext__()
+
+    async def aclose(self) -> None:
+        await self._merged.aclose()
+        for stream in self._streams:
+            await stream.aclose()
+
+
+class EventStream:
+    """A response's server-sent events (``chunks``) over ``outputs``: ``aclose()`` closes
+    both, so that the server can abort the requests of a stream whatever became of it."""
+
+    def __init__(self, chunks: AsyncGenerator[str, None], outputs: Any) -> None:
+        self._chunks = chunks
+        self._outputs = outputs
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        await self._outputs.aclose()
+
+
+def _as_api_error(error: BaseException, request_id: str) -> APIError:
+    """An engine error as the client sees it: bad input (``ValueError``, which includes a
+    request the engine refused) is a 400 with its message; anything else is logged and a
+    500 that names only the request id."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, RequestFailedError):
+        logger.error("Request %s failed in the engine: %s", request_id, error.detail)
+        return internal_error(request_id)
     if isinstance(error, ValueError):
         return APIError(str(error))
-    logger.error("Engine error while generating", exc_info=error)
-    return APIError(
-        f"The engine failed while generating: {type(error).__name__}: {error}",
-        status=HTTPStatus.INTERNAL_SERVER_ERROR,
-        code="engine_error",
-    )
+    logger.error("Engine error while serving request %s", request_id, exc_info=error)
+    return internal_error(request_id)

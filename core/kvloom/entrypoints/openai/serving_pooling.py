@@ -36,6 +36,7 @@ from kvloom.sampling_params import PoolingParams
 
 if TYPE_CHECKING:
     from kvloom.engine.async_llm import AsyncLLM
+    from kvloom.entrypoints.openai.limits import ServerLimits
     from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
     from kvloom.io_processor import IOProcessor
 
@@ -50,9 +51,13 @@ def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
 
 class OpenAIServingPooling(OpenAIServing):
     def __init__(
-        self, engine: "AsyncLLM", models: "OpenAIServingModels | None" = None, io_processor: "IOProcessor | None" = None
+        self,
+        engine: "AsyncLLM",
+        models: "OpenAIServingModels | None" = None,
+        io_processor: "IOProcessor | None" = None,
+        limits: "ServerLimits | None" = None,
     ) -> None:
-        super().__init__(engine, models)
+        super().__init__(engine, models, limits)
         self.io_processor = io_processor
 
     def _require_pooling_model(self) -> None:
@@ -67,18 +72,18 @@ class OpenAIServingPooling(OpenAIServing):
         """Run one engine request per prompt; yield (prompt index, final output) as each
         finishes, through the same merge as generation (``OpenAIServing.merged``): leaving
         early aborts the rest, engine errors become API errors."""
-        streams = [
-            self.engine.encode(prompt, params, f"{request_id}-{i}", lora_request=lora) for i, prompt in enumerate(prompts)
-        ]
-        async with aclosing(self.merged(streams)) as outputs:
+        streams = await self.admit(request_id, list(prompts), [params] * len(prompts), lora)
+        async with aclosing(self.merged(streams, request_id)) as outputs:
             async for index, output in outputs:
                 if output.finished:
                     yield index, output
 
-    def _prompts(self, request: EmbeddingRequest) -> list[dict[str, Any]]:
+    async def _prompts(self, request: EmbeddingRequest) -> list[dict[str, Any]]:
+        inputs = request.inputs()
+        self.check_num_sequences(len(inputs), 1, "input")
         prompts = []
-        for item in request.inputs():
-            prompt = self.tokenize(item, add_special_tokens=request.add_special_tokens, param="input")
+        for item in inputs:
+            prompt = await self.tokenize_async(item, add_special_tokens=request.add_special_tokens, param="input")
             if not prompt.token_ids:
                 raise APIError("input: an input is empty (it has no tokens)", param="input")
             if len(prompt.token_ids) > self.max_model_len:
@@ -91,7 +96,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def _pool(self, request: EmbeddingRequest, prefix: str) -> tuple[str, list[Any], UsageInfo]:
         self._require_pooling_model()
         lora = await self.resolve_model_or_lora(request.model)
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
         request_id = random_id(prefix)
         vectors: list[Any] = [None] * len(prompts)
@@ -123,6 +128,7 @@ class OpenAIServingPooling(OpenAIServing):
             prompts = as_prompt_list(await processor.pre_process_async(parsed, request_id=request_id))
         except ValueError as exc:
             raise APIError(f"data: {exc}", param="data") from None
+        self.check_num_sequences(len(prompts), 1, "data")
         params = processor.merge_pooling_params(None)
         result = await processor.post_process_async(
             self._encode_each(request_id, prompts, params, lora), request_id=request_id
