@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -47,6 +48,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -276,7 +278,7 @@ class ThreadedClient(EngineCoreClient):
 
 
 @contextlib.contextmanager
-def _main_module_not_reimported() -> Iterator[None]:
+def main_module_not_reimported() -> Iterator[None]:
     """Start the spawned process without re-running the caller's ``__main__`` in it:
     a script that makes an ``LLM`` at top level, without an ``if __name__ ==
     "__main__"`` guard, would otherwise start another engine from the engine core."""
@@ -294,7 +296,7 @@ def _main_module_not_reimported() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _parent_logging() -> tuple[int | None, str | None]:
+def parent_logging() -> tuple[int | None, str | None]:
     """The engine core logs like this process: the root logger's level and format when
     logging is configured here, nothing otherwise (Python's warnings-only default)."""
     root = logging.getLogger()
@@ -309,7 +311,7 @@ def _parent_logging() -> tuple[int | None, str | None]:
     return logging.getLogger("kvloom").getEffectiveLevel(), fmt
 
 
-def _describe_exit(exitcode: int | None) -> str:
+def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "is gone"
     if exitcode < 0:
@@ -320,68 +322,70 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exited with status {exitcode}"
 
 
+def notify_engine_death(ctx: zmq.Context, output_address: str, description: str) -> None:
+    """Tell the client reading ``output_address`` that an engine core died: send ``DEAD``
+    (as from ``EngineDeadError``) into its own output socket, which wakes whoever waits on
+    it. The process that watches an engine core (its parent) calls this."""
+    info = EngineCoreErrorInfo(type_name=f"{__name__}:EngineDeadError", message=description)
+    sock = make_socket(ctx, zmq.PUSH, output_address, bind=False)
+    try:
+        sock.send_multipart((DEAD, MsgpackEncoder().encode(info)))
+    finally:
+        sock.close(linger=1000)
+
+
+@dataclass(frozen=True)
+class ClientAddresses:
+    """The two sockets of one front end (client ``client_index``), which it binds and
+    every engine core connects to: the ``ROUTER`` it sends on, the ``PULL`` it reads."""
+
+    input: str
+    output: str
+
+
 class EngineCoreProcess:
-    """One engine core process of a client: started, handshaken, watched."""
+    """One engine core process, started by this process (a client, or the launcher of
+    several API servers), and watched."""
 
     def __init__(
         self,
         config: EngineConfig,
         log_stats: bool,
-        input_socket: zmq.Socket,
-        input_address: str,
-        output_address: str,
+        clients: list[ClientAddresses],
         engine_index: int = 0,
     ) -> None:
         spawn = multiprocessing.get_context("spawn")
         # The engine core reads the other end: end of file when this process is gone.
         death_reader, self._death_writer = spawn.Pipe(duplex=False)
-        level, fmt = _parent_logging()
+        level, fmt = parent_logging()
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         self.process = spawn.Process(
             target=run_engine_core,
             name=f"kvloom-engine-core-{engine_index}",
-            kwargs=dict(config=config, log_stats=log_stats, input_address=input_address,
-                        output_address=output_address, engine_index=engine_index, death_pipe=death_reader,
-                        log_level=level, log_format=fmt),  # fmt: skip
+            kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
+                        output_addresses=[c.output for c in clients], engine_index=engine_index,
+                        death_pipe=death_reader, log_level=level, log_format=fmt),  # fmt: skip
             daemon=True,
         )
-        with _main_module_not_reimported():
+        with main_module_not_reimported():
             self.process.start()
         death_reader.close()
         self._stop_reader, self._stop_writer = multiprocessing.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None
-        try:
-            self.ready = self._wait_ready(input_socket)
-        except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
-            self.stop(send_shutdown=None)
-            raise
 
     @property
     def pid(self) -> int | None:
         return self.process.pid
 
-    def _wait_ready(self, sock: zmq.Socket) -> EngineCoreReady:
-        """Wait for READY (or FAILED) from the engine core; raise if it fails or dies."""
-        while True:
-            if sock.poll(100):
-                identity, kind, payload = sock.recv_multipart()
-                if identity != self.identity:
-                    logger.warning("Ignoring a handshake from unknown engine %r", identity)
-                    continue
-                if kind == READY:
-                    return MsgpackDecoder(EngineCoreReady).decode(payload)
-                if kind == FAILED:
-                    info: EngineCoreErrorInfo = MsgpackDecoder(EngineCoreErrorInfo).decode(payload)
-                    self.process.join(timeout=SHUTDOWN_TIMEOUT_S)
-                    raise info.to_exception(f"Engine core failed to start: {info.describe()}")
-                raise RuntimeError(f"unexpected handshake frame {kind!r} from the engine core")
-            if not self.process.is_alive():
-                self.process.join()
-                raise RuntimeError(
-                    f"Engine core failed to start: its process {_describe_exit(self.process.exitcode)} before it "
-                    "was ready (its log above may say why)"
-                )
+    def check_started(self) -> None:
+        """Raise if the process died before it was ready."""
+        if not self.process.is_alive():
+            self.process.join()
+            raise RuntimeError(
+                f"Engine core failed to start: its process {describe_exit(self.process.exitcode)} before it "
+                "was ready (its log above may say why)"
+            )
 
     def start_monitor(self, on_death: Callable[[str], None]) -> None:
         """Call ``on_death(description)`` from a thread when the process dies, unless
@@ -392,7 +396,7 @@ class EngineCoreProcess:
             if self._stop_reader in ready:
                 return
             self.process.join(timeout=1)  # reap it: no zombie
-            on_death(f"The engine core process (pid {self.pid}) {_describe_exit(self.process.exitcode)}")
+            on_death(f"The engine core process (pid {self.pid}) {describe_exit(self.process.exitcode)}")
 
         self._monitor = threading.Thread(target=watch, name="kvloom-engine-core-monitor", daemon=True)
         self._monitor.start()
@@ -426,67 +430,117 @@ class EngineCoreProcess:
             conn.close()
 
 
+def wait_for_engines(
+    sock: zmq.Socket, num_engines: int, processes: list[EngineCoreProcess] | None = None
+) -> list[EngineCoreReady]:
+    """Wait for ``READY`` from engine cores 0..num_engines-1 on a client's ``ROUTER``
+    (they start in parallel); raise on ``FAILED``, or when one of ``processes`` (those
+    this process started; the launcher watches the others) dies first."""
+    pending = {engine_identity(i): i for i in range(num_engines)}
+    ready: list[EngineCoreReady | None] = [None] * num_engines
+    while pending:
+        if sock.poll(100):
+            identity, kind, payload = sock.recv_multipart()
+            index = pending.pop(identity, None)
+            if index is None:
+                logger.warning("Ignoring a handshake from unknown engine %r", identity)
+                continue
+            if kind == READY:
+                ready[index] = MsgpackDecoder(EngineCoreReady).decode(payload)
+                continue
+            if kind == FAILED:
+                info: EngineCoreErrorInfo = MsgpackDecoder(EngineCoreErrorInfo).decode(payload)
+                for process in processes or ():
+                    if process.engine_index == index:
+                        process.process.join(timeout=SHUTDOWN_TIMEOUT_S)
+                raise info.to_exception(f"Engine core failed to start: {info.describe()}")
+            raise RuntimeError(f"unexpected handshake frame {kind!r} from engine core {index}")
+        for process in processes or ():
+            if process.identity in pending:
+                process.check_started()
+    return [r for r in ready if r is not None]
+
+
 class _MPResources:
     """What a multiprocess client holds and must release: its sockets, its ZMQ context,
-    its engine core process and the directory of its IPC sockets. A finalizer of the
-    client calls ``close()``, so an ``LLM`` that is dropped stops its engine core."""
+    the engine core processes it started and the directory of its IPC sockets. A
+    finalizer of the client calls ``close()``, so an ``LLM`` that is dropped stops its
+    engine cores."""
 
-    def __init__(self) -> None:
+    def __init__(self, starts_engines: bool) -> None:
         self.closed = False
         self.ctx = zmq.Context()
-        self.ipc_dir = tempfile.mkdtemp(prefix="kvloom-")
+        # A launcher that starts the engine cores owns the directory of the sockets.
+        self.ipc_dir = tempfile.mkdtemp(prefix="kvloom-") if starts_engines else None
         self.input_socket: zmq.Socket | None = None
         self.output_socket: zmq.Socket | None = None
         self.async_output: zmq.asyncio.Socket | None = None
-        self.engine: EngineCoreProcess | None = None
+        self.processes: list[EngineCoreProcess] = []
 
-    def _send_shutdown(self) -> None:
-        assert self.input_socket is not None and self.engine is not None
-        self.input_socket.send_multipart((self.engine.identity, SHUTDOWN, b""), flags=zmq.NOBLOCK)
+    def _send_shutdown(self, identity: bytes) -> None:
+        assert self.input_socket is not None
+        self.input_socket.send_multipart((identity, SHUTDOWN, b""), flags=zmq.NOBLOCK)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            if self.engine is not None:
-                self.engine.stop(self._send_shutdown)
+            for process in self.processes:
+                process.stop(functools.partial(self._send_shutdown, process.identity))
         finally:
             for sock in (self.async_output, self.input_socket, self.output_socket):
                 if sock is not None:
                     with contextlib.suppress(Exception):
                         sock.close(linger=0)
             self.ctx.term()
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 class MPClient(EngineCoreClient):
     """The parts the sync and asyncio multiprocess clients share: sockets, the engine
-    core process, sending, the death of the engine."""
+    core processes, sending, the death of an engine.
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    By default the client starts its own engine core and watches it. With ``addresses``
+    (an API server among several, given them by ``entrypoints/openai/launcher.py``) it
+    binds those and waits for the engine cores the launcher started to connect; the
+    launcher watches them and sends ``DEAD`` here when one dies
+    (``notify_engine_death``). ``client_index`` goes on every request and utility call,
+    so that the engine core answers this client only."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        client_index: int = 0,
+        addresses: ClientAddresses | None = None,
+    ) -> None:
         self.config = config
+        self.client_index = client_index
         self.dead_error = None
         self._engine_reported = False
-        self.resources = resources = _MPResources()
+        self.resources = resources = _MPResources(starts_engines=addresses is None)
         self._finalizer = weakref.finalize(self, resources.close)
-        self.input_address = f"ipc://{resources.ipc_dir}/input"
-        self.output_address = f"ipc://{resources.ipc_dir}/output"
+        if addresses is None:
+            addresses = ClientAddresses(f"ipc://{resources.ipc_dir}/input", f"ipc://{resources.ipc_dir}/output")
+        self.input_address, self.output_address = addresses.input, addresses.output
+        self.identities = [engine_identity(0)]
         self._encoder = MsgpackEncoder()
         self._decoders = output_decoders()
         self._call_ids = itertools.count(1)
         try:
             resources.input_socket = make_socket(resources.ctx, zmq.ROUTER, self.input_address, bind=True)
             resources.output_socket = make_socket(resources.ctx, zmq.PULL, self.output_address, bind=True)
-            resources.engine = EngineCoreProcess(config, log_stats, resources.input_socket, self.input_address,
-                                                 self.output_address)  # fmt: skip
-        except BaseException:
+            if resources.ipc_dir is not None:
+                resources.processes = [EngineCoreProcess(config, log_stats, [addresses])]
+            self.ready = wait_for_engines(resources.input_socket, len(self.identities), resources.processes)
+        except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
             self.shutdown()
             raise
-        self.engine = resources.engine
         self._input_socket, self._output_socket = resources.input_socket, resources.output_socket
         # The values the engine core resolved (the front end's config is a copy).
-        config.cache.num_blocks = self.engine.ready.num_blocks
+        config.cache.num_blocks = self.ready[0].num_blocks
         client = weakref.ref(self)  # the monitor must not keep the client alive
 
         def on_death(description: str) -> None:
@@ -494,25 +548,32 @@ class MPClient(EngineCoreClient):
             if alive is not None:
                 alive._on_engine_death(description)
 
-        self.engine.start_monitor(on_death)
+        for process in resources.processes:
+            process.start_monitor(on_death)
+
+    @property
+    def engine(self) -> EngineCoreProcess:
+        """Engine core 0's process, when this client started it (tests and debugging)."""
+        return self.resources.processes[0]
 
     @property
     def closed(self) -> bool:
         return self.resources.closed
 
     # ------------------------------------------------------------- sending
-    def _send(self, kind: bytes, obj: Any) -> None:
+    def _send(self, kind: bytes, obj: Any, engine: int = 0) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error)) from self.dead_error
         if self.closed:
             raise EngineDeadError("the engine core client is shut down")
         data = self._encoder.encode(obj)
         try:
-            self._input_socket.send_multipart((self.engine.identity, kind, data), copy=False)
+            self._input_socket.send_multipart((self.identities[engine], kind, data), copy=False)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach the engine core: {e}") from e
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
         self._send(ADD, [request])
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -522,7 +583,7 @@ class MPClient(EngineCoreClient):
                 self._send(ABORT, ids)
 
     def _new_utility_request(self, method: str, args: tuple[Any, ...]) -> UtilityRequest:
-        return UtilityRequest(next(self._call_ids), method, list(args))
+        return UtilityRequest(next(self._call_ids), method, list(args), client_index=self.client_index)
 
     # ------------------------------------------------------------- receiving
     def _decode(self, frames: list[Any]) -> tuple[bytes, Any]:
@@ -568,13 +629,8 @@ class MPClient(EngineCoreClient):
         if self.dead_error is None:
             self.dead_error = EngineDeadError(description)
             logger.error("%s", description)
-        info = EngineCoreErrorInfo(type_name=f"{__name__}:EngineDeadError", message=str(self.dead_error))
         with contextlib.suppress(zmq.ZMQError):  # the client is closing
-            sock = make_socket(self.resources.ctx, zmq.PUSH, self.output_address, bind=False)
-            try:
-                sock.send_multipart((DEAD, MsgpackEncoder().encode(info)))
-            finally:
-                sock.close(linger=1000)
+            notify_engine_death(self.resources.ctx, self.output_address, str(self.dead_error))
 
     def shutdown(self) -> None:
         """Stop the engine core (SHUTDOWN, then SIGTERM, then SIGKILL) and release
@@ -615,7 +671,7 @@ class SyncMPClient(MPClient):
     def _recv(self) -> tuple[bytes, Any]:
         sock = self._output_socket
         while not sock.poll(1000):
-            if self.dead_error is not None and not self.engine.process.is_alive():
+            if self.dead_error is not None and not all(p.process.is_alive() for p in self.resources.processes):
                 raise EngineDeadError(str(self.dead_error))
         kind, obj = self._decode(sock.recv_multipart(copy=False))
         if kind == DEAD:
@@ -659,11 +715,17 @@ class AsyncMPClient(MPClient):
     """For ``AsyncLLM``: ``get_output_async()`` reads the output socket in the event
     loop (one reader: the output handler); utility results resolve their futures there."""
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        client_index: int = 0,
+        addresses: ClientAddresses | None = None,
+    ) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._async_output: zmq.asyncio.Socket | None = None
         self._utility_futures: dict[int, asyncio.Future] = {}
-        super().__init__(config, log_stats)
+        super().__init__(config, log_stats, client_index, addresses)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.loop is not None and self.loop is not loop:
