@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,6 +36,13 @@ METRIC_PREFIX = "kvloom:"
 #: A stat logger factory: called with the engine config and the engine index. Every
 #: ``StatLoggerBase`` subclass is one.
 StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
+
+
+def multiprocess_metrics_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR``: set (by the launcher of several API servers) when every
+    process writes its metrics there and ``/metrics`` sums them (prometheus_client's
+    multiprocess mode)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 # ----------------------------------------------------------------- logging
@@ -175,22 +183,32 @@ def token_count_buckets(max_model_len: int) -> list[float]:
 class PrometheusStatLogger(StatLoggerBase):
     """Publishes the v1 metric set. Metrics live in ``self.registry`` (a fresh
     ``CollectorRegistry`` unless one is given) so several engines or tests in one process
-    never collide; the server's ``/metrics`` renders it."""
+    never collide; the server's ``/metrics`` renders it.
+
+    With several API server processes (prometheus_client's multiprocess mode, see
+    ``multiprocess_metrics_dir``) each records its own requests, and ``/metrics`` sums the
+    counters and histograms of all. Every API server receives the engine's scheduler
+    stats: the gauges they set (running, waiting, KV-cache usage) report the most recent
+    value of any process, not the sum, and the counters they feed (prefix cache,
+    preemptions) are counted by one API server only (``count_engine_events``)."""
 
     def __init__(
         self,
         config: "EngineConfig",
         engine_index: int = 0,
         registry: CollectorRegistry | None = None,
+        count_engine_events: bool = True,
     ) -> None:
         super().__init__(config, engine_index)
+        self.count_engine_events = count_engine_events
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = config.model.served_model_name
         model = ["model_name"]
         name = self._name
 
         def gauge(metric: str, doc: str) -> Any:
-            return Gauge(name(metric), doc, model, registry=self.registry).labels(self.model_name)
+            return Gauge(name(metric), doc, model, registry=self.registry,
+                         multiprocess_mode="mostrecent").labels(self.model_name)  # fmt: skip
 
         def counter(metric: str, doc: str) -> Any:
             return Counter(name(metric), doc, model, registry=self.registry).labels(self.model_name)
@@ -268,7 +286,9 @@ class PrometheusStatLogger(StatLoggerBase):
             "Information of the LLMEngine CacheConfig",
             ["model_name", *sorted(config.cache.model_dump())],
             registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
+        self._cache_labels: dict[str, str] | None = None
         self._publish_cache_config()
 
     @staticmethod
@@ -277,7 +297,13 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def _publish_cache_config(self) -> None:
         labels = {key: str(value) for key, value in self.config.cache.model_dump().items()}
-        self._cache_config_info.clear()
+        if labels == self._cache_labels:
+            return
+        # (prometheus_client cannot clear labels in multiprocess mode; there the config is
+        # complete before the logger is made, so nothing needs clearing.)
+        if self._cache_labels is not None and multiprocess_metrics_dir() is None:
+            self._cache_config_info.clear()
+        self._cache_labels = labels
         self._cache_config_info.labels(model_name=self.model_name, **labels).set(1)
 
     def log_engine_initialized(self) -> None:
@@ -294,9 +320,10 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running.set(scheduler_stats.num_running_reqs)
             self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
-            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
-            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
-            self.num_preemptions.inc(scheduler_stats.num_preemptions)
+            if self.count_engine_events:
+                self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
+                self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+                self.num_preemptions.inc(scheduler_stats.num_preemptions)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
