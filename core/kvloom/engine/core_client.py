@@ -55,6 +55,7 @@ import zmq
 import zmq.asyncio
 
 from kvloom.config import EngineConfig
+from kvloom.engine.coordinator import LoadBalancer
 from kvloom.engine.core import EngineCore
 from kvloom.engine.core_proc import call_utility, engine_identity, make_socket, run_engine_core
 from kvloom.engine.serial import (
@@ -122,6 +123,9 @@ class EngineCoreClient(ABC):
         asyncio)."""
         if multiprocessing_enabled():
             return AsyncMPClient(config, log_stats) if asyncio_mode else SyncMPClient(config, log_stats)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(f"--data-parallel-size {config.parallel.data_parallel_size} needs the engine cores in "
+                             f"processes of their own; {MULTIPROCESSING_ENV}=0 keeps one in this process")  # fmt: skip
         return ThreadedClient(config, log_stats) if asyncio_mode else InprocClient(config, log_stats)
 
 
@@ -360,12 +364,14 @@ class EngineCoreProcess:
         level, fmt = parent_logging()
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
+        replicas = config.parallel.data_parallel_size
+        env = config.device.platform.data_parallel_env(engine_index, replicas) if replicas > 1 else {}
         self.process = spawn.Process(
             target=run_engine_core,
             name=f"kvloom-engine-core-{engine_index}",
             kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
                         output_addresses=[c.output for c in clients], engine_index=engine_index,
-                        death_pipe=death_reader, log_level=level, log_format=fmt),  # fmt: skip
+                        death_pipe=death_reader, log_level=level, log_format=fmt, env=env),  # fmt: skip
             daemon=True,
         )
         with main_module_not_reimported():
@@ -507,7 +513,12 @@ class MPClient(EngineCoreClient):
     binds those and waits for the engine cores the launcher started to connect; the
     launcher watches them and sends ``DEAD`` here when one dies
     (``notify_engine_death``). ``client_index`` goes on every request and utility call,
-    so that the engine core answers this client only."""
+    so that the engine core answers this client only.
+
+    With ``data_parallel_size`` N there are N engine cores behind the one ``ROUTER``
+    (identities 0..N-1): each new request goes to the least loaded (``LoadBalancer``), its
+    aborts to the same one, and utility calls to all of them. Any engine core that dies
+    is the death of the whole engine."""
 
     def __init__(
         self,
@@ -525,7 +536,11 @@ class MPClient(EngineCoreClient):
         if addresses is None:
             addresses = ClientAddresses(f"ipc://{resources.ipc_dir}/input", f"ipc://{resources.ipc_dir}/output")
         self.input_address, self.output_address = addresses.input, addresses.output
-        self.identities = [engine_identity(0)]
+        num_engines = config.parallel.data_parallel_size
+        self.identities = [engine_identity(i) for i in range(num_engines)]
+        self.balancer = LoadBalancer(num_engines) if num_engines > 1 else None
+        #: With data parallelism: the engine core holding each unfinished core request.
+        self._engine_of: dict[str, int] = {}
         self._encoder = MsgpackEncoder()
         self._decoders = output_decoders()
         self._call_ids = itertools.count(1)
@@ -533,14 +548,15 @@ class MPClient(EngineCoreClient):
             resources.input_socket = make_socket(resources.ctx, zmq.ROUTER, self.input_address, bind=True)
             resources.output_socket = make_socket(resources.ctx, zmq.PULL, self.output_address, bind=True)
             if resources.ipc_dir is not None:
-                resources.processes = [EngineCoreProcess(config, log_stats, [addresses])]
+                for index in range(num_engines):  # all start (load their model) at once
+                    resources.processes.append(EngineCoreProcess(config, log_stats, [addresses], index))
             self.ready = wait_for_engines(resources.input_socket, len(self.identities), resources.processes)
         except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
             self.shutdown()
             raise
         self._input_socket, self._output_socket = resources.input_socket, resources.output_socket
         # The values the engine core resolved (the front end's config is a copy).
-        config.cache.num_blocks = self.ready[0].num_blocks
+        config.cache.num_blocks = min(ready.num_blocks for ready in self.ready)
         client = weakref.ref(self)  # the monitor must not keep the client alive
 
         def on_death(description: str) -> None:
@@ -572,18 +588,54 @@ class MPClient(EngineCoreClient):
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach the engine core: {e}") from e
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def _route(self, request: EngineCoreRequest) -> int:
+        """The engine core for a new request (stamped with this client's index)."""
         request.client_index = self.client_index
-        self._send(ADD, [request])
+        if self.balancer is None:
+            return 0
+        self._engine_of[request.request_id] = engine = self.balancer.choose()
+        return engine
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(ADD, [request], self._route(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
-        if ids and self.dead_error is None and not self.closed:
-            with contextlib.suppress(EngineDeadError):
-                self._send(ABORT, ids)
+        if not ids or self.dead_error is not None or self.closed:
+            return
+        by_engine: dict[int, list[str]] = {}
+        for request_id in ids:
+            if self.balancer is None:
+                by_engine.setdefault(0, []).append(request_id)
+            elif request_id in self._engine_of:  # (not there: finished already)
+                by_engine.setdefault(self._engine_of.pop(request_id), []).append(request_id)
+        with contextlib.suppress(EngineDeadError):
+            for engine, engine_ids in by_engine.items():
+                self._send(ABORT, engine_ids, engine)
 
-    def _new_utility_request(self, method: str, args: tuple[Any, ...]) -> UtilityRequest:
-        return UtilityRequest(next(self._call_ids), method, list(args), client_index=self.client_index)
+    def _received(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Note what an engine core's outputs say about it: its load, its finished requests."""
+        if self.balancer is not None:
+            if outputs.load is not None:
+                self.balancer.update(outputs.engine_index, outputs.load)
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self._engine_of.pop(output.request_id, None)
+        return outputs
+
+    def _new_utility_requests(self, method: str, args: tuple[Any, ...]) -> list[UtilityRequest]:
+        """One call per engine core (utility calls go to every one)."""
+        return [UtilityRequest(next(self._call_ids), method, list(args), client_index=self.client_index)
+                for _ in self.identities]  # fmt: skip
+
+    @staticmethod
+    def _combined(results: list[Any]) -> Any:
+        """The result of a utility call to every engine core: a bool is True only if every
+        engine's is (e.g. ``reset_prefix_cache``); anything else is engine 0's (the
+        engines hold the same LoRAs)."""
+        if all(isinstance(r, bool) for r in results):
+            return all(results)
+        return results[0]
 
     # ------------------------------------------------------------- receiving
     def _decode(self, frames: list[Any]) -> tuple[bytes, Any]:
@@ -660,7 +712,11 @@ class SyncMPClient(MPClient):
     def _flush(self) -> None:
         if self._unsent:
             requests, self._unsent = self._unsent, []
-            self._send(ADD, requests)
+            by_engine: dict[int, list[EngineCoreRequest]] = {}
+            for request in requests:
+                by_engine.setdefault(self._route(request), []).append(request)
+            for engine, engine_requests in by_engine.items():
+                self._send(ADD, engine_requests, engine)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = set(request_ids)
@@ -692,7 +748,7 @@ class SyncMPClient(MPClient):
         while True:
             kind, obj = self._recv()
             if kind == OUTPUTS:
-                return obj
+                return self._received(obj)
             logger.warning("Ignoring a utility result nobody waits for (call %s)", obj.call_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -701,14 +757,17 @@ class SyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self._flush()
-        request = self._new_utility_request(method, args)
-        self._send(UTILITY, request)
-        while True:
+        requests = self._new_utility_requests(method, args)
+        for engine, request in enumerate(requests):
+            self._send(UTILITY, request, engine)
+        answers: dict[int, UtilityOutput] = {}
+        while len(answers) < len(requests):
             kind, obj = self._recv()
             if kind == OUTPUTS:
-                self._pending.append(obj)
-            elif obj.call_id == request.call_id:
-                return self._utility_result(obj)
+                self._pending.append(self._received(obj))
+            elif any(obj.call_id == r.call_id for r in requests):
+                answers[obj.call_id] = obj
+        return self._combined([self._utility_result(answers[r.call_id]) for r in requests])
 
 
 class AsyncMPClient(MPClient):
@@ -742,7 +801,7 @@ class AsyncMPClient(MPClient):
                 raise EngineDeadError(str(self.dead_error or "the engine core client is shut down"))
             kind, obj = self._decode(await self._async_output.recv_multipart(copy=False))
             if kind == OUTPUTS:
-                return obj
+                return self._received(obj)
             if kind == UTILITY_OUTPUT:
                 future = self._utility_futures.pop(obj.call_id, None)
                 if future is not None and not future.done():
@@ -764,15 +823,17 @@ class AsyncMPClient(MPClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         assert self.loop is not None, "attach() the event loop first"
-        request = self._new_utility_request(method, args)
-        future = self.loop.create_future()
-        self._utility_futures[request.call_id] = future
-        try:
-            self._send(UTILITY, request)
-        except BaseException:
-            self._utility_futures.pop(request.call_id, None)
-            raise
-        return await future
+        futures = []
+        for engine, request in enumerate(self._new_utility_requests(method, args)):
+            future = self.loop.create_future()
+            self._utility_futures[request.call_id] = future
+            futures.append(future)
+            try:
+                self._send(UTILITY, request, engine)
+            except BaseException:
+                self._utility_futures.pop(request.call_id, None)
+                raise
+        return self._combined(list(await asyncio.gather(*futures)))
 
     def _fail_utility_calls(self) -> None:
         futures, self._utility_futures = self._utility_futures, {}

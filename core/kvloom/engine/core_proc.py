@@ -65,7 +65,7 @@ from kvloom.engine.serial import (
     convert_args,
     input_decoders,
 )
-from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,8 @@ class EngineCoreProc:
     ) -> None:
         from kvloom.engine.core import EngineCore
 
+        #: One of several replicas: every step's outputs carry the load, for every client.
+        self.publish_load = config.parallel.data_parallel_size > 1
         if not input_addresses or len(input_addresses) != len(output_addresses):
             raise ValueError(f"one input and one output address per client, got {input_addresses} and "
                              f"{output_addresses}")  # fmt: skip
@@ -269,21 +271,25 @@ class EngineCoreProc:
                     return
             if core.has_work():
                 outputs = core.step()
-                if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
+                if self.publish_load:
+                    scheduler = core.scheduler
+                    outputs.load = EngineLoad(len(scheduler.waiting), len(scheduler.running),
+                                              scheduler.kv_cache_manager.usage)  # fmt: skip
+                if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None or outputs.load:
                     for client, client_outputs in self._split_by_client(outputs).items():
                         outbox.put((client, OUTPUTS, client_outputs))
 
     def _split_by_client(self, outputs: EngineCoreOutputs) -> dict[int, EngineCoreOutputs]:
         """One step's outputs, as one message per client: each request's outputs go to
-        the client that sent it; the scheduler stats go to every client (each front end
-        logs them, and routes by them with data parallelism)."""
+        the client that sent it; the scheduler stats and the load go to every client
+        (each front end logs the stats, and routes by the loads of the engine cores)."""
         split: dict[int, EngineCoreOutputs] = {}
         client_of = self._client_of
 
         def of(client: int) -> EngineCoreOutputs:
             if client not in split:
                 split[client] = EngineCoreOutputs(timestamp=outputs.timestamp, engine_index=self.engine_index,
-                                                  scheduler_stats=outputs.scheduler_stats)  # fmt: skip
+                                                  scheduler_stats=outputs.scheduler_stats, load=outputs.load)  # fmt: skip
             return split[client]
 
         for output in outputs.outputs:
@@ -299,7 +305,7 @@ class EngineCoreProc:
         for output in outputs.outputs:
             if output.finish_reason is not None:
                 client_of.pop(output.request_id, None)
-        if outputs.scheduler_stats is not None:
+        if outputs.scheduler_stats is not None or outputs.load is not None:
             for client in range(len(self.output_sockets)):
                 of(client)
         return split
@@ -391,9 +397,12 @@ def run_engine_core(
     death_pipe: Any = None,
     log_level: int | None = None,
     log_format: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """The engine core process's target: build the core, handshake, run the busy loop.
-    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure."""
+    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure. ``env``: variables set
+    before the core is built (a data-parallel replica's device, ``Platform.data_parallel_env``)."""
+    os.environ.update(env or {})
     _setup_logging(log_level, log_format, engine_index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     terminated = False

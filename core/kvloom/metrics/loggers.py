@@ -89,7 +89,8 @@ class LoggingStatLogger(StatLoggerBase):
     def __init__(self, config: "EngineConfig", engine_index: int = 0) -> None:
         super().__init__(config, engine_index)
         self.prefix_cache = PrefixCacheHitRate()
-        self.last_scheduler_stats = SchedulerStats()
+        #: The latest scheduler stats of each engine core (several with data parallelism).
+        self.engine_stats = [SchedulerStats() for _ in range(config.parallel.data_parallel_size)]
         self._reset_interval(time.monotonic())
         self._last_line_idle = False
 
@@ -108,16 +109,29 @@ class LoggingStatLogger(StatLoggerBase):
             self.interval_prompt_tokens += iteration_stats.num_prompt_tokens
             self.interval_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            self.last_scheduler_stats = scheduler_stats
+            self.engine_stats[engine_idx] = scheduler_stats
             self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+
+    @property
+    def last_scheduler_stats(self) -> SchedulerStats:
+        """The engine's state: the sum of the engine cores' queues, their mean KV-cache usage."""
+        if len(self.engine_stats) == 1:
+            return self.engine_stats[0]
+        return SchedulerStats(
+            num_running_reqs=sum(s.num_running_reqs for s in self.engine_stats),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in self.engine_stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in self.engine_stats) / len(self.engine_stats),
+        )
 
     def summary(self, now: float | None = None) -> str:
         """The summary line for the interval that ends at ``now``."""
         now = time.monotonic() if now is None else now
         elapsed = max(now - self.interval_start, 1e-9)
         s = self.last_scheduler_stats
+        engines = len(self.engine_stats)
+        name = f"Engine {self.engine_index:03d}" if engines == 1 else f"Engines 000-{engines - 1:03d}"
         return (
-            f"Engine {self.engine_index:03d}: "
+            f"{name}: "
             f"Avg prompt throughput: {self.interval_prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.interval_generation_tokens / elapsed:.1f} tokens/s, "
             f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
@@ -206,9 +220,18 @@ class PrometheusStatLogger(StatLoggerBase):
         model = ["model_name"]
         name = self._name
 
-        def gauge(metric: str, doc: str) -> Any:
-            return Gauge(name(metric), doc, model, registry=self.registry,
-                         multiprocess_mode="mostrecent").labels(self.model_name)  # fmt: skip
+        # The engine-level metrics (what the scheduler reports) have one series per engine
+        # core (data parallelism: label "engine", as in vLLM).
+        engines = [str(i) for i in range(config.parallel.data_parallel_size)]
+        per_engine = ["model_name", "engine"]
+
+        def gauge(metric: str, doc: str) -> list[Any]:
+            family = Gauge(name(metric), doc, per_engine, registry=self.registry, multiprocess_mode="mostrecent")
+            return [family.labels(self.model_name, engine) for engine in engines]
+
+        def engine_counter(metric: str, doc: str) -> list[Any]:
+            family = Counter(name(metric), doc, per_engine, registry=self.registry)
+            return [family.labels(self.model_name, engine) for engine in engines]
 
         def counter(metric: str, doc: str) -> Any:
             return Counter(name(metric), doc, model, registry=self.registry).labels(self.model_name)
@@ -222,11 +245,13 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_cache_queries = counter(
+        self.prefix_cache_queries = engine_counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prefix_cache_hits = engine_counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = engine_counter("num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         request_success = Counter(
@@ -317,13 +342,13 @@ class PrometheusStatLogger(StatLoggerBase):
         engine_idx: int = 0,
     ) -> None:
         if scheduler_stats is not None:
-            self.num_requests_running.set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+            self.num_requests_running[engine_idx].set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting[engine_idx].set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage_perc[engine_idx].set(scheduler_stats.kv_cache_usage)
             if self.count_engine_events:
-                self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
-                self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
-                self.num_preemptions.inc(scheduler_stats.num_preemptions)
+                self.prefix_cache_queries[engine_idx].inc(scheduler_stats.prefix_cache_stats.queries)
+                self.prefix_cache_hits[engine_idx].inc(scheduler_stats.prefix_cache_stats.hits)
+                self.num_preemptions[engine_idx].inc(scheduler_stats.num_preemptions)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

@@ -463,8 +463,9 @@ async def serve_http(
     try:
         config = uvicorn.Config(build_app(engine, api_key=api_key, limits=limits), host=host, port=port,
                                 log_level=uvicorn_log_level, access_log=access_log)  # fmt: skip
-        logger.info("kvloom %s serving %s on http://%s:%d (1 API server, 1 engine core)", kvloom.__version__,
-                    engine.config.model.served_model_name, host, port)  # fmt: skip
+        engines = engine.config.parallel.data_parallel_size
+        logger.info("kvloom %s serving %s on http://%s:%d with 1 API server and %d engine core%s", kvloom.__version__,
+                    engine.config.model.served_model_name, host, port, engines, "s" if engines > 1 else "")  # fmt: skip
         return await serve_engine(engine, config)
     finally:
         engine.shutdown()

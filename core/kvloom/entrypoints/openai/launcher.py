@@ -46,6 +46,7 @@ from typing import Any
 
 import zmq
 
+import kvloom
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.core_client import (
@@ -213,7 +214,7 @@ def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: in
         signal.signal(sig, on_signal)
     status = 0
     try:
-        num_engines = 1
+        num_engines = config.parallel.data_parallel_size
         engines = [EngineCoreProcess(config, log_stats, clients, engine_index=e) for e in range(num_engines)]
         spawn = multiprocessing.get_context("spawn")
         level, fmt = parent_logging()
@@ -229,9 +230,9 @@ def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: in
                 process.start()
             death_reader.close()
             servers.append(process)
-        logger.info("kvloom serving %s on http://%s:%d with %d API servers and %d engine core%s (launcher pid %d)",
-                    config.model.served_model_name, options.host, options.port, api_server_count, num_engines,
-                    "s" if num_engines > 1 else "", os.getpid())  # fmt: skip
+        logger.info("kvloom %s serving %s on http://%s:%d with %d API servers and %d engine core%s (launcher pid "
+                    "%d)", kvloom.__version__, config.model.served_model_name, options.host, options.port,
+                    api_server_count, num_engines, "s" if num_engines > 1 else "", os.getpid())  # fmt: skip
         status = _watch(engines, servers, clients, ctx)
     except _Stop as stop:
         logger.info("kvloom serve stopping (%s)", stop)
