@@ -18,11 +18,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers.engine_faults import child_pids, is_running, wait_gone
+from tests.helpers.engine_faults import child_pids, wait_gone
 from tests.helpers.model_fixtures import make_tiny_model
 from tests.helpers.plugin_server import KvloomServer
+from tests.helpers.served import metric, metrics, no_process_left, pids_in_log
 from tests.helpers.waiting import wait_for
 
 API_KEY = "k"
@@ -59,34 +59,10 @@ def own_server(model_dir: Path, tmp_path: Path) -> Iterator[KvloomServer]:
         yield srv
 
 
-def pids_in_log(server: KvloomServer, role: str) -> dict[int, int]:
-    """{index: pid} of the processes whose log lines say ``(role_index pid=...)``."""
-    return {int(i): int(pid) for i, pid in re.findall(rf"\({role}_(\d+) pid=(\d+)\)", server.log())}
-
-
 def api_server_pids(server: KvloomServer) -> dict[int, int]:
     # Logged once an API server has started serving.
     return {i: pid for i, pid in pids_in_log(server, "APIServer").items()
             if f"(APIServer_{i} pid={pid}) INFO:     Application startup complete" in server.log()}  # fmt: skip
-
-
-def metrics(server: KvloomServer) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text  # a new connection: either API server
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def metric(values: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in values.items() if n == name and set(labels.items()) <= set(ls))
-
-
-def no_process_left(server: KvloomServer, children: list[int]) -> None:
-    assert not is_running(server.process.pid)
-    left = [pid for pid in children if not wait_gone(pid, timeout=15)]
-    assert not left, f"processes left behind: {left}"
 
 
 # ----------------------------------------------------------------- serving
@@ -165,26 +141,27 @@ def test_metrics_count_the_whole_server_whichever_api_server_answers(server: Kvl
         t.join()
     for _ in range(6):  # each on a new connection, answered by either API server
         after = metrics(server)
-
-        def delta(name: str, **labels: str) -> float:
-            return metric(after, name, **labels) - metric(before, name, **labels)
-
-        assert delta("kvloom:request_success_total", finished_reason="length") == sent
-        assert delta("kvloom:generation_tokens_total") == 3 * sent
-        assert delta("kvloom:request_generation_tokens_count") == sent
+        delta = {name: metric(after, name, **labels) - metric(before, name, **labels) for name, labels in (
+            ("kvloom:request_success_total", {"finished_reason": "length"}), ("kvloom:generation_tokens_total", {}),
+            ("kvloom:request_generation_tokens_count", {}), ("kvloom:prefix_cache_queries_total", {}),
+            ("kvloom:prompt_tokens_total", {}))}  # fmt: skip
+        assert delta["kvloom:request_success_total"] == sent
+        assert delta["kvloom:generation_tokens_total"] == 3 * sent
+        assert delta["kvloom:request_generation_tokens_count"] == sent
         # The engine's own counters are counted once, not once per API server.
-        assert 0 < delta("kvloom:prefix_cache_queries_total") <= delta("kvloom:prompt_tokens_total")
+        assert 0 < delta["kvloom:prefix_cache_queries_total"] <= delta["kvloom:prompt_tokens_total"]
         assert len([k for k in after if k[0] == "kvloom:cache_config_info"]) == 1
 
     # Engine gauges: the engine's value, not the sum over API servers.
-    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "stream": True, **LONG}) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()  # kept: a closed iterator closes the stream (the request aborts)
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            running = [metric(metrics(server), "kvloom:num_requests_running") for _ in range(4)]
+    body = {"prompt": "Hi", "stream": True, **LONG}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:  # fmt: skip
+        assert response.status_code == 200
+        lines = response.iter_lines()  # kept: a closed iterator closes the stream (the request aborts)
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        running = [metric(metrics(server), "kvloom:num_requests_running") for _ in range(4)]
     assert running == [1.0] * 4
 
 

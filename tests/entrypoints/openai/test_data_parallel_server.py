@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from kvloom import LLM, SamplingParams
-from tests.entrypoints.openai.test_api_servers import metric, metrics, no_process_left, pids_in_log
 from tests.helpers.engine_faults import child_pids
 from tests.helpers.model_fixtures import make_tiny_model, random_prompts
 from tests.helpers.plugin_server import KvloomServer
+from tests.helpers.served import metric, metrics, no_process_left, pids_in_log
 from tests.helpers.waiting import wait_for
 
 PROMPTS = random_prompts(320, lengths=(5, 16, 23, 41, 64, 7, 30, 12))

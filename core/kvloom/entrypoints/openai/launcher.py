@@ -52,10 +52,10 @@ from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.core_client import (
     ClientAddresses,
     EngineCoreProcess,
-    main_module_not_reimported,
-    parent_logging,
     describe_exit,
+    main_module_not_reimported,
     notify_engine_death,
+    parent_logging,
 )
 from kvloom.entrypoints.openai.limits import ServerLimits
 
