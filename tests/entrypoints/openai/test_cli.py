@@ -60,7 +60,9 @@ def test_serve_request_limit_flags(served: list) -> None:
                                                max_json_depth=8, max_json_number_length=30)  # fmt: skip
 
 
-def test_serve_api_server_count_starts_the_launcher(served: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_api_server_count_starts_the_launcher(
+    served: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     import kvloom.entrypoints.openai.launcher as launcher
 
     launched: list[tuple] = []
@@ -69,6 +71,11 @@ def test_serve_api_server_count_starts_the_launcher(served: list, monkeypatch: p
     ((engine_args, options, count),) = launched
     assert engine_args.model == "/m" and count == 3 and served == []
     assert (options.port, options.api_key, options.access_log) == (8123, "k", True)
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    with pytest.raises(SystemExit):
+        main(["serve", "/m", "--api-server-count", "2"])
+    assert "--api-server-count 2: the API servers share engine cores in processes" in capsys.readouterr().err
+    assert len(launched) == 1
 
 
 def test_serve_model_flag_and_positional(served: list) -> None:

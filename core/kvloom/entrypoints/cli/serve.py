@@ -92,6 +92,7 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvloom.engine.core_client import MULTIPROCESSING_ENV, multiprocessing_enabled
     from kvloom.entrypoints.openai.api_server import serve_http
 
     parser: argparse.ArgumentParser = args.parser
@@ -104,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--port: {args.port} is out of range (allowed: 1..65535)")
     if not 1 <= args.api_server_count <= MAX_API_SERVER_COUNT:
         parser.error(f"--api-server-count: {args.api_server_count} is out of range (allowed: 1..{MAX_API_SERVER_COUNT})")
+    if args.api_server_count > 1 and not multiprocessing_enabled():
+        parser.error(f"--api-server-count {args.api_server_count}: the API servers share engine cores in processes of "
+                     f"their own, and {MULTIPROCESSING_ENV}=0 asks for the engine core in this process")  # fmt: skip
     try:
         engine_args = engine_args_from_namespace(args, **overrides)
         limits = ServerLimits(
