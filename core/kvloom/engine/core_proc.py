@@ -166,8 +166,9 @@ class EngineCoreProc:
         self.input_queue: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()
         #: (client index, or ALL_CLIENTS; kind; message), or None to stop.
         self.output_queue: queue.SimpleQueue[tuple[int, bytes, Any] | None] = queue.SimpleQueue()
-        #: Which client sent each request the core holds (its outputs go there only).
-        self._client_of: dict[str, int] = {}
+        #: With several clients: which one sent each request the core holds (its outputs go
+        #: there only). With one, everything goes to it as it is.
+        self._client_of: dict[str, int] | None = {} if len(output_addresses) > 1 else None
         self.ctx = zmq.Context()
         identity = engine_identity(engine_index)
         self.input_sockets = [make_socket(self.ctx, zmq.DEALER, address, bind=False, identity=identity)
@@ -283,8 +284,11 @@ class EngineCoreProc:
         """One step's outputs, as one message per client: each request's outputs go to
         the client that sent it; the scheduler stats and the load go to every client
         (each front end logs the stats, and routes by the loads of the engine cores)."""
-        split: dict[int, EngineCoreOutputs] = {}
+        outputs.engine_index = self.engine_index
         client_of = self._client_of
+        if client_of is None:
+            return {0: outputs}
+        split: dict[int, EngineCoreOutputs] = {}
 
         def of(client: int) -> EngineCoreOutputs:
             if client not in split:
@@ -316,15 +320,18 @@ class EngineCoreProc:
                 if not 0 <= request.client_index < len(self.output_sockets):
                     raise ValueError(f"request {request.request_id!r} names client {request.client_index}; this "
                                      f"engine core has {len(self.output_sockets)} clients")  # fmt: skip
-                if request.request_id in self._client_of:
-                    # Ids are random per front end; a clash must not misroute the first one's outputs.
-                    self._reject(request, "request id already in use in the engine core")
-                    continue
-                self._client_of[request.request_id] = request.client_index
+                client_of = self._client_of
+                if client_of is not None:
+                    if request.request_id in client_of:
+                        # Ids are random per front end; a clash must not misroute the first one's outputs.
+                        self._reject(request, "request id already in use in the engine core")
+                        continue
+                    client_of[request.request_id] = request.client_index
                 try:
                     self.core.add_request(request)
                 except ValueError as e:  # a bad request: reject it, keep serving the rest
-                    del self._client_of[request.request_id]
+                    if client_of is not None:
+                        del client_of[request.request_id]
                     self._reject(request, str(e))
         elif kind == ABORT:
             self.core.abort_requests(payload)
