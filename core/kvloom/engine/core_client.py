@@ -12,10 +12,13 @@ model runner for one interpreter lock:
 Both send ``[identity, kind, payload]`` frames on a ``ROUTER`` socket that the engine core
 connects to with a ``DEALER`` (identity = its engine index) and receive its outputs on a
 ``PULL`` socket it ``PUSH``es to, all msgpack (``serial.py``). Several engine cores (data
-parallelism) can connect to the same ``ROUTER`` and ``PULL`` (outputs carry their
-``engine_index``); several front-end processes would each bind their own pair and stamp
-their requests with their ``client_index``. A monitor thread watches the process; when it
-dies (killed, or a failed step), every open request gets ``EngineDeadError`` at once.
+parallelism, ``engine/coordinator.py`` picks one per request) connect to the same
+``ROUTER`` and ``PULL`` (outputs carry their ``engine_index``); several front-end
+processes (``kvloom serve --api-server-count``) each bind their own pair, given by the
+launcher, and stamp their requests with their ``client_index``. A monitor thread watches
+each engine core process this client started (the launcher watches the ones it started);
+when one dies (killed, or a failed step), every open request gets ``EngineDeadError`` at
+once.
 
 With ``KVLOOM_ENABLE_MULTIPROCESSING=0`` the core stays in the front end's process, for
 debugging and tests that reach into it: ``InprocClient`` (``LLM``: each ``get_output()``

@@ -20,7 +20,8 @@ loop only schedules and steps:
 Several front ends (API server processes, ``client_index`` 0..N-1) can share one engine
 core: it connects to each one's ``ROUTER`` and ``PULL``, remembers which client sent each
 request (``EngineCoreRequest.client_index``), and sends a request's outputs, and a utility
-call's result, only to that client. Scheduler stats, and ``DEAD``, go to every client.
+call's result, only to that client. Scheduler stats, the load (with data parallelism,
+``EngineLoad``) and ``DEAD`` go to every client.
 
 Startup handshake, on every input socket: ``READY`` with ``EngineCoreReady`` (the number of
 KV blocks and the pid), or ``FAILED`` with the exception that stopped it (type, message,
