@@ -64,9 +64,11 @@ def offline(model_dir: Path, engine_args: list[str], num_prompts: int, args: arg
 
 
 def start_server(model_dir: Path, engine_args: list[str], serve_args: list[str], port: int, log: Path,
-                 timeout: float) -> subprocess.Popen:  # fmt: skip
+                 timeout: float, profile: Path | None = None) -> subprocess.Popen:  # fmt: skip
     cmd = kvloom("serve", str(model_dir), *engine_args, *serve_args, "--port", str(port),
                  "--disable-uvicorn-access-log")  # fmt: skip
+    if profile is not None:  # cProfile of the API server process (the engine core runs in its own)
+        cmd = [cmd[0], "-m", "cProfile", "-o", str(profile), *cmd[1:]]
     server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -101,6 +103,17 @@ def served(port: int, concurrency: float, num_prompts: int, args: argparse.Names
     return json.loads(path.read_text())
 
 
+def write_profile(profile: Path, path: Path, top: int = 40) -> None:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(str(profile), stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    path.write_text(text.getvalue())
+
+
 def prompts_for(concurrency: float, total: int) -> int:
     """Enough requests for a steady state at that concurrency, without running for minutes
     at concurrency 1: eight rounds of ``concurrency`` requests, at most ``total``."""
@@ -121,6 +134,8 @@ def main() -> int:
                         help="Engine flags for both paths (dummy weights and bf16 are set here; a later --dtype wins).")  # fmt: skip
     parser.add_argument("--serve-args", default="", help="Extra flags for kvloom serve only (--api-server-count 2).")
     parser.add_argument("--port", type=int, default=8031)
+    parser.add_argument("--profile-server", action="store_true",
+                        help="Run the API server process under cProfile; its top functions go to server_profile.txt.")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=420.0, help="Seconds each piece may take.")
     args = parser.parse_args()
     if (args.model is None) == (args.tokenizer is None):
@@ -144,8 +159,9 @@ def main() -> int:
         for n in batch_sizes:
             result["offline"][n] = offline(model_dir, engine_args, n, args, work)
             print(f"offline {n}: {result['offline'][n]['output_tok_s']:.0f} tok/s", flush=True)
+        profile = work / "server.prof" if args.profile_server else None
         server = start_server(model_dir, engine_args, shlex.split(args.serve_args), args.port, out / "serve.log",
-                              args.timeout)  # fmt: skip
+                              args.timeout, profile)  # fmt: skip
         try:
             for c in concurrencies:
                 key = "inf" if math.isinf(c) else int(c)
@@ -153,6 +169,8 @@ def main() -> int:
                 print(f"served {key}: {result['served'][key]['output_throughput']:.0f} tok/s", flush=True)
         finally:
             stop_server(server)
+        if profile is not None:
+            write_profile(profile, out / "server_profile.txt")
     (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "serving.md").write_text(table(result, args.num_prompts) + "\n")
     print(table(result, args.num_prompts))
