@@ -396,6 +396,8 @@ def test_merged_delta_outputs_keep_every_field_of_the_newer_one():
     assert [f.name for f in dataclasses.fields(RequestOutput)] == [
         "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "num_cached_tokens",
         "metrics", "lora_request"]  # fmt: skip
+    assert [f.name for f in dataclasses.fields(RequestMetrics)] == [  # RequestState.metrics_snapshot copies them
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time"]
 
     def output(text: str, ids: list[int], finished: bool, tag: str) -> RequestOutput:
         seqs = [CompletionOutput(i, f"{text}{i}", [*ids, i], -1.5 * len(ids), [{t: Logprob(-0.5)} for t in ids],
