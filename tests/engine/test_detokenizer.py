@@ -213,3 +213,40 @@ def test_without_tokenizer_only_token_ids():
     detok = IncrementalDetokenizer(byte_level_tokenizer(), [1], SamplingParams(detokenize=False))
     detok.update([40, 41], stop_terminated=False)
     assert detok.output_text == "" and detok.token_ids == [40, 41]
+
+
+@pytest.mark.parametrize("tok_name", ALL_TOKENIZERS)
+def test_window_decoder_decodes_as_the_tokenizer_does(tok_name):
+    """The fast path (the backend tokenizer, for stock fast tokenizers) gives exactly the
+    wrapper's decode, special tokens kept or skipped, on random windows of real text."""
+    from kvloom.engine.detokenizer import decode_ids, window_decoder
+
+    tok = ALL_TOKENIZERS[tok_name]()
+    decode = window_decoder(tok)
+    ids = tok.encode(" ".join(HARD_TEXTS), add_special_tokens=True)
+    ids += [t for t in tok.all_special_ids if t is not None][:3]
+    rng = random.Random(0)
+    for _ in range(200):
+        start = rng.randrange(len(ids))
+        window = ids[start : start + rng.randint(1, 8)]
+        for skip in (True, False):
+            assert decode(window, skip) == decode_ids(tok, window, skip)
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own():
+    from transformers import PreTrainedTokenizerFast
+
+    from kvloom.engine.detokenizer import window_decoder
+
+    import copy
+
+    tok = copy.copy(byte_level_tokenizer())  # the fixture's is shared: change a copy's class
+
+    class Shouting(type(tok)):  # a plugin's tokenizer with its own decoding
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    tok.__class__ = Shouting
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    ids = tok.encode("hello there", add_special_tokens=False)
+    assert window_decoder(tok)(ids, True) == "HELLO THERE"

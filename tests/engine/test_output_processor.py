@@ -380,3 +380,44 @@ def test_sampler_logprobs_flow_into_request_outputs(tok):
         assert next(iter(entry)) == t and entry[t].rank == 1  # greedy, raw logits: the argmax
         assert len(entry) == 2  # sampled token == top-1, plus top-2
         assert entry[t].decoded_token == tok.decode([t])
+
+
+def test_merged_delta_outputs_keep_every_field_of_the_newer_one():
+    """merge_delta_outputs builds its outputs field by field (for speed): every field not
+    concatenated comes from the newer output, and a field added to the dataclasses later
+    must be handled there (this test lists them)."""
+    import dataclasses
+
+    from kvloom.engine.output_processor import merge_delta_outputs
+    from kvloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+    assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason", "lora_request"]
+    assert [f.name for f in dataclasses.fields(RequestOutput)] == [
+        "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "num_cached_tokens",
+        "metrics", "lora_request"]  # fmt: skip
+    assert [f.name for f in dataclasses.fields(RequestMetrics)] == [  # RequestState.metrics_snapshot copies them
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time"]
+
+    def output(text: str, ids: list[int], finished: bool, tag: str) -> RequestOutput:
+        seqs = [CompletionOutput(i, f"{text}{i}", [*ids, i], -1.5 * len(ids), [{t: Logprob(-0.5)} for t in ids],
+                                 "stop" if finished else None, f"s{tag}" if finished else None, f"lora-{tag}")
+                for i in (1, 0)]  # fmt: skip
+        return RequestOutput("r", f"prompt-{tag}", [1, 2], [None, {2: Logprob(-1.0)}] if tag == "b" else None, seqs,
+                             finished, 3 if tag == "b" else 0, RequestMetrics(arrival_time=1.0), f"lora-{tag}")  # fmt: skip
+
+    older, newer = output("a", [5], False, "a"), output("b", [6, 7], True, "b")
+    merged = merge_delta_outputs(older, newer)
+    assert [c.index for c in merged.outputs] == [0, 1]
+    for c in merged.outputs:
+        new = next(n for n in newer.outputs if n.index == c.index)
+        old = next(o for o in older.outputs if o.index == c.index)
+        assert c.text == old.text + new.text and c.token_ids == old.token_ids + new.token_ids
+        assert c.logprobs == old.logprobs + new.logprobs
+        assert (c.cumulative_logprob, c.finish_reason, c.stop_reason, c.lora_request) == (
+            new.cumulative_logprob, new.finish_reason, new.stop_reason, new.lora_request)
+    assert merged.prompt_logprobs == newer.prompt_logprobs
+    assert (merged.request_id, merged.prompt, merged.prompt_token_ids, merged.finished, merged.num_cached_tokens,
+            merged.metrics, merged.lora_request) == (newer.request_id, newer.prompt, newer.prompt_token_ids, True, 3,
+                                                     newer.metrics, newer.lora_request)  # fmt: skip
+    assert older.outputs[0].token_ids == [5, 1] and older.outputs[0].text == "a1"  # inputs untouched

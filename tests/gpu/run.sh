@@ -2,7 +2,10 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, select, select-nofi.
+# decode, offline, serving, select, select-nofi.
+#   serving      benchmarks/bench_serving.py (offline vs kvloom serve, one workload, one run); needs the
+#                carried folder .benchtok (the tokenizer files: SmolLM2's, saved from the GGUF with
+#                transformers' save_pretrained); SERVING_ARGS adds flags.
 #   fa-start     start building flash-attn from the carried sdist .fa/flash_attn-2.8.3.post2.tar.gz,
 #                detached (setsid), so the build (~22 min) outlives this call on the same warm machine;
 #                returns at once; does nothing if flash_attn imports or a build was started
@@ -168,6 +171,7 @@ for i in "${!stages[@]}"; do
     kernels) python3 benchmarks/bench_attention_kernels.py --out "$OUT/attn" ${KERNEL_ARGS:-} 2>&1 | tail -40 ;;
     decode) python3 benchmarks/bench_decode_roofline.py --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tail -40 ;;
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
+    serving) python3 benchmarks/bench_serving.py --tokenizer .benchtok --out "$OUT/serving" ${SERVING_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;

@@ -96,10 +96,17 @@ class CUDAGraphRunner:
             time.perf_counter() - start,
         )
 
-    def run(self, b: int, common: CommonAttentionMetadata) -> torch.Tensor:
+    def prepare(self, b: int) -> int:
+        """Pad the runner's inputs (b decode rows) to the next captured size and refresh the
+        backend's persistent state; returns that size. Every host->device copy of the step
+        is queued when this returns."""
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
         padded = self._padded_metadata(b, size)
         self.runner.builder.build_for_cudagraph_capture(padded)  # refresh persistent state
+        return size
+
+    def replay(self, size: int, b: int) -> torch.Tensor:
+        """Launch the graph ``prepare`` chose; the logits of the b real rows."""
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]

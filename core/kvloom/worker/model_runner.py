@@ -387,13 +387,23 @@ class ModelRunner:
         self.input_ids[dst] = self._prev_sampled[torch.tensor(src, device=self.device)]
 
     # ------------------------------------------------------------------ forward
-    def _forward_eager(
-        self, n: int, common: CommonAttentionMetadata, extras: dict[str, Any] | None = None
-    ) -> torch.Tensor:
-        assert self.model is not None and self.builder is not None
-        attn_metadata = self.builder.build(common)
+    def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        assert self.builder is not None
+        return self._forward(n, self.builder.build(common))
+
+    def _forward(self, n: int, attn_metadata: Any, extras: dict[str, Any] | None = None) -> torch.Tensor:
+        assert self.model is not None
         with set_forward_context(attn_metadata, **(extras or {})):
             return self.model(self.input_ids[:n], self.positions[:n])
+
+    def _mark_inputs_copied(self) -> None:
+        """Record, behind the step's host->device copies and before its forward, the event
+        the next step waits for before it rewrites the pinned staging buffers. Recorded
+        after the forward instead, it would make the next step's input preparation wait
+        for this whole step on the device, undoing async scheduling's overlap."""
+        if self.pin_memory:
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and return its results."""
@@ -421,12 +431,14 @@ class ModelRunner:
         # LoRA steps run eagerly: the captured graphs hold no adapter updates.
         graphs = self.cudagraphs if self.lora_manager is None else None
         if graphs is not None and batch.uniform_decode and graphs.can_run(b):
-            logits = graphs.run(b, common)
+            size = graphs.prepare(b)
+            self._mark_inputs_copied()
+            logits = graphs.replay(size, b)
         else:
-            hidden = self._forward_eager(batch.num_tokens, common, self._lora_extras(batch))
-        if self.pin_memory:  # every copy out of the staging buffers is queued by now
-            self._inputs_copied = torch.cuda.Event()
-            self._inputs_copied.record()
+            assert self.builder is not None
+            attn_metadata = self.builder.build(common)
+            self._mark_inputs_copied()
+            hidden = self._forward(batch.num_tokens, attn_metadata, self._lora_extras(batch))
         if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None and self.model is not None
             logits = self.model.compute_logits(hidden[self.logits_indices[:b]])

@@ -60,8 +60,8 @@ def test_profiled_cache_and_captured_graphs_give_the_eager_tokens(monkeypatch):
     graphs = runner.cudagraphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     replays = []
-    run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda b, common: replays.append(b) or run(b, common))
+    replay = graphs.replay
+    monkeypatch.setattr(graphs, "replay", lambda size, b: replays.append(b) or replay(size, b))
     with_graphs = _generate(llm, prompts)
     assert replays and max(replays) == len(prompts)  # decode steps replayed the graphs
     _free(llm)

@@ -195,9 +195,10 @@ def test_killed_engine_core_fails_requests_on_every_api_server_and_the_server_ex
         t.join(timeout=30)
 
     assert len(results) == 6
-    for lines in results:  # every stream ends with an error event (a 500's: the cause is logged) and [DONE]
+    for lines in results:  # every stream ends with an error event and [DONE]
         assert lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2][6:])["error"]["code"] == "internal_error"
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == "engine_error" and "engine core died" in error["message"]
     assert health == [503] * 4
     assert server.process.wait(timeout=30) == 1
     no_process_left(server, children)

@@ -118,7 +118,7 @@ def test_a_killed_engine_core_of_two_fails_open_requests_and_the_server_exits_1(
             t.join(timeout=30)
         assert len(results) == 4
         for lines in results:  # every open request failed, on either engine
-            assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "internal_error"
+            assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "engine_error"
         assert server.process.wait(timeout=30) == 1
     no_process_left(server, children)  # the other engine core included
     assert re.search(rf"The engine core process \(pid {engine_pids[1]}\) was killed by SIGKILL", server.log())

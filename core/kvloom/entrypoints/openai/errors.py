@@ -48,6 +48,15 @@ def internal_error(request_id: str) -> APIError:
                     status=HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")  # fmt: skip
 
 
+def engine_dead_error(request_id: str) -> APIError:
+    """The 500 for every open request when the engine core died: not the request's fault
+    and not a secret (the server exits for its supervisor to restart it); the cause is in
+    the server log."""
+    return APIError(f"The engine core died while serving request {request_id}; the server is shutting down "
+                    "(the cause is in the server log)", status=HTTPStatus.INTERNAL_SERVER_ERROR,
+                    code="engine_error")  # fmt: skip
+
+
 def _default_type(status: int) -> str:
     if status == HTTPStatus.UNAUTHORIZED:
         return "authentication_error"

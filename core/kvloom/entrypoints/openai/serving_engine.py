@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
+from kvloom.engine.core_client import EngineDeadError
 from kvloom.engine.errors import RequestFailedError
-from kvloom.entrypoints.openai.errors import APIError, from_validation_error, internal_error
+from kvloom.entrypoints.openai.errors import APIError, engine_dead_error, from_validation_error, internal_error
 from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import SamplingRequest
 from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
@@ -425,5 +426,8 @@ def _as_api_error(error: BaseException, request_id: str) -> APIError:
         return internal_error(request_id)
     if isinstance(error, ValueError):
         return APIError(str(error))
+    if isinstance(error, EngineDeadError):
+        logger.error("Request %s: %s", request_id, error)
+        return engine_dead_error(request_id)
     logger.error("Engine error while serving request %s", request_id, exc_info=error)
     return internal_error(request_id)

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Offline and served throughput on one workload, in one run, side by side.
+
+The workload of the process-architecture issue: the Qwen3-0.6B shape with dummy bf16
+weights, ``--num-prompts`` requests of ``--input-len`` tokens in and ``--output-len`` out
+(greedy, EOS ignored). First ``kvloom bench throughput`` (offline ``LLM``), then
+``kvloom serve`` with the same engine flags, driven by ``kvloom bench serve`` with all
+requests at once and at each ``--concurrency``. Every piece runs in its own process (the
+bench client never shares the server's interpreter), one after the other on one machine.
+
+    python benchmarks/bench_serving.py --tokenizer TOKENIZER_DIR --out $OUT \\
+        [--engine-args "--async-scheduling --max-model-len 2048 --max-num-seqs 256"] [--concurrency inf,1,16,64,256]
+
+``TOKENIZER_DIR`` holds the tokenizer files the served model uses (the vLLM peer's numbers
+in ``docs/benchmarks/`` used SmolLM2's, saved from the GGUF). Writes ``serving.json`` and
+prints a table (also in ``serving.md``): output tok/s, the ratio to offline, TTFT / TPOT medians and p99 ITL, and
+the offline decode step at the batch size of each concurrency (``kvloom bench
+throughput`` with that many prompts: its wall time over the output length), for the
+"TPOT within 1.3x of the offline step" target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offline_nanovllm import write_qwen3_config  # noqa: E402
+
+
+def kvloom(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvloom.entrypoints.cli.main", *args]
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float) -> None:
+    """Run ``cmd`` to completion, its output in ``log``; raise with the log's tail if it fails."""
+    with open(log, "w") as f:
+        status = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if status != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {status}:\n{log.read_text()[-3000:]}")
+
+
+def offline(model_dir: Path, engine_args: list[str], num_prompts: int, args: argparse.Namespace, out: Path) -> dict:
+    path = out / f"offline_{num_prompts}.json"
+    run_logged(kvloom("bench", "throughput", "--model", str(model_dir), *engine_args, "--num-prompts", str(num_prompts),
+                      "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--json", str(path)),
+               out / f"offline_{num_prompts}.log", args.timeout)  # fmt: skip
+    result = json.loads(path.read_text())["kvloom"]
+    result["step_ms"] = 1000 * result["wall_s"] / args.output_len  # prefill included: an upper bound of the step
+    return result
+
+
+def start_server(model_dir: Path, engine_args: list[str], serve_args: list[str], port: int, log: Path,
+                 timeout: float, profile: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    cmd = kvloom("serve", str(model_dir), *engine_args, *serve_args, "--port", str(port),
+                 "--disable-uvicorn-access-log")  # fmt: skip
+    if profile is not None:  # cProfile of the API server process (the engine core runs in its own)
+        cmd = [cmd[0], "-m", "cProfile", "-o", str(profile), *cmd[1:]]
+    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"kvloom serve exited {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(server)
+    raise RuntimeError(f"kvloom serve not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def served(port: int, concurrency: float, num_prompts: int, args: argparse.Namespace, out: Path) -> dict:
+    name = "inf" if math.isinf(concurrency) else str(int(concurrency))
+    path = out / f"served_{name}.json"
+    cap = [] if math.isinf(concurrency) else ["--max-concurrency", name]
+    run_logged(kvloom("bench", "serve", "--port", str(port), "--num-prompts", str(num_prompts), "--input-len",
+                      str(args.input_len), "--output-len", str(args.output_len), *cap, "--json", str(path)),
+               out / f"served_{name}.log", args.timeout)  # fmt: skip
+    return json.loads(path.read_text())
+
+
+def write_profile(profile: Path, path: Path, top: int = 40) -> None:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(str(profile), stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    path.write_text(text.getvalue())
+
+
+def prompts_for(concurrency: float, total: int) -> int:
+    """Enough requests for a steady state at that concurrency, without running for minutes
+    at concurrency 1: eight rounds of ``concurrency`` requests, at most ``total``."""
+    return total if math.isinf(concurrency) else min(total, max(8, 8 * int(concurrency)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", help="Directory with the tokenizer files to serve with.")
+    parser.add_argument("--model", help="A model directory to use instead of the Qwen3-0.6B shape (a smoke test).")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--concurrency", default="inf,1,16,64,256",
+                        help="Comma-separated max concurrencies for the served runs; inf = all at once.")  # fmt: skip
+    parser.add_argument("--engine-args", default="--async-scheduling --max-model-len 2048 --max-num-seqs 256",
+                        help="Engine flags for both paths (dummy weights and bf16 are set here; a later --dtype wins).")  # fmt: skip
+    parser.add_argument("--serve-args", default="", help="Extra flags for kvloom serve only (--api-server-count 2).")
+    parser.add_argument("--port", type=int, default=8031)
+    parser.add_argument("--profile-server", action="store_true",
+                        help="Run the API server process under cProfile; its top functions go to server_profile.txt.")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=420.0, help="Seconds each piece may take.")
+    args = parser.parse_args()
+    if (args.model is None) == (args.tokenizer is None):
+        parser.error("give --tokenizer (the Qwen3-0.6B shape with that tokenizer) or --model, not both")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    concurrencies = [math.inf if c.strip() == "inf" else float(int(c)) for c in args.concurrency.split(",")]
+    engine_args = ["--load-format", "dummy", "--dtype", "bfloat16", *shlex.split(args.engine_args)]
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": shlex.join([Path(sys.executable).name,
+                              *sys.argv]), "engine_args": engine_args, "serve_args": args.serve_args,  # fmt: skip
+                              "offline": {}, "served": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)  # each piece's JSON and log; what is kept goes to serving.json (and serve.log)
+        if args.model is not None:
+            model_dir = Path(args.model)
+        else:
+            model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
+            for f in Path(args.tokenizer).iterdir():
+                shutil.copy(f, model_dir / f.name)
+        batch_sizes = sorted({args.num_prompts, *(int(c) for c in concurrencies if not math.isinf(c))})
+        for n in batch_sizes:
+            result["offline"][n] = offline(model_dir, engine_args, n, args, work)
+            print(f"offline {n}: {result['offline'][n]['output_tok_s']:.0f} tok/s", flush=True)
+        profile = work / "server.prof" if args.profile_server else None
+        server = start_server(model_dir, engine_args, shlex.split(args.serve_args), args.port, out / "serve.log",
+                              args.timeout, profile)  # fmt: skip
+        try:
+            for c in concurrencies:
+                key = "inf" if math.isinf(c) else int(c)
+                result["served"][key] = served(args.port, c, prompts_for(c, args.num_prompts), args, work)
+                print(f"served {key}: {result['served'][key]['output_throughput']:.0f} tok/s", flush=True)
+        finally:
+            stop_server(server)
+        if profile is not None:
+            write_profile(profile, out / "server_profile.txt")
+    (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "serving.md").write_text(table(result, args.num_prompts) + "\n")
+    print(table(result, args.num_prompts))
+    return 0
+
+
+def table(result: dict[str, Any], num_prompts: int) -> str:
+    full = result["offline"][num_prompts]
+    lines = [f"offline ({num_prompts} prompts): {full['output_tok_s']:.0f} output tok/s", "",
+             "| served, concurrency | requests | output tok/s | / offline | TTFT p50 ms | TPOT p50 ms | ITL p99 ms "
+             "| offline step at that batch, ms | TPOT / step |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key, s in result["served"].items():
+        step = result["offline"].get(key if key != "inf" else num_prompts, {}).get("step_ms")
+        tpot = s["tpot_ms"]["p50"]
+        lines.append(f"| {key} | {s['completed']} ({s['failed']} failed) | {s['output_throughput']:.0f} | "
+                     f"{s['output_throughput'] / full['output_tok_s']:.2f} | {s['ttft_ms']['p50']:.1f} | {tpot:.2f} | "
+                     f"{s['itl_ms']['p99']:.1f} | {f'{step:.2f}' if step else '-'} | "
+                     f"{f'{tpot / step:.2f}' if step else '-'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
