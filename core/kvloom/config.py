@@ -176,6 +176,9 @@ class ParallelConfig(_Section):
 
     tensor_parallel_size: int = Field(default=1, ge=1, le=1)
     """Tensor-parallel degree: 1 (the only value kvloom supports)."""
+    data_parallel_size: int = Field(default=1, ge=1)
+    """Data-parallel replicas: engine core processes, each a whole model with its own KV
+    cache, among which the front ends balance the requests."""
 
 
 class AttentionConfig(_Section):
@@ -267,7 +270,7 @@ class EngineConfig(_Section):
     """Batching: ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill, policy,
     async scheduling."""
     parallel: ParallelConfig
-    """Parallelism (``tensor_parallel_size``, 1 today)."""
+    """Parallelism (``tensor_parallel_size``, 1 today; ``data_parallel_size``)."""
     attention: AttentionConfig
     """``backend``: the selected ``AttentionBackend`` class; ``requested_backend``: the
     user's ``--attention-backend``."""

@@ -100,6 +100,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class EngineLoad(msgspec.Struct, array_like=True, gc=False):
+    """How busy one engine core of several (data parallelism) is after a step: what the
+    front ends balance requests by (``engine/coordinator.py``). Sent whether or not stats
+    are logged."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
@@ -108,6 +118,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     finished_requests: set[str] = msgspec.field(default_factory=set)
     #: Which engine core produced them (several serve one front end with data parallelism).
     engine_index: int = 0
+    #: The engine core's load after this step, with data parallelism (every step, to every client).
+    load: EngineLoad | None = None
 
 
 # ----------------------------------------------------------------- front end -> user

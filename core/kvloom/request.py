@@ -78,7 +78,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     A msgspec Struct (as are the engine core's outputs): it crosses the process boundary
     as msgpack (``kvloom.engine.serial``). ``client_index`` names the front end (API
-    server process) that sent it, for when several share an engine core; 0 for now.
+    server process) that sent it, when several share an engine core: its outputs go back
+to that front end only.
     """
 
     request_id: str

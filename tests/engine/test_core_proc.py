@@ -18,18 +18,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from kvloom import LLM, SamplingParams
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.engine.core_client import (
     AsyncMPClient,
+    ClientAddresses,
+    EngineCoreProcess,
+    EngineDeadError,
     InprocClient,
     SyncMPClient,
     ThreadedClient,
     multiprocessing_enabled,
+    notify_engine_death,
 )
 from kvloom.lora.request import LoRARequest
+from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.sampling_params import RequestOutputKind
 from tests.helpers.engine_faults import (
     ExitsAtStartupPlatform,
@@ -217,3 +223,102 @@ def test_multiprocessing_off_keeps_the_core_in_this_process(model_dir: str, monk
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "maybe")
     with pytest.raises(ValueError, match="KVLOOM_ENABLE_MULTIPROCESSING"):
         multiprocessing_enabled()
+
+
+# ----------------------------------------------------------------- one engine core, several front ends
+
+
+def test_one_engine_core_serves_several_front_ends(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two AsyncLLMs (client_index 0 and 1, as two API servers) connected to one engine
+    core started here (as the launcher does): each gets its own requests' outputs (and no
+    other's) and utility results, both get the scheduler stats, and both see the core die."""
+    received: list[set[str]] = [set(), set()]
+    read = AsyncMPClient.get_output_async
+
+    async def spy(self: AsyncMPClient) -> Any:
+        outputs = await read(self)
+        received[self.client_index].update(o.request_id for o in outputs.outputs)
+        return outputs
+
+    monkeypatch.setattr(AsyncMPClient, "get_output_async", spy)
+    config = create_engine_config(engine_args(model_dir))
+    clients = [ClientAddresses(f"ipc://{tmp_path}/in-{i}", f"ipc://{tmp_path}/out-{i}") for i in range(2)]
+    process = EngineCoreProcess(config, True, clients)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = random_prompts(320)[:4]
+    seen_stats = [0, 0]
+
+    class StatsSeen(StatLoggerBase):
+        def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int = 0) -> None:
+            seen_stats[self.client] += scheduler_stats is not None
+
+        def log(self) -> None:
+            pass
+
+    def stats_of(client: int) -> Any:
+        def factory(config: Any, engine_index: int) -> StatLoggerBase:
+            logger = StatsSeen(config, engine_index)
+            logger.client = client
+            return logger
+
+        return factory
+
+    async def generate(engine: AsyncLLM, prompt: list[int], request_id: str) -> list[int]:
+        out = None
+        async for out in engine.generate({"prompt_token_ids": prompt}, greedy, request_id):
+            pass
+        return out.outputs[0].token_ids
+
+    async def run() -> tuple[list[list[int]], list[dict], list[BaseException]]:
+        logged = EngineArgs(model=model_dir, dtype="float32", kv_cache_memory="32MiB")
+        engines = [AsyncLLM(create_engine_config(logged), stat_loggers=[stats_of(i)], client_index=i,
+                            client_addresses=clients[i]) for i in range(2)]  # fmt: skip
+        try:
+            tokens = await asyncio.gather(*(generate(engines[i % 2], p, f"r{i // 2}-{i % 2}")
+                                            for i, p in enumerate(prompts)))  # fmt: skip
+            states = await asyncio.gather(*(e.call_utility("core_state") for e in engines))
+            # A long request on each; the core is killed; the launcher tells every client.
+            long = SamplingParams(max_tokens=3000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            streams = [e.generate({"prompt_token_ids": prompts[0]}, long, f"long-{i}") for i, e in enumerate(engines)]
+            for stream in streams:
+                await stream.__anext__()
+            # A request id that another front end's running request holds is refused (the
+            # servers' ids are random); the running one goes on.
+            clash = None
+            async for clash in engines[1].generate({"prompt_token_ids": prompts[1]}, greedy, "long-0"):
+                pass
+            assert clash.outputs[0].finish_reason == "abort" and not clash.outputs[0].token_ids
+            await streams[0].__anext__()
+            os.kill(process.pid, signal.SIGKILL)
+            process.process.join(timeout=10)
+            for c in clients:
+                notify_engine_death(zmq.Context.instance(), c.output, "The engine core process was killed by SIGKILL")
+            errors = []
+            for stream in streams:
+                with pytest.raises(EngineDeadError) as info:
+                    async for _ in stream:
+                        pass
+                errors.append(info.value)
+            for e in engines:
+                with pytest.raises(EngineDeadError):
+                    await e.check_health()
+            return tokens, states, errors
+        finally:
+            for e in engines:
+                e.shutdown()
+
+    try:
+        tokens, states, errors = asyncio.run(run())
+    finally:
+        process.stop(send_shutdown=None)
+    reference = LLM(model_dir, dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
+    expected = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    reference.llm_engine.shutdown()
+    assert tokens == expected
+    assert received == [{"r0-0", "r1-0", "long-0"}, {"r0-1", "r1-1", "long-1", "long-0"}]
+    assert all(s["num_unfinished_requests"] == 0 for s in states)
+    assert min(seen_stats) > 0  # both front ends got the scheduler stats
+    assert all("SIGKILL" in str(e) for e in errors)
+    assert not engine_processes()

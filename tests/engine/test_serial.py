@@ -21,7 +21,7 @@ from kvloom.engine.serial import (
 )
 from kvloom.lora.request import LoRARequest
 from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
-from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, TokenLogprobs
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad, TokenLogprobs
 from kvloom.request import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
@@ -71,6 +71,7 @@ def test_step_outputs_with_logprobs_events_stats_and_finish() -> None:
         timestamp=123.25,
         finished_requests={"b", "c"},
         engine_index=1,
+        load=EngineLoad(num_waiting=2, num_running=5, kv_cache_usage=0.5),
     )
     back = round_trip(outputs, EngineCoreOutputs)
     assert back == outputs

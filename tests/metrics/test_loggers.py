@@ -49,6 +49,7 @@ def finished(reason: FinishReason | str, e2e: float, prompt: int, gen: int) -> F
 
 
 M = (("model_name", "m1"),)
+ME = (("engine", "0"), ("model_name", "m1"))  # engine-level metrics: one series per engine core
 
 
 def test_prometheus_metric_values_and_labels() -> None:
@@ -76,12 +77,12 @@ def test_prometheus_metric_values_and_labels() -> None:
                        finished_requests=[finished(FinishReason.ABORT, 1.0, 5, 1)]),
     )
     s = samples(logger)
-    assert s[("kvloom:num_requests_running", M)] == 1
-    assert s[("kvloom:num_requests_waiting", M)] == 0
-    assert s[("kvloom:kv_cache_usage_perc", M)] == 0.125
-    assert s[("kvloom:prefix_cache_queries_total", M)] == 80
-    assert s[("kvloom:prefix_cache_hits_total", M)] == 16
-    assert s[("kvloom:num_preemptions_total", M)] == 1
+    assert s[("kvloom:num_requests_running", ME)] == 1
+    assert s[("kvloom:num_requests_waiting", ME)] == 0
+    assert s[("kvloom:kv_cache_usage_perc", ME)] == 0.125
+    assert s[("kvloom:prefix_cache_queries_total", ME)] == 80
+    assert s[("kvloom:prefix_cache_hits_total", ME)] == 16
+    assert s[("kvloom:num_preemptions_total", ME)] == 1
     assert s[("kvloom:prompt_tokens_total", M)] == 40
     assert s[("kvloom:generation_tokens_total", M)] == 4
     for reason in ("stop", "length", "abort"):

@@ -110,6 +110,10 @@ class EngineArgs(BaseModel):
     )
     # ---- parallel
     tensor_parallel_size: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    data_parallel_size: int = Field(
+        1, ge=1, description="Model replicas, each an engine core process (one GPU each on CUDA; on the CPU they "
+        "share the cores); requests go to the least loaded."
+    )
     # ---- attention
     attention_backend: str | None = Field(None, description="Force an attention backend by NAME.")
     # ---- compilation / CUDA graphs
@@ -322,7 +326,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         model=model,
         cache=cache,
         scheduler=scheduler,
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                data_parallel_size=args.data_parallel_size),  # fmt: skip
         attention=AttentionConfig(requested_backend=args.attention_backend, backend=backend),
         load=LoadConfig(load_format=args.load_format, source_kind=source.kind),
         compilation=compilation,
@@ -343,6 +348,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     _check_adjusted(config, resolved, f"check_and_update_config of platform {platform.name}", derived_len)
     plugins.call_update_engine_config(config)
     _check_adjusted(config, resolved, "general plugins' kvloom_update_engine_config hooks", derived_len)
+    if config.parallel.data_parallel_size > 1:  # now, naming the flag, if the machine cannot hold the replicas
+        for index in range(config.parallel.data_parallel_size):
+            platform.data_parallel_env(index, config.parallel.data_parallel_size)
     # What the engine runs with, after the platform and the hooks.
     logger.info(
         "kvloom config: model=%s served_model_name=%s arch=%s dtype=%s max_model_len=%d platform=%s device=%s "

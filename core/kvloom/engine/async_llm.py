@@ -27,7 +27,7 @@ from typing import Any
 
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
-from kvloom.engine.core_client import EngineCoreClient, EngineDeadError
+from kvloom.engine.core_client import AsyncMPClient, ClientAddresses, EngineCoreClient, EngineDeadError
 from kvloom.engine.frontend import Frontend
 from kvloom.engine.output_processor import RequestOutputCollector, RequestOutputStream
 from kvloom.inputs import PromptType
@@ -44,12 +44,20 @@ class AsyncLLM:
         config: EngineConfig,
         log_stats: bool = True,
         stat_loggers: list[Any] | None = None,
+        client_index: int = 0,
+        client_addresses: ClientAddresses | None = None,
     ) -> None:
+        """``client_addresses``: connect to engine cores that a launcher started (this is
+        API server ``client_index`` of several) instead of starting one."""
         self.config = config
         self.log_stats = log_stats and not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=self.log_stats)
         self.tokenizer = self.frontend.tokenizer
-        self.engine_core: Any = EngineCoreClient.make_client(config, self.log_stats, asyncio_mode=True)
+        self.engine_core: Any
+        if client_addresses is None:
+            self.engine_core = EngineCoreClient.make_client(config, self.log_stats, asyncio_mode=True)
+        else:
+            self.engine_core = AsyncMPClient(config, self.log_stats, client_index, client_addresses)
         self.frontend.start_stat_loggers(stat_loggers)
         self._output_handler: asyncio.Task | None = None
         self.errored: BaseException | None = None

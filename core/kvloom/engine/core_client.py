@@ -12,10 +12,13 @@ model runner for one interpreter lock:
 Both send ``[identity, kind, payload]`` frames on a ``ROUTER`` socket that the engine core
 connects to with a ``DEALER`` (identity = its engine index) and receive its outputs on a
 ``PULL`` socket it ``PUSH``es to, all msgpack (``serial.py``). Several engine cores (data
-parallelism) can connect to the same ``ROUTER`` and ``PULL`` (outputs carry their
-``engine_index``); several front-end processes would each bind their own pair and stamp
-their requests with their ``client_index``. A monitor thread watches the process; when it
-dies (killed, or a failed step), every open request gets ``EngineDeadError`` at once.
+parallelism, ``engine/coordinator.py`` picks one per request) connect to the same
+``ROUTER`` and ``PULL`` (outputs carry their ``engine_index``); several front-end
+processes (``kvloom serve --api-server-count``) each bind their own pair, given by the
+launcher, and stamp their requests with their ``client_index``. A monitor thread watches
+each engine core process this client started (the launcher watches the ones it started);
+when one dies (killed, or a failed step), every open request gets ``EngineDeadError`` at
+once.
 
 With ``KVLOOM_ENABLE_MULTIPROCESSING=0`` the core stays in the front end's process, for
 debugging and tests that reach into it: ``InprocClient`` (``LLM``: each ``get_output()``
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -47,12 +51,14 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from kvloom.config import EngineConfig
+from kvloom.engine.coordinator import LoadBalancer
 from kvloom.engine.core import EngineCore
 from kvloom.engine.core_proc import call_utility, engine_identity, make_socket, run_engine_core
 from kvloom.engine.serial import (
@@ -120,6 +126,9 @@ class EngineCoreClient(ABC):
         asyncio)."""
         if multiprocessing_enabled():
             return AsyncMPClient(config, log_stats) if asyncio_mode else SyncMPClient(config, log_stats)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(f"--data-parallel-size {config.parallel.data_parallel_size} needs the engine cores in "
+                             f"processes of their own; {MULTIPROCESSING_ENV}=0 keeps one in this process")  # fmt: skip
         return ThreadedClient(config, log_stats) if asyncio_mode else InprocClient(config, log_stats)
 
 
@@ -276,7 +285,7 @@ class ThreadedClient(EngineCoreClient):
 
 
 @contextlib.contextmanager
-def _main_module_not_reimported() -> Iterator[None]:
+def main_module_not_reimported() -> Iterator[None]:
     """Start the spawned process without re-running the caller's ``__main__`` in it:
     a script that makes an ``LLM`` at top level, without an ``if __name__ ==
     "__main__"`` guard, would otherwise start another engine from the engine core."""
@@ -294,7 +303,7 @@ def _main_module_not_reimported() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _parent_logging() -> tuple[int | None, str | None]:
+def parent_logging() -> tuple[int | None, str | None]:
     """The engine core logs like this process: the root logger's level and format when
     logging is configured here, nothing otherwise (Python's warnings-only default)."""
     root = logging.getLogger()
@@ -309,7 +318,7 @@ def _parent_logging() -> tuple[int | None, str | None]:
     return logging.getLogger("kvloom").getEffectiveLevel(), fmt
 
 
-def _describe_exit(exitcode: int | None) -> str:
+def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "is gone"
     if exitcode < 0:
@@ -320,68 +329,72 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exited with status {exitcode}"
 
 
+def notify_engine_death(ctx: zmq.Context, output_address: str, description: str) -> None:
+    """Tell the client reading ``output_address`` that an engine core died: send ``DEAD``
+    (as from ``EngineDeadError``) into its own output socket, which wakes whoever waits on
+    it. The process that watches an engine core (its parent) calls this."""
+    info = EngineCoreErrorInfo(type_name=f"{__name__}:EngineDeadError", message=description)
+    sock = make_socket(ctx, zmq.PUSH, output_address, bind=False)
+    try:
+        sock.send_multipart((DEAD, MsgpackEncoder().encode(info)))
+    finally:
+        sock.close(linger=1000)
+
+
+@dataclass(frozen=True)
+class ClientAddresses:
+    """The two sockets of one front end (client ``client_index``), which it binds and
+    every engine core connects to: the ``ROUTER`` it sends on, the ``PULL`` it reads."""
+
+    input: str
+    output: str
+
+
 class EngineCoreProcess:
-    """One engine core process of a client: started, handshaken, watched."""
+    """One engine core process, started by this process (a client, or the launcher of
+    several API servers), and watched."""
 
     def __init__(
         self,
         config: EngineConfig,
         log_stats: bool,
-        input_socket: zmq.Socket,
-        input_address: str,
-        output_address: str,
+        clients: list[ClientAddresses],
         engine_index: int = 0,
     ) -> None:
         spawn = multiprocessing.get_context("spawn")
         # The engine core reads the other end: end of file when this process is gone.
         death_reader, self._death_writer = spawn.Pipe(duplex=False)
-        level, fmt = _parent_logging()
+        level, fmt = parent_logging()
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
+        replicas = config.parallel.data_parallel_size
+        env = config.device.platform.data_parallel_env(engine_index, replicas) if replicas > 1 else {}
         self.process = spawn.Process(
             target=run_engine_core,
             name=f"kvloom-engine-core-{engine_index}",
-            kwargs=dict(config=config, log_stats=log_stats, input_address=input_address,
-                        output_address=output_address, engine_index=engine_index, death_pipe=death_reader,
-                        log_level=level, log_format=fmt),  # fmt: skip
+            kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
+                        output_addresses=[c.output for c in clients], engine_index=engine_index,
+                        death_pipe=death_reader, log_level=level, log_format=fmt, env=env),  # fmt: skip
             daemon=True,
         )
-        with _main_module_not_reimported():
+        with main_module_not_reimported():
             self.process.start()
         death_reader.close()
         self._stop_reader, self._stop_writer = multiprocessing.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None
-        try:
-            self.ready = self._wait_ready(input_socket)
-        except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
-            self.stop(send_shutdown=None)
-            raise
 
     @property
     def pid(self) -> int | None:
         return self.process.pid
 
-    def _wait_ready(self, sock: zmq.Socket) -> EngineCoreReady:
-        """Wait for READY (or FAILED) from the engine core; raise if it fails or dies."""
-        while True:
-            if sock.poll(100):
-                identity, kind, payload = sock.recv_multipart()
-                if identity != self.identity:
-                    logger.warning("Ignoring a handshake from unknown engine %r", identity)
-                    continue
-                if kind == READY:
-                    return MsgpackDecoder(EngineCoreReady).decode(payload)
-                if kind == FAILED:
-                    info: EngineCoreErrorInfo = MsgpackDecoder(EngineCoreErrorInfo).decode(payload)
-                    self.process.join(timeout=SHUTDOWN_TIMEOUT_S)
-                    raise info.to_exception(f"Engine core failed to start: {info.describe()}")
-                raise RuntimeError(f"unexpected handshake frame {kind!r} from the engine core")
-            if not self.process.is_alive():
-                self.process.join()
-                raise RuntimeError(
-                    f"Engine core failed to start: its process {_describe_exit(self.process.exitcode)} before it "
-                    "was ready (its log above may say why)"
-                )
+    def check_started(self) -> None:
+        """Raise if the process died before it was ready."""
+        if not self.process.is_alive():
+            self.process.join()
+            raise RuntimeError(
+                f"Engine core failed to start: its process {describe_exit(self.process.exitcode)} before it "
+                "was ready (its log above may say why)"
+            )
 
     def start_monitor(self, on_death: Callable[[str], None]) -> None:
         """Call ``on_death(description)`` from a thread when the process dies, unless
@@ -392,7 +405,7 @@ class EngineCoreProcess:
             if self._stop_reader in ready:
                 return
             self.process.join(timeout=1)  # reap it: no zombie
-            on_death(f"The engine core process (pid {self.pid}) {_describe_exit(self.process.exitcode)}")
+            on_death(f"The engine core process (pid {self.pid}) {describe_exit(self.process.exitcode)}")
 
         self._monitor = threading.Thread(target=watch, name="kvloom-engine-core-monitor", daemon=True)
         self._monitor.start()
@@ -426,67 +439,127 @@ class EngineCoreProcess:
             conn.close()
 
 
+def wait_for_engines(
+    sock: zmq.Socket, num_engines: int, processes: list[EngineCoreProcess] | None = None
+) -> list[EngineCoreReady]:
+    """Wait for ``READY`` from engine cores 0..num_engines-1 on a client's ``ROUTER``
+    (they start in parallel); raise on ``FAILED``, or when one of ``processes`` (those
+    this process started; the launcher watches the others) dies first."""
+    pending = {engine_identity(i): i for i in range(num_engines)}
+    ready: list[EngineCoreReady | None] = [None] * num_engines
+    while pending:
+        if sock.poll(100):
+            identity, kind, payload = sock.recv_multipart()
+            index = pending.pop(identity, None)
+            if index is None:
+                logger.warning("Ignoring a handshake from unknown engine %r", identity)
+                continue
+            if kind == READY:
+                ready[index] = MsgpackDecoder(EngineCoreReady).decode(payload)
+                continue
+            if kind == FAILED:
+                info: EngineCoreErrorInfo = MsgpackDecoder(EngineCoreErrorInfo).decode(payload)
+                for process in processes or ():
+                    if process.engine_index == index:
+                        process.process.join(timeout=SHUTDOWN_TIMEOUT_S)
+                raise info.to_exception(f"Engine core failed to start: {info.describe()}")
+            raise RuntimeError(f"unexpected handshake frame {kind!r} from engine core {index}")
+        for process in processes or ():
+            if process.identity in pending:
+                process.check_started()
+    return [r for r in ready if r is not None]
+
+
 class _MPResources:
     """What a multiprocess client holds and must release: its sockets, its ZMQ context,
-    its engine core process and the directory of its IPC sockets. A finalizer of the
-    client calls ``close()``, so an ``LLM`` that is dropped stops its engine core."""
+    the engine core processes it started and the directory of its IPC sockets. A
+    finalizer of the client calls ``close()``, so an ``LLM`` that is dropped stops its
+    engine cores."""
 
-    def __init__(self) -> None:
+    def __init__(self, starts_engines: bool) -> None:
         self.closed = False
         self.ctx = zmq.Context()
-        self.ipc_dir = tempfile.mkdtemp(prefix="kvloom-")
+        # A launcher that starts the engine cores owns the directory of the sockets.
+        self.ipc_dir = tempfile.mkdtemp(prefix="kvloom-") if starts_engines else None
         self.input_socket: zmq.Socket | None = None
         self.output_socket: zmq.Socket | None = None
         self.async_output: zmq.asyncio.Socket | None = None
-        self.engine: EngineCoreProcess | None = None
+        self.processes: list[EngineCoreProcess] = []
 
-    def _send_shutdown(self) -> None:
-        assert self.input_socket is not None and self.engine is not None
-        self.input_socket.send_multipart((self.engine.identity, SHUTDOWN, b""), flags=zmq.NOBLOCK)
+    def _send_shutdown(self, identity: bytes) -> None:
+        assert self.input_socket is not None
+        self.input_socket.send_multipart((identity, SHUTDOWN, b""), flags=zmq.NOBLOCK)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            if self.engine is not None:
-                self.engine.stop(self._send_shutdown)
+            for process in self.processes:
+                process.stop(functools.partial(self._send_shutdown, process.identity))
         finally:
             for sock in (self.async_output, self.input_socket, self.output_socket):
                 if sock is not None:
                     with contextlib.suppress(Exception):
                         sock.close(linger=0)
             self.ctx.term()
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 class MPClient(EngineCoreClient):
     """The parts the sync and asyncio multiprocess clients share: sockets, the engine
-    core process, sending, the death of the engine."""
+    core processes, sending, the death of an engine.
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    By default the client starts its own engine core and watches it. With ``addresses``
+    (an API server among several, given them by ``entrypoints/openai/launcher.py``) it
+    binds those and waits for the engine cores the launcher started to connect; the
+    launcher watches them and sends ``DEAD`` here when one dies
+    (``notify_engine_death``). ``client_index`` goes on every request and utility call,
+    so that the engine core answers this client only.
+
+    With ``data_parallel_size`` N there are N engine cores behind the one ``ROUTER``
+    (identities 0..N-1): each new request goes to the least loaded (``LoadBalancer``), its
+    aborts to the same one, and utility calls to all of them. Any engine core that dies
+    is the death of the whole engine."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        client_index: int = 0,
+        addresses: ClientAddresses | None = None,
+    ) -> None:
         self.config = config
+        self.client_index = client_index
         self.dead_error = None
         self._engine_reported = False
-        self.resources = resources = _MPResources()
+        self.resources = resources = _MPResources(starts_engines=addresses is None)
         self._finalizer = weakref.finalize(self, resources.close)
-        self.input_address = f"ipc://{resources.ipc_dir}/input"
-        self.output_address = f"ipc://{resources.ipc_dir}/output"
+        if addresses is None:
+            addresses = ClientAddresses(f"ipc://{resources.ipc_dir}/input", f"ipc://{resources.ipc_dir}/output")
+        self.input_address, self.output_address = addresses.input, addresses.output
+        num_engines = config.parallel.data_parallel_size
+        self.identities = [engine_identity(i) for i in range(num_engines)]
+        self.balancer = LoadBalancer(num_engines) if num_engines > 1 else None
+        #: With data parallelism: the engine core holding each unfinished core request.
+        self._engine_of: dict[str, int] = {}
         self._encoder = MsgpackEncoder()
         self._decoders = output_decoders()
         self._call_ids = itertools.count(1)
         try:
             resources.input_socket = make_socket(resources.ctx, zmq.ROUTER, self.input_address, bind=True)
             resources.output_socket = make_socket(resources.ctx, zmq.PULL, self.output_address, bind=True)
-            resources.engine = EngineCoreProcess(config, log_stats, resources.input_socket, self.input_address,
-                                                 self.output_address)  # fmt: skip
-        except BaseException:
+            if resources.ipc_dir is not None:
+                for index in range(num_engines):  # all start (load their model) at once
+                    resources.processes.append(EngineCoreProcess(config, log_stats, [addresses], index))
+            self.ready = wait_for_engines(resources.input_socket, len(self.identities), resources.processes)
+        except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
             self.shutdown()
             raise
-        self.engine = resources.engine
         self._input_socket, self._output_socket = resources.input_socket, resources.output_socket
         # The values the engine core resolved (the front end's config is a copy).
-        config.cache.num_blocks = self.engine.ready.num_blocks
+        config.cache.num_blocks = min(ready.num_blocks for ready in self.ready)
         client = weakref.ref(self)  # the monitor must not keep the client alive
 
         def on_death(description: str) -> None:
@@ -494,35 +567,78 @@ class MPClient(EngineCoreClient):
             if alive is not None:
                 alive._on_engine_death(description)
 
-        self.engine.start_monitor(on_death)
+        for process in resources.processes:
+            process.start_monitor(on_death)
+
+    @property
+    def engine(self) -> EngineCoreProcess:
+        """Engine core 0's process, when this client started it (tests and debugging)."""
+        return self.resources.processes[0]
 
     @property
     def closed(self) -> bool:
         return self.resources.closed
 
     # ------------------------------------------------------------- sending
-    def _send(self, kind: bytes, obj: Any) -> None:
+    def _send(self, kind: bytes, obj: Any, engine: int = 0) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error)) from self.dead_error
         if self.closed:
             raise EngineDeadError("the engine core client is shut down")
         data = self._encoder.encode(obj)
         try:
-            self._input_socket.send_multipart((self.engine.identity, kind, data), copy=False)
+            self._input_socket.send_multipart((self.identities[engine], kind, data), copy=False)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach the engine core: {e}") from e
 
+    def _route(self, request: EngineCoreRequest) -> int:
+        """The engine core for a new request (stamped with this client's index)."""
+        request.client_index = self.client_index
+        if self.balancer is None:
+            return 0
+        self._engine_of[request.request_id] = engine = self.balancer.choose()
+        return engine
+
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(ADD, [request])
+        self._send(ADD, [request], self._route(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
-        if ids and self.dead_error is None and not self.closed:
-            with contextlib.suppress(EngineDeadError):
-                self._send(ABORT, ids)
+        if not ids or self.dead_error is not None or self.closed:
+            return
+        by_engine: dict[int, list[str]] = {}
+        for request_id in ids:
+            if self.balancer is None:
+                by_engine.setdefault(0, []).append(request_id)
+            elif request_id in self._engine_of:  # (not there: finished already)
+                by_engine.setdefault(self._engine_of.pop(request_id), []).append(request_id)
+        with contextlib.suppress(EngineDeadError):
+            for engine, engine_ids in by_engine.items():
+                self._send(ABORT, engine_ids, engine)
 
-    def _new_utility_request(self, method: str, args: tuple[Any, ...]) -> UtilityRequest:
-        return UtilityRequest(next(self._call_ids), method, list(args))
+    def _received(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Note what an engine core's outputs say about it: its load, its finished requests."""
+        if self.balancer is not None:
+            if outputs.load is not None:
+                self.balancer.update(outputs.engine_index, outputs.load)
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self._engine_of.pop(output.request_id, None)
+        return outputs
+
+    def _new_utility_requests(self, method: str, args: tuple[Any, ...]) -> list[UtilityRequest]:
+        """One call per engine core (utility calls go to every one)."""
+        return [UtilityRequest(next(self._call_ids), method, list(args), client_index=self.client_index)
+                for _ in self.identities]  # fmt: skip
+
+    @staticmethod
+    def _combined(results: list[Any]) -> Any:
+        """The result of a utility call to every engine core: a bool is True only if every
+        engine's is (e.g. ``reset_prefix_cache``); anything else is engine 0's (the
+        engines hold the same LoRAs)."""
+        if all(isinstance(r, bool) for r in results):
+            return all(results)
+        return results[0]
 
     # ------------------------------------------------------------- receiving
     def _decode(self, frames: list[Any]) -> tuple[bytes, Any]:
@@ -568,13 +684,8 @@ class MPClient(EngineCoreClient):
         if self.dead_error is None:
             self.dead_error = EngineDeadError(description)
             logger.error("%s", description)
-        info = EngineCoreErrorInfo(type_name=f"{__name__}:EngineDeadError", message=str(self.dead_error))
         with contextlib.suppress(zmq.ZMQError):  # the client is closing
-            sock = make_socket(self.resources.ctx, zmq.PUSH, self.output_address, bind=False)
-            try:
-                sock.send_multipart((DEAD, MsgpackEncoder().encode(info)))
-            finally:
-                sock.close(linger=1000)
+            notify_engine_death(self.resources.ctx, self.output_address, str(self.dead_error))
 
     def shutdown(self) -> None:
         """Stop the engine core (SHUTDOWN, then SIGTERM, then SIGKILL) and release
@@ -604,7 +715,11 @@ class SyncMPClient(MPClient):
     def _flush(self) -> None:
         if self._unsent:
             requests, self._unsent = self._unsent, []
-            self._send(ADD, requests)
+            by_engine: dict[int, list[EngineCoreRequest]] = {}
+            for request in requests:
+                by_engine.setdefault(self._route(request), []).append(request)
+            for engine, engine_requests in by_engine.items():
+                self._send(ADD, engine_requests, engine)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = set(request_ids)
@@ -615,7 +730,7 @@ class SyncMPClient(MPClient):
     def _recv(self) -> tuple[bytes, Any]:
         sock = self._output_socket
         while not sock.poll(1000):
-            if self.dead_error is not None and not self.engine.process.is_alive():
+            if self.dead_error is not None and not all(p.process.is_alive() for p in self.resources.processes):
                 raise EngineDeadError(str(self.dead_error))
         kind, obj = self._decode(sock.recv_multipart(copy=False))
         if kind == DEAD:
@@ -636,7 +751,7 @@ class SyncMPClient(MPClient):
         while True:
             kind, obj = self._recv()
             if kind == OUTPUTS:
-                return obj
+                return self._received(obj)
             logger.warning("Ignoring a utility result nobody waits for (call %s)", obj.call_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -645,25 +760,34 @@ class SyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self._flush()
-        request = self._new_utility_request(method, args)
-        self._send(UTILITY, request)
-        while True:
+        requests = self._new_utility_requests(method, args)
+        for engine, request in enumerate(requests):
+            self._send(UTILITY, request, engine)
+        answers: dict[int, UtilityOutput] = {}
+        while len(answers) < len(requests):
             kind, obj = self._recv()
             if kind == OUTPUTS:
-                self._pending.append(obj)
-            elif obj.call_id == request.call_id:
-                return self._utility_result(obj)
+                self._pending.append(self._received(obj))
+            elif any(obj.call_id == r.call_id for r in requests):
+                answers[obj.call_id] = obj
+        return self._combined([self._utility_result(answers[r.call_id]) for r in requests])
 
 
 class AsyncMPClient(MPClient):
     """For ``AsyncLLM``: ``get_output_async()`` reads the output socket in the event
     loop (one reader: the output handler); utility results resolve their futures there."""
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        client_index: int = 0,
+        addresses: ClientAddresses | None = None,
+    ) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._async_output: zmq.asyncio.Socket | None = None
         self._utility_futures: dict[int, asyncio.Future] = {}
-        super().__init__(config, log_stats)
+        super().__init__(config, log_stats, client_index, addresses)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.loop is not None and self.loop is not loop:
@@ -680,7 +804,7 @@ class AsyncMPClient(MPClient):
                 raise EngineDeadError(str(self.dead_error or "the engine core client is shut down"))
             kind, obj = self._decode(await self._async_output.recv_multipart(copy=False))
             if kind == OUTPUTS:
-                return obj
+                return self._received(obj)
             if kind == UTILITY_OUTPUT:
                 future = self._utility_futures.pop(obj.call_id, None)
                 if future is not None and not future.done():
@@ -702,15 +826,17 @@ class AsyncMPClient(MPClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         assert self.loop is not None, "attach() the event loop first"
-        request = self._new_utility_request(method, args)
-        future = self.loop.create_future()
-        self._utility_futures[request.call_id] = future
-        try:
-            self._send(UTILITY, request)
-        except BaseException:
-            self._utility_futures.pop(request.call_id, None)
-            raise
-        return await future
+        futures = []
+        for engine, request in enumerate(self._new_utility_requests(method, args)):
+            future = self.loop.create_future()
+            self._utility_futures[request.call_id] = future
+            futures.append(future)
+            try:
+                self._send(UTILITY, request, engine)
+            except BaseException:
+                self._utility_futures.pop(request.call_id, None)
+                raise
+        return self._combined(list(await asyncio.gather(*futures)))
 
     def _fail_utility_calls(self) -> None:
         futures, self._utility_futures = self._utility_futures, {}

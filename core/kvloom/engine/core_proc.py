@@ -7,16 +7,23 @@ multiprocessing (the platform and backend classes it holds pickle by reference; 
 load here too, in ``EngineCore``). Three threads then share the work, so that the busy
 loop only schedules and steps:
 
-* the input thread receives ``[kind, payload]`` frames on the input socket (``DEALER``,
-  identity = the engine index), decodes them (``serial.py``) and puts them on the input
-  queue;
+* the input thread receives ``[kind, payload]`` frames on its input sockets (one
+  ``DEALER`` per client, identity = the engine index), decodes them (``serial.py``) and
+  puts them on the input queue;
 * the busy loop (the main thread) admits what the input queue holds between steps (add,
   abort, utility calls), runs ``EngineCore.step()`` while there is work (async
   scheduling included: ``step()`` keeps its steps in flight) and blocks on the queue
   when there is none; each step's outputs go to the output queue;
-* the output thread encodes them and sends them on the output socket (``PUSH``).
+* the output thread encodes them and sends them on the output sockets (one ``PUSH`` per
+  client).
 
-Startup handshake, on the input socket: ``READY`` with ``EngineCoreReady`` (the number of
+Several front ends (API server processes, ``client_index`` 0..N-1) can share one engine
+core: it connects to each one's ``ROUTER`` and ``PULL``, remembers which client sent each
+request (``EngineCoreRequest.client_index``), and sends a request's outputs, and a utility
+call's result, only to that client. Scheduler stats, the load (with data parallelism,
+``EngineLoad``) and ``DEAD`` go to every client.
+
+Startup handshake, on every input socket: ``READY`` with ``EngineCoreReady`` (the number of
 KV blocks and the pid), or ``FAILED`` with the exception that stopped it (type, message,
 traceback). A step that raises kills the engine core: the error goes out as ``DEAD`` and
 the process exits with status 1 (the front end's monitor also notices a process that
@@ -28,6 +35,7 @@ end of a pipe whose read end is watched here: end of file = parent gone).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -58,7 +66,7 @@ from kvloom.engine.serial import (
     convert_args,
     input_decoders,
 )
-from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
+from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -68,6 +76,9 @@ PARENT_DEATH_GRACE_S = 5.0
 
 #: Internal input kind: the output thread failed; the busy loop re-raises the error.
 _FATAL = b"\xff"
+
+#: The client index of an output message for every client.
+ALL_CLIENTS = -1
 
 
 # ----------------------------------------------------------------- utility calls
@@ -141,22 +152,32 @@ class EngineCoreProc:
         self,
         config: EngineConfig,
         log_stats: bool,
-        input_address: str,
-        output_address: str,
+        input_addresses: list[str],
+        output_addresses: list[str],
         engine_index: int = 0,
     ) -> None:
         from kvloom.engine.core import EngineCore
 
+        #: One of several replicas: every step's outputs carry the load, for every client.
+        self.publish_load = config.parallel.data_parallel_size > 1
+        if not input_addresses or len(input_addresses) != len(output_addresses):
+            raise ValueError(f"one input and one output address per client, got {input_addresses} and "
+                             f"{output_addresses}")  # fmt: skip
         self.engine_index = engine_index
         self.input_queue: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()
-        self.output_queue: queue.SimpleQueue[tuple[bytes, Any] | None] = queue.SimpleQueue()
+        #: (client index, or ALL_CLIENTS; kind; message), or None to stop.
+        self.output_queue: queue.SimpleQueue[tuple[int, bytes, Any] | None] = queue.SimpleQueue()
+        #: With several clients: which one sent each request the core holds (its outputs go
+        #: there only). With one, everything goes to it as it is.
+        self._client_of: dict[str, int] | None = {} if len(output_addresses) > 1 else None
         self.ctx = zmq.Context()
-        self.input_socket = make_socket(self.ctx, zmq.DEALER, input_address, bind=False,
-                                        identity=engine_identity(engine_index))  # fmt: skip
-        self.output_socket = make_socket(self.ctx, zmq.PUSH, output_address, bind=False)
+        identity = engine_identity(engine_index)
+        self.input_sockets = [make_socket(self.ctx, zmq.DEALER, address, bind=False, identity=identity)
+                              for address in input_addresses]  # fmt: skip
+        self.output_sockets = [make_socket(self.ctx, zmq.PUSH, address, bind=False) for address in output_addresses]
         # Messages sent before an exit (the handshake, DEAD) are delivered first.
-        self.input_socket.setsockopt(zmq.LINGER, 5000)
-        self.output_socket.setsockopt(zmq.LINGER, 5000)
+        for sock in (*self.input_sockets, *self.output_sockets):
+            sock.setsockopt(zmq.LINGER, 5000)
         self.core: Any = None
         self._threads: list[threading.Thread] = []
         encoder = MsgpackEncoder()
@@ -164,14 +185,17 @@ class EngineCoreProc:
             self.core = EngineCore(config, log_stats=log_stats)
         except BaseException as exc:
             try:
-                self.input_socket.send_multipart((FAILED, encoder.encode(EngineCoreErrorInfo.from_exception(exc))))
+                failed = encoder.encode(EngineCoreErrorInfo.from_exception(exc))
+                for sock in self.input_sockets:
+                    sock.send_multipart((FAILED, failed))
             finally:
-                self.input_socket.close()
-                self.output_socket.close()
-                self.ctx.term()  # after the FAILED frame went out (or its linger ran out)
+                for sock in (*self.input_sockets, *self.output_sockets):
+                    sock.close()
+                self.ctx.term()  # after the FAILED frames went out (or their linger ran out)
             raise
-        ready = EngineCoreReady(pid=os.getpid(), num_blocks=int(config.cache.num_blocks or 0))
-        self.input_socket.send_multipart((READY, encoder.encode(ready)))
+        ready = encoder.encode(EngineCoreReady(pid=os.getpid(), num_blocks=int(config.cache.num_blocks or 0)))
+        for sock in self.input_sockets:
+            sock.send_multipart((READY, ready))
         # From here on each socket belongs to one thread.
         for target, name in ((self._input_loop, "input"), (self._output_loop, "output")):
             thread = threading.Thread(target=target, name=f"kvloom-engine-core-{name}", daemon=True)
@@ -181,36 +205,40 @@ class EngineCoreProc:
     # ------------------------------------------------------------- input thread
     def _input_loop(self) -> None:
         decoders = input_decoders()
-        sock = self.input_socket
+        poller = zmq.Poller()
+        for sock in self.input_sockets:
+            poller.register(sock, zmq.POLLIN)
         try:
             while True:
-                frames = sock.recv_multipart(copy=False)
-                kind = frames[0].bytes
-                if kind == SHUTDOWN:
-                    self.input_queue.put((SHUTDOWN, None))
-                    continue
-                decoder = decoders.get(kind)
-                if decoder is None:
-                    raise ValueError(f"unknown input frame kind {kind!r}")
-                self.input_queue.put((kind, decoder.decode(frames[1].buffer)))
+                for sock, _ in poller.poll():
+                    frames = sock.recv_multipart(copy=False)
+                    kind = frames[0].bytes
+                    if kind == SHUTDOWN:
+                        self.input_queue.put((SHUTDOWN, None))
+                        continue
+                    decoder = decoders.get(kind)
+                    if decoder is None:
+                        raise ValueError(f"unknown input frame kind {kind!r}")
+                    self.input_queue.put((kind, decoder.decode(frames[1].buffer)))
         except zmq.ContextTerminated:
             pass
         except BaseException as exc:  # a message it cannot read: the engine cannot go on
             logger.exception("Engine core input thread failed")
             self.input_queue.put((_FATAL, exc))
         finally:
-            sock.close(linger=0)
+            for sock in self.input_sockets:
+                sock.close(linger=0)
 
     # ------------------------------------------------------------- output thread
     def _output_loop(self) -> None:
         encoder = MsgpackEncoder()
-        sock = self.output_socket
+        socks = self.output_sockets
         try:
             while True:
                 item = self.output_queue.get()
                 if item is None:
                     return
-                kind, obj = item
+                client, kind, obj = item
                 try:
                     data = encoder.encode(obj)
                 except Exception as exc:
@@ -219,16 +247,18 @@ class EngineCoreProc:
                     # A utility result that cannot be sent is that call's error.
                     error = EngineCoreErrorInfo.from_exception(exc)
                     data = encoder.encode(UtilityOutput(obj.call_id, error=error))
-                sock.send_multipart((kind, data), copy=False)
+                for sock in socks if client == ALL_CLIENTS else (socks[client],):
+                    sock.send_multipart((kind, data), copy=False)
         except BaseException as exc:
             logger.exception("Engine core output thread failed")
-            try:
-                sock.send_multipart((DEAD, encoder.encode(EngineCoreErrorInfo.from_exception(exc))))
-            except Exception:
-                pass
+            dead = encoder.encode(EngineCoreErrorInfo.from_exception(exc))
+            for sock in socks:
+                with contextlib.suppress(Exception):
+                    sock.send_multipart((DEAD, dead))
             self.input_queue.put((_FATAL, exc))
         finally:
-            sock.close()  # with its linger: pending messages go out
+            for sock in socks:
+                sock.close()  # with its linger: pending messages go out
 
     # ------------------------------------------------------------- busy loop
     def run_busy_loop(self) -> None:
@@ -243,30 +273,82 @@ class EngineCoreProc:
                     return
             if core.has_work():
                 outputs = core.step()
-                if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None:
-                    outputs.engine_index = self.engine_index
-                    outbox.put((OUTPUTS, outputs))
+                if self.publish_load:
+                    scheduler = core.scheduler
+                    outputs.load = EngineLoad(len(scheduler.waiting), len(scheduler.running),
+                                              scheduler.kv_cache_manager.usage)  # fmt: skip
+                if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats is not None or outputs.load:
+                    for client, client_outputs in self._split_by_client(outputs).items():
+                        outbox.put((client, OUTPUTS, client_outputs))
+
+    def _split_by_client(self, outputs: EngineCoreOutputs) -> dict[int, EngineCoreOutputs]:
+        """One step's outputs, as one message per client: each request's outputs go to
+        the client that sent it; the scheduler stats and the load go to every client
+        (each front end logs the stats, and routes by the loads of the engine cores)."""
+        outputs.engine_index = self.engine_index
+        client_of = self._client_of
+        if client_of is None:
+            return {0: outputs}
+        split: dict[int, EngineCoreOutputs] = {}
+
+        def of(client: int) -> EngineCoreOutputs:
+            if client not in split:
+                split[client] = EngineCoreOutputs(timestamp=outputs.timestamp, engine_index=self.engine_index,
+                                                  scheduler_stats=outputs.scheduler_stats, load=outputs.load)  # fmt: skip
+            return split[client]
+
+        for output in outputs.outputs:
+            client = client_of.get(output.request_id)
+            if client is None:  # cannot happen: every request came in an ADD
+                logger.error("Dropping an output of request %s, which no client sent", output.request_id)
+                continue
+            of(client).outputs.append(output)
+        for request_id in outputs.finished_requests:
+            client = client_of.get(request_id)
+            if client is not None:
+                of(client).finished_requests.add(request_id)
+        for output in outputs.outputs:
+            if output.finish_reason is not None:
+                client_of.pop(output.request_id, None)
+        if outputs.scheduler_stats is not None or outputs.load is not None:
+            for client in range(len(self.output_sockets)):
+                of(client)
+        return split
 
     def _handle_input(self, kind: bytes, payload: Any) -> bool:
         if kind == ADD:
             for request in payload:
+                if not 0 <= request.client_index < len(self.output_sockets):
+                    raise ValueError(f"request {request.request_id!r} names client {request.client_index}; this "
+                                     f"engine core has {len(self.output_sockets)} clients")  # fmt: skip
+                client_of = self._client_of
+                if client_of is not None:
+                    if request.request_id in client_of:
+                        # Ids are random per front end; a clash must not misroute the first one's outputs.
+                        self._reject(request, "request id already in use in the engine core")
+                        continue
+                    client_of[request.request_id] = request.client_index
                 try:
                     self.core.add_request(request)
                 except ValueError as e:  # a bad request: reject it, keep serving the rest
-                    logger.warning("Rejected request %s: %s", request.request_id, e)
-                    rejected = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
-                    outputs = EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic(),
-                                                engine_index=self.engine_index)  # fmt: skip
-                    self.output_queue.put((OUTPUTS, outputs))
+                    if client_of is not None:
+                        del client_of[request.request_id]
+                    self._reject(request, str(e))
         elif kind == ABORT:
             self.core.abort_requests(payload)
         elif kind == UTILITY:
-            self.output_queue.put((UTILITY_OUTPUT, self._run_utility(payload)))
+            self.output_queue.put((payload.client_index, UTILITY_OUTPUT, self._run_utility(payload)))
         elif kind == SHUTDOWN:
             return False
         elif kind == _FATAL:
             raise payload
         return True
+
+    def _reject(self, request: Any, reason: str) -> None:
+        logger.warning("Rejected request %s: %s", request.request_id, reason)
+        rejected = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
+        outputs = EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic(), engine_index=self.engine_index)
+        self.output_queue.put((request.client_index, OUTPUTS, outputs))
 
     def _run_utility(self, request: UtilityRequest) -> UtilityOutput:
         try:
@@ -276,7 +358,7 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------- exit
     def report_dead(self, exc: BaseException) -> None:
-        self.output_queue.put((DEAD, EngineCoreErrorInfo.from_exception(exc)))
+        self.output_queue.put((ALL_CLIENTS, DEAD, EngineCoreErrorInfo.from_exception(exc)))
 
     def shutdown(self) -> None:
         """Flush the output queue, stop the threads, shut the core down."""
@@ -317,15 +399,18 @@ def _setup_logging(level: int | None, fmt: str | None, engine_index: int) -> Non
 def run_engine_core(
     config: EngineConfig,
     log_stats: bool,
-    input_address: str,
-    output_address: str,
+    input_addresses: list[str],
+    output_addresses: list[str],
     engine_index: int = 0,
     death_pipe: Any = None,
     log_level: int | None = None,
     log_format: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """The engine core process's target: build the core, handshake, run the busy loop.
-    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure."""
+    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure. ``env``: variables set
+    before the core is built (a data-parallel replica's device, ``Platform.data_parallel_env``)."""
+    os.environ.update(env or {})
     _setup_logging(log_level, log_format, engine_index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     terminated = False
@@ -344,7 +429,7 @@ def run_engine_core(
         threading.Thread(target=_watch_parent, args=(death_pipe, inbox), name="kvloom-engine-core-parent-watch",
                          daemon=True).start()  # fmt: skip
     try:
-        proc = EngineCoreProc(config, log_stats, input_address, output_address, engine_index)
+        proc = EngineCoreProc(config, log_stats, input_addresses, output_addresses, engine_index)
         inbox.append(proc.input_queue)
         proc.run_busy_loop()
     except SystemExit:

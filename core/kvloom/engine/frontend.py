@@ -139,13 +139,13 @@ class Frontend:
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp, iteration_stats
         )
-        self._record(core_outputs.scheduler_stats, iteration_stats)
+        self._record(core_outputs.scheduler_stats, iteration_stats, core_outputs.engine_index)
         return processed.request_outputs, processed.reqs_to_abort
 
-    def _record(self, scheduler_stats: Any, iteration_stats: IterationStats | None) -> None:
+    def _record(self, scheduler_stats: Any, iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(scheduler_stats, iteration_stats)
+                stat_logger.record(scheduler_stats, iteration_stats, engine_idx)
             except Exception:  # a stat logger's failure must not stop the engine's outputs
                 logger.exception("Stat logger %s failed in record()", type(stat_logger).__qualname__)
 

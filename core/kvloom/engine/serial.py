@@ -21,7 +21,8 @@ dataclasses (msgspec encodes them as maps) were 3-4x slower side by side (1.2 ms
 defaults omitted).
 
 Frames. Front end -> engine core, on the core's input socket (``ROUTER`` in the front
-end, ``DEALER`` in the core, whose identity is its engine index): ``[kind, payload]`` with
+end, ``DEALER`` in the core, whose identity is its engine index; a core has one per
+front end): ``[kind, payload]`` with
 kind ``ADD`` (a list of ``EngineCoreRequest``s, admitted together), ``ABORT`` (a list of request ids), ``UTILITY`` (a
 ``UtilityRequest``) or ``SHUTDOWN`` (empty). The core answers the handshake on the same
 socket: ``[READY, EngineCoreReady]`` or ``[FAILED, EngineCoreErrorInfo]``. Engine core ->
@@ -73,6 +74,8 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
     call_id: int
     method: str
     args: list[Any] = msgspec.field(default_factory=list)
+    #: The front end that called (the result goes to it only).
+    client_index: int = 0
 
 
 class EngineCoreErrorInfo(msgspec.Struct, array_like=True, gc=False):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,6 +36,13 @@ METRIC_PREFIX = "kvloom:"
 #: A stat logger factory: called with the engine config and the engine index. Every
 #: ``StatLoggerBase`` subclass is one.
 StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
+
+
+def multiprocess_metrics_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR``: set (by the launcher of several API servers) when every
+    process writes its metrics there and ``/metrics`` sums them (prometheus_client's
+    multiprocess mode)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 # ----------------------------------------------------------------- logging
@@ -81,7 +89,8 @@ class LoggingStatLogger(StatLoggerBase):
     def __init__(self, config: "EngineConfig", engine_index: int = 0) -> None:
         super().__init__(config, engine_index)
         self.prefix_cache = PrefixCacheHitRate()
-        self.last_scheduler_stats = SchedulerStats()
+        #: The latest scheduler stats of each engine core (several with data parallelism).
+        self.engine_stats = [SchedulerStats() for _ in range(config.parallel.data_parallel_size)]
         self._reset_interval(time.monotonic())
         self._last_line_idle = False
 
@@ -100,16 +109,29 @@ class LoggingStatLogger(StatLoggerBase):
             self.interval_prompt_tokens += iteration_stats.num_prompt_tokens
             self.interval_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            self.last_scheduler_stats = scheduler_stats
+            self.engine_stats[engine_idx] = scheduler_stats
             self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+
+    @property
+    def last_scheduler_stats(self) -> SchedulerStats:
+        """The engine's state: the sum of the engine cores' queues, their mean KV-cache usage."""
+        if len(self.engine_stats) == 1:
+            return self.engine_stats[0]
+        return SchedulerStats(
+            num_running_reqs=sum(s.num_running_reqs for s in self.engine_stats),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in self.engine_stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in self.engine_stats) / len(self.engine_stats),
+        )
 
     def summary(self, now: float | None = None) -> str:
         """The summary line for the interval that ends at ``now``."""
         now = time.monotonic() if now is None else now
         elapsed = max(now - self.interval_start, 1e-9)
         s = self.last_scheduler_stats
+        engines = len(self.engine_stats)
+        name = f"Engine {self.engine_index:03d}" if engines == 1 else f"Engines 000-{engines - 1:03d}"
         return (
-            f"Engine {self.engine_index:03d}: "
+            f"{name}: "
             f"Avg prompt throughput: {self.interval_prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.interval_generation_tokens / elapsed:.1f} tokens/s, "
             f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
@@ -175,22 +197,41 @@ def token_count_buckets(max_model_len: int) -> list[float]:
 class PrometheusStatLogger(StatLoggerBase):
     """Publishes the v1 metric set. Metrics live in ``self.registry`` (a fresh
     ``CollectorRegistry`` unless one is given) so several engines or tests in one process
-    never collide; the server's ``/metrics`` renders it."""
+    never collide; the server's ``/metrics`` renders it.
+
+    With several API server processes (prometheus_client's multiprocess mode, see
+    ``multiprocess_metrics_dir``) each records its own requests, and ``/metrics`` sums the
+    counters and histograms of all. Every API server receives the engine's scheduler
+    stats: the gauges they set (running, waiting, KV-cache usage) report the most recent
+    value of any process, not the sum, and the counters they feed (prefix cache,
+    preemptions) are counted by one API server only (``count_engine_events``)."""
 
     def __init__(
         self,
         config: "EngineConfig",
         engine_index: int = 0,
         registry: CollectorRegistry | None = None,
+        count_engine_events: bool = True,
     ) -> None:
         super().__init__(config, engine_index)
+        self.count_engine_events = count_engine_events
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = config.model.served_model_name
         model = ["model_name"]
         name = self._name
 
-        def gauge(metric: str, doc: str) -> Any:
-            return Gauge(name(metric), doc, model, registry=self.registry).labels(self.model_name)
+        # The engine-level metrics (what the scheduler reports) have one series per engine
+        # core (data parallelism: label "engine", as in vLLM).
+        engines = [str(i) for i in range(config.parallel.data_parallel_size)]
+        per_engine = ["model_name", "engine"]
+
+        def gauge(metric: str, doc: str) -> list[Any]:
+            family = Gauge(name(metric), doc, per_engine, registry=self.registry, multiprocess_mode="mostrecent")
+            return [family.labels(self.model_name, engine) for engine in engines]
+
+        def engine_counter(metric: str, doc: str) -> list[Any]:
+            family = Counter(name(metric), doc, per_engine, registry=self.registry)
+            return [family.labels(self.model_name, engine) for engine in engines]
 
         def counter(metric: str, doc: str) -> Any:
             return Counter(name(metric), doc, model, registry=self.registry).labels(self.model_name)
@@ -204,11 +245,13 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_cache_queries = counter(
+        self.prefix_cache_queries = engine_counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prefix_cache_hits = engine_counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = engine_counter("num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         request_success = Counter(
@@ -268,7 +311,9 @@ class PrometheusStatLogger(StatLoggerBase):
             "Information of the LLMEngine CacheConfig",
             ["model_name", *sorted(config.cache.model_dump())],
             registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
+        self._cache_labels: dict[str, str] | None = None
         self._publish_cache_config()
 
     @staticmethod
@@ -277,7 +322,13 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def _publish_cache_config(self) -> None:
         labels = {key: str(value) for key, value in self.config.cache.model_dump().items()}
-        self._cache_config_info.clear()
+        if labels == self._cache_labels:
+            return
+        # (prometheus_client cannot clear labels in multiprocess mode; there the config is
+        # complete before the logger is made, so nothing needs clearing.)
+        if self._cache_labels is not None and multiprocess_metrics_dir() is None:
+            self._cache_config_info.clear()
+        self._cache_labels = labels
         self._cache_config_info.labels(model_name=self.model_name, **labels).set(1)
 
     def log_engine_initialized(self) -> None:
@@ -291,12 +342,13 @@ class PrometheusStatLogger(StatLoggerBase):
         engine_idx: int = 0,
     ) -> None:
         if scheduler_stats is not None:
-            self.num_requests_running.set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
-            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
-            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
-            self.num_preemptions.inc(scheduler_stats.num_preemptions)
+            self.num_requests_running[engine_idx].set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting[engine_idx].set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage_perc[engine_idx].set(scheduler_stats.kv_cache_usage)
+            if self.count_engine_events:
+                self.prefix_cache_queries[engine_idx].inc(scheduler_stats.prefix_cache_stats.queries)
+                self.prefix_cache_hits[engine_idx].inc(scheduler_stats.prefix_cache_stats.hits)
+                self.num_preemptions[engine_idx].inc(scheduler_stats.num_preemptions)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

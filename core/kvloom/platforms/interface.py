@@ -123,6 +123,17 @@ class Platform(ABC):
         return {}
 
     @classmethod
+    def data_parallel_env(cls, index: int, count: int) -> dict[str, str]:
+        """The environment variables of data-parallel replica ``index`` of ``count``
+        (``--data-parallel-size``): each replica is an engine core process of its own,
+        which sets these before its worker starts (e.g. the one device it may use, or its
+        share of the CPU threads). Raises ``ValueError`` naming the flag and the allowed
+        range when this machine cannot hold ``count`` replicas. Default: data parallelism
+        is not supported (a ``ValueError``)."""
+        raise ValueError(f"--data-parallel-size: {count} replicas are not supported by the {cls.name} platform "
+                         "(allowed: 1)")  # fmt: skip
+
+    @classmethod
     def device(cls, device_id: int = 0) -> torch.device:
         """The torch device the worker runs on."""
         return torch.device(cls.device_type, device_id) if cls.device_type != "cpu" else torch.device("cpu")

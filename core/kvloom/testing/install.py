@@ -69,8 +69,9 @@ def plugin_env(site_dirs: Sequence[str | Path], **extra: str) -> dict[str, str]:
 class KvloomServer:
     """``kvloom serve ARGS`` in a subprocess on a free local port, for a ``with`` block.
 
-    ``KvloomServer(args, workdir, site_dirs=(), **env)``: ``args`` are ``kvloom serve``'s
-    arguments (the model first; ``--host``/``--port`` are added), ``workdir`` receives the
+    ``KvloomServer(args, workdir, site_dirs=(), access_log=False, **env)``: ``args`` are
+    ``kvloom serve``'s arguments (the model first; ``--host``/``--port`` are added, and
+    ``--disable-uvicorn-access-log`` unless ``access_log``), ``workdir`` receives the
     server's log (``server-PORT.log``), and the environment is ``plugin_env(site_dirs,
     **env)``. Entering the block waits until ``GET /health`` answers 200 (at most
     ``STARTUP_TIMEOUT_S``), raising ``RuntimeError`` with the log's end if the server exits
@@ -78,7 +79,12 @@ class KvloomServer:
     ``url`` is ``http://127.0.0.1:PORT``; ``process`` the ``subprocess.Popen``."""
 
     def __init__(
-        self, args: Sequence[str], workdir: str | Path, site_dirs: Sequence[str | Path] = (), **env: str
+        self,
+        args: Sequence[str],
+        workdir: str | Path,
+        site_dirs: Sequence[str | Path] = (),
+        access_log: bool = False,
+        **env: str,
     ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -86,8 +92,9 @@ class KvloomServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "kvloom", "serve", *args,
-               "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log"]  # fmt: skip
+        cmd = [sys.executable, "-m", "kvloom", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        if not access_log:
+            cmd.append("--disable-uvicorn-access-log")
         self.process = subprocess.Popen(cmd, env=plugin_env(site_dirs, **env), stdout=self._log,
                                         stderr=subprocess.STDOUT)  # fmt: skip
 

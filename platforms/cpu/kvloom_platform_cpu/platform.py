@@ -7,9 +7,12 @@ eagerly (``cudagraph_mode`` NONE, logged when the user had asked for another mod
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, WorkerBase
+from kvloom_platform_cpu.worker import THREADS_ENV
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -26,6 +29,15 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    @classmethod
+    def data_parallel_env(cls, index: int, count: int) -> dict[str, str]:
+        # The replicas share this machine's cores: each gets its share of torch threads
+        # (torch would give every one of them all the cores), unless KVLOOM_CPU_THREADS
+        # says how many each should use.
+        if os.environ.get(THREADS_ENV, "").strip():
+            return {}
+        return {THREADS_ENV: str(max(1, len(os.sched_getaffinity(0)) // count))}
 
     @classmethod
     def get_attn_backend_priority(

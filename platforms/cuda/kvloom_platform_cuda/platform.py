@@ -19,6 +19,7 @@ that provides the backend, so ``kvloom backends`` can say what to install.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,20 @@ class CudaPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
+
+    @classmethod
+    def data_parallel_env(cls, index: int, count: int) -> dict[str, str]:
+        # One GPU per replica: replica i sees only the i-th GPU this process sees (as its
+        # cuda:0), so every replica runs the same code on "its" device.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            devices = [d.strip() for d in visible.split(",") if d.strip()]
+        else:
+            devices = [str(i) for i in range(torch.cuda.device_count())]  # NVML: no CUDA context here
+        if count > len(devices):
+            raise ValueError(f"--data-parallel-size: {count} replicas need one GPU each; {len(devices)} visible "
+                             f"(allowed: 1..{max(len(devices), 1)})")  # fmt: skip
+        return {"CUDA_VISIBLE_DEVICES": devices[index]}
 
     @classmethod
     def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:

@@ -60,6 +60,24 @@ def test_serve_request_limit_flags(served: list) -> None:
                                                max_json_depth=8, max_json_number_length=30)  # fmt: skip
 
 
+def test_serve_api_server_count_starts_the_launcher(
+    served: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import kvloom.entrypoints.openai.launcher as launcher
+
+    launched: list[tuple] = []
+    monkeypatch.setattr(launcher, "launch", lambda *args: launched.append(args) or 0)
+    assert main(["serve", "/m", "--api-server-count", "3", "--port", "8123", "--api-key", "k"]) == 0
+    ((engine_args, options, count),) = launched
+    assert engine_args.model == "/m" and count == 3 and served == []
+    assert (options.port, options.api_key, options.access_log) == (8123, "k", True)
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    with pytest.raises(SystemExit):
+        main(["serve", "/m", "--api-server-count", "2"])
+    assert "--api-server-count 2: the API servers share engine cores in processes" in capsys.readouterr().err
+    assert len(launched) == 1
+
+
 def test_serve_model_flag_and_positional(served: list) -> None:
     main(["serve", "--model", "/m"])
     main(["serve", "/m", "--model", "/m"])
@@ -72,6 +90,7 @@ def test_serve_model_flag_and_positional(served: list) -> None:
         (["serve", "/a", "--model", "/b"], "disagree"),
         (["serve", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization: Input should be less than or equal to 1"),
         (["serve", "--port", "70000"], "--port: 70000 is out of range"),
+        (["serve", "--api-server-count", "0"], "--api-server-count: 0 is out of range (allowed: 1..64)"),
         (["serve", "--dtype", "int3"], "invalid choice"),
         (["serve", "--max-sequences-per-request", "0"], "--max-sequences-per-request: must be at least 1"),
         (["serve", "--max-request-body-bytes", "10"], "--max-request-body-bytes: must be at least 1024"),

@@ -506,8 +506,8 @@ def test_metrics_endpoint_renders_prometheus_logger() -> None:
     client = TestClient(build_app(engine, log_stats=False))
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert 'kvloom:num_requests_running{model_name="mm"} 2.0' in r.text
-    assert 'kvloom:kv_cache_usage_perc{model_name="mm"} 0.5' in r.text
+    assert 'kvloom:num_requests_running{engine="0",model_name="mm"} 2.0' in r.text
+    assert 'kvloom:kv_cache_usage_perc{engine="0",model_name="mm"} 0.5' in r.text
     assert 'kvloom:generation_tokens_total{model_name="mm"} 7.0' in r.text
     assert "process_cpu_seconds_total" in r.text or "python_info" in r.text
 

@@ -19,6 +19,10 @@ from kvloom.entrypoints.openai.limits import (
 
 logger = logging.getLogger(__name__)
 
+#: The most API server processes ``--api-server-count`` may ask for (each loads a tokenizer
+#: and runs an event loop: beyond the CPU count they only compete).
+MAX_API_SERVER_COUNT = 64
+
 DESCRIPTION = """\
 Start the OpenAI-compatible API server (POST /v1/completions, /v1/chat/completions,
 GET /v1/models, /health, /version, /metrics, POST /tokenize, /detokenize).
@@ -49,6 +53,13 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="uvicorn's log level (default: info).",
     )
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    server.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port, each with its own HTTP, tokenization and detokenization, "
+        f"all over the same engine core(s) (default: %(default)s; allowed: 1..{MAX_API_SERVER_COUNT}).",
+    )
     limits = parser.add_argument_group("request limits (what one request may ask of the server)")
     limits.add_argument(
         "--max-request-body-bytes",
@@ -81,6 +92,7 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvloom.engine.core_client import MULTIPROCESSING_ENV, multiprocessing_enabled
     from kvloom.entrypoints.openai.api_server import serve_http
 
     parser: argparse.ArgumentParser = args.parser
@@ -91,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
         overrides["model"] = args.model_tag
     if not 0 < args.port < 65536:
         parser.error(f"--port: {args.port} is out of range (allowed: 1..65535)")
+    if not 1 <= args.api_server_count <= MAX_API_SERVER_COUNT:
+        parser.error(f"--api-server-count: {args.api_server_count} is out of range (allowed: 1..{MAX_API_SERVER_COUNT})")
+    if args.api_server_count > 1 and not multiprocessing_enabled():
+        parser.error(f"--api-server-count {args.api_server_count}: the API servers share engine cores in processes of "
+                     f"their own, and {MULTIPROCESSING_ENV}=0 asks for the engine core in this process")  # fmt: skip
     try:
         engine_args = engine_args_from_namespace(args, **overrides)
         limits = ServerLimits(
@@ -101,6 +118,18 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if args.api_server_count > 1:
+        from kvloom.entrypoints.openai.launcher import ServerOptions, launch
+
+        options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key or None,
+                                uvicorn_log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log, limits=limits)  # fmt: skip
+        status = launch(engine_args, options, args.api_server_count)
+        if status:
+            logger.error("kvloom serve stopped because a process failed (exit status %d)", status)
+        else:
+            logger.info("kvloom serve stopped")
+        return status
     # SIGTERM stops the server as Ctrl-C does: gracefully, exit status 0. (uvicorn shuts
     # down on either, then raises the signal again; this handler turns SIGTERM into the
     # KeyboardInterrupt below, after the engine core process has been stopped.)

@@ -24,12 +24,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import prometheus_client
+import prometheus_client.multiprocess
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,7 +68,7 @@ from kvloom.entrypoints.openai.serving_models import (
 )
 from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from kvloom.metrics.loggers import PrometheusStatLogger
+from kvloom.metrics.loggers import PrometheusStatLogger, multiprocess_metrics_dir
 from kvloom.pooling.io_processors import load_io_processor
 
 if TYPE_CHECKING:
@@ -240,7 +242,14 @@ async def _respond(result: Any) -> Response:
 
 
 def metrics_text(engine: "AsyncLLM") -> bytes:
-    """The Prometheus exposition: the engine's metrics, then the process/python ones."""
+    """The Prometheus exposition: the engine's metrics, then the process/python ones. With
+    several API servers (``PROMETHEUS_MULTIPROC_DIR`` set by the launcher), the metrics of
+    all of them, summed (gauges of the engine: the most recent value), whichever answers;
+    the process/python metrics of one process are left out then (as in vLLM)."""
+    if multiprocess_metrics_dir() is not None:
+        registry = prometheus_client.CollectorRegistry()
+        prometheus_client.multiprocess.MultiProcessCollector(registry)
+        return prometheus_client.generate_latest(registry)
     parts = [
         prometheus_client.generate_latest(stat_logger.registry)
         for stat_logger in engine.get_stat_loggers()
@@ -451,26 +460,35 @@ async def serve_http(
     itself shortly after, so that a supervisor restarts it). The engine core process is
     stopped either way."""
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[PrometheusStatLogger])
-    engine_error: list[BaseException] = []
     try:
-        app = build_app(engine, api_key=api_key, limits=limits)
-        config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log)
-        server = uvicorn.Server(config)
-        loop = asyncio.get_running_loop()
-
-        def stop() -> None:
-            server.should_exit = True
-            loop.call_later(ENGINE_DEATH_FORCE_EXIT_S, setattr, server, "force_exit", True)
-
-        def on_engine_dead(error: BaseException) -> None:
-            engine_error.append(error)
-            logger.critical("The engine core died (%s); kvloom serve is shutting down (exit status 1)", error)
-            loop.call_later(ENGINE_DEATH_GRACE_S, stop)
-
-        engine.on_engine_dead(on_engine_dead)
-        logger.info("kvloom %s serving %s on http://%s:%d", kvloom.__version__,
-                    engine.config.model.served_model_name, host, port)  # fmt: skip
-        await server.serve()
+        config = uvicorn.Config(build_app(engine, api_key=api_key, limits=limits), host=host, port=port,
+                                log_level=uvicorn_log_level, access_log=access_log)  # fmt: skip
+        engines = engine.config.parallel.data_parallel_size
+        logger.info("kvloom %s serving %s on http://%s:%d with 1 API server and %d engine core%s", kvloom.__version__,
+                    engine.config.model.served_model_name, host, port, engines, "s" if engines > 1 else "")  # fmt: skip
+        return await serve_engine(engine, config)
     finally:
         engine.shutdown()
+
+
+async def serve_engine(engine: AsyncLLM, config: uvicorn.Config, sock: socket.socket | None = None) -> int:
+    """Serve ``config.app`` (built over ``engine``) until uvicorn stops: on SIGINT/SIGTERM
+    (exit status 0), or shortly after the engine core died (1). ``sock``: a listening
+    socket to serve on (one the API servers of ``kvloom serve --api-server-count`` share)
+    instead of binding ``config.host:config.port``. The caller shuts the engine down."""
+    engine_error: list[BaseException] = []
+    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        server.should_exit = True
+        loop.call_later(ENGINE_DEATH_FORCE_EXIT_S, setattr, server, "force_exit", True)
+
+    def on_engine_dead(error: BaseException) -> None:
+        engine_error.append(error)
+        logger.critical("The engine core died (%s); kvloom serve is shutting down (exit status 1)", error)
+        loop.call_later(ENGINE_DEATH_GRACE_S, stop)
+
+    engine.on_engine_dead(on_engine_dead)
+    await server.serve(sockets=None if sock is None else [sock])
     return 1 if engine_error else 0

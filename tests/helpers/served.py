@@ -1,0 +1,41 @@
+"""Reading a running `kvloom serve` from outside: its processes (from the log lines each
+process prefixes with its role and pid), its /metrics, and that it left nothing behind."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvloom.testing.install import KvloomServer
+from tests.helpers.engine_faults import is_running, wait_gone
+
+
+def pids_in_log(server: KvloomServer, role: str) -> dict[int, int]:
+    """{index: pid} of the processes whose log lines say ``(role_index pid=...)``
+    (``EngineCore``, ``APIServer``)."""
+    return {int(i): int(pid) for i, pid in re.findall(rf"\({role}_(\d+) pid=(\d+)\)", server.log())}
+
+
+def metrics(server: KvloomServer) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``GET /metrics`` (a new connection: with several API servers, any
+    one may answer): {(name, sorted labels): value}."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(values: dict, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in values.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def no_process_left(server: KvloomServer, children: list[int]) -> None:
+    """The server has exited and so has every process it had started."""
+    assert not is_running(server.process.pid)
+    left = [pid for pid in children if not wait_gone(pid, timeout=15)]
+    assert not left, f"processes left behind: {left}"
