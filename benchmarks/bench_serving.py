@@ -11,6 +11,8 @@ bench client never shares the server's interpreter), one after the other on one 
     python benchmarks/bench_serving.py --tokenizer TOKENIZER_DIR --out $OUT \\
         [--engine-args "--async-scheduling --max-model-len 2048 --max-num-seqs 256"] [--concurrency inf,1,16,64,256]
 
+``--serve-args`` may be repeated (``--serve-args "" --serve-args "--api-server-count 2"``):
+one server per value, one after the other, against the same offline runs.
 ``TOKENIZER_DIR`` holds the tokenizer files the served model uses (the vLLM peer's numbers
 in ``docs/benchmarks/`` used SmolLM2's, saved from the GGUF). Writes ``serving.json`` and
 prints a table (also in ``serving.md``): output tok/s, the ratio to offline, TTFT / TPOT medians and p99 ITL, and
@@ -132,12 +134,15 @@ def main() -> int:
                         help="Comma-separated max concurrencies for the served runs; inf = all at once.")  # fmt: skip
     parser.add_argument("--engine-args", default="--async-scheduling --max-model-len 2048 --max-num-seqs 256",
                         help="Engine flags for both paths (dummy weights and bf16 are set here; a later --dtype wins).")  # fmt: skip
-    parser.add_argument("--serve-args", default="", help="Extra flags for kvloom serve only (--api-server-count 2).")
+    parser.add_argument("--serve-args", action="append", default=None,
+                        help="Extra flags for kvloom serve only (--api-server-count 2); repeat it to serve once per "
+                             "value, each against the same offline runs (default: one server, no extra flags).")  # fmt: skip
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--profile-server", action="store_true",
                         help="Run the API server process under cProfile; its top functions go to server_profile.txt.")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=420.0, help="Seconds each piece may take.")
     args = parser.parse_args()
+    args.serve_args = args.serve_args or [""]
     if (args.model is None) == (args.tokenizer is None):
         parser.error("give --tokenizer (the Qwen3-0.6B shape with that tokenizer) or --model, not both")
     out = Path(args.out)
@@ -145,8 +150,7 @@ def main() -> int:
     concurrencies = [math.inf if c.strip() == "inf" else float(int(c)) for c in args.concurrency.split(",")]
     engine_args = ["--load-format", "dummy", "--dtype", "bfloat16", *shlex.split(args.engine_args)]
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": shlex.join([Path(sys.executable).name,
-                              *sys.argv]), "engine_args": engine_args, "serve_args": args.serve_args,  # fmt: skip
-                              "offline": {}, "served": {}}  # fmt: skip
+                              *sys.argv]), "engine_args": engine_args, "offline": {}, "served": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)  # each piece's JSON and log; what is kept goes to serving.json (and serve.log)
         if args.model is not None:
@@ -159,18 +163,22 @@ def main() -> int:
         for n in batch_sizes:
             result["offline"][n] = offline(model_dir, engine_args, n, args, work)
             print(f"offline {n}: {result['offline'][n]['output_tok_s']:.0f} tok/s", flush=True)
-        profile = work / "server.prof" if args.profile_server else None
-        server = start_server(model_dir, engine_args, shlex.split(args.serve_args), args.port, out / "serve.log",
-                              args.timeout, profile)  # fmt: skip
-        try:
-            for c in concurrencies:
-                key = "inf" if math.isinf(c) else int(c)
-                result["served"][key] = served(args.port, c, prompts_for(c, args.num_prompts), args, work)
-                print(f"served {key}: {result['served'][key]['output_throughput']:.0f} tok/s", flush=True)
-        finally:
-            stop_server(server)
-        if profile is not None:
-            write_profile(profile, out / "server_profile.txt")
+        for i, serve_args in enumerate(args.serve_args):
+            label = serve_args or "kvloom serve"
+            runs = result["served"][label] = {}
+            profile = work / "server.prof" if args.profile_server else None
+            suffix = f"_{i}" if len(args.serve_args) > 1 else ""
+            server = start_server(model_dir, engine_args, shlex.split(serve_args), args.port,
+                                  out / f"serve{suffix}.log", args.timeout, profile)  # fmt: skip
+            try:
+                for c in concurrencies:
+                    key = "inf" if math.isinf(c) else int(c)
+                    runs[key] = served(args.port, c, prompts_for(c, args.num_prompts), args, work)
+                    print(f"served {label!r} {key}: {runs[key]['output_throughput']:.0f} tok/s", flush=True)
+            finally:
+                stop_server(server)
+            if profile is not None:
+                write_profile(profile, out / f"server_profile{suffix}.txt")
     (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "serving.md").write_text(table(result, args.num_prompts) + "\n")
     print(table(result, args.num_prompts))
@@ -180,12 +188,12 @@ def main() -> int:
 def table(result: dict[str, Any], num_prompts: int) -> str:
     full = result["offline"][num_prompts]
     lines = [f"offline ({num_prompts} prompts): {full['output_tok_s']:.0f} output tok/s", "",
-             "| served, concurrency | requests | output tok/s | / offline | TTFT p50 ms | TPOT p50 ms | ITL p99 ms "
-             "| offline step at that batch, ms | TPOT / step |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for key, s in result["served"].items():
+             "| server | concurrency | requests | output tok/s | / offline | TTFT p50 ms | TPOT p50 ms | ITL p99 ms "
+             "| offline step at that batch, ms | TPOT / step |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for label, key, s in [(label, key, s) for label, runs in result["served"].items() for key, s in runs.items()]:
         step = result["offline"].get(key if key != "inf" else num_prompts, {}).get("step_ms")
         tpot = s["tpot_ms"]["p50"]
-        lines.append(f"| {key} | {s['completed']} ({s['failed']} failed) | {s['output_throughput']:.0f} | "
+        lines.append(f"| {label} | {key} | {s['completed']} ({s['failed']} failed) | {s['output_throughput']:.0f} | "
                      f"{s['output_throughput'] / full['output_tok_s']:.2f} | {s['ttft_ms']['p50']:.1f} | {tpot:.2f} | "
                      f"{s['itl_ms']['p99']:.1f} | {f'{step:.2f}' if step else '-'} | "
                      f"{f'{tpot / step:.2f}' if step else '-'} |")  # fmt: skip
