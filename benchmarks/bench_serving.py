@@ -69,9 +69,11 @@ def start_server(model_dir: Path, engine_args: list[str], serve_args: list[str],
                  timeout: float, profile: Path | None = None) -> subprocess.Popen:  # fmt: skip
     cmd = kvloom("serve", str(model_dir), *engine_args, *serve_args, "--port", str(port),
                  "--disable-uvicorn-access-log")  # fmt: skip
-    if profile is not None:  # cProfile of the API server process (the engine core runs in its own)
-        cmd = [cmd[0], "-m", "cProfile", "-o", str(profile), *cmd[1:]]
-    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(os.environ)
+    if profile is not None:  # every API server and engine core writes its cProfile there (kvloom.profiling)
+        profile.mkdir(parents=True, exist_ok=True)
+        env["KVLOOM_CPROFILE_DIR"] = str(profile)
+    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -105,14 +107,18 @@ def served(port: int, concurrency: float, num_prompts: int, args: argparse.Names
     return json.loads(path.read_text())
 
 
-def write_profile(profile: Path, path: Path, top: int = 40) -> None:
+def write_profile(profile_dir: Path, path: Path, top: int = 30) -> None:
+    """Every process's profile (``<role>_<index>_<pid>.prof``) as one text file: its top
+    functions by own time and by cumulative time."""
     import io
     import pstats
 
     text = io.StringIO()
-    stats = pstats.Stats(str(profile), stream=text)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
+    for prof in sorted(profile_dir.glob("*.prof")):
+        text.write(f"\n#################### {prof.stem}\n")
+        stats = pstats.Stats(str(prof), stream=text)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
     path.write_text(text.getvalue())
 
 
@@ -139,7 +145,8 @@ def main() -> int:
                              "value, each against the same offline runs (default: one server, no extra flags).")  # fmt: skip
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--profile-server", action="store_true",
-                        help="Run the API server process under cProfile; its top functions go to server_profile.txt.")  # fmt: skip
+                        help="Profile every API server and engine core process (KVLOOM_CPROFILE_DIR); their top "
+                             "functions go to server_profile.txt.")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=420.0, help="Seconds each piece may take.")
     args = parser.parse_args()
     args.serve_args = args.serve_args or [""]
@@ -166,7 +173,7 @@ def main() -> int:
         for i, serve_args in enumerate(args.serve_args):
             label = serve_args or "kvloom serve"
             runs = result["served"][label] = {}
-            profile = work / "server.prof" if args.profile_server else None
+            profile = work / f"profiles{i}" if args.profile_server else None
             suffix = f"_{i}" if len(args.serve_args) > 1 else ""
             server = start_server(model_dir, engine_args, shlex.split(serve_args), args.port,
                                   out / f"serve{suffix}.log", args.timeout, profile)  # fmt: skip

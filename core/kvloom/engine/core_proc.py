@@ -67,6 +67,7 @@ from kvloom.engine.serial import (
     input_decoders,
 )
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
+from kvloom.profiling import cprofile_if_asked
 from kvloom.request import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -431,7 +432,8 @@ def run_engine_core(
     try:
         proc = EngineCoreProc(config, log_stats, input_addresses, output_addresses, engine_index)
         inbox.append(proc.input_queue)
-        proc.run_busy_loop()
+        with cprofile_if_asked("engine_core", engine_index):
+            proc.run_busy_loop()
     except SystemExit:
         logger.info("Engine core stopped by SIGTERM")
     except BaseException as exc:

@@ -9,6 +9,7 @@ import os
 import signal
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+from kvloom.profiling import cprofile_if_asked
 from kvloom.entrypoints.openai.errors import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_JSON_NUMBER_LENGTH
 from kvloom.entrypoints.openai.limits import (
     BODY_BYTES_PER_TOKEN,
@@ -135,17 +136,18 @@ def run(args: argparse.Namespace) -> int:
     # KeyboardInterrupt below, after the engine core process has been stopped.)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        status = asyncio.run(
-            serve_http(
-                engine_args,
-                host=args.host,
-                port=args.port,
-                api_key=args.api_key or None,
-                uvicorn_log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log,
-                limits=limits,
+        with cprofile_if_asked("api_server", 0):
+            status = asyncio.run(
+                serve_http(
+                    engine_args,
+                    host=args.host,
+                    port=args.port,
+                    api_key=args.api_key or None,
+                    uvicorn_log_level=args.uvicorn_log_level,
+                    access_log=not args.disable_uvicorn_access_log,
+                    limits=limits,
+                )
             )
-        )
     except KeyboardInterrupt:
         # uvicorn shuts down gracefully on Ctrl-C, then re-raises the interrupt.
         logger.info("kvloom serve stopped")

@@ -58,6 +58,7 @@ from kvloom.engine.core_client import (
     parent_logging,
 )
 from kvloom.entrypoints.openai.limits import ServerLimits
+from kvloom.profiling import cprofile_if_asked
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ def run_api_server(
 
     status = 1
     try:
-        status = asyncio.run(serve())
+        with cprofile_if_asked("api_server", index):
+            status = asyncio.run(serve())
     except Exception:
         logger.exception("API server %d failed", index)
     sys.exit(status)
