@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.engine_faults import child_pids, wait_gone
 from tests.helpers.plugin_server import KvloomServer, install_distribution
+from tests.helpers.served import metric, metrics
 from tests.helpers.waiting import wait_for
 
 API_KEY = "e2e-key"
@@ -55,20 +55,6 @@ def client(server: KvloomServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def metrics(server: KvloomServer) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def metric(values: dict, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    return sum(v for (n, ls), v in values.items() if n == name and set(labels.items()) <= set(ls))
 
 
 # ----------------------------------------------------------------- basics
