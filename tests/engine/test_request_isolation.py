@@ -186,6 +186,14 @@ def test_a_pooling_failure_fails_that_request_alone(monkeypatch: pytest.MonkeyPa
 # ----------------------------------------------------------------- through AsyncLLM
 
 
+async def _collect(engine: Any, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
+    """The token ids of the request's final output (its error raised, if it failed)."""
+    final = None
+    async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id):
+        final = out
+    return final.outputs[0].token_ids
+
+
 def test_async_llm_raises_the_failure_for_its_request_and_serves_on(monkeypatch: pytest.MonkeyPatch,
                                                                    baseline: dict) -> None:  # fmt: skip
     build = model_runner.SamplingMetadata.build
@@ -199,18 +207,12 @@ def test_async_llm_raises_the_failure_for_its_request_and_serves_on(monkeypatch:
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched runner lives in this process
     engine = tiny_async_llm(tiny_model_dir("llama"))
 
-    async def collect(prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
-        final = None
-        async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id):
-            final = out
-        return final.outputs[0].token_ids
-
     async def run() -> list[Any]:
-        jobs = [collect(p, _greedy(), f"good-{i}") for i, p in enumerate(PROMPTS[:3])]
-        jobs.insert(1, collect(PROMPTS[4], _greedy(seed=BAD_SEED, n=2), "bad"))
+        jobs = [_collect(engine, p, _greedy(), f"good-{i}") for i, p in enumerate(PROMPTS[:3])]
+        jobs.insert(1, _collect(engine, PROMPTS[4], _greedy(seed=BAD_SEED, n=2), "bad"))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         await engine.check_health()  # the engine is alive
-        again = await collect(PROMPTS[0], _greedy(), "again")
+        again = await _collect(engine, PROMPTS[0], _greedy(), "again")
         return [*results, again]
 
     try:
@@ -233,15 +235,10 @@ def test_a_front_end_failure_fails_that_request_alone(monkeypatch: pytest.Monkey
     monkeypatch.setattr(output_processor.LogprobsAccumulator, "add_sample_logprobs", failing)
     engine = tiny_async_llm(tiny_model_dir("llama"))
 
-    async def collect(prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:
-        final = None
-        async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id):
-            final = out
-        return final.outputs[0].token_ids
-
     async def run() -> list[Any]:
-        jobs = [collect(p, _greedy(), f"good-{i}") for i, p in enumerate(PROMPTS[:3])]
-        jobs.append(collect(PROMPTS[4], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logprobs=2), "bad"))
+        jobs = [_collect(engine, p, _greedy(), f"good-{i}") for i, p in enumerate(PROMPTS[:3])]
+        logprobs = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logprobs=2)
+        jobs.append(_collect(engine, PROMPTS[4], logprobs, "bad"))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for _ in range(100):  # the core's abort of "bad" arrives with a later step
             if not (await engine.call_utility("core_state"))["has_work"]:

@@ -1,15 +1,33 @@
 """Reading a running `kvloom serve` from outside: its processes (from the log lines each
-process prefixes with its role and pid), its /metrics, and that it left nothing behind."""
+process prefixes with its role and pid), its /metrics, and that it left nothing behind;
+and the tiny model with a long context that the process tests serve (long streams, to
+still be running when a process is killed)."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.testing.install import KvloomServer
+from kvloom.testing.models import make_tiny_model
 from tests.helpers.engine_faults import is_running, wait_gone
+
+#: The context of ``long_context_model`` and of the servers ``serve_args`` describes.
+LONG_CONTEXT = 4096
+
+
+def long_context_model(out_dir: Path) -> Path:
+    """The tiny random Llama with a ``LONG_CONTEXT``-token context, saved in ``out_dir``."""
+    return make_tiny_model("llama", out_dir, max_position_embeddings=LONG_CONTEXT)
+
+
+def serve_args(model_dir: Path, *extra: str) -> list[str]:
+    """``kvloom serve`` arguments for ``long_context_model`` (fp32, 32 MiB of KV cache)."""
+    return [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", str(LONG_CONTEXT),
+            *extra]  # fmt: skip
 
 
 def pids_in_log(server: KvloomServer, role: str) -> dict[int, int]:
@@ -34,8 +52,9 @@ def metric(values: dict, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in values.items() if n == name and set(labels.items()) <= set(ls))
 
 
-def no_process_left(server: KvloomServer, children: list[int]) -> None:
-    """The server has exited and so has every process it had started."""
+def no_process_left(server: KvloomServer, children: list[int], timeout: float = 15) -> None:
+    """The server has exited and so has every process it had started (each gone within
+    ``timeout`` seconds)."""
     assert not is_running(server.process.pid)
-    left = [pid for pid in children if not wait_gone(pid, timeout=15)]
+    left = [pid for pid in children if not wait_gone(pid, timeout=timeout)]
     assert not left, f"processes left behind: {left}"

@@ -20,9 +20,8 @@ import openai
 import pytest
 
 from tests.helpers.engine_faults import child_pids, wait_gone
-from tests.helpers.model_fixtures import make_tiny_model
 from tests.helpers.plugin_server import KvloomServer
-from tests.helpers.served import metric, metrics, no_process_left, pids_in_log
+from tests.helpers.served import long_context_model, metric, metrics, no_process_left, pids_in_log, serve_args
 from tests.helpers.waiting import wait_for
 
 API_KEY = "k"
@@ -31,17 +30,16 @@ LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("model"), max_position_embeddings=4096)
+    return long_context_model(tmp_path_factory.mktemp("model"))
 
 
-def serve_args(model_dir: Path, *extra: str) -> list[str]:
-    return [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "4096",
-            "--api-server-count", "2", *extra]  # fmt: skip
+def api_server_args(model_dir: Path, *extra: str) -> list[str]:
+    return serve_args(model_dir, "--api-server-count", "2", *extra)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvloomServer]:
-    srv = KvloomServer(serve_args(model_dir, "--api-key", API_KEY), tmp_path_factory.mktemp("serve"), access_log=True)
+    srv = KvloomServer(api_server_args(model_dir, "--api-key", API_KEY), tmp_path_factory.mktemp("serve"), access_log=True)
     with srv:
         children = child_pids(srv.process.pid)
         yield srv
@@ -53,7 +51,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture
 def own_server(model_dir: Path, tmp_path: Path) -> Iterator[KvloomServer]:
     """A server for one test that ends it (faults)."""
-    with KvloomServer(serve_args(model_dir), tmp_path) as srv:
+    with KvloomServer(api_server_args(model_dir), tmp_path) as srv:
         # Both API servers are up (the first one answering /health is not enough here).
         assert wait_for(lambda: len(api_server_pids(srv)) == 2, timeout=60)
         yield srv

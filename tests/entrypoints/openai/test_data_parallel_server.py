@@ -17,9 +17,9 @@ import pytest
 
 from kvloom import LLM, SamplingParams
 from tests.helpers.engine_faults import child_pids
-from tests.helpers.model_fixtures import make_tiny_model, random_prompts
+from tests.helpers.model_fixtures import random_prompts
 from tests.helpers.plugin_server import KvloomServer
-from tests.helpers.served import metric, metrics, no_process_left, pids_in_log
+from tests.helpers.served import long_context_model, metric, metrics, no_process_left, pids_in_log, serve_args
 from tests.helpers.waiting import wait_for
 
 PROMPTS = random_prompts(320, lengths=(5, 16, 23, 41, 64, 7, 30, 12))
@@ -28,12 +28,11 @@ LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("model"), max_position_embeddings=4096)
+    return long_context_model(tmp_path_factory.mktemp("model"))
 
 
-def serve_args(model_dir: Path, *extra: str) -> list[str]:
-    return [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "4096",
-            "--data-parallel-size", "2", *extra]  # fmt: skip
+def dp_args(model_dir: Path, *extra: str) -> list[str]:
+    return serve_args(model_dir, "--data-parallel-size", "2", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ def engine_queries(server: KvloomServer) -> list[float]:
 
 
 def test_one_api_server_over_two_engine_cores(model_dir: Path, tmp_path: Path, expected: list[str]) -> None:
-    with KvloomServer(serve_args(model_dir), tmp_path) as server:
+    with KvloomServer(dp_args(model_dir), tmp_path) as server:
         assert served_texts(server) == expected
         assert all(q > 0 for q in engine_queries(server)), engine_queries(server)  # both engines served
         assert "with 1 API server and 2 engine cores" in server.log()
@@ -79,7 +78,7 @@ def test_one_api_server_over_two_engine_cores(model_dir: Path, tmp_path: Path, e
 
 
 def test_two_api_servers_over_two_engine_cores(model_dir: Path, tmp_path: Path, expected: list[str]) -> None:
-    with KvloomServer(serve_args(model_dir, "--api-server-count", "2"), tmp_path) as server:
+    with KvloomServer(dp_args(model_dir, "--api-server-count", "2"), tmp_path) as server:
         children = child_pids(server.process.pid)
         assert served_texts(server) == expected
         assert served_texts(server) == expected
@@ -95,7 +94,7 @@ def test_two_api_servers_over_two_engine_cores(model_dir: Path, tmp_path: Path, 
 def test_a_killed_engine_core_of_two_fails_open_requests_and_the_server_exits_1(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    with KvloomServer(serve_args(model_dir), tmp_path) as server:
+    with KvloomServer(dp_args(model_dir), tmp_path) as server:
         children = child_pids(server.process.pid)
         engine_pids = pids_in_log(server, "EngineCore")
         results: list[list[str]] = []

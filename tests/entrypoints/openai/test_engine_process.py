@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.engine_faults import child_pids, is_running, wait_gone
-from tests.helpers.model_fixtures import make_tiny_model
+from tests.helpers.engine_faults import child_pids
 from tests.helpers.plugin_server import KvloomServer
+from tests.helpers.served import long_context_model, no_process_left, serve_args
 
 #: Long enough to still run when the engine core is killed (a few ms a token).
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -25,12 +25,12 @@ LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("llama", tmp_path_factory.mktemp("model"), max_position_embeddings=4096)
+    return long_context_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture
 def server(model_dir: Path, tmp_path: Path) -> Iterator[KvloomServer]:
-    args = [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "4096"]
+    args = serve_args(model_dir)
     with KvloomServer(args, tmp_path) as srv:
         yield srv
 
@@ -43,14 +43,6 @@ def engine_core_pid(server: KvloomServer) -> int:
         if b"spawn_main" in cmdline:
             return pid
     raise AssertionError(f"no engine core process under the server: {child_pids(server.process.pid)}")
-
-
-def no_process_left(server: KvloomServer, children: list[int]) -> None:
-    """The server has exited and so has every process it had started (the engine core,
-    multiprocessing's resource tracker)."""
-    assert not is_running(server.process.pid)
-    left = [pid for pid in children if not wait_gone(pid, timeout=10)]
-    assert not left, f"processes left behind: {left}"
 
 
 def test_killed_engine_core_fails_open_requests_and_the_server_exits(server: KvloomServer) -> None:
@@ -96,7 +88,7 @@ def test_killed_engine_core_fails_open_requests_and_the_server_exits(server: Kvl
     assert health.status_code == 503 and "error" in health.json()
     # The server exits non-zero by itself, and no process is left behind.
     assert server.process.wait(timeout=15) != 0
-    no_process_left(server, children)
+    no_process_left(server, children, timeout=10)
     assert "The engine core died" in server.log() and "SIGKILL" in server.log()
 
 
@@ -107,7 +99,7 @@ def test_sigterm_shuts_the_server_and_its_engine_core_down_cleanly(server: Kvloo
     assert ok.status_code == 200, ok.text
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=30) == 0, server.log()[-3000:]
-    no_process_left(server, children)
+    no_process_left(server, children, timeout=10)
     assert "Traceback" not in server.log()
 
 
@@ -116,4 +108,4 @@ def test_the_engine_core_exits_when_the_server_is_killed(server: KvloomServer) -
     assert engine_core_pid(server) in children
     server.process.send_signal(signal.SIGKILL)
     server.process.wait(timeout=10)
-    no_process_left(server, children)  # the engine core notices its parent is gone
+    no_process_left(server, children, timeout=10)  # the engine core notices its parent is gone
