@@ -24,12 +24,13 @@ throughput`` with that many prompts: its wall time over the output length), for 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
+import pstats
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,10 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline_nanovllm import write_qwen3_config  # noqa: E402
+
+from kvloom.testing.install import KvloomServer  # noqa: E402
 
 
 def kvloom(*args: str) -> list[str]:
@@ -65,36 +67,15 @@ def offline(model_dir: Path, engine_args: list[str], num_prompts: int, args: arg
     return result
 
 
-def start_server(model_dir: Path, engine_args: list[str], serve_args: list[str], port: int, log: Path,
-                 timeout: float, profile: Path | None = None) -> subprocess.Popen:  # fmt: skip
-    cmd = kvloom("serve", str(model_dir), *engine_args, *serve_args, "--port", str(port),
-                 "--disable-uvicorn-access-log")  # fmt: skip
-    env = dict(os.environ)
+def start_server(model_dir: Path, engine_args: list[str], serve_args: list[str], workdir: Path,
+                 profile: Path | None) -> KvloomServer:  # fmt: skip
+    """``kvloom serve`` on a free port, healthy (``kvloom.testing.install.KvloomServer``),
+    with this process's ``KVLOOM_*`` variables (the GPU runner's cache directory, ...)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("KVLOOM_")}
     if profile is not None:  # every API server and engine core writes its cProfile there (kvloom.profiling)
         profile.mkdir(parents=True, exist_ok=True)
         env["KVLOOM_CPROFILE_DIR"] = str(profile)
-    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"kvloom serve exited {server.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(server)
-    raise RuntimeError(f"kvloom serve not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    return KvloomServer([str(model_dir), *engine_args, *serve_args], workdir, **env).__enter__()
 
 
 def served(port: int, concurrency: float, num_prompts: int, args: argparse.Namespace, out: Path) -> dict:
@@ -110,9 +91,6 @@ def served(port: int, concurrency: float, num_prompts: int, args: argparse.Names
 def write_profile(profile_dir: Path, path: Path, top: int = 30) -> None:
     """Every process's profile (``<role>_<index>_<pid>.prof``) as one text file: its top
     functions by own time and by cumulative time."""
-    import io
-    import pstats
-
     text = io.StringIO()
     for prof in sorted(profile_dir.glob("*.prof")):
         text.write(f"\n#################### {prof.stem}\n")
@@ -143,7 +121,6 @@ def main() -> int:
     parser.add_argument("--serve-args", action="append", default=None,
                         help="Extra flags for kvloom serve only (--api-server-count 2); repeat it to serve once per "
                              "value, each against the same offline runs (default: one server, no extra flags).")  # fmt: skip
-    parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--profile-server", action="store_true",
                         help="Profile every API server and engine core process (KVLOOM_CPROFILE_DIR); their top "
                              "functions go to server_profile.txt.")  # fmt: skip
@@ -175,15 +152,15 @@ def main() -> int:
             runs = result["served"][label] = {}
             profile = work / f"profiles{i}" if args.profile_server else None
             suffix = f"_{i}" if len(args.serve_args) > 1 else ""
-            server = start_server(model_dir, engine_args, shlex.split(serve_args), args.port,
-                                  out / f"serve{suffix}.log", args.timeout, profile)  # fmt: skip
+            server = start_server(model_dir, engine_args, shlex.split(serve_args), work, profile)
             try:
                 for c in concurrencies:
                     key = "inf" if math.isinf(c) else int(c)
-                    runs[key] = served(args.port, c, prompts_for(c, args.num_prompts), args, work)
+                    runs[key] = served(server.port, c, prompts_for(c, args.num_prompts), args, work)
                     print(f"served {label!r} {key}: {runs[key]['output_throughput']:.0f} tok/s", flush=True)
             finally:
-                stop_server(server)
+                server.stop()
+                shutil.copy(server.log_path, out / f"serve{suffix}.log")
             if profile is not None:
                 write_profile(profile, out / f"server_profile{suffix}.txt")
     (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -41,12 +41,10 @@ def window_decoder(tokenizer: Tokenizer) -> Callable[[list[int], bool], str]:
     calls when spaces are not cleaned up; the wrapper's argument handling costs ~4x the
     decode itself of a short window, twice per output token of every request). Any other
     tokenizer, or one whose class overrides decoding, goes through its own ``decode``."""
+    from transformers import PreTrainedTokenizerFast  # here: importing transformers is slow
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedTokenizerFast = None  # type: ignore[assignment,misc]
-    stock = PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast) and all(
+    stock = isinstance(tokenizer, PreTrainedTokenizerFast) and all(
         getattr(type(tokenizer), name) is getattr(PreTrainedTokenizerFast, name) for name in ("decode", "_decode"))
     if stock and backend is not None:
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)

@@ -177,8 +177,8 @@ def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOu
     prompt_logprobs = older.prompt_logprobs
     if newer.prompt_logprobs:
         prompt_logprobs = [*(prompt_logprobs or []), *newer.prompt_logprobs]
-    outputs = list(merged.values()) if len(merged) == 1 else [merged[i] for i in sorted(merged)]
-    return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, prompt_logprobs, outputs,
+    return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, prompt_logprobs,
+                         [merged[i] for i in sorted(merged)],
                          newer.finished, newer.num_cached_tokens, newer.metrics, newer.lora_request)  # fmt: skip
 
 
