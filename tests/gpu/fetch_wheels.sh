@@ -14,10 +14,10 @@ download() {  # pip download one binary wheel for CPython 3.12 on manylinux x86-
 # FlashInfer (the FLASHINFER backend) and its FFI runtime.
 download flashinfer-python==0.7.0.post1
 download apache-tvm-ffi==0.1.15.post2
-# What kvloom needs beyond the GPU image (which has torch, triton, transformers, tokenizers,
+# What kvloom needs beyond the GPU image (fastapi 0.13x imports opentelemetry-api) (which has torch, triton, transformers, tokenizers,
 # safetensors, numpy, pluggy, prometheus-client, pytest, httpx and tqdm).
 for pkg in pydantic pydantic-core annotated-types typing-inspection gguf fastapi starlette \
-           annotated-doc uvicorn h11 pyzmq msgspec "$@"; do
+           annotated-doc uvicorn h11 pyzmq msgspec opentelemetry-api importlib-metadata zipp "$@"; do
   download "$pkg"
 done
 du -sh .whl  # keep it well under the 64 MiB a device call may carry
