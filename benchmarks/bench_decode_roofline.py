@@ -65,7 +65,9 @@ def bytes_per_step(batch: int, context: float) -> dict[str, float]:
     return {"weight_bytes": weights, "kv_bytes": kv, "total_bytes": weights + kv}
 
 
-def measure(llm: Any, batch: int, steps: int, seed: int) -> dict[str, float]:
+def measure(llm: Any, batch: int, steps: int, seed: int, vocab: int = V, context: int = CONTEXT) -> dict[str, float]:
+    """Mean wall time of ``steps`` engine steps while ``batch`` requests with ``context``-token
+    random prompts (ids below ``vocab``) decode; the engine core must run in this process."""
     from kvloom import SamplingParams
     from kvloom.sampling_params import RequestOutputKind
 
@@ -77,25 +79,26 @@ def measure(llm: Any, batch: int, steps: int, seed: int) -> dict[str, float]:
                             output_kind=RequestOutputKind.FINAL_ONLY)
     ids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
     for request_id in ids:
-        prompt = torch.randint(0, V, (CONTEXT,), generator=g).tolist()
+        prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
     # Step until every request has its prompt computed and decodes.
     while len(scheduler.running) < batch or any(r.num_output_tokens < 2 for r in scheduler.running):
         engine.step()
     times = []
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     first = time.perf_counter()
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()  # returns once a step's sampled tokens are on the host
         times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    sync()
     total = time.perf_counter() - first
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
     return {"mean_s": total / steps, "median_s": statistics.median(times), "min_s": min(times),
-            "context": CONTEXT + 2 + steps / 2}
+            "context": context + 2 + steps / 2}
 
 
 def main() -> None:
