@@ -165,6 +165,20 @@ def test_interpreter_meets_the_custom_op_contract(interpreter_results: dict, cas
     assert result["max_rel"] <= 2 * result["torch_max_rel"] + 1e-6, result
 
 
+def test_benchmark_smoke_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_fused_moe.py --device cpu: the tiny shape, both paths checked and timed."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks", "bench_fused_moe.py")
+    out = tmp_path / "moe.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--batches", "1,5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["tokens"] for row in result["rows"]] == [1, 5]
+    for row in result["rows"]:
+        assert row["triton_ms"] > 0 and row["torch_ms"] > 0 and 1 <= row["experts_touched"] <= 8
+
+
 # --------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
