@@ -55,8 +55,10 @@ def measure(batch: int, shape: dict[str, int], w13: torch.Tensor, w2: torch.Tens
             args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     from kvloom_platform_cuda.fused_moe import fused_moe
 
-    from kvloom.layers.fused_moe import fused_moe_torch, select_experts
-    from kvloom.testing import check_custom_op
+    from kvloom.interfaces.models import select_experts
+    from kvloom.testing import check_custom_op, custom_op_reference
+
+    fused_moe_torch = custom_op_reference("fused_moe")
 
     gen = torch.Generator(device=device).manual_seed(batch)
     hidden = torch.randn(batch, shape["hidden"], generator=gen, device=device).to(w13.dtype)

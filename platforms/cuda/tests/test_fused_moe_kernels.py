@@ -25,8 +25,10 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 import pytest
 import torch
 
-from kvloom.layers.fused_moe import fused_moe_torch, select_experts
-from kvloom.testing import check_custom_op
+from kvloom.interfaces.models import select_experts
+from kvloom.testing import check_custom_op, custom_op_reference
+
+fused_moe_torch = custom_op_reference("fused_moe")
 
 # (tokens, experts, top_k, hidden, intermediate)
 INTERP_CASES = {
