@@ -5,7 +5,7 @@ that has tokens, after reading the group sizes on the host: at decode batch size
 of DeepSeek-V2-Lite (64 experts, top-6) launches a few hundred small kernels and cannot be
 captured in a CUDA graph. Here a layer is:
 
-1. **alignment** (``moe_align``, a few torch ops, no host synchronisation): the
+1. **alignment** (``moe_align``: three small Triton kernels, no host synchronisation): the
    ``T * k`` (token, slot) pairs sorted by expert, each expert's group padded to a
    multiple of the block size ``BLOCK_M`` with a sentinel, and the expert of every block
    of ``BLOCK_M`` rows; sizes are upper bounds known on the host, the real length
@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kvloom_platform_cuda.fused_ops import _INTERPRET, _TL_DTYPES, silu_and_mul
 
-__all__ = ["MoEAlignment", "fused_moe", "moe_align", "moe_block_config"]
+__all__ = ["MoEAlignment", "fused_moe", "moe_align", "moe_align_torch", "moe_block_config"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,14 @@ class MoEAlignment:
     block_m: int
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """Sort the pairs of ``topk_ids [T, k]`` by expert and pad each expert's group to a
-    multiple of ``block_m``, on the device without reading anything back."""
+def _max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    # At most min(E, n) experts have pairs, each padded by at most block_m - 1 rows.
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """The alignment in torch ops (~30 small kernels; the reference ``moe_align`` is
+    tested against): pairs sorted stably by expert, groups padded to ``block_m``."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
@@ -72,8 +77,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     sorted_experts = flat[order]
     rank = torch.arange(n, device=device) - count_start[sorted_experts]
     dest = padded_start[sorted_experts] + rank
-    # At most min(E, n) experts have pairs, each padded by at most block_m - 1 rows.
-    max_padded = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    max_padded = _max_padded(n, num_experts, block_m)
     sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.to(torch.int32)
     block_starts = torch.arange(0, max_padded, block_m, device=device)
@@ -81,6 +85,104 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     # start == end and are skipped by right=True); blocks past the end are never run.
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
     return MoEAlignment(sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32), block_m)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (cdiv(pairs, CHUNK),): counts[e] += pairs of expert e in this chunk."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)  # masked -> bin E, never read
+    bins = tl.arange(0, E_BINS)
+    tl.atomic_add(counts_ptr + bins, tl.histogram(ids, E_BINS), mask=bins < num_experts)
+
+
+@triton.jit
+def _align_layout_kernel(
+    counts_ptr, cursor_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, E_BINS: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """Grid (cdiv(num_blocks, BLOCKS),): from the counts, each program derives the padded
+    layout (a scan over E), fills its BLOCKS blocks of sorted_ids with the sentinel and
+    writes their experts; program 0 also writes num_padded and the experts' write cursors
+    (the padded start of each group)."""
+    bins = tl.arange(0, E_BINS)
+    counts = tl.load(counts_ptr + bins, mask=bins < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + bins, padded_end - padded, mask=bins < num_experts)
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    block_ok = blocks < num_blocks
+    # The block's expert: how many experts' groups end at or before its first row
+    # (empty groups end where they start and are skipped); past the end: clamped.
+    ends = tl.where(bins < num_experts, padded_end, 2147483647)
+    before = (ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32)
+    expert = tl.minimum(tl.sum(before, axis=1), num_experts - 1)
+    tl.store(block_expert_ptr + blocks, expert, mask=block_ok)
+    rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ids_ptr + rows, tl.full((BLOCKS, BLOCK_M), 0, tl.int32) + num_pairs, mask=block_ok[:, None])
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr, cursor_ptr, scratch_ptr, sorted_ids_ptr, num_pairs, num_experts,
+    E_BINS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Grid (cdiv(pairs, CHUNK),): each pair's row in its expert's group. A chunk reserves
+    its rows per expert with one atomic add on the cursors (chunks may take their turns
+    in any order: each pair has its own output row, so the results do not depend on it),
+    and ranks its pairs of the same expert in pair order."""
+    pid = tl.program_id(0)
+    idx = tl.arange(0, CHUNK)
+    offs = pid * CHUNK + idx
+    ok = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=ok, other=num_experts)
+    bins = tl.arange(0, E_BINS)
+    base = tl.atomic_add(cursor_ptr + bins, tl.histogram(ids, E_BINS), mask=bins < num_experts)
+    # Gather base[ids] through this program's scratch row (no register gather).
+    tl.store(scratch_ptr + pid * E_BINS + bins, base, mask=bins < num_experts)
+    tl.debug_barrier()
+    start = tl.load(scratch_ptr + pid * E_BINS + ids, mask=ok, other=0)
+    earlier_same = (ids[:, None] == ids[None, :]) & (idx[None, :] < idx[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    tl.store(sorted_ids_ptr + start + rank, offs, mask=ok)
+
+
+#: Pairs per program of the alignment kernels (the rank is a CHUNK x CHUNK comparison).
+_ALIGN_CHUNK = 64
+#: Blocks per program of the layout kernel.
+_ALIGN_BLOCKS = 16
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Sort the pairs of ``topk_ids [T, k]`` by expert and pad each expert's group to a
+    multiple of ``block_m``, on the device without reading anything back: three Triton
+    kernels (count, layout, scatter) after one memset. Within an expert's group the pairs
+    may come in another order than ``moe_align_torch``'s (chunks reserve rows atomically)."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32 or not flat.is_contiguous():
+        flat = flat.to(torch.int32).contiguous()
+    n = flat.numel()
+    max_padded = _max_padded(n, num_experts, block_m)
+    num_blocks = max_padded // block_m
+    e_bins = triton.next_power_of_2(num_experts + 1)  # + the bin of masked lanes
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    chunks = triton.cdiv(n, _ALIGN_CHUNK)
+    scratch = torch.empty(chunks * e_bins, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _align_count_kernel[(chunks,)](flat, counts, n, num_experts, E_BINS=e_bins, CHUNK=_ALIGN_CHUNK)
+    _align_layout_kernel[(triton.cdiv(num_blocks, _ALIGN_BLOCKS),)](
+        counts, cursor, sorted_ids, block_expert, num_padded, n, num_experts, num_blocks,
+        BLOCK_M=block_m, E_BINS=e_bins, BLOCKS=_ALIGN_BLOCKS,
+    )  # fmt: skip
+    _align_scatter_kernel[(chunks,)](flat, cursor, scratch, sorted_ids, n, num_experts, E_BINS=e_bins,
+                                     CHUNK=_ALIGN_CHUNK)  # fmt: skip
+    return MoEAlignment(sorted_ids, block_expert, num_padded, block_m)
 
 
 @triton.jit

@@ -1,15 +1,16 @@
 """kvloom_platform_cuda.fused_moe (the ``fused_moe`` custom op) against the float64
 definition (``kvloom.testing.fused_moe_reference``) through ``check_custom_op``.
 
-CPU: the alignment is plain torch and is tested here directly; the Triton kernels run in
+CPU: the torch alignment (``moe_align_torch``) is tested here directly; the Triton
+kernels (the alignment's and the GEMMs) run in
 Triton's interpreter in one child process (this file with ``--worker``, as
 test_fused_ops.py does, with its bf16 rounding patch), on small shapes that cover one
 token, experts without tokens, several blocks per expert, sizes that are not multiples of
 the tiles and strided hidden rows; each case is its own test here.
 
 GPU (``gpu`` marker, skipped without CUDA): DeepSeek-V2-Lite's expert shape (hidden 2048,
-intermediate 1408, 64 experts, top-6) in bf16/fp16/fp32 at 1 to 256 tokens, and a CUDA
-graph capture replayed on new routing.
+intermediate 1408, 64 experts, top-6) in bf16/fp16/fp32 at 1 to 256 tokens, the Triton
+alignment at up to 4096 tokens, and a CUDA graph capture replayed on new routing.
 """
 
 from __future__ import annotations
@@ -61,20 +62,26 @@ def _fm():  # type: ignore[no-untyped-def]
     return fused_moe
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (37, 8, 3), (200, 64, 6), (5, 3, 3)])
-def test_alignment_groups_every_pair_once_by_expert(block_m: int, tokens: int, experts: int, top_k: int) -> None:
-    fm = _fm()
+ALIGN_CASES = [(1, 8, 2), (37, 8, 3), (200, 64, 6), (5, 3, 3), (70, 4, 2)]  # (tokens, experts, top_k)
+
+
+def random_ids(tokens: int, experts: int, top_k: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
-    align = fm.moe_align(ids, experts, block_m)
-    n = tokens * top_k
+    return torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+
+
+def check_alignment(align, ids: torch.Tensor, experts: int, block_m: int) -> None:  # type: ignore[no-untyped-def]
+    """Every pair exactly once, each block of one expert and not all padding, the unused
+    tail sentinel, and the padded length the group sizes give."""
+    n = ids.numel()
     used = int(align.num_padded.item())
     assert used % block_m == 0 and used <= align.sorted_ids.numel()
+    assert align.block_expert.numel() == align.sorted_ids.numel() // block_m
     sorted_ids = align.sorted_ids[:used].long()
     real = sorted_ids[sorted_ids < n]
-    assert sorted(real.tolist()) == list(range(n))  # every pair exactly once
-    assert bool((align.sorted_ids[used:] == n).all())  # the unused tail is sentinel
+    assert sorted(real.tolist()) == list(range(n)), "not every pair exactly once"
+    assert bool((align.sorted_ids[used:] == n).all()), "the unused tail is not sentinel"
+    assert bool((sorted_ids <= n).all()), "garbage ids"
     flat = ids.reshape(-1).long()
     for b in range(used // block_m):
         rows = sorted_ids[b * block_m : (b + 1) * block_m]
@@ -83,6 +90,13 @@ def test_alignment_groups_every_pair_once_by_expert(block_m: int, tokens: int, e
         assert bool((flat[rows] == int(align.block_expert[b])).all()), f"block {b} mixes experts"
     counts = torch.bincount(flat, minlength=experts)
     assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), ALIGN_CASES)
+def test_torch_alignment_groups_every_pair_once_by_expert(block_m: int, tokens: int, experts: int, top_k: int) -> None:
+    check_alignment(_fm().moe_align_torch(random_ids(tokens, experts, top_k), experts, block_m),
+                    random_ids(tokens, experts, top_k), experts, block_m)  # fmt: skip
 
 
 def test_block_m_grows_with_rows_per_expert() -> None:
@@ -132,6 +146,15 @@ def _run_worker() -> None:
     assert fm._INTERPRET
     torch.set_num_threads(1)
     results = {}
+    for tokens, experts, top_k in ALIGN_CASES:
+        for block_m in (16, 32):
+            key = f"align-{tokens}-{experts}-{top_k}-{block_m}"
+            try:
+                ids = random_ids(tokens, experts, top_k)
+                check_alignment(fm.moe_align(ids, experts, block_m), ids, experts, block_m)
+                results[key] = {}
+            except Exception as exc:  # reported per case by the parent
+                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
     for index, (name, shape) in enumerate(INTERP_CASES.items()):
         for dtype in INTERP_DTYPES:
             key = f"{name}-{dtype}"
@@ -154,6 +177,16 @@ def interpreter_results() -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), ALIGN_CASES)
+def test_interpreter_alignment_groups_every_pair_once_by_expert(
+    interpreter_results: dict, tokens: int, experts: int, top_k: int, block_m: int
+) -> None:
+    """The Triton alignment (count, layout, scatter kernels) meets check_alignment."""
+    result = interpreter_results[f"align-{tokens}-{experts}-{top_k}-{block_m}"]
+    assert "error" not in result, result["error"]
 
 
 @pytest.mark.parametrize("dtype", INTERP_DTYPES)
@@ -199,6 +232,17 @@ def test_gpu_deepseek_v2_lite_shape_meets_the_contract(dtype: torch.dtype, token
     report = check_custom_op("fused_moe", _fm().fused_moe, *args)
     torch_report = check_custom_op("fused_moe", fused_moe_torch, *args)
     assert report["max_rel"] <= 2 * torch_report["max_rel"] + 1e-6, (report, torch_report)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64, 512, 4096])
+def test_gpu_alignment(tokens: int) -> None:
+    ids = random_ids(tokens, 64, 6)
+    for block_m in (16, 32, 64):
+        align = _fm().moe_align(ids.cuda(), 64, block_m)
+        check_alignment(type(align)(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in (
+            align.sorted_ids, align.block_expert, align.num_padded, align.block_m))), ids, 64, block_m)  # fmt: skip
 
 
 @gpu
