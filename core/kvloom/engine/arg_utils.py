@@ -41,6 +41,7 @@ from kvloom.config import (
 )
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.registry import ModelRegistry
+from kvloom.quantization import check_checkpoint_quantization, check_requested_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class EngineArgs(BaseModel):
     seed: int = Field(0, ge=0, description="Seed for weight init (dummy) and unseeded sampling.")
     load_format: LoadFormat = Field("auto", description="How to load weights; 'dummy' makes random weights.")
     trust_remote_code: bool = Field(False, description="Accepted for compatibility; kvloom runs no remote code.")
+    quantization: str | None = Field(
+        None, description="Weight quantization method; none is supported yet (only the default, no quantization)."
+    )
     runner: Literal["auto", "generate", "pooling"] = Field("auto", description="Generate text or pool embeddings.")
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(None, description="Pooling for embeddings.")
     normalize: bool | None = Field(None, description="L2-normalise embeddings (default: yes).")
@@ -149,6 +153,11 @@ class EngineArgs(BaseModel):
         if n <= 0:
             raise ValueError("kv_cache_memory must be positive")
         return n
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, v: str | None) -> str | None:
+        return check_requested_quantization(v)
 
     @field_validator("cudagraph_capture_sizes")
     @classmethod
@@ -217,6 +226,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
     source = resolve_model_source(args.model, args.load_format, tokenizer=args.tokenizer)
     hf_config = load_hf_config(source)
+    check_checkpoint_quantization(hf_config, source.path)
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
 
