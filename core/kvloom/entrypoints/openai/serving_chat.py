@@ -55,7 +55,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_priority(request.priority)
         self.check_sampling_fields(request)
         self.check_num_sequences(1, request.n, "n")
-        prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt)
+        prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt,
+                                              request.add_special_tokens, request.continue_final_message,
+                                              request.chat_template_kwargs)  # fmt: skip
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -243,27 +243,34 @@ class OpenAIServing:
         """``tokenize``, off the event loop when the prompt is large."""
         return await run_blocking(len(prompt), self.tokenize, prompt, add_special_tokens, param, limit)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat template applied to ``messages`` (a 400 when it cannot be)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
+        """The chat template applied to ``messages`` (a 400 when it cannot be);
+        ``template_kwargs``: extra variables for the template (``chat_template_kwargs``)."""
         tokenizer = self.require_tokenizer("messages")
         if getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(f"messages: the model {self.model_name} has no chat template; use /v1/completions",
-                           param="messages")  # fmt: skip
+            raise APIError(f"messages: the model {self.model_name} has no chat template; use /v1/completions "
+                           "or start the server with --chat-template", param="messages")  # fmt: skip
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=False,
+                                                 **(template_kwargs or {}))  # fmt: skip
         except Exception as exc:  # jinja's TemplateError, or the template's own raise_exception
             raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False) -> Prompt:
-        text = self.render_chat(messages, add_generation_prompt)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> Prompt:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
         # The template already wrote the special tokens (BOS, role markers).
         return self.tokenize(text, add_special_tokens=add_special_tokens, param="messages")
 
     async def chat_prompt_async(self, messages: list[dict], add_generation_prompt: bool,
-                                add_special_tokens: bool = False) -> Prompt:  # fmt: skip
+                                add_special_tokens: bool = False, continue_final_message: bool = False,
+                                template_kwargs: dict[str, Any] | None = None) -> Prompt:  # fmt: skip
         """``chat_prompt``, off the event loop when the messages are large."""
         size = sum(len(str(m.get("content") or "")) for m in messages) + 64 * len(messages)
-        return await run_blocking(size, self.chat_prompt, messages, add_generation_prompt, add_special_tokens)
+        return await run_blocking(size, self.chat_prompt, messages, add_generation_prompt, add_special_tokens,
+                                  continue_final_message, template_kwargs)  # fmt: skip
 
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is None:
