@@ -132,6 +132,9 @@ def _vocab_size(config: Any) -> int | None:
 
 
 class OpenAIServing:
+    #: Log each request's id, prompt sizes and sampling parameters (``--enable-log-requests``).
+    log_requests: bool = False
+
     def __init__(
         self, engine: "AsyncLLM", models: OpenAIServingModels | None = None, limits: ServerLimits | None = None
     ) -> None:
@@ -141,6 +144,9 @@ class OpenAIServing:
         self.model_name = self.config.model.served_model_name
         self.max_model_len = self.config.model.max_model_len
         self.vocab_size = _vocab_size(self.config)
+        # --generation-config and --max-logprobs (ModelConfig)
+        self.generation_defaults: dict[str, Any] = dict(getattr(self.config.model, "generation_defaults", {}) or {})
+        self.max_logprobs: int = getattr(self.config.model, "max_logprobs", 20)
         self.limits = limits if limits is not None else ServerLimits()
         # The base model and its LoRA adapters; the server shares one among its endpoints.
         self.models = models if models is not None else OpenAIServingModels(engine)
@@ -197,6 +203,11 @@ class OpenAIServing:
                            f"1 <= top_k <= {vocab}, the vocabulary size)", param="top_k")  # fmt: skip
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(request, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
+                raise APIError(f"{name}: {value} is more than this server allows (allowed range: 0 <= {name} <= "
+                               f"{self.max_logprobs}, --max-logprobs)", param=name)  # fmt: skip
         if request.logit_bias:
             self.check_token_ids([int(k) for k in request.logit_bias], "logit_bias")
 
@@ -291,7 +302,9 @@ class OpenAIServing:
             )
         room = limit - n_prompt
         if requested is None:
-            return room
+            # The model's generation config may bound an unset max_tokens (max_new_tokens).
+            default = self.generation_defaults.get("max_tokens")
+            return min(room, default) if isinstance(default, int) and default > 0 else room
         if requested > room:
             raise APIError(
                 f"{max_tokens_param}: {requested} is too large: the prompt uses {n_prompt} of this model's "
@@ -303,14 +316,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ generation
 
-    @staticmethod
     def sampling_params(
-        request: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self, request: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
-        """``request.sampling_params(...)``, made before anything is sent so that a bad
-        combination of fields (e.g. min_tokens > max_tokens) is a 400."""
+        """``request.sampling_params(...)`` with the generation config's defaults, made
+        before anything is sent so that a bad combination of fields (e.g. min_tokens >
+        max_tokens) is a 400."""
         try:
-            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.generation_defaults)
         except ValidationError as exc:
             raise from_validation_error(exc, SamplingParams) from None
 
@@ -327,6 +340,10 @@ class OpenAIServing:
         included) now, then return (prompt index, output) as outputs arrive (``merged``).
         A prompt the engine refuses is a 400 here, and nothing of the request runs."""
         inputs = [{"prompt_token_ids": prompt.token_ids} for prompt in prompts]
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt(s) of %s tokens, lora %s, params %s", request_id, len(prompts),
+                        [len(p.token_ids) for p in prompts], lora_request.lora_name if lora_request else None,
+                        params[0])  # fmt: skip
         streams = await self.admit(request_id, inputs, params, lora_request, priority, cache_salt)
         return AdmittedOutputs(streams, request_id)
 
