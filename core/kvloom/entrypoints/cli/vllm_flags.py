@@ -52,7 +52,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _works("--seed", "1"),
     _works("--load-format", "safetensors"),
     _works("--trust-remote-code", note="accepted; kvloom runs no code from model repositories"),
-    _works("--quantization", note="only without a method: every quantization method is refused as not supported yet"),
+    _not_yet("--quantization", "fp8", note="every method: kvloom runs unquantized checkpoints (and GGUF, dequantized)"),
     _works("--generation-config", "vllm"),
     _works("--chat-template", "{{ messages }}"),
     _works("--max-logprobs", "5"),
@@ -213,11 +213,11 @@ class _Ignored(argparse.Action):
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Add the table's refused and ignored flags to ``parser`` (in a help group of their
-    own); the working ones are the parser's own flags."""
+    own), except those the parser has already; the working ones are the parser's own."""
     group = parser.add_argument_group("vLLM flags kvloom does not support yet or ignores")
     for entry in VLLM_FLAGS:
-        if entry.status == "works":
-            continue
+        if entry.status == "works" or entry.flag in parser._option_string_actions:
+            continue  # the parser's own flag (e.g. --quantization, an EngineArgs field that refuses its values)
         action = _NotSupportedYet if entry.status == "not supported yet" else _Ignored
         cls = type(action.__name__, (action,), {"dest_flag": entry.flag})
         # A switch takes no value, any other flag one (``--flag VALUE`` or ``--flag=VALUE``),
