@@ -135,4 +135,21 @@ def test_chat_template_from_a_file_or_inline(tmp_path) -> None:
     try:
         assert llm.get_tokenizer().chat_template == "{{ messages[0]['content'] }}!"
     finally:
-        llm.llm_engine.shutdown() if hasattr(llm.llm_engine, "shutdown") else None
+        llm.llm_engine.shutdown()
+
+
+def test_the_python_api_uses_the_generation_config(tmp_path) -> None:
+    import shutil
+
+    from kvloom import LLM
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    llm = LLM(model=str(model), dtype="float32", kv_cache_memory="8MiB", max_model_len=64)
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert defaults.temperature == 0.0 and defaults.max_tokens == 3
+        assert len(llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) == 3
+    finally:
+        llm.llm_engine.shutdown()
