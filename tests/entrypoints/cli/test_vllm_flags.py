@@ -153,3 +153,16 @@ def test_the_python_api_uses_the_generation_config(tmp_path) -> None:
         assert len(llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) == 3
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_max_logprobs_limits_the_python_api_too() -> None:
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="8MiB", max_model_len=64,
+              max_logprobs=2)  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match=r"logprobs: 3 is more than this engine allows.*<= 2, max_logprobs"):
+            llm.generate("Hello", SamplingParams(max_tokens=1, logprobs=3), use_tqdm=False)
+        assert llm.generate("Hello", SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0].outputs[0].logprobs
+    finally:
+        llm.llm_engine.shutdown()
