@@ -166,3 +166,28 @@ def test_max_logprobs_limits_the_python_api_too() -> None:
         assert llm.generate("Hello", SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0].outputs[0].logprobs
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_frontend_options_shape_the_app(caplog) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvloom.entrypoints.openai.api_server import build_app
+    from tests.helpers.serve_fakes import FakeAsyncLLM
+
+    chat = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 1}
+    plain = TestClient(build_app(FakeAsyncLLM(), log_stats=False))
+    assert plain.get("/docs").status_code == 200
+    assert "access-control-allow-origin" not in plain.options(
+        "/v1/models", headers={"Origin": "https://a.example", "Access-Control-Request-Method": "GET"}).headers
+    assert plain.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["role"] == "assistant"
+
+    frontend = FrontendOptions(response_role="bot", disable_fastapi_docs=True, cors=True, enable_log_requests=True,
+                               allowed_origins=("https://a.example",))  # fmt: skip
+    client = TestClient(build_app(FakeAsyncLLM(), log_stats=False, frontend=frontend))
+    assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
+    preflight = client.options("/v1/models", headers={"Origin": "https://a.example", "Access-Control-Request-Method": "GET"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://a.example"
+    with caplog.at_level(logging.INFO, logger="kvloom.entrypoints.openai.serving_engine"):
+        reply = client.post("/v1/chat/completions", json=chat).json()
+    assert reply["choices"][0]["message"]["role"] == "bot"
+    assert "Received request chatcmpl-" in caplog.text

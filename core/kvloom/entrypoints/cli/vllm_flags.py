@@ -101,7 +101,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _ignored("--disable-frontend-multiprocessing", note="kvloom's front end and engine core already share "
              "nothing but sockets"),
     _ignored("--max-seq-len-to-capture", "8192", note="deprecated in vLLM; CUDA graphs are captured by batch size"),
-    _not_yet("--kv-cache-memory-bytes", "1000000000", note="use --kv-cache-memory (e.g. 4GiB)"),
+    _works("--kv-cache-memory-bytes", "1000000000", note="also spelled --kv-cache-memory (e.g. 4GiB)"),
     _not_yet("--cpu-offload-gb", "4"),
     _not_yet("--calculate-kv-scales"),
     _not_yet("--preemption-mode", "swap"),
