@@ -66,7 +66,9 @@ def find_weight_files(model_dir: str | Path, load_format: str = "auto") -> tuple
     raise FileNotFoundError(f"model: no weight files ({wanted}) in {model_dir}")
 
 
-def safetensors_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(
+    files: list[Path], origins: dict[str, Path] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``files``; ``origins``, when given, records each name's file."""
     from safetensors import safe_open
 

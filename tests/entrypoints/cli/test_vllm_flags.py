@@ -185,7 +185,8 @@ def test_frontend_options_shape_the_app(caplog) -> None:
                                allowed_origins=("https://a.example",))  # fmt: skip
     client = TestClient(build_app(FakeAsyncLLM(), log_stats=False, frontend=frontend))
     assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
-    preflight = client.options("/v1/models", headers={"Origin": "https://a.example", "Access-Control-Request-Method": "GET"})
+    preflight = client.options("/v1/models", headers={"Origin": "https://a.example",
+                                                      "Access-Control-Request-Method": "GET"})
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://a.example"
     with caplog.at_level(logging.INFO, logger="kvloom.entrypoints.openai.serving_engine"):
         reply = client.post("/v1/chat/completions", json=chat).json()

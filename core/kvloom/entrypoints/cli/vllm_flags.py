@@ -194,11 +194,11 @@ def _note(entry: VllmFlag) -> str:
 class _NotSupportedYet(argparse.Action):
     """A vLLM flag kvloom has not built: a usage error that says so (with or without a value)."""
 
+    dest_flag: str = ""  # the table's flag (set per flag by add_vllm_flags)
+
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:  # fmt: skip
         parser.error(f"{option_string} is not supported by kvloom yet{_note(find(self.dest_flag))}")
-
-    dest_flag: str = ""
 
 
 class _Ignored(argparse.Action):
@@ -222,6 +222,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         cls = type(action.__name__, (action,), {"dest_flag": entry.flag})
         # A switch takes no value, any other flag one (``--flag VALUE`` or ``--flag=VALUE``),
         # so that the arguments after it (the model) are parsed as they would be by vLLM.
-        group.add_argument(entry.flag, nargs=1 if entry.example else 0, action=cls, default=argparse.SUPPRESS, metavar="VALUE",
+        group.add_argument(entry.flag, nargs=1 if entry.example else 0, action=cls, default=argparse.SUPPRESS,
+                           metavar="VALUE",
                            dest="vllm_flag_" + entry.flag.lstrip("-").replace("-", "_"),
                            help=f"{entry.status}{_note(entry)}".replace("%", "%%"))  # fmt: skip

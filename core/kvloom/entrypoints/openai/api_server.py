@@ -300,7 +300,8 @@ def build_app(
             if task is not None:
                 task.cancel()
 
-    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if frontend.disable_fastapi_docs else {}
+    no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = no_docs if frontend.disable_fastapi_docs else {}
     app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__, lifespan=lifespan, **docs)
     app.state.engine = engine
     app.add_middleware(RequestGuard, max_body_bytes=limits.body_limit(engine.config.model.max_model_len))
