@@ -82,7 +82,13 @@ class InputProcessor:
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """The ranges ``SamplingParams`` cannot check alone: those bounded by the model's
-        vocabulary (``ValueError`` naming the field and its range)."""
+        vocabulary and by ``--max-logprobs`` (``ValueError`` naming the field and its range)."""
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name}: {value} is more than this engine allows (allowed range: 0 <= {name} <= "
+                                 f"{limit}, max_logprobs)")  # fmt: skip
         v = self.vocab_size
         if params.top_k > v:
             raise ValueError(f"top_k: {params.top_k} is out of range (allowed: -1 or 0 to disable top-k, "

@@ -9,7 +9,8 @@ accept the same engine flags and a new field is a new flag without further work:
 * ``list[int]`` fields: one or more values (``--x 1 2 4`` or ``--x 1,2,4``); ``list[str]``:
   one or more values;
 * ``dict[str, str]`` fields: ``name=path`` pairs (``--lora-modules a=/p/a b=/p/b``);
-* ``optimization_level`` also answers to ``-O0`` .. ``-O3``.
+* ``optimization_level`` also answers to ``-O0`` .. ``-O3``, ``kv_cache_memory`` to vLLM's
+  ``--kv-cache-memory-bytes``.
 
 Flags the user does not give are absent from the namespace, so ``EngineArgs``' own
 defaults apply and validation errors come from one place.
@@ -28,8 +29,8 @@ from pydantic.fields import FieldInfo
 
 from kvloom.engine.arg_utils import EngineArgs
 
-#: Extra short spellings of some flags (vLLM's).
-_SHORT_FLAGS: dict[str, list[str]] = {"optimization_level": ["-O"]}
+#: Extra spellings of some flags (vLLM's): -O, and vLLM's name of the KV-cache size.
+_SHORT_FLAGS: dict[str, list[str]] = {"optimization_level": ["-O"], "kv_cache_memory": ["--kv-cache-memory-bytes"]}
 
 
 def flag_name(field_name: str) -> str:
