@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 
-from kvloom import plugins
-from kvloom.attention.mla import MLAAttentionBackend
+from kvloom.interfaces import MLAAttentionBackend
 from kvloom.testing import check_case, conformance_cases, run_case
 from kvloom.testing.conformance import MLAConformanceCase, run_conformance
 from kvloom_backend_cpu.mla import CPUMLABackend, CPUMLAImpl
@@ -25,8 +26,10 @@ def test_cases_cover_both_phases_and_every_declared_block_size() -> None:
 
 
 def test_registered_through_its_entry_point() -> None:
-    entry = plugins.attention_backends()["CPU_MLA"]
-    assert entry.target is CPUMLABackend and entry.distribution == "kvloom-backend-cpu"
+    eps = importlib.metadata.entry_points(group="kvloom.attention_backends")
+    (ep,) = [e for e in eps if e.name == "CPU_MLA"]
+    assert ep.load() is CPUMLABackend
+    assert ep.dist is not None and ep.dist.name == "kvloom-backend-cpu"
     assert CPUMLABackend.is_mla and CPUMLABackend.mla_phases == ("decode", "prefill")
     assert CPUMLABackend.get_kv_cache_shape(7, 16, 1, 576) == (7, 16, 576)
     with pytest.raises(ValueError, match="num_kv_heads must be 1"):

@@ -50,7 +50,7 @@ absorbed decode over paged latent rows at every declared block size, long decode
 prefill and chunked prefill over a cached prefix, DeepSeek's dims, float64 reference);
 ``kvloom backends test CPU_MLA`` works as for any backend.
 
-Modules: ``cases`` (the catalogue), ``mla`` (the MLA cases and their runs), ``plan`` (each case's random steps), ``runner`` (running
+Modules: ``cases`` (the catalogue), ``mla`` (the MLA cases and their runs), ``outcome`` (what a run found), ``plan`` (each case's random steps), ``runner`` (running
 a case on the backend), ``report`` (results, ``run_case``/``run_conformance``/``check_case``).
 The paged batches and the float64 reference are ``kvloom.testing.reference``'s.
 """

@@ -11,6 +11,7 @@ import torch
 
 from kvloom.attention import selector
 from kvloom.attention.backend import AttentionBackend, MultipleOf, dtype_name
+from kvloom.testing.conformance.mla import mla_conformance_cases
 
 #: What each scenario exercises.
 SCENARIOS: dict[str, str] = {
@@ -141,9 +142,7 @@ def conformance_cases(
     """
     cls = resolve_backend(backend)
     if cls.is_mla:
-        from kvloom.testing.conformance.mla import mla_conformance_cases
-
-        return mla_conformance_cases(cls, quick)  # type: ignore[return-value]
+        return mla_conformance_cases(cls, _block_sizes(cls), quick)  # type: ignore[return-value]
     dtypes = list(cls.supported_dtypes)
     head_sizes = _head_sizes(cls)
     block_sizes = _block_sizes(cls)

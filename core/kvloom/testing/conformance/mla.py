@@ -37,7 +37,7 @@ from kvloom.attention.backend import (
     dtype_name,
 )
 from kvloom.attention.mla import MLA_DECODE, MLA_PREFILL, MLADims
-from kvloom.testing.conformance.runner import Outcome
+from kvloom.testing.conformance.outcome import Outcome
 from kvloom.testing.reference import attend, relative_error
 from kvloom.utils import cdiv
 
@@ -108,16 +108,16 @@ class MLAConformanceCase:
         return self.name
 
 
-def mla_conformance_cases(backend: type[AttentionBackend], quick: bool = False) -> list[MLAConformanceCase]:
+def mla_conformance_cases(
+    backend: type[AttentionBackend], block_sizes: list[int], quick: bool = False
+) -> list[MLAConformanceCase]:
     """Every phase the backend declares: each scenario at every dtype; the decode
-    scenario also at every declared block size (``cases._block_sizes``). Quick: the
-    first dtype, the preferred block size and the largest."""
-    from kvloom.testing.conformance.cases import _block_sizes
-
+    scenario also at every one of ``block_sizes`` (what ``conformance_cases`` derives from
+    the declarations). Quick: the first dtype, the preferred block size and the largest."""
     phases = getattr(backend, "mla_phases", (MLA_DECODE, MLA_PREFILL))
     dtypes = list(backend.supported_dtypes)[:1] if quick else list(backend.supported_dtypes)
     base = backend.preferred_block_size()
-    blocks = _block_sizes(backend)
+    blocks = list(block_sizes)
     if quick:
         blocks = list(dict.fromkeys([base, max(blocks)]))
     cases: list[MLAConformanceCase] = []
