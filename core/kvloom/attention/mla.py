@@ -42,7 +42,6 @@ which also owns the cache layout and writes it, and the prefill backend
 
 from __future__ import annotations
 
-import logging
 from abc import ABC
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -64,7 +63,6 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear
 from kvloom.layers.rotary import RotaryEmbedding
 
-logger = logging.getLogger(__name__)
 
 MLA_DECODE = "decode"
 """The decode phase: requests with ``query_len == 1``, absorbed attention over the latent cache."""
@@ -398,7 +396,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
         qsl = common.query_start_loc_cpu.numpy()
         qlens = qsl[1:] - qsl[:-1]
-        if common.max_query_len == 1 or bool(np.all(qlens[: common.num_reqs] <= 1)):
+        if common.max_query_len <= 1:
             decode = MLAPhaseBatch(common, None, 0, common.num_reqs, self.decode_builder.build(common))
             return MLAMetadata(common.num_actual_tokens, common.slot_mapping, decode, None)
         is_decode = qlens == 1
@@ -435,6 +433,13 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
 
 
 # ---------------------------------------------------------------------- the layer
+
+
+def _make_impl(backend: type[AttentionBackend], dims: MLADims, scale: float, kv_cache_dtype: str) -> MLAAttentionImpl:
+    impl_cls: Any = backend.get_impl_cls()
+    if not (isinstance(impl_cls, type) and issubclass(impl_cls, MLAAttentionImpl)):
+        raise TypeError(f"MLA backend {backend.NAME}: get_impl_cls() must return an MLAAttentionImpl subclass")
+    return impl_cls(dims, scale, kv_cache_dtype)
 
 
 class MLAAttention(nn.Module):
@@ -503,11 +508,12 @@ class MLAAttention(nn.Module):
 
         self.backend = decode_backend
         self.prefill_backend = prefill_backend
-        self.decode_impl: MLAAttentionImpl = decode_backend.get_impl_cls()(dims, scale, kv_cache_dtype)  # type: ignore[call-arg,assignment]
+        # One impl per layer and backend: a backend serving both phases shares it.
+        self.decode_impl = _make_impl(decode_backend, dims, scale, kv_cache_dtype)
         if prefill_backend is decode_backend:
             self.prefill_impl = self.decode_impl
         else:
-            self.prefill_impl = prefill_backend.get_impl_cls()(dims, scale, kv_cache_dtype)  # type: ignore[call-arg,assignment]
+            self.prefill_impl = _make_impl(prefill_backend, dims, scale, kv_cache_dtype)
         # Bound by the model runner after the KV cache is allocated.
         self.kv_cache: torch.Tensor = torch.empty(0)
 
