@@ -63,7 +63,6 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear
 from kvloom.layers.rotary import RotaryEmbedding
 
-
 MLA_DECODE = "decode"
 """The decode phase: requests with ``query_len == 1``, absorbed attention over the latent cache."""
 MLA_PREFILL = "prefill"
