@@ -37,7 +37,9 @@ b. ``MLAAttentionImpl.forward_decode`` for backends whose ``mla_phases`` contain
 An MLA model gets two backends, chosen independently by the same priority-ordered
 validation (``kvloom.attention.selector``): the decode backend (``--attention-backend``),
 which also owns the cache layout and writes it, and the prefill backend
-(``--mla-prefill-backend``). One backend may serve both.
+(``--mla-prefill-backend``). One backend may serve both. CUDA graphs capture pure decode
+steps only, so the decode backend's ``cudagraph_support`` is the one the graph dispatcher
+reads (``config.attention.backend``).
 """
 
 from __future__ import annotations
@@ -456,8 +458,6 @@ class MLAAttention(nn.Module):
     ``head_size == L + R``, ``backend`` (the decode backend: it owns the cache layout),
     ``kv_cache`` (bound after allocation).
     """
-
-    is_mla = True
 
     def __init__(
         self,
