@@ -2,7 +2,10 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi.
+# decode, offline, serving, select, select-nofi, moe.
+#   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
+#                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
+#                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
 #   serving      benchmarks/bench_serving.py (offline vs kvloom serve, one workload, one run); needs the
 #                carried folder .benchtok (the tokenizer files: SmolLM2's, saved from the GGUF with
 #                transformers' save_pretrained); SERVING_ARGS adds flags.
@@ -173,6 +176,9 @@ for i in "${!stages[@]}"; do
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
     serving) python3 benchmarks/bench_serving.py --tokenizer .benchtok --out "$OUT/serving" ${SERVING_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
+    moe)
+      run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
+      python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
