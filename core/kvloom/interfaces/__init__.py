@@ -62,6 +62,15 @@ from kvloom.attention.backend import (
     MultipleOf,
 )
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
+from kvloom.attention.mla import (
+    MLA_DECODE,
+    MLA_PREFILL,
+    MLAAttentionBackend,
+    MLAAttentionImpl,
+    MLADims,
+    split_latent_cache,
+    write_latent_torch,
+)
 from kvloom.config import (
     AttentionConfig,
     CacheConfig,
@@ -99,6 +108,13 @@ from kvloom.worker.worker_base import WorkerBase
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "MLA_DECODE",
+    "MLA_PREFILL",
+    "MLAAttentionBackend",
+    "MLAAttentionImpl",
+    "MLADims",
+    "split_latent_cache",
+    "write_latent_torch",
     "AttentionBackend",
     "AttentionCGSupport",
     "AttentionConfig",
@@ -165,6 +181,14 @@ if TYPE_CHECKING:
 
 ADAPTER_CONFIG_FILE: str
 """The file name of a PEFT adapter's config inside its directory (``adapter_config.json``)."""
+
+MLA_DECODE: str
+"""The MLA decode phase (``"decode"``): an entry of ``MLAAttentionBackend.mla_phases`` and the
+``spec.extra["mla_phase"]`` of a builder built for decode requests."""
+
+MLA_PREFILL: str
+"""The MLA prefill phase (``"prefill"``): an entry of ``MLAAttentionBackend.mla_phases`` and the
+``spec.extra["mla_phase"]`` of a builder built for prefill requests."""
 
 BlockSizeSpec: type
 """One entry of ``AttentionBackend.supported_block_sizes``: an exact ``int`` block size, or

@@ -19,17 +19,23 @@ A mixture-of-experts model builds its experts as a ``FusedMoE`` (stacked expert 
 loaded per expert from the checkpoint; the ``fused_moe`` custom op) with a router of its
 own, and may override ``LlamaForCausalLM.mlp_block`` to put it in the Llama decoder;
 ``select_experts`` is the routing (HF's Mixtral, Qwen3-MoE and DeepSeek-V2/V3 variants).
+A model with multi-head latent attention (DeepSeek-style) builds each attention block as
+an ``MLAAttention`` (HF module names, the latent cache, both phases) from ``MLADims``
+(``config.model.mla_dims``), ``config.attention.backend`` (decode) and
+``config.attention.prefill_backend``; ``deepseek_softmax_scale`` is DeepSeek's softmax
+scale with its YaRN correction.
 ``kvloom.testing.load_model`` and ``kvloom.testing.forward_context`` run a model class in
 a test, outside the engine.
 """
 
 from kvloom.attention.layer import Attention
+from kvloom.attention.mla import MLAAttention, MLADims
 from kvloom.config import EngineConfig
 from kvloom.layers.activation import SiluAndMul, get_gated_activation
 from kvloom.layers.fused_moe import FusedMoE, select_experts
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
-from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
+from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
@@ -45,12 +51,15 @@ __all__ = [
     "LlamaDecoderLayer",
     "LlamaForCausalLM",
     "LlamaMLP",
+    "MLAAttention",
+    "MLADims",
     "MergedLinear",
     "QKVLinear",
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",
     "VocabEmbedding",
+    "deepseek_softmax_scale",
     "get_gated_activation",
     "get_rope_parameters",
     "load_checkpoint_weights",
