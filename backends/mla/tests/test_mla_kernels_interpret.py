@@ -1,0 +1,153 @@
+"""The MLA Triton kernels on the CPU, in Triton's interpreter, against float64 references.
+
+``TRITON_INTERPRET=1`` must be set before the kernels are defined and stays process-wide, so
+the kernels run in one child process (this file with ``--worker``), never in the pytest
+process; the child runs every case once and prints one JSON line, each case is then its own
+test here. bf16 is not run in the interpreter (its ``tl.dot`` on bf16 multiplies the raw
+bits); the GPU tests cover bf16.
+
+Decode cases: fresh random latent caches over shuffled blocks (NaN wherever no request has
+a position), ragged sequence lengths, block sizes that are and are not multiples of the
+position tile, 1 and several KV splits, head counts below and above one head tile.
+Prefill cases: causal varlen attention with qk dim != v dim, with and without a cached
+prefix (more keys than queries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+TOLERANCE = {"float32": 1e-5, "float16": 5e-3}
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    name: str
+    seq_lens: tuple[int, ...]
+    num_heads: int
+    block_size: int
+    num_splits: int
+    dtype: str = "float32"
+    kv_lora_rank: int = 32
+    rope_dim: int = 16
+    config: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    name: str
+    query_lens: tuple[int, ...]
+    key_lens: tuple[int, ...]
+    num_heads: int = 2
+    qk_dim: int = 48
+    v_dim: int = 32
+    dtype: str = "float32"
+
+
+SMALL = {"decode_block_n": 16}
+
+DECODE = [
+    DecodeSpec("one_split_block16", (1, 17, 40, 70), 4, 16, 1, config=SMALL),
+    DecodeSpec("one_split_block5", (3, 33, 64), 4, 5, 1, config=SMALL),
+    DecodeSpec("splits3_block16", (1, 17, 40, 70), 4, 16, 3, config=SMALL),
+    DecodeSpec("splits4_block32_tile32", (9, 100, 129), 8, 32, 4, config={"decode_block_n": 32}),
+    DecodeSpec("splits7_block1", (2, 30, 61), 4, 1, 7, config=SMALL),
+    # More splits than a short request has tiles: its trailing splits are empty (lse -inf).
+    DecodeSpec("splits6_short_requests", (1, 2, 90), 4, 16, 6, config=SMALL),
+    # 20 heads with 16-head tiles: two head tiles, the second one partly masked.
+    DecodeSpec("heads20_two_tiles", (12, 50), 20, 16, 2, config=SMALL),
+    DecodeSpec("rank48_rope8_unpadded", (7, 45), 3, 8, 2, kv_lora_rank=48, rope_dim=8, config=SMALL),
+    DecodeSpec("fp16_splits5_block16", (1, 17, 99), 4, 16, 5, dtype="float16", config=SMALL),
+    DecodeSpec("fp16_one_split_block64", (65, 130), 8, 64, 1, dtype="float16", config={"decode_block_n": 32}),
+]
+
+PREFILL = [
+    PrefillSpec("no_prefix", (7, 20, 1), (7, 20, 1)),
+    PrefillSpec("cached_prefix", (5, 16, 1), (30, 16, 41)),
+    PrefillSpec("dims_192_128", (9, 3), (9, 40), num_heads=2, qk_dim=192, v_dim=128),
+    PrefillSpec("fp16_prefix", (33, 4), (50, 4), dtype="float16"),
+]
+
+
+def _run_worker() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from kvloom_backend_mla.testing import make_decode_case
+    from kvloom_backend_mla import ops
+    from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
+
+    from kvloom.testing.reference import attend, relative_error
+
+    patch_interpreter_scalar_index()
+    torch.set_num_threads(1)
+    results: dict[str, dict] = {}
+    for index, spec in enumerate(DECODE):
+        try:
+            dtype = getattr(torch, spec.dtype)
+            case = make_decode_case(list(spec.seq_lens), num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
+                                    rope_dim=spec.rope_dim, block_size=spec.block_size, dtype=dtype, seed=100 + index)
+            out = torch.full((len(spec.seq_lens), spec.num_heads, spec.kv_lora_rank), float("nan"), dtype=dtype)
+            cfg = ops.resolve_config(dtype, spec.config)
+            L = spec.kv_lora_rank
+            ops.mla_decode(case.q[..., :L], case.q[..., L:], case.kv_cache, case.block_table, case.seq_lens, out,
+                           case.scale, spec.num_splits, cfg)
+            results[spec.name] = {"rel_error": relative_error(out, case.reference())}
+        except Exception as exc:  # reported per case by the parent
+            results[spec.name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    for index, spec in enumerate(PREFILL):
+        try:
+            dtype = getattr(torch, spec.dtype)
+            gen = torch.Generator().manual_seed(200 + index)
+            nq, nk = sum(spec.query_lens), sum(spec.key_lens)
+            q = torch.randn(nq, spec.num_heads, spec.qk_dim, generator=gen).to(dtype)
+            k = torch.randn(nk, spec.num_heads, spec.qk_dim, generator=gen).to(dtype)
+            v = torch.randn(nk, spec.num_heads, spec.v_dim, generator=gen).to(dtype)
+            cu_q = torch.tensor([0, *torch.tensor(spec.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+            cu_k = torch.tensor([0, *torch.tensor(spec.key_lens).cumsum(0).tolist()], dtype=torch.int32)
+            out = torch.full((nq, spec.num_heads, spec.v_dim), float("nan"), dtype=dtype)
+            scale = spec.qk_dim**-0.5
+            ops.varlen_causal_attention(q, k, v, out, cu_q, cu_k, max(spec.query_lens), scale,
+                                        ops.resolve_config(dtype, {"prefill_block_m": 16, "prefill_block_n": 16}))
+            ref = torch.cat([
+                attend(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]], scale)
+                for b in range(len(spec.query_lens))
+            ])
+            results[spec.name] = {"rel_error": relative_error(out, ref)}
+        except Exception as exc:
+            results[spec.name] = {"error": f"{type(exc).__name__}: {exc}"}
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], capture_output=True, text=True, timeout=900,
+                          env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("spec", DECODE, ids=[s.name for s in DECODE])
+def test_decode_matches_float64_reference(interpreter_results: dict, spec: DecodeSpec) -> None:
+    result = interpreter_results[spec.name]
+    assert "error" not in result, result.get("error")
+    assert result["rel_error"] < TOLERANCE[spec.dtype], f"{spec.name}: rel error {result['rel_error']:.3e}"
+
+
+@pytest.mark.parametrize("spec", PREFILL, ids=[s.name for s in PREFILL])
+def test_prefill_matches_float64_reference(interpreter_results: dict, spec: PrefillSpec) -> None:
+    result = interpreter_results[spec.name]
+    assert "error" not in result, result.get("error")
+    assert result["rel_error"] < TOLERANCE[spec.dtype], f"{spec.name}: rel error {result['rel_error']:.3e}"
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _run_worker()
