@@ -18,11 +18,21 @@ builder is asked for, so a missing library stays a validation reason.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import flashinfer.mla
 import torch
 
+from kvloom.interfaces import (
+    MLA_DECODE,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MLAAttentionImpl,
+    MLADims,
+)
+from kvloom_backend_flashinfer.mla_backend import FLASHINFER_MLA_LATENT
 from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv
 
 logger = logging.getLogger(__name__)
@@ -122,4 +132,79 @@ class FlashInferMLADecoder:
             raise RuntimeError("FlashInferMLADecoder.run called before plan_decode")
         L = q_nope.shape[-1]
         self._planned.run(q_nope, q_pe, kv_cache[..., :L], kv_cache[..., L:], out=out)
+        return out
+
+
+# ---------------------------------------------------------------------- the backend's classes
+
+
+@dataclass
+class FlashInferMLAMetadata:
+    """A decode step planned on the builder's decoder (shared by all layers)."""
+
+    decoder: FlashInferMLADecoder
+    num_reqs: int
+    sm_scale: float
+
+
+class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder[FlashInferMLAMetadata]):
+    """Plans FLASHINFER_MLA's decode phase once per step (the core builds it with the
+    decode spec only: the backend declares no prefill)."""
+
+    def __init__(self, spec: AttentionLayerSpec, device: torch.device, max_num_blocks: int) -> None:
+        super().__init__(spec, device, max_num_blocks)
+        self.dims = MLADims.from_spec(spec)
+        phase = spec.extra.get("mla_phase", MLA_DECODE)
+        if phase != MLA_DECODE:
+            raise ValueError(f"FLASHINFER_MLA implements MLA decode only, asked to build for {phase}")
+        if (self.dims.kv_lora_rank, self.dims.qk_rope_head_dim) != FLASHINFER_MLA_LATENT:
+            raise ValueError(
+                f"FLASHINFER_MLA: kv_lora_rank {self.dims.kv_lora_rank} / qk_rope_head_dim "
+                f"{self.dims.qk_rope_head_dim} not supported (FlashInfer's MLA kernels take "
+                f"{FLASHINFER_MLA_LATENT[0]} / {FLASHINFER_MLA_LATENT[1]})"
+            )
+        pages_per_seq = -(-spec.max_model_len // spec.block_size)
+        self.decoder = FlashInferMLADecoder(
+            device,
+            backend=str(spec.extra.get("flashinfer_mla_backend", "fa2")),
+            workspace_bytes=int(spec.extra.get("flashinfer_workspace_bytes", DEFAULT_WORKSPACE_BYTES)),
+            max_num_seqs=spec.max_num_seqs,
+            max_pages=spec.max_num_seqs * pages_per_seq,
+        )
+
+    def _build(self, common: CommonAttentionMetadata, for_cudagraph: bool) -> FlashInferMLAMetadata:
+        if common.max_query_len > 1:
+            raise ValueError(
+                f"FLASHINFER_MLA decode needs query_len 1 per request, got max {common.max_query_len}"
+            )
+        d, spec = self.dims, self.spec
+        self.decoder.plan_decode(
+            common.seq_lens_cpu[: common.num_reqs], common.block_table, spec.block_size, d.num_heads,
+            d.kv_lora_rank, d.qk_rope_head_dim, spec.scale, spec.dtype, for_cudagraph=for_cudagraph,
+        )
+        return FlashInferMLAMetadata(self.decoder, common.num_reqs, spec.scale)
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMLAMetadata:
+        return self._build(common, for_cudagraph=False)
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> FlashInferMLAMetadata:
+        return self._build(common, for_cudagraph=True)
+
+
+class FlashInferMLAImpl(MLAAttentionImpl):
+    """Runs the step's planned wrapper; the latent cache is written by the contract's
+    graph-safe torch default."""
+
+    def forward_decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: FlashInferMLAMetadata, out: torch.Tensor
+    ) -> torch.Tensor:
+        md = attn_metadata
+        if md.sm_scale != self.scale:
+            raise ValueError(
+                f"layer scale {self.scale} differs from the scale the step was planned with ({md.sm_scale}); "
+                "FLASHINFER_MLA plans one scale for all layers"
+            )
+        b, L = md.num_reqs, self.kv_lora_rank
+        # The kernel takes row and head strides for q and out: views need no copies.
+        md.decoder.run(q[:b, :, :L], q[:b, :, L:], kv_cache, out[:b])
         return out
