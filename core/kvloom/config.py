@@ -111,6 +111,28 @@ class ModelConfig(_Section):
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     @property
+    def use_mla(self) -> bool:
+        """Whether the model uses multi-head latent attention: its config has a
+        ``kv_lora_rank`` (DeepSeek-V2/V3)."""
+        return getattr(self._text_config(), "kv_lora_rank", None) is not None
+
+    @property
+    def mla_dims(self) -> Any:
+        """The ``kvloom.attention.mla.MLADims`` of an MLA model (``use_mla``)."""
+        from kvloom.attention.mla import MLADims
+
+        c = self._text_config()
+        if not self.use_mla:
+            raise ValueError(f"model {self.architecture} does not use MLA (its config has no kv_lora_rank)")
+        return MLADims(
+            num_heads=c.num_attention_heads,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+        )
+
+    @property
     def hidden_size(self) -> int:
         """``hidden_size`` of the (text) config."""
         return self._text_config().hidden_size
@@ -188,7 +210,14 @@ class AttentionConfig(_Section):
     requested_backend: str | None  # the user's --attention-backend (None = by priority)
     """The user's ``--attention-backend`` NAME, or None (selected by the platform's priority)."""
     backend: type[AttentionBackend]  # what selection picked
-    """The selected ``AttentionBackend`` class: pass it to every ``Attention`` layer."""
+    """The selected ``AttentionBackend`` class: pass it to every ``Attention`` layer. For an
+    MLA model, the decode backend (it also owns the latent cache layout)."""
+    requested_prefill_backend: str | None = None
+    """MLA models: the user's ``--mla-prefill-backend`` NAME, or None (by the platform's
+    MLA prefill priority)."""
+    prefill_backend: type[AttentionBackend] | None = None
+    """MLA models: the selected prefill backend (``MLAAttention``'s prefill path); None for
+    other models."""
 
 
 class LoadConfig(_Section):

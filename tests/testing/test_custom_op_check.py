@@ -3,7 +3,7 @@ torch code a platform's op replaces (what the layers run with ``--custom-ops non
 ``check_custom_op`` holds a replacement to the contract: silu_and_mul, rotary_qk and the
 residual sum of fused_add_rms_norm bit-identical; the norms within 2 ulp (16-bit) or 1e-5
 relative (float32); lora_delta within the dtype's tolerance of the float64 definition,
-rows without an adapter exact; inputs untouched (lora_delta may update ``y`` in place)."""
+rows without an adapter exact; fused_moe within the dtype's tolerance of its float64 definition; inputs untouched (lora_delta may update ``y`` in place)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ def _args(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     if name == "rotary_qk":
         angles = torch.rand(7, 1, 16, generator=g) * 6
         return randn(7, 5, 32), angles.cos().to(dtype), angles.sin().to(dtype)
+    if name == "fused_moe":  # 9 tokens, 6 experts (some without tokens), top-2
+        ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(9)]).to(torch.int32)
+        weights = torch.rand(9, 2, generator=g)
+        return randn(9, 32), randn(6, 2 * 24, 32, scale=0.2), randn(6, 32, 24, scale=0.2), weights, ids
     assert name == "lora_delta"
     slots = torch.tensor([0, 1, 2, 1, 0, 2, 2], dtype=torch.int32)
     a, b = randn(3, 8, 64, scale=0.3), randn(3, 80, 8, scale=0.3)

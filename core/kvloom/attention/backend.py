@@ -120,6 +120,13 @@ class AttentionSelectorConfig:
     """The user's block size; ``None`` when the user set none (the backend then picks)."""
     use_mla: bool = False
     """Whether the model uses multi-head latent attention (MLA)."""
+    mla_phase: str | None = None
+    """MLA models: which phase is being selected, ``"decode"`` (``head_size`` is the latent
+    row, ``kv_lora_rank + qk_rope_head_dim``) or ``"prefill"`` (``head_size`` is
+    ``qk_nope_head_dim + qk_rope_head_dim``, values ``v_head_dim`` wide); ``None`` otherwise
+    (see ``kvloom.attention.mla``)."""
+    v_head_dim: int | None = None
+    """MLA prefill: the value head size (``None`` when it equals ``head_size``)."""
     attn_type: AttentionType = AttentionType.DECODER
     """The attention pattern of the layers."""
     device_type: str = "cpu"
@@ -339,7 +346,9 @@ class AttentionBackend(ABC):
     max_compute_capability: ClassVar[DeviceCapability | None] = None
     """Highest compute capability served, inclusive (CUDA only); ``None`` = no bound."""
     is_mla: ClassVar[bool] = False
-    """An MLA backend serves only MLA models, and only MLA backends serve them."""
+    """An MLA backend serves only MLA models, and only MLA backends serve them. MLA
+    backends subclass ``kvloom.attention.mla.MLAAttentionBackend`` (latent cache layout,
+    ``mla_phases``) and return an ``MLAAttentionImpl`` from ``get_impl_cls``."""
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     """Attention types the backend serves."""
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER

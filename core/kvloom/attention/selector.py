@@ -3,7 +3,10 @@ order, every candidate validated, first valid wins.
 
 Candidates, highest priority first:
 
-1. The backends the platform lists for (MLA or not, device capability), in its order.
+1. The backends the platform lists for (MLA or not, device capability), in its order;
+   for an MLA model's prefill phase (``config.mla_phase == "prefill"``) the platform's
+   ``get_mla_prefill_backend_priority``. An MLA model is selected twice, once per phase
+   (decode: ``--attention-backend``, prefill: ``--mla-prefill-backend``).
    A listed backend that no loaded plugin provides is still a candidate, invalid with
    the reason "not installed (pip install <provider>)" (or "KVLOOM_PLUGINS does not
    list it" when it is installed but was left out).
@@ -112,6 +115,7 @@ def describe_config(platform: type[Platform], config: AttentionSelectorConfig) -
         f"kv_cache_dtype={config.kv_cache_dtype}, "
         f"block_size={config.block_size if config.block_size is not None else 'auto'}, "
         f"use_mla={config.use_mla}, attn_type={config.attn_type.value}"
+        + (f", mla_phase={config.mla_phase}" if config.mla_phase is not None else "")
     )
 
 
@@ -135,7 +139,11 @@ def rank_candidates(
 ) -> list[CandidateReport]:
     """Every candidate in priority order, each validated (see the module docstring)."""
     order: dict[str, str | None] = {}  # name -> provider (None: not in the platform's list)
-    for candidate in platform.get_attn_backend_priority(config.use_mla, config.device_capability):
+    if config.use_mla and config.mla_phase == "prefill":
+        listed = platform.get_mla_prefill_backend_priority(config.device_capability)
+    else:
+        listed = platform.get_attn_backend_priority(config.use_mla, config.device_capability)
+    for candidate in listed:
         order.setdefault(candidate.name, candidate.provider)
     excluded_by_name = {e.name: e for e in excluded}
     for name in sorted(set(installed) | set(excluded_by_name)):

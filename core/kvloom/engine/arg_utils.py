@@ -115,7 +115,12 @@ class EngineArgs(BaseModel):
         "share the cores); requests go to the least loaded."
     )
     # ---- attention
-    attention_backend: str | None = Field(None, description="Force an attention backend by NAME.")
+    attention_backend: str | None = Field(
+        None, description="Force an attention backend by NAME (for MLA models: the decode backend)."
+    )
+    mla_prefill_backend: str | None = Field(
+        None, description="MLA models: force the prefill attention backend by NAME (default: by priority)."
+    )
     # ---- compilation / CUDA graphs
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
     optimization_level: int = Field(2, ge=0, le=3, description="-O0..-O3 defaults.")
@@ -253,6 +258,20 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     selector = _selector_config(platform, model, kv_cache_dtype, args.block_size)
     selection = select_attention_backend(platform, selector, requested=args.attention_backend)
     backend = selection.selected
+    prefill_backend = None
+    if model.use_mla:
+        # MLA models get a second backend for the prefill phase, chosen the same way; it
+        # never owns the cache, so the decode backend's block size stands.
+        prefill_selector = _selector_config(platform, model, kv_cache_dtype, selection.block_size, "prefill")
+        prefill_backend = select_attention_backend(
+            platform, prefill_selector, requested=args.mla_prefill_backend
+        ).selected
+        logger.info("MLA backends: decode %s, prefill %s", backend.NAME, prefill_backend.NAME)
+    elif args.mla_prefill_backend is not None:
+        raise ValueError(
+            f"mla_prefill_backend={args.mla_prefill_backend!r}: model {architecture} does not use MLA "
+            "(only MLA models, e.g. DeepSeek-V2/V3, have a separate prefill backend)"
+        )
     # Block-size negotiation (docs/attention_backends.md): a user's --block-size was part
     # of the selection config, so every candidate that cannot serve it was already
     # invalid; without one, selection validated the backends without a block size and
@@ -328,7 +347,12 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         scheduler=scheduler,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size),  # fmt: skip
-        attention=AttentionConfig(requested_backend=args.attention_backend, backend=backend),
+        attention=AttentionConfig(
+            requested_backend=args.attention_backend,
+            backend=backend,
+            requested_prefill_backend=args.mla_prefill_backend,
+            prefill_backend=prefill_backend,
+        ),
         load=LoadConfig(load_format=args.load_format, source_kind=source.kind),
         compilation=compilation,
         lora=LoRAConfig(
@@ -369,8 +393,29 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
 
 def _selector_config(
-    platform: type, model: ModelConfig, kv_cache_dtype: str, block_size: int | None
+    platform: type, model: ModelConfig, kv_cache_dtype: str, block_size: int | None, mla_phase: str = "decode"
 ) -> AttentionSelectorConfig:
+    """The selection config of the model's attention; for an MLA model, of one phase
+    (``mla_phase``): decode over the latent rows (one KV head of ``kv_lora_rank +
+    qk_rope_head_dim``), prefill over decompressed per-head K/V."""
+    if model.use_mla:
+        dims = model.mla_dims
+        decode = mla_phase == "decode"
+        return AttentionSelectorConfig(
+            head_size=dims.latent_size if decode else dims.qk_head_dim,
+            dtype=model.dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            # The prefill phase never reads the paged cache (the core decompresses the
+            # cached prefix for it), so its block sizes do not matter.
+            block_size=block_size if decode else None,
+            use_mla=True,
+            mla_phase=mla_phase,
+            v_head_dim=None if decode else dims.v_head_dim,
+            device_type=platform.device_type,
+            device_capability=platform.get_device_capability(),
+            num_heads=dims.num_heads,
+            num_kv_heads=1 if decode else dims.num_heads,
+        )
     return AttentionSelectorConfig(
         head_size=model.head_size,
         dtype=model.dtype,
@@ -391,6 +436,8 @@ FIXED_FIELDS: tuple[tuple[str, str], ...] = (
     *(("model", f) for f in ModelConfig.model_fields if f != "max_model_len"),
     ("attention", "requested_backend"),
     ("attention", "backend"),
+    ("attention", "requested_prefill_backend"),
+    ("attention", "prefill_backend"),
     ("device", "platform"),
     ("device", "device_type"),
 )
@@ -432,6 +479,12 @@ def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str,
     backend = config.attention.backend
     selector = _selector_config(config.device.platform, config.model, config.cache.cache_dtype, config.cache.block_size)
     reasons = backend.validate_configuration(selector)
+    prefill = config.attention.prefill_backend
+    if prefill is not None:
+        prefill_selector = _selector_config(
+            config.device.platform, config.model, config.cache.cache_dtype, config.cache.block_size, "prefill"
+        )
+        reasons += [f"(MLA prefill backend {prefill.NAME}) {r}" for r in prefill.validate_configuration(prefill_selector)]
     if reasons:
         raise ValueError(
             f"EngineConfig: after the {who}, attention backend {backend.NAME} cannot serve the adjusted config: "

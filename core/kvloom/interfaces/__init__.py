@@ -62,6 +62,15 @@ from kvloom.attention.backend import (
     MultipleOf,
 )
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
+from kvloom.attention.mla import (
+    MLA_DECODE,
+    MLA_PREFILL,
+    MLAAttentionBackend,
+    MLAAttentionImpl,
+    MLADims,
+    split_latent_cache,
+    write_latent_torch,
+)
 from kvloom.config import (
     AttentionConfig,
     CacheConfig,
@@ -99,6 +108,13 @@ from kvloom.worker.worker_base import WorkerBase
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "MLA_DECODE",
+    "MLA_PREFILL",
+    "MLAAttentionBackend",
+    "MLAAttentionImpl",
+    "MLADims",
+    "split_latent_cache",
+    "write_latent_torch",
     "AttentionBackend",
     "AttentionCGSupport",
     "AttentionConfig",

@@ -11,7 +11,9 @@ Contract for a replacement: same signature, new output tensors (inputs untouched
 the torch code's results for the dtypes the platform enables it for: bit-identical for
 ``silu_and_mul``, ``rotary_qk`` and the residual sum of ``fused_add_rms_norm``; the norms
 within 2 ulp in float16/bfloat16 (the squares may be summed in another order) and 1e-5
-relative in float32. ``lora_delta`` is the exception: it may add the update to ``y`` in
+relative in float32. ``lora_delta`` and ``fused_moe`` are the exceptions: ``fused_moe``
+(grouped GEMMs over the experts) matches its float64 definition to the dtype's
+tolerance, as its torch code does. ``lora_delta``: it may add the update to ``y`` in
 place (the layer's fresh output) and return it, and it sums in another order than the
 grouped torch GEMMs (fp32 accumulation, rounded once), so it matches the float64
 definition to the dtype's tolerance, not bit for bit. The torch code of each op is
@@ -36,6 +38,9 @@ OP_SIGNATURES: dict[str, str] = {
     "rotary_qk": "(x [N, heads, D], cos [N, 1, D/2], sin [N, 1, D/2]) -> rotated contiguous copy",
     "lora_delta": "(x [T, in], y [T, out], lora_a [S, R, in], lora_b [S, out, R], mapping: LoRAMapping) -> y plus "
     "each token's (x @ A[slot].T) @ B[slot].T (kvloom.lora.ops; may update y in place)",
+    "fused_moe": "(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int32) "
+    "-> [T, H]: sum over each token's k experts of weight * w2[e] @ silu_and_mul(w13[e] @ x) "
+    "(kvloom.layers.fused_moe)",
 }
 
 _active: dict[str, Callable[..., object]] = {}

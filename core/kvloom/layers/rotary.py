@@ -11,7 +11,8 @@ Supported ``rope_type`` values:
 * ``linear``: default frequencies divided by ``factor``.
 * ``llama3``: Llama 3.1's wavelength-dependent smoothing.
 * ``yarn``: YaRN's ramp between interpolated and extrapolated frequencies, with the
-  attention factor folded into cos/sin as HF does.
+  attention factor folded into cos/sin as HF does (DeepSeek's ``mscale`` /
+  ``mscale_all_dim`` included; its softmax-scale correction is ``deepseek_softmax_scale``).
 * ``dynamic`` (dynamic NTK): HF recomputes the base whenever the running sequence grows
   beyond ``max_position_embeddings``, which a paged cache shared by many sequences
   cannot do. kvloom uses one fixed table computed for ``max_position`` tokens. This is
@@ -64,6 +65,24 @@ def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deepseek_softmax_scale(params: dict[str, Any], qk_head_dim: int) -> float:
+    """DeepSeek's attention softmax scale: ``qk_head_dim ** -0.5``, times
+    ``yarn_mscale(factor, mscale_all_dim) ** 2`` when the model uses scaled RoPE with a
+    ``mscale_all_dim`` (DeepSeek-V2/V3's YaRN: the rotary cos/sin carry
+    ``mscale / mscale_all_dim``, the scores the rest)."""
+    scale = qk_head_dim**-0.5
+    if params.get("rope_type", "default") != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        if mscale_all_dim:
+            scale *= yarn_mscale(params["factor"], mscale_all_dim) ** 2
+    return scale
+
+
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
 
@@ -92,8 +111,7 @@ def _yarn_inv_freq(params: dict[str, Any], dim: int, max_position_embeddings: in
     if factor is None:
         factor = max_position_embeddings / original_max
 
-    def mscale_of(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    mscale_of = yarn_mscale
 
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")

@@ -21,6 +21,8 @@ _BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": "kvloom.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvloom.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kvloom.models.qwen3:Qwen3ForCausalLM",
+    "DeepseekV2ForCausalLM": "kvloom.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "kvloom.models.deepseek_v2:DeepseekV3ForCausalLM",
     # Decoders saved without their LM head: embedding models (runner "pooling").
     "LlamaModel": "kvloom.models.embedding:LlamaEmbeddingModel",
     "MistralModel": "kvloom.models.embedding:LlamaEmbeddingModel",

@@ -1,7 +1,8 @@
 """Weight-name bookkeeping shared by the model classes.
 
 kvloom models keep HF's module names except for the merged projections (``qkv_proj``,
-``gate_up_proj``). ``checkpoint_names`` lists every HF checkpoint name a model needs and
+``gate_up_proj``) and the stacked experts of a ``FusedMoE`` (``w13_weight``, ``w2_weight``,
+which name their per-expert checkpoint tensors through ``checkpoint_shards``). ``checkpoint_names`` lists every HF checkpoint name a model needs and
 where it goes; ``load_checkpoint_weights`` loads by that map and reports what is missing.
 The GGUF loader uses the same map to translate llama.cpp tensor names.
 """
@@ -47,8 +48,37 @@ class WeightTarget:
     shard: str | None
 
 
+def param_checkpoint_names(
+    modules: dict[str, nn.Module], param_name: str, shard_to_original: dict[tuple[str, str], str]
+) -> list[tuple[str, str | None]]:
+    """The checkpoint tensors of one parameter: ``(HF name, shard for weight_loader)``.
+
+    * a module with a ``checkpoint_shards(leaf)`` method names them itself, relative to
+      its own name (``FusedMoE``: one tensor per expert and projection);
+    * a merged projection (``LinearBase`` with several shards) has one per shard, named by
+      the model's ``stacked_params`` (``shard_to_original``);
+    * any other parameter is its own checkpoint name.
+    """
+    module_name, _, leaf = param_name.rpartition(".")
+    module = modules.get(module_name)  # None for a module path that named_modules() deduplicated
+    shards_of = getattr(module, "checkpoint_shards", None)
+    if callable(shards_of):
+        return [(f"{module_name}.{rel}" if module_name else rel, shard) for rel, shard in shards_of(leaf)]
+    if isinstance(module, LinearBase) and len(module.shard_names) > 1:
+        parent, _, merged = module_name.rpartition(".")
+        names: list[tuple[str, str | None]] = []
+        for shard in module.shard_names:
+            original = shard_to_original.get((merged, shard))
+            if original is None:
+                raise ValueError(f"{module_name}: no checkpoint name for shard {shard!r} of {merged!r}")
+            names.append((f"{parent}.{original}.{leaf}" if parent else f"{original}.{leaf}", shard))
+        return names
+    return [(param_name, None)]
+
+
 def checkpoint_names(model: nn.Module, stacked: Sequence[tuple[str, str, str]]) -> dict[str, WeightTarget]:
-    """Every HF checkpoint name ``model`` needs, mapped to its target.
+    """Every HF checkpoint name ``model`` needs, mapped to its target
+    (``param_checkpoint_names`` for each parameter).
 
     Shared (tied) parameters appear once, under the name of their first owner.
     """
@@ -56,20 +86,10 @@ def checkpoint_names(model: nn.Module, stacked: Sequence[tuple[str, str, str]]) 
     shard_to_original = {(merged, shard): original for merged, original, shard in stacked}
     names: dict[str, WeightTarget] = {}
     for param_name, param in model.named_parameters():
-        module_name, _, leaf = param_name.rpartition(".")
-        module = modules[module_name]
-        if isinstance(module, LinearBase) and len(module.shard_names) > 1:
-            parent, _, merged = module_name.rpartition(".")
-            for shard in module.shard_names:
-                original = shard_to_original.get((merged, shard))
-                if original is None:
-                    raise ValueError(f"{module_name}: no checkpoint name for shard {shard!r} of {merged!r}")
-                hf_name = f"{parent}.{original}.{leaf}" if parent else f"{original}.{leaf}"
-                names[hf_name] = WeightTarget(param_name, module, param, shard)
-        else:
-            names[param_name] = WeightTarget(param_name, module, param, None)
+        module = modules[param_name.rpartition(".")[0]]
+        for hf_name, shard in param_checkpoint_names(modules, param_name, shard_to_original):
+            names[hf_name] = WeightTarget(param_name, module, param, shard)
     return names
-
 
 
 def weights_not_loaded(
@@ -78,24 +98,21 @@ def weights_not_loaded(
     """The checkpoint names of ``model``'s parameters that ``loaded`` (what
     ``load_weights`` returned) leaves out, and how many checkpoint weights the model has.
 
-    A parameter counts as loaded when ``loaded`` holds its own name or, for a merged
-    projection (``qkv_proj``, ``gate_up_proj``, mapped by ``stacked``), every checkpoint
-    name of its shards; a shared (tied) parameter counts under any of its names. Missing
-    weights are named as in the checkpoint (only the missing shards of a merged one).
+    A parameter counts as loaded when ``loaded`` holds its own name or every checkpoint
+    name of its shards (a merged projection's, ``qkv_proj``, ``gate_up_proj``, mapped by
+    ``stacked``; the experts of a ``FusedMoE``, named by the module); a shared (tied)
+    parameter counts under any of its names. Missing weights are named as in the
+    checkpoint (only the missing shards of a merged one).
     """
     loaded = set(loaded)
     modules = dict(model.named_modules())
     shard_to_original = {(merged, shard): original for merged, original, shard in stacked}
 
     def hf_names(param_name: str) -> list[str]:
-        module_name, _, leaf = param_name.rpartition(".")
-        module = modules.get(module_name)
-        if isinstance(module, LinearBase) and len(module.shard_names) > 1:
-            parent, _, merged = module_name.rpartition(".")
-            originals = [shard_to_original.get((merged, shard)) for shard in module.shard_names]
-            if all(originals):
-                return [f"{parent}.{o}.{leaf}" if parent else f"{o}.{leaf}" for o in originals]
-        return [param_name]
+        try:
+            return [name for name, _ in param_checkpoint_names(modules, param_name, shard_to_original)]
+        except ValueError:  # a merged projection that stacked does not map: count it by its own name
+            return [param_name]
 
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -103,6 +103,14 @@ class Platform(ABC):
         """Backends to try, highest priority first."""
 
     @classmethod
+    def get_mla_prefill_backend_priority(cls, capability: DeviceCapability | None) -> list[BackendCandidate]:
+        """MLA prefill backends to try, highest priority first (an MLA model selects its
+        decode backend from ``get_attn_backend_priority(True, ...)`` and its prefill
+        backend from this list). Default: the MLA decode list (a backend declaring both
+        phases serves both)."""
+        return cls.get_attn_backend_priority(True, capability)
+
+    @classmethod
     @abstractmethod
     def get_worker_cls(cls) -> type["WorkerBase"]:
         """The worker class that runs models on this platform."""

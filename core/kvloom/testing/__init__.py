@@ -18,8 +18,8 @@ EngineArgs``), ``kvloom.interfaces`` and ``kvloom.testing``; the names here are:
   the engine);
 - custom ops (``kvloom.testing.reference``): ``custom_op_reference`` (the torch code a
   platform's custom op replaces), ``check_custom_op`` (hold a replacement to the
-  contract: bit-identical, or within 2 ulp for the norms) and ``lora_delta_reference``
-  (the float64 definition of the ``lora_delta`` op).
+  contract: bit-identical, or within 2 ulp for the norms), ``lora_delta_reference`` and
+  ``fused_moe_reference`` (the float64 definitions of the ``lora_delta`` and ``fused_moe`` ops).
 
 Modules with more, imported on their own (``from kvloom.testing.models import
 tiny_model_dir``; ``import kvloom.testing`` does not load them or their heavy
@@ -60,7 +60,7 @@ from kvloom.testing.plugins import (
     report_attention_backends,
     select_attention_backend,
 )
-from kvloom.testing.reference import check_custom_op, custom_op_reference, lora_delta_reference
+from kvloom.testing.reference import check_custom_op, custom_op_reference, fused_moe_reference, lora_delta_reference
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -74,6 +74,7 @@ __all__ = [
     "custom_op_reference",
     "forward_context",
     "fresh_plugins",
+    "fused_moe_reference",
     "installed_backend",
     "load_model",
     "lora_delta_reference",

@@ -44,6 +44,7 @@ __all__ = [
     "EOS_TOKEN",
     "TINY_ARCHITECTURES",
     "TINY_CONFIGS",
+    "TINY_MLA_ARCHITECTURES",
     "build_tokenizer",
     "forward_context",
     "hf_greedy_tokens",
@@ -149,15 +150,38 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
         rope_theta=1000000.0, tie_word_embeddings=False,
     ),
+    # MLA (multi-head latent attention). V2: q_lora_rank None (V2-Lite's shape),
+    # interleaved RoPE. V3: q_lora_rank set, DeepSeek's YaRN (mscale, mscale_all_dim).
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=256, rope_theta=10000.0,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=3, tie_word_embeddings=False,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=256,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+            mscale=1.0, mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
+        ),
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=2, topk_group=1, first_k_dense_replace=3, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 """The config fields of each tiny architecture (``model_type`` plus HF config fields): a few
 layers of width 64 that still exercise GQA (fewer KV heads than heads), head dims that
 differ from ``hidden_size / heads`` (mistral, qwen3), tied and untied LM heads, biases
 (qwen2) and q/k norms (qwen3)."""
 
-TINY_ARCHITECTURES: tuple[str, ...] = tuple(TINY_CONFIGS)
-"""The names ``make_tiny_model`` and ``tiny_model_dir`` take: ``llama``, ``mistral``,
-``qwen2``, ``qwen3``."""
+TINY_MLA_ARCHITECTURES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
+"""The tiny MLA models (multi-head latent attention, ``use_mla``): ``deepseek_v2``,
+``deepseek_v3``; ``make_tiny_model`` and ``tiny_model_dir`` take them too."""
+
+TINY_ARCHITECTURES: tuple[str, ...] = tuple(a for a in TINY_CONFIGS if a not in TINY_MLA_ARCHITECTURES)
+"""The standard-attention tiny models: ``llama``, ``mistral``, ``qwen2``, ``qwen3``."""
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:

@@ -562,12 +562,32 @@ def lora_delta_reference(
     return y.double() + torch.bmm(b, shrunk).squeeze(-1)
 
 
+# ---------------------------------------------------------------------------- MoE
+def fused_moe_reference(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """What the ``fused_moe`` op computes, in float64 without intermediate rounding:
+    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]``
+    and ``[g | u] = w13[e] @ hidden[t]``. Returns ``[T, H]`` float64."""
+    inter = w2.shape[-1]
+    ids = topk_ids.long()
+    gate_up = torch.einsum("th,tkih->tki", hidden.double(), w13.double()[ids])  # [T, k, 2I]
+    act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    down = torch.einsum("tki,tkhi->tkh", act, w2.double()[ids])  # [T, k, H]
+    return (down * topk_weights.double()[..., None]).sum(dim=1)
+
+
 # ---------------------------------------------------------------------- custom ops
 
 #: Relative tolerance (max |op - float64 definition| / max |float64 definition|) of the
 #: ``lora_delta`` op, by dtype; the torch code stays well inside (fp32 ~4e-7, fp16 ~7e-4,
 #: bf16 ~5e-3 on random adapters).
 LORA_DELTA_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+#: Relative tolerance (max |op - float64 definition| / max |float64 definition|) of the
+#: ``fused_moe`` op, by dtype; the torch code rounds every GEMM output and the SiLU product
+#: to the dtype (fp32 ~1e-6, fp16 ~1e-3, bf16 ~8e-3 on random experts).
+FUSED_MOE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 #: The largest distance of a 16-bit norm from the torch code, in units in the last place.
 NORM_MAX_ULP = 2
@@ -580,11 +600,13 @@ def custom_op_reference(name: str) -> Any:
     ``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) replaces: what the layers compute with
     ``--custom-ops none``, with the op's own signature. ``rms_norm`` and
     ``fused_add_rms_norm`` are ``RMSNorm``'s, ``silu_and_mul`` is ``SiluAndMul``'s,
-    ``rotary_qk`` is ``RotaryEmbedding.rotate_heads``' and ``lora_delta`` the grouped LoRA
-    GEMMs (its float64 definition is ``lora_delta_reference``). Run it on the device and in
+    ``rotary_qk`` is ``RotaryEmbedding.rotate_heads``', ``lora_delta`` the grouped LoRA
+    GEMMs (its float64 definition is ``lora_delta_reference``) and ``fused_moe`` the
+    per-expert GEMMs of ``FusedMoE`` (float64 definition: ``fused_moe_reference``). Run it on the device and in
     the dtype your op runs in: ``check_custom_op`` compares the two."""
     from kvloom.layers.activation import silu_and_mul_torch
     from kvloom.layers.custom_ops import OP_SIGNATURES
+    from kvloom.layers.fused_moe import fused_moe_torch
     from kvloom.layers.layernorm import fused_add_rms_norm_torch, rms_norm_torch
     from kvloom.layers.rotary import rotary_qk_torch
     from kvloom.lora.ops import lora_delta_torch
@@ -595,6 +617,7 @@ def custom_op_reference(name: str) -> Any:
         "silu_and_mul": silu_and_mul_torch,
         "rotary_qk": rotary_qk_torch,
         "lora_delta": lora_delta_torch,
+        "fused_moe": fused_moe_torch,
     }
     if name not in OP_SIGNATURES or name not in references:
         raise ValueError(f"unknown custom op {name!r} (known: {', '.join(sorted(OP_SIGNATURES))})")
@@ -621,7 +644,7 @@ def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
     (``custom_op_reference(name)``) on ``args`` and hold ``op`` to kvloom's contract;
     raise ``AssertionError`` saying what differs, else return a report (``passed``,
     ``exact``: the fraction of bit-identical elements, ``max_ulp`` for 16-bit norms,
-    ``max_rel`` for float32 norms and ``lora_delta``). The contract, per op:
+    ``max_rel`` for float32 norms, ``lora_delta`` and ``fused_moe``). The contract, per op:
 
     - every op: new output tensors of the reference's shapes and dtypes, and every input
       left untouched (``lora_delta`` excepted: it may add the update to ``y`` in place);
@@ -634,7 +657,9 @@ def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
       kernels do), at most ``NORM_FP32_MAX_REL`` (1e-5) relative in float32;
     - ``lora_delta``: within ``LORA_DELTA_TOLERANCES[dtype]`` (relative to the largest
       value) of the float64 definition ``lora_delta_reference``; rows of tokens without
-      an adapter (slot 0) are ``y`` exactly.
+      an adapter (slot 0) are ``y`` exactly;
+    - ``fused_moe``: within ``FUSED_MOE_TOLERANCES[dtype]`` (relative to the largest value)
+      of the float64 definition ``fused_moe_reference``.
 
     Use random inputs of your model's shapes, on your device, for every dtype you enable
     the op for."""
@@ -686,6 +711,12 @@ def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
             assert _same_bits(got_c[: len(base_rows)][base_rows], y.cpu()[: len(base_rows)][base_rows]), (
                 f"{name}: rows without an adapter must be y exactly"
             )
+        elif name == "fused_moe":
+            definition = fused_moe_reference(*[t.cpu() for t in before]).cpu()
+            rel = ((got_c.double() - definition).abs().max() / definition.abs().max().clamp_min(1e-30)).item()
+            report["max_rel"] = rel
+            tolerance = FUSED_MOE_TOLERANCES.get(got_c.dtype, 1e-5)
+            assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from the float64 definition; allowed {tolerance}"
         else:
             assert exact == 1.0, (
                 f"{name}: {label} differs from the torch code in {1 - exact:.2%} of its elements; it must be "

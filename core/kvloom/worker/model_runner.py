@@ -39,6 +39,7 @@ from torch import nn
 
 from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.attention.layer import Attention
+from kvloom.attention.mla import MLAAttention, MLAMetadataBuilder
 from kvloom.config import EngineConfig
 from kvloom.forward_context import set_forward_context
 from kvloom.loader.model_loader import get_model
@@ -108,7 +109,7 @@ class ModelRunner:
         self.pin_memory = device.type == "cuda"
 
         self.model: nn.Module | None = None
-        self.attn_layers: list[Attention] = []
+        self.attn_layers: list[Attention | MLAAttention] = []
         self.kv_caches: list[torch.Tensor] = []
         self.builder = None
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
@@ -153,7 +154,9 @@ class ModelRunner:
     def load_model(self) -> None:
         """Build the model on the device and load its weights (and LoRA slots when enabled)."""
         self.model = get_model(self.config, self.device)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # MLAAttention layers hold a latent cache (one KV "head" of kv_lora_rank +
+        # qk_rope_head_dim values per token); the cache code below treats both alike.
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, (Attention, MLAAttention))]
         if not self.attn_layers:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
         if self.config.lora.enable_lora:
@@ -195,8 +198,16 @@ class ModelRunner:
             max_num_seqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             scale=first.scale,
+            extra=first.dims.to_extra() if isinstance(first, MLAAttention) else {},
         )
-        self.builder = self.backend.get_builder_cls()(spec, self.device, self.max_blocks_per_req)
+        if isinstance(first, MLAAttention):
+            # The core splits each step into decode and prefill requests and asks each
+            # phase backend's builder for its part (kvloom.attention.mla).
+            self.builder = MLAMetadataBuilder(
+                spec, self.device, self.max_blocks_per_req, first.backend, first.prefill_backend
+            )
+        else:
+            self.builder = self.backend.get_builder_cls()(spec, self.device, self.max_blocks_per_req)
         if for_profiling:
             return
         logger.info(

@@ -43,8 +43,10 @@ class CpuPlatform(Platform):
     def get_attn_backend_priority(
         cls, use_mla: bool, capability: DeviceCapability | None
     ) -> list[BackendCandidate]:
-        # One list for MLA and standard attention: CPU_ATTN explains itself when it cannot
-        # serve an MLA model ("MLA not supported").
+        # MLA models: CPU_MLA (both phases; see get_mla_prefill_backend_priority, which
+        # defaults to this list). Standard models: CPU_ATTN, then FLEX_ATTENTION.
+        if use_mla:
+            return [BackendCandidate("CPU_MLA", "kvloom-backend-cpu")]
         return [
             BackendCandidate("CPU_ATTN", "kvloom-backend-cpu"),
             BackendCandidate("FLEX_ATTENTION", "kvloom-backend-flex-attention"),

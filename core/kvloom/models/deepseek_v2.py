@@ -1,0 +1,186 @@
+"""DeepSeek-V2 (V2-Lite included) and DeepSeek-V3 (without its MTP layer).
+
+Attention is multi-head latent attention (``kvloom.attention.mla.MLAAttention``: the
+latent cache, the absorbed decode and the decompressing prefill, each phase on its own
+selected backend). ``q_lora_rank`` None (V2-Lite: one ``q_proj``) or set (V2, V3:
+``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``). RoPE covers only the
+``qk_rope_head_dim`` part; DeepSeek's YaRN scaling puts ``mscale / mscale_all_dim`` into
+cos/sin and ``mscale(mscale_all_dim)**2`` into the softmax scale
+(``kvloom.layers.rotary.deepseek_softmax_scale``).
+
+The first ``first_k_dense_replace`` layers have a dense gated MLP; the others a
+mixture of experts (shared experts plus routed experts), which needs
+``kvloom.layers.fused_moe``.
+
+V3 differs only in its config (sigmoid router scores with a correction bias,
+group-limited top-k, ``rope_interleave``), so ``DeepseekV3ForCausalLM`` is this class.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvloom.attention.mla import MLAAttention
+from kvloom.config import EngineConfig
+from kvloom.layers.activation import get_gated_activation
+from kvloom.layers.layernorm import RMSNorm
+from kvloom.layers.linear import Linear, MergedLinear
+from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
+from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.models.utils import load_checkpoint_weights
+
+#: (merged module, checkpoint module, shard): gate/up of the dense MLPs and shared experts.
+DEEPSEEK_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    ("gate_up_proj", "gate_proj", "0"),
+    ("gate_up_proj", "up_proj", "1"),
+)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class DeepseekMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with gate and up merged."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj")
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, prefix=_join(prefix, "down_proj"))
+        self.act_fn = get_gated_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def _moe_layer(config: EngineConfig, prefix: str) -> nn.Module:
+    hf = config.model.hf_config
+    if importlib.util.find_spec("kvloom.layers.fused_moe") is None:
+        raise NotImplementedError(
+            f"{prefix}: layer is a mixture of experts (first_k_dense_replace={hf.first_k_dense_replace} < "
+            f"num_hidden_layers={hf.num_hidden_layers}), which needs kvloom.layers.fused_moe; this kvloom "
+            "has none yet"
+        )
+    from kvloom.models.deepseek_moe import DeepseekMoE  # noqa: PLC0415 (only MoE layers need it)
+
+    return DeepseekMoE(config, prefix)
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: RMSNorm, MLA, RMSNorm, dense MLP or MoE; residual adds in
+    the norms as in ``kvloom.models.llama``."""
+
+    def __init__(self, config: EngineConfig, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        rope = get_rope_parameters(hf)
+        dims = config.model.mla_dims
+        prefill_backend = config.attention.prefill_backend
+        if prefill_backend is None:
+            raise ValueError(f"{prefix}: an MLA model needs attention.prefill_backend (selected with use_mla)")
+        self.self_attn = MLAAttention(
+            hidden_size=hf.hidden_size,
+            dims=dims,
+            q_lora_rank=getattr(hf, "q_lora_rank", None),
+            scale=deepseek_softmax_scale(rope, dims.qk_head_dim),
+            rms_norm_eps=hf.rms_norm_eps,
+            decode_backend=config.attention.backend,
+            prefill_backend=prefill_backend,
+            # V2 rotates interleaved pairs; V3 when rope_interleave (its default).
+            rope_interleaved=bool(getattr(hf, "rope_interleave", True)),
+            prefix=_join(prefix, "self_attn"),
+            kv_cache_dtype=config.cache.cache_dtype,
+            bias=bool(getattr(hf, "attention_bias", False)),
+        )
+        first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
+        if layer_idx >= first_dense and getattr(hf, "n_routed_experts", None):
+            self.mlp: nn.Module = _moe_layer(config, _join(prefix, "mlp"))
+        else:
+            self.mlp = DeepseekMLP(
+                hf.hidden_size, hf.intermediate_size, hf.hidden_act, bool(getattr(hf, "mlp_bias", False)),
+                _join(prefix, "mlp"),
+            )  # fmt: skip
+        self.input_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: EngineConfig, prefix: str) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"))
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, _join(prefix, f"layers.{i}")) for i in range(hf.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim=hf.qk_rope_head_dim,
+            max_position=config.model.max_model_len,
+            rope_parameters=get_rope_parameters(hf),
+            max_position_embeddings=hf.max_position_embeddings,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """kvloom's model contract (see ``LlamaForCausalLM``) for DeepSeek-V2/V3."""
+
+    stacked_params = DEEPSEEK_STACKED_PARAMS
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        hf = config.model.hf_config
+        self.model = DeepseekV2Model(config, _join(prefix, "model"))
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; those of the MTP layer (``model.layers.{num_hidden_layers}``
+        and up) are skipped."""
+        hf: Any = self.config.model.hf_config
+        n = hf.num_hidden_layers
+        mtp = tuple(f"model.layers.{i}." for i in range(n, n + (getattr(hf, "num_nextn_predict_layers", 0) or 0)))
+        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        kept = ((name, t) for name, t in weights if not name.startswith(mtp)) if mtp else weights
+        return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=tied)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 (and R1): the V2 network; the differences are config values (router
+    scoring, group-limited top-k, rope_interleave), read where they are used."""
