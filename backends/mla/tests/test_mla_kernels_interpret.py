@@ -123,7 +123,103 @@ def _run_worker() -> None:
             results[spec.name] = {"rel_error": relative_error(out, ref)}
         except Exception as exc:
             results[spec.name] = {"error": f"{type(exc).__name__}: {exc}"}
+    results.update(_backend_cases())
     print("RESULTS " + json.dumps(results))
+
+
+def _mla_spec(phase: str, dtype, **extra):  # type: ignore[no-untyped-def]
+    import torch
+
+    from kvloom.interfaces import AttentionLayerSpec, MLADims
+
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24)
+    decode = phase == "decode"
+    return AttentionLayerSpec(
+        num_heads=4, num_kv_heads=1 if decode else 4, head_size=dims.latent_size if decode else dims.qk_head_dim,
+        dtype=dtype, kv_cache_dtype=dtype, block_size=16, max_num_seqs=8, max_model_len=256,
+        scale=dims.qk_head_dim**-0.5, extra={**dims.to_extra(), "mla_phase": phase, **extra},
+    ), dims, torch
+
+
+def _common(query_lens, seq_lens, block_table, device="cpu"):  # type: ignore[no-untyped-def]
+    import torch
+
+    from kvloom.interfaces import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), seq_lens=lens.to(device), block_table=block_table,
+        slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64, device=device), num_reqs=len(seq_lens),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+    )
+
+
+def _backend_cases() -> dict[str, dict]:
+    """TRITON_MLA through the MLA contract (builder + impl), next to CPU_MLA (the CI
+    reference backend) and the float64 reference, on the same inputs."""
+    import torch
+    from kvloom_backend_cpu.mla import CPUMLABackend
+    from kvloom_backend_mla.backend import TritonMLABackend
+    from kvloom_backend_mla.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
+    from kvloom_backend_mla.testing import make_decode_case
+
+    from kvloom.testing.reference import attend, relative_error
+
+    results: dict[str, dict] = {}
+    extra = {CONFIG_EXTRA_KEY: {"decode_block_n": 16, "min_split_tokens": 16, "prefill_block_m": 16,
+                                "prefill_block_n": 16}, NUM_SMS_EXTRA_KEY: 4}
+    for name, seq_lens, pad, graph in (("backend_decode", [1, 20, 77], 0, False),
+                                       ("backend_graph_decode_padded", [5, 60, 130], 2, True)):
+        try:
+            spec, dims, _ = _mla_spec("decode", torch.float32, **extra)
+            case = make_decode_case(seq_lens, num_heads=4, kv_lora_rank=32, rope_dim=16, block_size=16,
+                                    dtype=torch.float32, seed=len(name))
+            bt = torch.cat([case.block_table, case.block_table[:1].expand(pad, -1)])
+            lens = [*seq_lens, *([1] * pad)]  # CUDA-graph fillers: one position each
+            common = _common([1] * len(lens), lens, bt)
+            q = torch.cat([case.q, case.q[:1].expand(pad, -1, -1)])
+            outs = {}
+            for backend in (TritonMLABackend, CPUMLABackend):
+                builder = backend.get_builder_cls()(spec, torch.device("cpu"), bt.shape[1])
+                md = builder.build_for_cudagraph_capture(common) if graph else builder.build(common)
+                impl = backend.get_impl_cls()(dims, spec.scale)
+                out = torch.full((len(lens), 4, 32), float("nan"))
+                impl.forward_decode(q, case.kv_cache, md, out)
+                outs[backend.NAME] = out[: len(seq_lens)]
+                if backend is TritonMLABackend:
+                    splits = md.num_kv_splits
+            case.scale = spec.scale
+            ref = case.reference()
+            results[name] = {"rel_error": relative_error(outs["TRITON_MLA"], ref),
+                             "vs_cpu_mla": relative_error(outs["TRITON_MLA"], outs["CPU_MLA"]), "num_splits": splits}
+        except Exception as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        spec, dims, _ = _mla_spec("prefill", torch.float32, **extra)
+        gen = torch.Generator().manual_seed(5)
+        query_lens, seq_lens = [6, 1, 19], [30, 1, 19]  # cached prefix, a one-token prefill, none
+        nq, nk = sum(query_lens), sum(seq_lens)
+        q = torch.randn(nq, 4, 32, generator=gen)
+        k = torch.randn(nk, 4, 32, generator=gen)
+        v = torch.randn(nk, 4, 24, generator=gen)
+        common = _common(query_lens, seq_lens, torch.zeros(3, 2, dtype=torch.int32))
+        outs = {}
+        for backend in (TritonMLABackend, CPUMLABackend):
+            md = backend.get_builder_cls()(spec, torch.device("cpu"), 2).build(common)
+            out = torch.full((nq, 4, 24), float("nan"))
+            backend.get_impl_cls()(dims, spec.scale).forward_prefill(q, k, v, md, out)
+            outs[backend.NAME] = out
+        cq = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+        ck = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
+        ref = torch.cat([attend(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], spec.scale)
+                         for i in range(3)])
+        results["backend_prefill"] = {"rel_error": relative_error(outs["TRITON_MLA"], ref),
+                                      "vs_cpu_mla": relative_error(outs["TRITON_MLA"], outs["CPU_MLA"])}
+    except Exception as exc:
+        results["backend_prefill"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +244,16 @@ def test_prefill_matches_float64_reference(interpreter_results: dict, spec: Pref
     result = interpreter_results[spec.name]
     assert "error" not in result, result.get("error")
     assert result["rel_error"] < TOLERANCE[spec.dtype], f"{spec.name}: rel error {result['rel_error']:.3e}"
+
+
+@pytest.mark.parametrize("name", ["backend_decode", "backend_graph_decode_padded", "backend_prefill"])
+def test_backend_matches_reference_and_cpu_mla(interpreter_results: dict, name: str) -> None:
+    result = interpreter_results[name]
+    assert "error" not in result, result.get("error")
+    assert result["rel_error"] < TOLERANCE["float32"], f"{name}: rel error {result['rel_error']:.3e}"
+    assert result["vs_cpu_mla"] < TOLERANCE["float32"], f"{name}: differs from CPU_MLA by {result['vs_cpu_mla']:.3e}"
+    if "decode" in name:
+        assert result["num_splits"] > 1  # the split path and its reduce ran
 
 
 def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
