@@ -3,7 +3,7 @@
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, serving, select, select-nofi, mla.
-#   mla          the GPU tests of backends/mla (TRITON_MLA) and of FLASHINFER_MLA, then
+#   mla          the GPU tests of backends/mla (TRITON_MLA), of FLASHINFER_MLA and tests/gpu/test_mla_gpu.py (tiny DeepSeek-V2), then
 #                benchmarks/bench_mla_decode.py (MLA decode alone vs copy bandwidth); MLA_ARGS adds flags.
 #   serving      benchmarks/bench_serving.py (offline vs kvloom serve, one workload, one run); needs the
 #                carried folder .benchtok (the tokenizer files: SmolLM2's, saved from the GGUF with
@@ -175,7 +175,7 @@ for i in "${!stages[@]}"; do
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
     serving) python3 benchmarks/bench_serving.py --tokenizer .benchtok --out "$OUT/serving" ${SERVING_ARGS:-} 2>&1 | tail -40 ;;
     mla)
-      run_pytest mla backends/mla/tests/test_mla_kernels_gpu.py backends/flashinfer/tests/test_flashinfer_mla_gpu.py
+      run_pytest mla backends/mla/tests/test_mla_kernels_gpu.py backends/flashinfer/tests/test_flashinfer_mla_gpu.py tests/gpu/test_mla_gpu.py
       python3 benchmarks/bench_mla_decode.py --out "$OUT/mla" ${MLA_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
