@@ -2,7 +2,7 @@
 
 For each batch x context (defaults: batch 1/16/64/256 x context 1024/4096, DeepSeek-V2-Lite's
 attention: 16 heads, kv_lora_rank 512, rope dim 64, bf16, block size 64): a random paged
-latent cache (``kvloom_backend_mla.testing.make_decode_case``), then
+latent cache (``kvloom.testing.mla_decode.make_decode_case``), then
 
 1. correctness: the first requests' relative error against the float64 reference;
 2. time: ``do_bench`` median of one decode launch (split count as the backend plans it for
@@ -135,7 +135,7 @@ def main() -> None:
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
         patch_interpreter_scalar_index()
-    from kvloom_backend_mla.testing import make_decode_case
+    from kvloom.testing.mla_decode import make_decode_case
 
     dtype = getattr(torch, args.dtype)
     kernels = [k for k in args.kernels.split(",") if k]

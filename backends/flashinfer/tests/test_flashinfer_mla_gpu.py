@@ -15,10 +15,10 @@ from kvloom.testing.reference import relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("flashinfer")
-pytest.importorskip("kvloom_backend_mla")
 
 from kvloom_backend_flashinfer.mla import FlashInferMLADecoder  # noqa: E402
-from kvloom_backend_mla.testing import make_decode_case  # noqa: E402
+
+from kvloom.testing.mla_decode import make_decode_case  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from kvloom_backend_mla.testing import make_decode_case
+from kvloom.testing.mla_decode import make_decode_case
 from kvloom_backend_mla import ops
 
 from kvloom.testing.reference import attend, relative_error

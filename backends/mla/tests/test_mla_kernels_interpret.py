@@ -79,7 +79,7 @@ PREFILL = [
 def _run_worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from kvloom_backend_mla.testing import make_decode_case
+    from kvloom.testing.mla_decode import make_decode_case
     from kvloom_backend_mla import ops
     from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
 
@@ -163,7 +163,7 @@ def _backend_cases() -> dict[str, dict]:
     from kvloom_backend_cpu.mla import CPUMLABackend
     from kvloom_backend_mla.backend import TritonMLABackend
     from kvloom_backend_mla.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
-    from kvloom_backend_mla.testing import make_decode_case
+    from kvloom.testing.mla_decode import make_decode_case
 
     from kvloom.testing.reference import attend, relative_error
 
