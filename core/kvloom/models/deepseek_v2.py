@@ -9,8 +9,8 @@ cos/sin and ``mscale(mscale_all_dim)**2`` into the softmax scale
 (``kvloom.layers.rotary.deepseek_softmax_scale``).
 
 The first ``first_k_dense_replace`` layers have a dense gated MLP; the others a
-mixture of experts (shared experts plus routed experts), which needs
-``kvloom.layers.fused_moe``.
+mixture of experts (``DeepseekMoE``: shared experts plus routed experts through
+``kvloom.layers.fused_moe.FusedMoE``, expert weights stacked at load time).
 
 V3 differs only in its config (sigmoid router scores with a correction bias,
 group-limited top-k, ``rope_interleave``), so ``DeepseekV3ForCausalLM`` is this class.
@@ -18,16 +18,18 @@ group-limited top-k, ``rope_interleave``), so ``DeepseekV3ForCausalLM`` is this 
 
 from __future__ import annotations
 
-import importlib.util
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvloom.attention.mla import MLAAttention
 from kvloom.config import EngineConfig
 from kvloom.layers.activation import get_gated_activation
+from kvloom.layers.fused_moe import FusedMoE
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
@@ -60,17 +62,62 @@ class DeepseekMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-def _moe_layer(config: EngineConfig, prefix: str) -> nn.Module:
-    hf = config.model.hf_config
-    if importlib.util.find_spec("kvloom.layers.fused_moe") is None:
-        raise NotImplementedError(
-            f"{prefix}: layer is a mixture of experts (first_k_dense_replace={hf.first_k_dense_replace} < "
-            f"num_hidden_layers={hf.num_hidden_layers}), which needs kvloom.layers.fused_moe; this kvloom "
-            "has none yet"
-        )
-    from kvloom.models.deepseek_moe import DeepseekMoE  # noqa: PLC0415 (only MoE layers need it)
+class DeepseekRouter(nn.Module):
+    """The router's weight ``[n_routed_experts, hidden]``, kept in float32 as HF keeps it
+    (the logits are computed in float32 whatever the model dtype)."""
 
-    return DeepseekMoE(config, prefix)
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class DeepseekMoE(nn.Module):
+    """Shared experts (a dense gated MLP of ``moe_intermediate_size * n_shared_experts``)
+    plus routed experts (``FusedMoE``).
+
+    Routing as DeepSeek's configs say: V2 softmax scores, greedy or group-limited greedy
+    top-k (``topk_method``); V3 sigmoid scores steered by ``e_score_correction_bias``,
+    group-limited top-k over ``n_group`` groups (``noaux_tc``); weights renormalised when
+    ``norm_topk_prob``, times ``routed_scaling_factor``.
+    """
+
+    def __init__(self, config: EngineConfig, prefix: str) -> None:
+        super().__init__()
+        hf = config.model.hf_config
+        v3 = getattr(hf, "model_type", "") == "deepseek_v3"
+        topk_method = getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
+        scoring = getattr(hf, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+        grouped = topk_method in ("group_limited_greedy", "noaux_tc") and getattr(hf, "n_group", None)
+        num_experts = hf.n_routed_experts
+        self.gate = DeepseekRouter(num_experts, hf.hidden_size)
+        self.experts = FusedMoE(
+            num_experts,
+            hf.num_experts_per_tok,
+            hf.hidden_size,
+            hf.moe_intermediate_size,
+            renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+            scoring_func=scoring,
+            use_correction_bias=topk_method == "noaux_tc",
+            num_expert_group=hf.n_group if grouped else None,
+            topk_group=hf.topk_group if grouped else None,
+            routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
+            prefix=_join(prefix, "experts"),
+        )
+        shared = getattr(hf, "n_shared_experts", None) or 0
+        self.shared_experts = (
+            DeepseekMLP(hf.hidden_size, hf.moe_intermediate_size * shared, hf.hidden_act, False,
+                        _join(prefix, "shared_experts"))
+            if shared else None
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -101,7 +148,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         )
         first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
         if layer_idx >= first_dense and getattr(hf, "n_routed_experts", None):
-            self.mlp: nn.Module = _moe_layer(config, _join(prefix, "mlp"))
+            self.mlp: nn.Module = DeepseekMoE(config, _join(prefix, "mlp"))
         else:
             self.mlp = DeepseekMLP(
                 hf.hidden_size, hf.intermediate_size, hf.hidden_act, bool(getattr(hf, "mlp_bias", False)),
@@ -177,8 +224,16 @@ class DeepseekV2ForCausalLM(nn.Module):
         n = hf.num_hidden_layers
         mtp = tuple(f"model.layers.{i}." for i in range(n, n + (getattr(hf, "num_nextn_predict_layers", 0) or 0)))
         tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        kept = ((name, t) for name, t in weights if not name.startswith(mtp)) if mtp else weights
+        kept = ((_kvloom_name(name), t) for name, t in weights if not (mtp and name.startswith(mtp)))
         return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=tied)
+
+
+#: HF keeps V3's correction bias on the router; kvloom's FusedMoE owns it.
+_CORRECTION_BIAS = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")
+
+
+def _kvloom_name(name: str) -> str:
+    return _CORRECTION_BIAS.sub(".mlp.experts.e_score_correction_bias", name)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -157,7 +157,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=256, rope_theta=10000.0,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=3, tie_word_embeddings=False,
+        first_k_dense_replace=1, tie_word_embeddings=False,
     ),
     "deepseek_v3": dict(
         model_type="deepseek_v3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -168,7 +168,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             mscale=1.0, mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
         ),
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        n_group=2, topk_group=1, first_k_dense_replace=3, tie_word_embeddings=False,
+        n_group=2, topk_group=1, first_k_dense_replace=1, tie_word_embeddings=False,
     ),
 }  # fmt: skip
 """The config fields of each tiny architecture (``model_type`` plus HF config fields): a few

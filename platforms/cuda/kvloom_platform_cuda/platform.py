@@ -10,6 +10,7 @@ MLA           SM 10.x: FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, FLASHMLA, TR
               FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE
               otherwise: FLASH_ATTN_MLA, FLASHMLA, FLASHINFER_MLA, TRITON_MLA,
               FLASHMLA_SPARSE
+MLA prefill   FLASH_ATTN_MLA, FLASHINFER_MLA, TRITON_MLA (any capability)
 ============  ==========================================================================
 
 Each backend's own declarations (compute capability, head sizes, ...) then decide
@@ -54,6 +55,10 @@ MLA_BLACKWELL = (
     _FLASHINFER_MLA_SPARSE,
 )
 MLA_DEFAULT = (_FLASH_ATTN_MLA, _FLASHMLA, _FLASHINFER_MLA, _TRITON_MLA, _FLASHMLA_SPARSE)
+#: MLA prefill (dense varlen attention over decompressed K/V): flash-attn's varlen kernel
+#: first (vLLM's default prefill), then FlashInfer's ragged prefill, then Triton. Only
+#: backends declaring the "prefill" phase are valid.
+MLA_PREFILL = (_FLASH_ATTN_MLA, _FLASHINFER_MLA, _TRITON_MLA)
 
 
 class CudaPlatform(Platform):
@@ -104,6 +109,10 @@ class CudaPlatform(Platform):
         if use_mla:
             return list(MLA_BLACKWELL if blackwell else MLA_DEFAULT)
         return list(STANDARD_BLACKWELL if blackwell else STANDARD_DEFAULT)
+
+    @classmethod
+    def get_mla_prefill_backend_priority(cls, capability: DeviceCapability | None) -> list[BackendCandidate]:
+        return list(MLA_PREFILL)
 
     @classmethod
     def get_worker_cls(cls) -> type[WorkerBase]:

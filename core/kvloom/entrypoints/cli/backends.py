@@ -11,6 +11,13 @@ its reason names the sizes it accepts).
 the platform's ``get_device_name()``, null where the platform is not available here).
 Exit status: 0 when a backend is selected, 1 otherwise.
 
+For an MLA model (``--model`` of a DeepSeek-V2/V3 checkpoint, or ``--use-mla``) there are
+two selections, each with its own table: the decode backend (``--attention-backend``,
+head size ``kv_lora_rank + qk_rope_head_dim``) and the prefill backend
+(``--mla-prefill-backend``, head size ``qk_nope_head_dim + qk_rope_head_dim``); ``--json``
+adds ``"prefill": {"selected", "candidates"}``. ``--use-mla`` without ``--model`` uses
+DeepSeek-V2/V3's dims (latent 512 + 64, nope 128, v 128).
+
 Without ``--model`` the configuration is ``--head-size`` (default 128, the head size of
 most current LLMs) and ``--dtype`` (default: the platform's preferred dtype).
 ``--device-capability X.Y`` simulates a GPU generation (e.g. 10.0 for Blackwell) and
@@ -75,7 +82,12 @@ def register_subparser(subparsers: Any) -> None:
         "(default: the active platform)",
     )
     parser.add_argument(
-        "--attention-backend", default=None, metavar="NAME", help="check an explicit choice instead of priority order"
+        "--attention-backend", default=None, metavar="NAME",
+        help="check an explicit choice instead of priority order (MLA: the decode backend)",
+    )
+    parser.add_argument(
+        "--mla-prefill-backend", default=None, metavar="NAME",
+        help="MLA models: check an explicit prefill backend instead of priority order",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run_backends)
@@ -99,8 +111,40 @@ def _positive(value: int | None, flag: str) -> None:
         raise ValueError(f"{flag}: {value} is not a positive integer (allowed: 1 and above)")
 
 
-def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) -> "AttentionSelectorConfig":
-    """The selection inputs from the flags (and the model's config with --model)."""
+#: DeepSeek-V2/V3's MLA dims, for ``--use-mla`` without ``--model``.
+DEFAULT_MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+
+def build_selector_config(
+    args: argparse.Namespace, platform: type["Platform"], mla_phase: str = "decode"
+) -> "AttentionSelectorConfig":
+    """The selection inputs from the flags (and the model's config with --model); for an
+    MLA model those of ``mla_phase`` (``"decode"`` or ``"prefill"``)."""
+    import dataclasses
+
+    config = _base_selector_config(args, platform)
+    if not config.use_mla:
+        return config
+    text = None
+    if args.model:
+        from kvloom.loader.model_source import load_hf_config, resolve_model_source
+
+        hf_config = load_hf_config(resolve_model_source(args.model))
+        text = getattr(hf_config, "text_config", None) or hf_config
+    dims = {k: getattr(text, k, None) or v for k, v in DEFAULT_MLA_DIMS.items()}
+    heads = config.num_heads
+    if mla_phase == "decode":
+        return dataclasses.replace(
+            config, head_size=args.head_size or dims["kv_lora_rank"] + dims["qk_rope_head_dim"], mla_phase="decode",
+            num_kv_heads=1 if heads is not None else None,
+        )  # fmt: skip
+    return dataclasses.replace(
+        config, head_size=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"], block_size=None,
+        mla_phase="prefill", v_head_dim=dims["v_head_dim"], num_kv_heads=heads,
+    )  # fmt: skip
+
+
+def _base_selector_config(args: argparse.Namespace, platform: type["Platform"]) -> "AttentionSelectorConfig":
     from kvloom.attention.backend import AttentionSelectorConfig
     from kvloom.engine.arg_utils import _resolve_dtype
     from kvloom.platforms.interface import DeviceCapability
@@ -117,6 +161,9 @@ def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) 
         num_heads = text.num_attention_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        use_mla = args.use_mla or getattr(text, "kv_lora_rank", None) is not None
+    else:
+        use_mla = args.use_mla
     if args.head_size is not None:
         head_size = args.head_size
     capability = (
@@ -129,7 +176,7 @@ def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) 
         dtype=_resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name),
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
-        use_mla=args.use_mla,
+        use_mla=use_mla,
         device_type=platform.device_type,
         device_capability=capability,
         num_heads=num_heads,
@@ -137,7 +184,9 @@ def build_selector_config(args: argparse.Namespace, platform: type["Platform"]) 
     )
 
 
-def _print_table(report: "SelectionReport", platform_label: str, device_name: str | None) -> None:
+def _print_table(
+    report: "SelectionReport", platform_label: str, device_name: str | None, title: str = "Attention backends"
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -159,11 +208,13 @@ def _print_table(report: "SelectionReport", platform_label: str, device_name: st
         f"Configuration: head_size={config.head_size}, dtype={dtype_name(config.dtype)}, "
         f"kv_cache_dtype={config.kv_cache_dtype}, "
         f"block_size={config.block_size if config.block_size is not None else 'auto'}, use_mla={config.use_mla}"
+        + (f", mla_phase={config.mla_phase}" if config.mla_phase else "")
+        + (f", v_head_size={config.v_head_dim}" if config.v_head_dim else "")
         + (f", requested={report.requested}" if report.requested else ""),
         soft_wrap=True,
         highlight=False,
     )
-    table = Table(title="Attention backends in priority order", title_justify="left")
+    table = Table(title=f"{title} in priority order", title_justify="left")
     for column in ("#", "Backend", "Status", "Distribution", "Version"):
         table.add_column(column, no_wrap=True)
     table.add_column("Reasons", overflow="fold")
@@ -176,7 +227,10 @@ def _print_table(report: "SelectionReport", platform_label: str, device_name: st
             str(c.priority), c.name, status, c.distribution or "-", c.version or "-", "\n".join(c.reasons) or "-"
         )
     console.print(table)
-    if report.selected is not None:
+    if report.selected is not None and config.mla_phase == "prefill":
+        # The prefill phase never reads the paged cache: no block size of its own.
+        console.print(f"Selected: [bold]{report.selected}[/]")
+    elif report.selected is not None:
         console.print(f"Selected: [bold]{report.selected}[/] (block size {report.block_size})")
         if config.block_size is None:
             console.print(
@@ -201,15 +255,32 @@ def run_backends(args: argparse.Namespace) -> int:
     device_name = platform.get_device_name() if platform.is_available() else None
     config = build_selector_config(args, platform)
     report = selector.report_attention_backends(platform, config, requested=args.attention_backend)
+    prefill = None
+    if config.use_mla:
+        prefill_config = build_selector_config(args, platform, "prefill")
+        prefill = selector.report_attention_backends(platform, prefill_config, requested=args.mla_prefill_backend)
+    elif args.mla_prefill_backend is not None:
+        print("kvloom: error: --mla-prefill-backend: the configuration is not MLA (use --use-mla or an MLA --model)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    label = f"{platform.name} ({entry.distribution} {entry.version})"
     if args.json:
         data = report.to_json()
-        print(json.dumps({"platform": data.pop("platform"), "device_name": device_name, **data}, indent=2))
+        out = {"platform": data.pop("platform"), "device_name": device_name, **data}
+        if prefill is not None:
+            prefill_data = prefill.to_json()
+            out["prefill"] = {"selected": prefill_data["selected"], "candidates": prefill_data["candidates"]}
+        print(json.dumps(out, indent=2))
+    elif prefill is None:
+        _print_table(report, label, device_name)
     else:
-        _print_table(report, f"{platform.name} ({entry.distribution} {entry.version})", device_name)
-    if report.error is not None:
-        print(f"kvloom: error: {report.error}", file=sys.stderr)
-        return 1
-    return 0
+        _print_table(report, label, device_name, "MLA decode backends (--attention-backend)")
+        print()
+        _print_table(prefill, label, device_name, "MLA prefill backends (--mla-prefill-backend)")
+    failed = [r.error for r in (report, prefill) if r is not None and r.error is not None]
+    for error in failed:
+        print(f"kvloom: error: {error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def run_backend_test(args: argparse.Namespace) -> int:
