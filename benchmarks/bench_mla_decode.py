@@ -19,6 +19,8 @@ CPU smoke (Triton interpreter, tiny shape)::
 
     TRITON_INTERPRET=1 python benchmarks/bench_mla_decode.py --device cpu --dtype float16 \\
         --batches 2 --contexts 40 --num-heads 4 --kv-lora-rank 32 --rope-dim 16 --block-size 16 --out /tmp/m
+
+On the GPU: ``MLA_ARGS="--variants 'default;decode_num_warps=8'" bash tests/gpu/run.sh mla``.
 """
 
 from __future__ import annotations
@@ -43,14 +45,15 @@ logger = logging.getLogger("bench_mla_decode")
 CHECK_ROWS = 4
 
 
-def triton_mla_runner(case: Any, args: argparse.Namespace, device: torch.device) -> tuple[Any, dict]:
+def triton_mla_runner(case: Any, args: argparse.Namespace, device: torch.device, variant: str) -> tuple[Any, dict]:
     from kvloom_backend_mla import ops
 
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         num_sms = args.cpu_num_sms
-    cfg = ops.resolve_config(case.q.dtype, ops.parse_overrides(args.config) if args.config else None)
+    overrides = ops.parse_overrides(variant) if variant != "default" else None
+    cfg = ops.resolve_config(case.q.dtype, overrides)
     num_reqs, num_heads = case.q.shape[:2]
     L = case.kv_lora_rank
     splits = ops.plan_num_kv_splits(num_reqs, num_heads, int(case.seq_lens.max()), num_sms, cfg)
@@ -65,7 +68,7 @@ def triton_mla_runner(case: Any, args: argparse.Namespace, device: torch.device)
     return run, {"num_kv_splits": splits}
 
 
-def flashinfer_mla_runner(case: Any, args: argparse.Namespace, device: torch.device) -> tuple[Any, dict]:
+def flashinfer_mla_runner(case: Any, args: argparse.Namespace, device: torch.device, variant: str) -> tuple[Any, dict]:
     import flashinfer.mla  # noqa: F401  (ImportError is reported by the caller)
     from kvloom_backend_flashinfer.mla import FlashInferMLADecoder
 
@@ -87,10 +90,10 @@ def flashinfer_mla_runner(case: Any, args: argparse.Namespace, device: torch.dev
 RUNNERS = {"TRITON_MLA": triton_mla_runner, "FLASHINFER_MLA": flashinfer_mla_runner}
 
 
-def measure(name: str, case: Any, args: argparse.Namespace, device: torch.device) -> dict:
-    row: dict[str, Any] = {"kernel": name}
+def measure(name: str, variant: str, case: Any, args: argparse.Namespace, device: torch.device) -> dict:
+    row: dict[str, Any] = {"kernel": name, "variant": variant}
     try:
-        run, info = RUNNERS[name](case, args, device)
+        run, info = RUNNERS[name](case, args, device, variant)
     except ImportError as exc:
         return {**row, "error": f"not importable: {exc}"}
     row.update(info)
@@ -118,7 +121,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--copy-gbps", type=float, default=3011.0,
                         help="device-copy bandwidth (read + write bytes per second / 1e9) to compare with")
-    parser.add_argument("--config", default="", help="TRITON_MLA kernel overrides, e.g. decode_block_n=64")
+    parser.add_argument("--variants", default="default",
+                        help="TRITON_MLA kernel configs to compare, ';'-separated: 'default' or overrides of "
+                             "MLAKernelConfig, e.g. 'default;decode_num_warps=8;decode_block_n=64,decode_num_warps=8'")
     parser.add_argument("--kernels", default="TRITON_MLA,FLASHINFER_MLA")
     parser.add_argument("--flashinfer-backend", default="fa2", help="BatchMLAPagedAttentionWrapper backend")
     parser.add_argument("--cpu-num-sms", type=int, default=4, help="SM count to plan splits for on the CPU")
@@ -139,6 +144,7 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     kernels = [k for k in args.kernels.split(",") if k]
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     unknown = set(kernels) - set(RUNNERS)
     if unknown:
         parser.error(f"--kernels: unknown {sorted(unknown)}; choose from {sorted(RUNNERS)}")
@@ -149,14 +155,17 @@ def main() -> None:
                                     rope_dim=args.rope_dim, block_size=args.block_size, dtype=dtype, device=device,
                                     seed=batch * 7919 + context)
             for name in kernels:
-                row = {"batch": batch, "context": context, **measure(name, case, args, device)}
-                rows.append(row)
-                if "error" in row:
-                    logger.info("%-14s B=%-4d ctx=%-5d %s", name, batch, context, row["error"])
-                else:
-                    logger.info("%-14s B=%-4d ctx=%-5d %8.4f ms %7.1f GB/s %5.1f%% of copy  rel err %.1e  %s",
-                                name, batch, context, row["ms"], row["GBps"], row["pct_of_copy"], row["rel_error"],
-                                {k: row[k] for k in ("num_kv_splits", "flashinfer_backend") if k in row})
+                for variant in variants if name == "TRITON_MLA" else ["default"]:
+                    row = {"batch": batch, "context": context, **measure(name, variant, case, args, device)}
+                    rows.append(row)
+                    label = f"{name}[{variant}]"
+                    if "error" in row:
+                        logger.info("%-40s B=%-4d ctx=%-5d %s", label, batch, context, row["error"])
+                    else:
+                        logger.info("%-40s B=%-4d ctx=%-5d %8.4f ms %7.1f GB/s %5.1f%% of copy  rel err %.1e  %s",
+                                    label, batch, context, row["ms"], row["GBps"], row["pct_of_copy"],
+                                    row["rel_error"],
+                                    {k: row[k] for k in ("num_kv_splits", "flashinfer_backend") if k in row})
             del case
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -164,7 +173,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype, "num_heads": args.num_heads, "kv_lora_rank": args.kv_lora_rank,
         "rope_dim": args.rope_dim, "block_size": args.block_size, "copy_gbps": args.copy_gbps,
-        "config": args.config, "rows": rows,
+        "variants": variants, "rows": rows,
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "mla_decode.json"), "w") as f:

@@ -34,8 +34,10 @@ class MLAKernelConfig:
 
     decode: a program owns ``decode_block_h`` heads of one request and one KV split and
     steps through it ``decode_block_n`` latent vectors at a time. The split count aims at
-    ``programs_per_sm`` programs per SM, never below ``min_split_tokens`` positions per
-    split nor above ``max_splits``; ``force_num_splits`` pins it (tests, benchmarks).
+    one wave of ``programs_per_sm`` programs per SM (two fit an H100 SM at the default
+    tiles: ~208 registers x 128 threads, 55 KiB of shared memory), never below
+    ``min_split_tokens`` positions per split nor above ``max_splits``;
+    ``force_num_splits`` pins it (tests, benchmarks).
     prefill: ``prefill_block_m`` query rows x ``prefill_block_n`` keys per step.
     """
 
@@ -44,8 +46,8 @@ class MLAKernelConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     programs_per_sm: int = 2
-    min_split_tokens: int = 256
-    max_splits: int = 32
+    min_split_tokens: int = 128
+    max_splits: int = 64
     force_num_splits: int | None = None
     prefill_block_m: int = 64
     prefill_block_n: int = 32
@@ -126,17 +128,19 @@ def plan_num_kv_splits(
 ) -> int:
     """Split count for a decode launch of ``num_reqs`` requests.
 
-    Enough (request, head tile, split) programs for ``programs_per_sm`` per SM, no split
-    shorter than ``min_split_tokens`` (the partial writes and the reduce must stay small
-    next to the latent reads), at most ``max_splits``. ``max_seq_len`` is the longest
-    sequence the launch may meet: the step's longest eagerly, ``max_model_len`` for a
-    CUDA graph (the kernel cuts each request's own length into that many splits).
+    As many splits as fit ``programs_per_sm`` (request, head tile, split) programs per SM
+    in one wave (rounded down: a second, partial wave of programs would cost as long as
+    the first), no split shorter than ``min_split_tokens`` (the partial writes and the
+    reduce must stay small next to the latent reads), at most ``max_splits``, at least 1.
+    ``max_seq_len`` is the longest sequence the launch may meet: the step's longest
+    eagerly, ``max_model_len`` for a CUDA graph (the kernel cuts each request's own
+    length into that many splits).
     """
     if cfg.force_num_splits is not None:
         return cfg.force_num_splits
     head_tiles = cdiv(num_heads, cfg.decode_block_h)
-    wanted = cdiv(cfg.programs_per_sm * num_sms, max(1, num_reqs * head_tiles))
-    return max(1, min(wanted, cdiv(max(1, max_seq_len), cfg.min_split_tokens), cfg.max_splits))
+    fit = (cfg.programs_per_sm * num_sms) // max(1, num_reqs * head_tiles)
+    return max(1, min(fit, cdiv(max(1, max_seq_len), cfg.min_split_tokens), cfg.max_splits))
 
 
 def decode_workspace(

@@ -7,18 +7,20 @@ import torch
 from kvloom_backend_mla import ops
 
 
-def test_split_plan_fills_the_gpu_and_respects_limits() -> None:
-    cfg = ops.MLAKernelConfig()  # 2 programs per SM, >= 256 positions per split, <= 32 splits
-    # One request, 16 heads (one head tile), 4096 positions, 132 SMs: 264 programs wanted,
-    # but 4096 / 256 = 16 splits at most.
-    assert ops.plan_num_kv_splits(1, 16, 4096, 132, cfg) == 16
-    # 256 requests are 256 programs, 8 short of 264: two splits; 512 requests: none.
-    assert ops.plan_num_kv_splits(256, 16, 4096, 132, cfg) == 2
-    assert ops.plan_num_kv_splits(512, 16, 4096, 132, cfg) == 1
-    # 128 heads are 8 head tiles per request.
-    assert ops.plan_num_kv_splits(4, 128, 65536, 132, cfg) == 9
-    assert ops.plan_num_kv_splits(1, 16, 100_000, 132, cfg) == 32  # capped by max_splits
+def test_split_plan_fills_one_wave_and_respects_limits() -> None:
+    cfg = ops.MLAKernelConfig()  # 2 programs per SM, >= 128 positions per split, <= 64 splits
+    # 132 SMs hold 264 programs. 64 requests x 1 head tile (16 heads): 4 splits (a fifth
+    # would start a second, mostly idle wave).
+    assert ops.plan_num_kv_splits(64, 16, 4096, 132, cfg) == 4
+    assert ops.plan_num_kv_splits(16, 16, 4096, 132, cfg) == 16
+    assert ops.plan_num_kv_splits(256, 16, 4096, 132, cfg) == 1
+    # 128 heads are 8 head tiles per request: 16 requests already give 128 programs.
+    assert ops.plan_num_kv_splits(16, 128, 65536, 132, cfg) == 2
+    # One request: limited by the split length (4096 / 128), then by max_splits.
+    assert ops.plan_num_kv_splits(1, 16, 4096, 132, cfg) == 32
+    assert ops.plan_num_kv_splits(1, 16, 100_000, 132, cfg) == 64
     assert ops.plan_num_kv_splits(3, 16, 10, 132, cfg) == 1
+    assert ops.plan_num_kv_splits(1000, 16, 4096, 132, cfg) == 1
     forced = ops.MLAKernelConfig(force_num_splits=5)
     assert ops.plan_num_kv_splits(256, 16, 10, 132, forced) == 5
 

@@ -169,7 +169,7 @@ def _backend_cases() -> dict[str, dict]:
 
     results: dict[str, dict] = {}
     extra = {CONFIG_EXTRA_KEY: {"decode_block_n": 16, "min_split_tokens": 16, "prefill_block_m": 16,
-                                "prefill_block_n": 16}, NUM_SMS_EXTRA_KEY: 4}
+                                "prefill_block_n": 16}, NUM_SMS_EXTRA_KEY: 8}
     for name, seq_lens, pad, graph in (("backend_decode", [1, 20, 77], 0, False),
                                        ("backend_graph_decode_padded", [5, 60, 130], 2, True)):
         try:
@@ -264,14 +264,16 @@ def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-
     proc = subprocess.run(
         [sys.executable, str(repo / "benchmarks" / "bench_mla_decode.py"), "--device", "cpu", "--dtype", "float16",
          "--batches", "1,2", "--contexts", "40", "--num-heads", "4", "--kv-lora-rank", "32", "--rope-dim", "16",
-         "--block-size", "16", "--config", "decode_block_n=16,min_split_tokens=16", "--kernels",
+         "--block-size", "16", "--variants", "decode_block_n=16,min_split_tokens=16;decode_block_n=32", "--kernels",
          "TRITON_MLA,FLASHINFER_MLA", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads((tmp_path / "mla_decode.json").read_text())
     triton_rows = [r for r in result["rows"] if r["kernel"] == "TRITON_MLA"]
-    assert [(r["batch"], r["context"]) for r in triton_rows] == [(1, 40), (2, 40)]
+    assert [(r["batch"], r["context"], r["variant"]) for r in triton_rows] == [
+        (1, 40, "decode_block_n=16,min_split_tokens=16"), (1, 40, "decode_block_n=32"),
+        (2, 40, "decode_block_n=16,min_split_tokens=16"), (2, 40, "decode_block_n=32")]
     for row in triton_rows:
         assert row["rel_error"] < TOLERANCE["float16"] and row["ms"] > 0 and row["latent_bytes"] > 0
     assert triton_rows[0]["num_kv_splits"] > 1
