@@ -79,10 +79,9 @@ def flashinfer_mla_runner(case: Any, args: argparse.Namespace, device: torch.dev
     decoder.plan_decode(seq_lens_cpu, case.block_table, case.kv_cache.shape[1], num_heads, L,
                         case.q.shape[2] - L, case.scale, case.q.dtype)
     out = torch.empty((num_reqs, num_heads, L), dtype=case.q.dtype, device=device)
-    q_nope, q_pe = case.q[..., :L], case.q[..., L:]
 
     def run() -> torch.Tensor:
-        return decoder.run(q_nope, q_pe, case.kv_cache, out)
+        return decoder.run(case.q, case.kv_cache, out)
 
     return run, {"flashinfer_backend": decoder.backend}
 

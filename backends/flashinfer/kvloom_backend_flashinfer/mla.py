@@ -1,9 +1,11 @@
 """MLA decode through FlashInfer's ``flashinfer.mla.BatchMLAPagedAttentionWrapper``.
 
-The wrapper takes the absorbed query split as ``q_nope [B, H, L]`` / ``q_pe [B, H, R]`` and
-the latent cache split as ``ckv [pages, page_size, L]`` / ``kpe [pages, page_size, R]``;
-kvloom's latent cache is one ``[num_blocks, block_size, L + R]`` tensor, so both halves
-are strided views of it (the kernel takes page and token strides, no copy).
+Written against FlashInfer 0.7's canonical wrapper API (checked in the 0.7.0.post1 wheel):
+``plan(metadata=MLAPlanMetadata.csr(...), ...)`` and ``run(query=..., kv_cache=...)`` with
+*packed* inputs, i.e. exactly kvloom's layouts: the absorbed query ``[B, H, L + R]`` and the
+latent cache ``[num_blocks, block_size, L + R]`` (FlashInfer splits them into its
+``q_nope``/``q_pe`` and ``ckv``/``kpe`` views itself; its kernels take row and page
+strides, so nothing is copied).
 
 Like the standard FLASHINFER backend, it plans once per step on the host (CSR page arrays
 from ``planning.plan_paged_kv``: ``kv_indptr`` and the block-table gather, plus
@@ -119,19 +121,23 @@ class FlashInferMLADecoder:
             wrapper = self._graph_wrapper(num_reqs)
         else:
             wrapper = self._graph_wrappers.get(num_reqs, self._wrapper)
+        metadata = flashinfer.mla.MLAPlanMetadata.csr(
+            qo_indptr=plan.qo_indptr, kv_indptr=plan.kv_indptr, kv_indices=kv_indices,
+            kv_len_arr=seq_lens_cpu.to(torch.int32),
+        )
         wrapper.plan(
-            plan.qo_indptr, plan.kv_indptr, kv_indices, seq_lens_cpu.to(torch.int32),
-            num_heads, kv_lora_rank, rope_dim, page_size, False, scale, dtype, dtype,
+            metadata=metadata, num_heads=num_heads, head_dim_ckv=kv_lora_rank, head_dim_kpe=rope_dim,
+            page_size=page_size, causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
         )
         self._planned = wrapper
         self._planned_scale = scale
 
-    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out [B, H, L]`` = absorbed MLA decode over ``kv_cache [blocks, block_size, L + R]``."""
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out [B, H, L]`` = absorbed MLA decode of ``q [B, H, L + R]`` over the latent
+        cache ``[num_blocks, block_size, L + R]``."""
         if self._planned is None:
             raise RuntimeError("FlashInferMLADecoder.run called before plan_decode")
-        L = q_nope.shape[-1]
-        self._planned.run(q_nope, q_pe, kv_cache[..., :L], kv_cache[..., L:], out=out)
+        self._planned.run(query=q, kv_cache=kv_cache, out=out)
         return out
 
 
@@ -204,7 +210,6 @@ class FlashInferMLAImpl(MLAAttentionImpl):
                 f"layer scale {self.scale} differs from the scale the step was planned with ({md.sm_scale}); "
                 "FLASHINFER_MLA plans one scale for all layers"
             )
-        b, L = md.num_reqs, self.kv_lora_rank
-        # The kernel takes row and head strides for q and out: views need no copies.
-        md.decoder.run(q[:b, :, :L], q[:b, :, L:], kv_cache, out[:b])
+        b = md.num_reqs
+        md.decoder.run(q[:b], kv_cache, out[:b])
         return out

@@ -33,7 +33,7 @@ def test_decoder_matches_float64_reference(block_size: int, dtype: torch.dtype) 
     decoder = FlashInferMLADecoder("cuda")
     decoder.plan_decode(case.seq_lens.cpu(), case.block_table, block_size, 16, 512, 64, case.scale, dtype)
     out = torch.full((len(seq_lens), 16, 512), float("nan"), dtype=dtype, device="cuda")
-    decoder.run(case.q[..., :512], case.q[..., 512:], case.kv_cache, out)
+    decoder.run(case.q, case.kv_cache, out)
     torch.cuda.synchronize()
     err = relative_error(out, case.reference())
     assert err < TOLERANCE[dtype], f"seed {seed}: rel error {err:.3e}"
@@ -60,11 +60,11 @@ def test_decoder_graph_replay_with_new_lengths() -> None:
         decoder.plan_decode(case.seq_lens.cpu(), bt, 64, 16, 512, 64, case.scale, dtype, for_cudagraph=True)
 
     load(cases[0])
-    decoder.run(q[..., :512], q[..., 512:], cache, out)
+    decoder.run(q, cache, out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decoder.run(q[..., :512], q[..., 512:], cache, out)
+        decoder.run(q, cache, out)
     for case in (cases[1], cases[0]):
         load(case)
         graph.replay()
