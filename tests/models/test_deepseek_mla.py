@@ -131,3 +131,33 @@ def test_absorbed_weights_are_views_of_kv_b_proj():
     w = layer.kv_b_proj.weight.view(4, 16 + 24, 32)
     assert torch.equal(w_uk, w[:, :16]) and torch.equal(w_uv, w[:, 16:])
     assert w_uk.data_ptr() == layer.kv_b_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        # V3: sigmoid scores steered by a (non-zero) correction bias, 4 groups keep 2, renormalised.
+        ("deepseek_v3", dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+                             routed_scaling_factor=2.5, norm_topk_prob=True)),
+        # V2: softmax scores, group-limited greedy top-k.
+        ("deepseek_v2", dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+                             topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
+    ],
+)  # fmt: skip
+def test_routing_variants_match_hf(arch, overrides, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvloom.testing.models import save_tiny_checkpoint, tiny_hf_config
+
+    model_dir = save_tiny_checkpoint(tiny_hf_config(arch, **overrides), tmp_path / arch)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    for name in tensors:
+        if name.endswith("e_score_correction_bias"):  # HF initialises it to zeros, which hides its role
+            tensors[name] = torch.rand(tensors[name].shape, generator=g) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
+    prompts = random_prompts(512, (7, 30))
+    expected = hf_greedy_tokens(model_dir, prompts, NEW_TOKENS)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB", disable_log_stats=True)
+    assert _generate(llm, prompts) == expected

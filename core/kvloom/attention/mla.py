@@ -67,8 +67,11 @@ from kvloom.layers.rotary import RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 MLA_DECODE = "decode"
+"""The decode phase: requests with ``query_len == 1``, absorbed attention over the latent cache."""
 MLA_PREFILL = "prefill"
+"""The prefill phase: requests with ``query_len > 1``, dense attention over decompressed K/V."""
 MLA_PHASES = (MLA_DECODE, MLA_PREFILL)
+"""Both phases, in the order ``MLAAttentionBackend.mla_phases`` declares them by default."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,9 @@ class MLAAttentionBackend(AttentionBackend):
 
     is_mla = True
     mla_phases: ClassVar[tuple[str, ...]] = MLA_PHASES
+    """The phases the impl implements: ``"decode"`` (``forward_decode``; the decode backend
+    also owns the cache) and/or ``"prefill"`` (``forward_prefill``). Selection gives a
+    phase only to backends declaring it (reason: "MLA prefill not supported ...")."""
     max_head_size = 1024  # the decode head is the whole latent row (576 for DeepSeek)
 
     @staticmethod

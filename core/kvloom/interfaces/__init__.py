@@ -182,6 +182,14 @@ if TYPE_CHECKING:
 ADAPTER_CONFIG_FILE: str
 """The file name of a PEFT adapter's config inside its directory (``adapter_config.json``)."""
 
+MLA_DECODE: str
+"""The MLA decode phase (``"decode"``): an entry of ``MLAAttentionBackend.mla_phases`` and the
+``spec.extra["mla_phase"]`` of a builder built for decode requests."""
+
+MLA_PREFILL: str
+"""The MLA prefill phase (``"prefill"``): an entry of ``MLAAttentionBackend.mla_phases`` and the
+``spec.extra["mla_phase"]`` of a builder built for prefill requests."""
+
 BlockSizeSpec: type
 """One entry of ``AttentionBackend.supported_block_sizes``: an exact ``int`` block size, or
 ``MultipleOf(n)``."""

@@ -45,7 +45,12 @@ Seeds: ``seed=None`` takes ``$KVLOOM_CONFORMANCE_SEED`` when set, else a random 
 case draws its data from (seed, case name), so rerunning one case with the printed seed
 reproduces it exactly.
 
-Modules: ``cases`` (the catalogue), ``plan`` (each case's random steps), ``runner`` (running
+MLA backends (``is_mla``) run the MLA cases instead (``mla``: the latent-cache write,
+absorbed decode over paged latent rows at every declared block size, long decodes,
+prefill and chunked prefill over a cached prefix, DeepSeek's dims, float64 reference);
+``kvloom backends test CPU_MLA`` works as for any backend.
+
+Modules: ``cases`` (the catalogue), ``mla`` (the MLA cases and their runs), ``outcome`` (what a run found), ``plan`` (each case's random steps), ``runner`` (running
 a case on the backend), ``report`` (results, ``run_case``/``run_conformance``/``check_case``).
 The paged batches and the float64 reference are ``kvloom.testing.reference``'s.
 """
@@ -58,6 +63,7 @@ from kvloom.testing.conformance.cases import (
     conformance_cases,
     resolve_backend,
 )
+from kvloom.testing.conformance.mla import MLA_SCENARIOS, MLAConformanceCase, mla_conformance_cases
 from kvloom.testing.conformance.report import (
     DEFAULT_TOLERANCES,
     SEED_ENV,
@@ -72,6 +78,8 @@ __all__ = [
     "BASE_LAYOUT",
     "DEFAULT_TOLERANCES",
     "HEAD_LAYOUTS",
+    "MLA_SCENARIOS",
+    "MLAConformanceCase",
     "SCENARIOS",
     "SEED_ENV",
     "CaseResult",
@@ -79,6 +87,7 @@ __all__ = [
     "ConformanceReport",
     "check_case",
     "conformance_cases",
+    "mla_conformance_cases",
     "resolve_backend",
     "run_case",
     "run_conformance",

@@ -11,6 +11,7 @@ import torch
 
 from kvloom.attention import selector
 from kvloom.attention.backend import AttentionBackend, MultipleOf, dtype_name
+from kvloom.testing.conformance.mla import mla_conformance_cases
 
 #: What each scenario exercises.
 SCENARIOS: dict[str, str] = {
@@ -133,12 +134,15 @@ def conformance_cases(
 
     Full: every scenario at every declared dtype (base layout, head size and block size),
     and for every dtype a mixed batch at each other GQA layout, head size and block size.
+    An MLA backend gets the MLA cases instead (``kvloom.testing.conformance.mla``).
     Quick: every scenario at the first dtype, a mixed batch at the other dtypes, and one
     case each for the widest GQA ratio, MQA, the odd head size and the largest block size.
     ``device`` is accepted so the signature matches ``run_conformance``; the cases do not
     depend on it (cases a device cannot run are skipped when they run).
     """
     cls = resolve_backend(backend)
+    if cls.is_mla:
+        return mla_conformance_cases(cls, _block_sizes(cls), quick)  # type: ignore[return-value]
     dtypes = list(cls.supported_dtypes)
     head_sizes = _head_sizes(cls)
     block_sizes = _block_sizes(cls)

@@ -24,6 +24,7 @@ from kvloom.attention.backend import (
 )
 from kvloom.platforms.interface import DeviceCapability
 from kvloom.testing.conformance.cases import ConformanceCase, conformance_cases, resolve_backend
+from kvloom.testing.conformance.mla import MLAConformanceCase, run_mla_case
 from kvloom.testing.conformance.runner import case_seed, run_steps
 
 logger = logging.getLogger(__name__)
@@ -136,12 +137,12 @@ def _device_problem(device: torch.device) -> str | None:
 
 def run_case(
     backend: str | type[AttentionBackend],
-    case: ConformanceCase,
+    case: ConformanceCase | MLAConformanceCase,
     device: str = "cpu",
     seed: int | None = None,
     tolerances: Mapping[torch.dtype, float] | None = None,
 ) -> CaseResult:
-    """Run one case; never raises for backend errors (they become a failed result)."""
+    """Run one case (standard or MLA); never raises for backend errors (they become a failed result)."""
     cls = resolve_backend(backend)
     dev = torch.device(device)
     seed = default_seed(seed)
@@ -158,8 +159,10 @@ def run_case(
     problem = _device_problem(dev)
     if problem:
         return result(rel_error=None, passed=False, message=problem)
-    reasons = cls.validate_configuration(
-        AttentionSelectorConfig(
+    if isinstance(case, MLAConformanceCase):
+        selector_config = case.selector_config(dev.type, _device_capability(dev))
+    else:
+        selector_config = AttentionSelectorConfig(
             head_size=case.head_size,
             dtype=case.dtype,
             kv_cache_dtype="auto",
@@ -170,13 +173,16 @@ def run_case(
             num_heads=case.num_heads,
             num_kv_heads=case.num_kv_heads,
         )
-    )
+    reasons = cls.validate_configuration(selector_config)
     if reasons:
         return result(rel_error=None, passed=False, skipped=True, message="; ".join(reasons))
 
     started = time.perf_counter()
     try:
-        outcome = run_steps(cls, case, dev, case_seed(seed, case))
+        if isinstance(case, MLAConformanceCase):
+            outcome = run_mla_case(cls, case, dev, case_seed(seed, case))
+        else:
+            outcome = run_steps(cls, case, dev, case_seed(seed, case))
     except Exception as exc:  # a crashing backend is a failed case, reported with its traceback
         tb = traceback.format_exc(limit=-4).strip().replace("\n", "\n     ")
         return result(rel_error=None, passed=False, message=f"{type(exc).__name__}: {exc}\n     {tb}",
@@ -194,12 +200,13 @@ def run_conformance(
     quick: bool = False,
     seed: int | None = None,
     tolerances: Mapping[torch.dtype, float] | None = None,
-    cases: Sequence[ConformanceCase] | None = None,
+    cases: Sequence[ConformanceCase | MLAConformanceCase] | None = None,
 ) -> ConformanceReport:
     """Run the suite (or the given ``cases``) against ``backend`` on ``device``.
 
     ``backend`` is a NAME resolved through ``kvloom.attention.selector.get_attention_backend`` or an
-    ``AttentionBackend`` subclass. ``tolerances`` overrides the per-dtype relative-error
+    ``AttentionBackend`` subclass; an MLA backend (``is_mla``) runs the MLA cases
+    (``kvloom.testing.conformance.mla``). ``tolerances`` overrides the per-dtype relative-error
     limits of ``DEFAULT_TOLERANCES``.
     """
     seed = default_seed(seed)
@@ -209,9 +216,6 @@ def run_conformance(
         cls = resolve_backend(backend)
     except Exception as exc:
         report.errors.append(f"cannot load backend {name!r}: {type(exc).__name__}: {exc}")
-        return report
-    if cls.is_mla:
-        report.errors.append(f"{name} is an MLA backend; this suite covers standard (MHA/GQA/MQA) attention only")
         return report
     if torch.device(device).type not in cls.supported_device_types:
         report.errors.append(
@@ -232,7 +236,7 @@ def run_conformance(
 
 def check_case(
     backend: str | type[AttentionBackend],
-    case: ConformanceCase,
+    case: ConformanceCase | MLAConformanceCase,
     device: str = "cpu",
     seed: int | None = None,
     tolerances: Mapping[torch.dtype, float] | None = None,

@@ -7,26 +7,14 @@ from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import dataclass, field
 
 import torch
 
 from kvloom.attention.backend import AttentionBackend, AttentionLayerSpec
 from kvloom.testing.conformance.cases import ConformanceCase
+from kvloom.testing.conformance.outcome import Outcome
 from kvloom.testing.conformance.plan import plan_steps
 from kvloom.testing.reference import PagedCache, check_paged_case, run_paged_case
-
-
-@dataclass
-class Outcome:
-    """What one case's run found."""
-
-    #: Largest relative error of any real request of any step.
-    worst: float = 0.0
-    #: Which step and request it was.
-    worst_where: str = ""
-    #: Everything else that is wrong, each prefixed with its step in multi-step cases.
-    problems: list[str] = field(default_factory=list)
 
 
 def case_seed(seed: int, case: ConformanceCase) -> int:
