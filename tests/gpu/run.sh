@@ -175,7 +175,9 @@ for i in "${!stages[@]}"; do
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
     serving) python3 benchmarks/bench_serving.py --tokenizer .benchtok --out "$OUT/serving" ${SERVING_ARGS:-} 2>&1 | tail -40 ;;
     mla)
-      run_pytest mla backends/mla/tests/test_mla_kernels_gpu.py backends/flashinfer/tests/test_flashinfer_mla_gpu.py tests/gpu/test_mla_gpu.py
+      run_pytest mla backends/mla/tests/test_mla_kernels_gpu.py backends/flashinfer/tests/test_flashinfer_mla_gpu.py \
+        tests/gpu/test_mla_gpu.py "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[TRITON_MLA]" \
+        "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLASHINFER_MLA]"
       python3 benchmarks/bench_mla_decode.py --out "$OUT/mla" ${MLA_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
