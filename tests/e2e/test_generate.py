@@ -1,7 +1,7 @@
 """End to end on the CPU: kvloom's greedy tokens equal HF transformers' generate.
 
 Tiny random models (made with transformers' save_pretrained) for every supported
-architecture, a batch of prompts of different lengths, 32+ new tokens; the same with
+architecture (mixtures of experts included), a batch of prompts of different lengths, 32+ new tokens; the same with
 prefix caching off, with chunked prefill forced and with preemption forced; logprobs close
 to HF's; seeds reproducible; bad input rejected while the engine stays usable.
 """
@@ -16,7 +16,10 @@ from tests.helpers.model_fixtures import hf_greedy_tokens, load_hf_model, random
 
 from kvloom import LLM, SamplingParams
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+#: The architectures run under scheduling pressure: a dense one and the mixtures of experts
+#: (whose tokens are regrouped by expert inside every step).
+PRESSURE_ARCHS = ["qwen3", "qwen3_moe", "mixtral"]
 NEW_TOKENS = 40
 
 
@@ -61,17 +64,19 @@ def test_greedy_matches_hf(arch, hf_reference):
         pytest.param({"block_size": 5}, id="odd-block-size"),
     ],
 )
-def test_greedy_matches_hf_under_scheduling_pressure(engine_kwargs, hf_reference):
-    prompts, expected = hf_reference["qwen3"]
-    llm = LLM(str(tiny_model_dir("qwen3")), dtype="float32", kv_cache_memory="32MiB", **engine_kwargs)
+@pytest.mark.parametrize("arch", PRESSURE_ARCHS)
+def test_greedy_matches_hf_under_scheduling_pressure(arch, engine_kwargs, hf_reference):
+    prompts, expected = hf_reference[arch]
+    llm = LLM(str(tiny_model_dir(arch)), dtype="float32", kv_cache_memory="32MiB", **engine_kwargs)
     assert _generate(llm, prompts) == expected
 
 
-def test_preemption_really_happens(hf_reference, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_preemption_really_happens(arch, hf_reference, monkeypatch):
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # counts the core's preemptions step by step
-    prompts, expected = hf_reference["llama"]
+    prompts, expected = hf_reference[arch]
     llm = LLM(
-        str(tiny_model_dir("llama")), dtype="float32", num_gpu_blocks_override=14, max_model_len=128, disable_log_stats=True
+        str(tiny_model_dir(arch)), dtype="float32", num_gpu_blocks_override=14, max_model_len=128, disable_log_stats=True
     )
     engine = llm.llm_engine
     for i, p in enumerate(prompts):

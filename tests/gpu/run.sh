@@ -2,9 +2,13 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, mla.
-#   mla          the GPU tests of backends/mla (TRITON_MLA), of FLASHINFER_MLA and tests/gpu/test_mla_gpu.py (tiny DeepSeek-V2), then
-#                benchmarks/bench_mla_decode.py (MLA decode alone vs copy bandwidth); MLA_ARGS adds flags.
+# decode, offline, serving, select, select-nofi, moe, mla.
+#   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
+#                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
+#                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
+#   mla          the GPU tests of backends/mla (TRITON_MLA), of FLASHINFER_MLA, tests/gpu/test_mla_gpu.py (tiny
+#                DeepSeek-V2) and the MLA conformance of both, then benchmarks/bench_mla_decode.py (MLA decode
+#                alone vs copy bandwidth) -> $OUT/mla/mla_decode.json; MLA_ARGS adds flags.
 #   serving      benchmarks/bench_serving.py (offline vs kvloom serve, one workload, one run); needs the
 #                carried folder .benchtok (the tokenizer files: SmolLM2's, saved from the GGUF with
 #                transformers' save_pretrained); SERVING_ARGS adds flags.
@@ -180,6 +184,9 @@ for i in "${!stages[@]}"; do
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLASHINFER_MLA]"
       python3 benchmarks/bench_mla_decode.py --out "$OUT/mla" ${MLA_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
+    moe)
+      run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
+      python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,6 +1,7 @@
 """End to end on a CUDA GPU, for every installed GPU attention backend.
 
-- fp32 backends: tiny random Llama/Qwen3 models and SmolLM2 give HF's greedy tokens.
+- fp32 backends: tiny random Llama/Qwen3/Qwen3-MoE/Mixtral models and SmolLM2 give HF's
+  greedy tokens (the MoE models through the Triton fused_moe kernels, in CUDA graphs).
 - every backend in bf16, over >= 1,000 greedy tokens of SmolLM2 (8 chat prompts x 128):
   top-1 agreement = the share of kvloom's generated tokens that HF, run on the same GGUF
   weights and teacher-forced on the prompt plus kvloom's tokens, ranks first at each
@@ -36,6 +37,9 @@ pytestmark = [
 FP32_BACKENDS = ["TRITON_ATTN", "FLEX_ATTENTION"]
 ALL_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "FLASH_ATTN"]
 KV_MEMORY = "2GiB"
+#: Tiny random models run in fp32; the mixtures of experts run the CUDA platform's Triton
+#: fused_moe kernels (IEEE-precision fp32 dots), in CUDA graphs.
+TINY_ARCHS = ["llama", "qwen3", "qwen3_moe", "mixtral"]
 
 
 def _usable(name: str, dtype: torch.dtype) -> bool:
@@ -131,7 +135,7 @@ def tiny_refs():
     from transformers import AutoConfig
 
     refs = {}
-    for arch in ("llama", "qwen3"):
+    for arch in TINY_ARCHS:
         d = str(tiny_model_dir(arch))
         prompts = _random_prompts(AutoConfig.from_pretrained(d).vocab_size)
         refs[arch] = (d, prompts, _hf_greedy(d, prompts, 40))
@@ -170,7 +174,7 @@ def smollm2_prompts(smollm2) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend", FP32_BACKENDS)
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_fp32_greedy_matches_hf(tiny_refs, arch, backend):
     _need(backend, torch.float32)
     d, prompts, expected = tiny_refs[arch]

@@ -1,4 +1,5 @@
-"""kvloom's Llama / Mistral / Qwen2 / Qwen3 against HF transformers on the same weights.
+"""kvloom's Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral against HF transformers on
+the same weights.
 
 The kvloom model runs over a paged KV cache through the test reference backend
 (``PagedRunner``): batched prefill of prompts of different lengths, chunked prefill mixed
@@ -21,6 +22,9 @@ from tests.helpers.model_fixtures import (
     make_tiny_model,
     tiny_model_dir,
 )
+
+#: The mixtures of experts among ARCHITECTURES.
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 
 PROMPTS = {
     "short": [3, 17, 250, 9, 41],
@@ -118,7 +122,14 @@ def test_bfloat16_close_to_hf_bfloat16(arch_setup):
     out = PagedRunner(model, config).step({"long": PROMPTS["long"]})["long"]
     expected = hf_logits(hf, PROMPTS["long"])
     scale = expected.abs().max().item()
-    assert (out - expected).abs().max().item() < 0.05 * scale
+    per_position = (out - expected).abs().max(dim=-1).values
+    if arch in MOE_ARCHITECTURES:
+        # A router near-tie rounds differently in bf16 and picks another expert at a few
+        # positions (the tiny Mixtral: 2 of 61, where HF's own bf16 is ~1.0 off its fp32):
+        # the other positions must be close.
+        assert torch.quantile(per_position, 0.9).item() < 0.05 * scale
+    else:
+        assert per_position.max().item() < 0.05 * scale
     agreement = (out.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agreement >= 0.9
 

@@ -37,12 +37,13 @@ b. ``MLAAttentionImpl.forward_decode`` for backends whose ``mla_phases`` contain
 An MLA model gets two backends, chosen independently by the same priority-ordered
 validation (``kvloom.attention.selector``): the decode backend (``--attention-backend``),
 which also owns the cache layout and writes it, and the prefill backend
-(``--mla-prefill-backend``). One backend may serve both.
+(``--mla-prefill-backend``). One backend may serve both. CUDA graphs capture pure decode
+steps only, so the decode backend's ``cudagraph_support`` is the one the graph dispatcher
+reads (``config.attention.backend``).
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -63,8 +64,6 @@ from kvloom.forward_context import get_forward_context
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear
 from kvloom.layers.rotary import RotaryEmbedding
-
-logger = logging.getLogger(__name__)
 
 MLA_DECODE = "decode"
 """The decode phase: requests with ``query_len == 1``, absorbed attention over the latent cache."""
@@ -398,7 +397,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
         qsl = common.query_start_loc_cpu.numpy()
         qlens = qsl[1:] - qsl[:-1]
-        if common.max_query_len == 1 or bool(np.all(qlens[: common.num_reqs] <= 1)):
+        if common.max_query_len <= 1:
             decode = MLAPhaseBatch(common, None, 0, common.num_reqs, self.decode_builder.build(common))
             return MLAMetadata(common.num_actual_tokens, common.slot_mapping, decode, None)
         is_decode = qlens == 1
@@ -437,6 +436,13 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
 # ---------------------------------------------------------------------- the layer
 
 
+def _make_impl(backend: type[AttentionBackend], dims: MLADims, scale: float, kv_cache_dtype: str) -> MLAAttentionImpl:
+    impl_cls: Any = backend.get_impl_cls()
+    if not (isinstance(impl_cls, type) and issubclass(impl_cls, MLAAttentionImpl)):
+        raise TypeError(f"MLA backend {backend.NAME}: get_impl_cls() must return an MLAAttentionImpl subclass")
+    return impl_cls(dims, scale, kv_cache_dtype)
+
+
 class MLAAttention(nn.Module):
     """DeepSeek's multi-head latent attention, whole: projections, norms, RoPE, the
     latent cache, both phases and ``o_proj`` (module names are HF's, so checkpoints load
@@ -452,8 +458,6 @@ class MLAAttention(nn.Module):
     ``head_size == L + R``, ``backend`` (the decode backend: it owns the cache layout),
     ``kv_cache`` (bound after allocation).
     """
-
-    is_mla = True
 
     def __init__(
         self,
@@ -503,11 +507,12 @@ class MLAAttention(nn.Module):
 
         self.backend = decode_backend
         self.prefill_backend = prefill_backend
-        self.decode_impl: MLAAttentionImpl = decode_backend.get_impl_cls()(dims, scale, kv_cache_dtype)  # type: ignore[call-arg,assignment]
+        # One impl per layer and backend: a backend serving both phases shares it.
+        self.decode_impl = _make_impl(decode_backend, dims, scale, kv_cache_dtype)
         if prefill_backend is decode_backend:
             self.prefill_impl = self.decode_impl
         else:
-            self.prefill_impl = prefill_backend.get_impl_cls()(dims, scale, kv_cache_dtype)  # type: ignore[call-arg,assignment]
+            self.prefill_impl = _make_impl(prefill_backend, dims, scale, kv_cache_dtype)
         # Bound by the model runner after the KV cache is allocated.
         self.kv_cache: torch.Tensor = torch.empty(0)
 

@@ -484,7 +484,8 @@ def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str,
         prefill_selector = _selector_config(
             config.device.platform, config.model, config.cache.cache_dtype, config.cache.block_size, "prefill"
         )
-        reasons += [f"(MLA prefill backend {prefill.NAME}) {r}" for r in prefill.validate_configuration(prefill_selector)]
+        prefill_reasons = prefill.validate_configuration(prefill_selector)
+        reasons += [f"(MLA prefill backend {prefill.NAME}) {r}" for r in prefill_reasons]
     if reasons:
         raise ValueError(
             f"EngineConfig: after the {who}, attention backend {backend.NAME} cannot serve the adjusted config: "

@@ -15,6 +15,10 @@ selected; the model runner finds them and binds their KV caches.
 name for checkpoints of Llama's structure, or subclass it for a Llama variant; its
 ``attention_kwargs(hf_config)`` classmethod returns the attention block's flags
 (``qkv_bias``, ``o_bias``, ``qk_norm``), which is all kvloom's Qwen2 and Qwen3 change.
+A mixture-of-experts model builds its experts as a ``FusedMoE`` (stacked expert weights,
+loaded per expert from the checkpoint; the ``fused_moe`` custom op) with a router of its
+own, and may override ``LlamaForCausalLM.mlp_block`` to put it in the Llama decoder;
+``select_experts`` is the routing (HF's Mixtral, Qwen3-MoE and DeepSeek-V2/V3 variants).
 ``kvloom.testing.load_model`` and ``kvloom.testing.forward_context`` run a model class in
 a test, outside the engine.
 """
@@ -22,6 +26,7 @@ a test, outside the engine.
 from kvloom.attention.layer import Attention
 from kvloom.config import EngineConfig
 from kvloom.layers.activation import SiluAndMul, get_gated_activation
+from kvloom.layers.fused_moe import FusedMoE, select_experts
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
@@ -32,6 +37,7 @@ from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, p
 __all__ = [
     "Attention",
     "EngineConfig",
+    "FusedMoE",
     "LLAMA_STACKED_PARAMS",
     "LMHead",
     "Linear",
@@ -49,6 +55,7 @@ __all__ = [
     "get_rope_parameters",
     "load_checkpoint_weights",
     "packed_modules_mapping",
+    "select_experts",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):

@@ -26,7 +26,8 @@ from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, p
 class LlamaEmbeddingModel(nn.Module):
     """``forward(input_ids, positions) -> hidden [N, H]``; no ``compute_logits``."""
 
-    #: The causal-LM class whose attention flags (biases, q/k norm) this model shares.
+    #: The causal-LM class whose attention flags (biases, q/k norm) and feed-forward
+    #: blocks this model shares.
     causal_lm_cls: type[LlamaForCausalLM] = LlamaForCausalLM
     stacked_params = LLAMA_STACKED_PARAMS
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
@@ -36,7 +37,9 @@ class LlamaEmbeddingModel(nn.Module):
         self.config = config
         hf = config.model.hf_config
         attention_kwargs = self.causal_lm_cls.attention_kwargs(hf)
-        self.model = LlamaModel(config, f"{prefix}.model" if prefix else "model", attention_kwargs)
+        self.model = LlamaModel(
+            config, f"{prefix}.model" if prefix else "model", attention_kwargs, self.causal_lm_cls.mlp_block
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

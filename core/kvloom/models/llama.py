@@ -12,12 +12,13 @@ silently attending to the whole context; a window at least as long as ``max_mode
 never takes effect and is accepted (e.g. Mistral-7B-v0.1 with ``--max-model-len 4096``).
 
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) subclass these classes and only
-change the flags in ``LlamaAttention``.
+change the flags in ``LlamaAttention``; the mixture-of-experts models (Qwen3-MoE, Mixtral)
+change the feed-forward block through ``mlp_block``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -137,17 +138,38 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+#: Builds the feed-forward block of one decoder layer: ``(config, layer_idx, layer_prefix)
+#: -> (attribute name, module)``. The name is the block's checkpoint module name (``mlp``;
+#: Mixtral's ``block_sparse_moe``), so checkpoint tensors load under their own names.
+MLPFactory = Callable[[EngineConfig, int, str], tuple[str, nn.Module]]
+
+
+def llama_mlp(config: EngineConfig, layer_idx: int, prefix: str) -> tuple[str, nn.Module]:
+    """The dense ``LlamaMLP`` of every layer, named ``mlp``."""
+    return "mlp", LlamaMLP(config, _join(prefix, "mlp"))
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer: ``input_layernorm``, ``LlamaAttention``,
-    ``post_attention_layernorm``, ``LlamaMLP``; the residual adds happen inside the norms
-    (``RMSNorm(x, residual)``), where HF adds them. ``attention_kwargs`` are
-    ``LlamaAttention``'s ``qkv_bias``, ``o_bias`` and ``qk_norm``."""
+    ``post_attention_layernorm``, the feed-forward block; the residual adds happen inside
+    the norms (``RMSNorm(x, residual)``), where HF adds them. ``attention_kwargs`` are
+    ``LlamaAttention``'s ``qkv_bias``, ``o_bias`` and ``qk_norm``; ``mlp_factory`` builds
+    the feed-forward block (``llama_mlp``: the dense ``LlamaMLP``; MoE models: a
+    router and ``FusedMoE`` experts), any module mapping ``[N, H] -> [N, H]``."""
 
-    def __init__(self, config: EngineConfig, layer_idx: int, prefix: str, attention_kwargs: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        layer_idx: int,
+        prefix: str,
+        attention_kwargs: dict[str, bool],
+        mlp_factory: MLPFactory = llama_mlp,
+    ) -> None:
         super().__init__()
         hf = config.model.hf_config
         self.self_attn = LlamaAttention(config, layer_idx, _join(prefix, "self_attn"), **attention_kwargs)
-        self.mlp = LlamaMLP(config, _join(prefix, "mlp"))
+        self.mlp_name, mlp = mlp_factory(config, layer_idx, prefix)
+        self.add_module(self.mlp_name, mlp)
         self.input_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
 
@@ -166,16 +188,22 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, cos_sin)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return getattr(self, self.mlp_name)(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: EngineConfig, prefix: str, attention_kwargs: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        prefix: str,
+        attention_kwargs: dict[str, bool],
+        mlp_factory: MLPFactory = llama_mlp,
+    ) -> None:
         super().__init__()
         hf = config.model.hf_config
         self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), attention_kwargs)
+            LlamaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), attention_kwargs, mlp_factory)
             for i in range(hf.num_hidden_layers)
         )
         self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
@@ -209,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         hf = config.model.hf_config
-        self.model = LlamaModel(config, _join(prefix, "model"), self.attention_kwargs(hf))
+        self.model = LlamaModel(config, _join(prefix, "model"), self.attention_kwargs(hf), self.mlp_block)
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -220,6 +248,12 @@ class LlamaForCausalLM(nn.Module):
         """Bias and norm flags of the attention block (what Qwen2/Qwen3 change)."""
         bias = bool(getattr(hf_config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    @classmethod
+    def mlp_block(cls, config: EngineConfig, layer_idx: int, prefix: str) -> tuple[str, nn.Module]:
+        """The feed-forward block of layer ``layer_idx`` and its attribute name (an
+        ``MLPFactory``; what the MoE models change): the dense ``LlamaMLP``."""
+        return llama_mlp(config, layer_idx, prefix)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -23,6 +23,8 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "kvloom.models.qwen3:Qwen3ForCausalLM",
     "DeepseekV2ForCausalLM": "kvloom.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "kvloom.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "Qwen3MoeForCausalLM": "kvloom.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "kvloom.models.mixtral:MixtralForCausalLM",
     # Decoders saved without their LM head: embedding models (runner "pooling").
     "LlamaModel": "kvloom.models.embedding:LlamaEmbeddingModel",
     "MistralModel": "kvloom.models.embedding:LlamaEmbeddingModel",

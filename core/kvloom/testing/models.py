@@ -4,7 +4,7 @@ reference tokens, and a model class built, loaded and run outside the engine.
 Checkpoints, made offline in seconds (nothing is downloaded):
 
 - ``make_tiny_model(arch, out_dir)``: a tiny random ``llama`` / ``mistral`` / ``qwen2`` /
-  ``qwen3`` checkpoint (``TINY_CONFIGS``) saved with HF ``save_pretrained``, with a real
+  ``qwen3`` / ``qwen3_moe`` / ``mixtral`` checkpoint (``TINY_CONFIGS``) saved with HF ``save_pretrained``, with a real
   byte-level BPE tokenizer; ``tiny_model_dir(arch)`` makes one per process and reuses it;
 - ``save_tiny_checkpoint(hf_config, out_dir)``: the same for any architecture transformers
   knows (a model plugin's: ``GraniteConfig(...)``), from a config you build;
@@ -170,18 +170,33 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         n_group=2, topk_group=1, first_k_dense_replace=1, tie_word_embeddings=False,
     ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        max_position_embeddings=256, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", vocab_size=512, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 """The config fields of each tiny architecture (``model_type`` plus HF config fields): a few
 layers of width 64 that still exercise GQA (fewer KV heads than heads), head dims that
 differ from ``hidden_size / heads`` (mistral, qwen3), tied and untied LM heads, biases
-(qwen2) and q/k norms (qwen3)."""
+(qwen2), q/k norms (qwen3), mixtures of 8 experts (qwen3_moe: top-3 renormalised, layer 1
+dense through ``mlp_only_layers``; mixtral: top-2) and MLA (deepseek_v2/v3: latent rank 32,
+rope 16, 4 experts top-2 plus a shared expert after the first layer)."""
 
 TINY_MLA_ARCHITECTURES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
-"""The tiny MLA models (multi-head latent attention, ``use_mla``): ``deepseek_v2``,
-``deepseek_v3``; ``make_tiny_model`` and ``tiny_model_dir`` take them too."""
+"""The tiny MLA models (multi-head latent attention, ``use_mla``; DeepSeek MoE after the
+first layer): ``deepseek_v2``, ``deepseek_v3``; ``make_tiny_model`` and ``tiny_model_dir``
+take them too."""
 
 TINY_ARCHITECTURES: tuple[str, ...] = tuple(a for a in TINY_CONFIGS if a not in TINY_MLA_ARCHITECTURES)
-"""The standard-attention tiny models: ``llama``, ``mistral``, ``qwen2``, ``qwen3``."""
+"""The standard-attention tiny models: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``qwen3_moe``, ``mixtral``."""
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
@@ -234,8 +249,8 @@ def save_tiny_checkpoint(hf_config: Any, out_dir: str | Path, *, seed: int = 0, 
 def make_tiny_model(
     arch: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides: Any
 ) -> Path:
-    """Save a tiny random ``arch`` model (``llama``, ``mistral``, ``qwen2``, ``qwen3``; see
-    ``TINY_CONFIGS``), with ``build_tokenizer()``'s tokenizer unless ``with_tokenizer`` is
+    """Save a tiny random ``arch`` model (``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+    ``qwen3_moe``, ``mixtral``; see ``TINY_CONFIGS``), with ``build_tokenizer()``'s tokenizer unless ``with_tokenizer`` is
     False, into ``out_dir``; returns the directory. ``overrides`` change config fields
     (``tiny_hf_config``). Takes a second or two on a CPU."""
     return save_tiny_checkpoint(tiny_hf_config(arch, **overrides), out_dir, seed=seed, tokenizer=with_tokenizer)

@@ -568,13 +568,19 @@ def fused_moe_reference(
 ) -> torch.Tensor:
     """What the ``fused_moe`` op computes, in float64 without intermediate rounding:
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]``
-    and ``[g | u] = w13[e] @ hidden[t]``. Returns ``[T, H]`` float64."""
+    and ``[g | u] = w13[e] @ hidden[t]``. Returns ``[T, H]`` float64 on ``hidden``'s device.
+    Expert by expert (one expert's weights in float64 at a time), so model-sized layers fit."""
     inter = w2.shape[-1]
+    x = hidden.double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=hidden.device)
     ids = topk_ids.long()
-    gate_up = torch.einsum("th,tkih->tki", hidden.double(), w13.double()[ids])  # [T, k, 2I]
-    act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-    down = torch.einsum("tki,tkhi->tkh", act, w2.double()[ids])  # [T, k, H]
-    return (down * topk_weights.double()[..., None]).sum(dim=1)
+    weights = topk_weights.double()
+    for expert in torch.unique(ids).tolist():
+        tokens, slots = (ids == expert).nonzero(as_tuple=True)
+        gate_up = x[tokens] @ w13[expert].double().T
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, (act @ w2[expert].double().T) * weights[tokens, slots, None])
+    return out
 
 
 # ---------------------------------------------------------------------- custom ops

@@ -128,8 +128,14 @@ class CudaPlatform(Platform):
         - the layer math of 16-bit models (one kernel each instead of a chain of small
           torch ops). fp32 models keep the torch code, whose rounding the fp32 HF-parity
           tests pin down exactly;
+        - the mixture-of-experts layers (``fused_moe``) of every model dtype: grouped-GEMM
+          kernels over all experts instead of GEMMs per expert; the torch path reads the
+          group sizes on the host, so it cannot run inside a CUDA graph (fp32 through
+          IEEE-precision dots, within 1e-5 of the float64 definition);
         - the batched LoRA update (``lora_delta``) when LoRA is enabled, for every model
           dtype: one per-token gather kernel instead of two GEMMs per adapter."""
+        from kvloom_platform_cuda import fused_moe
+
         ops: dict[str, Callable[..., object]] = {}
         if config.model.dtype in (torch.float16, torch.bfloat16):
             from kvloom_platform_cuda import fused_ops
@@ -140,6 +146,7 @@ class CudaPlatform(Platform):
                 silu_and_mul=fused_ops.silu_and_mul,
                 rotary_qk=fused_ops.rotary_qk,
             )
+        ops["fused_moe"] = fused_moe.fused_moe
         if config.lora.enable_lora:
             from kvloom_platform_cuda import lora_ops
 
