@@ -11,7 +11,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "FLASH_ATTN"])
+@pytest.mark.parametrize(
+    "backend", ["TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "FLASH_ATTN", "TRITON_MLA", "FLASHINFER_MLA"]
+)
 def test_conformance_on_cuda(backend):
     from kvloom import plugins
     from kvloom.testing import run_conformance

@@ -1,4 +1,4 @@
-"""kvloom's FlashInfer attention backend (``FLASHINFER``).
+"""kvloom's FlashInfer attention backends (``FLASHINFER``, and ``FLASHINFER_MLA`` for MLA decode).
 
 Importing this package does not import ``flashinfer``: the declarations in
 :mod:`kvloom_backend_flashinfer.backend` are enough for selection and validation, and a
@@ -6,7 +6,8 @@ missing library is reported as a validation reason naming the pip package.
 """
 
 from kvloom_backend_flashinfer.backend import FlashInferBackend
+from kvloom_backend_flashinfer.mla_backend import FlashInferMLABackend
 
 KVLOOM_PLUGIN_API = "1.0"
 
-__all__ = ["FlashInferBackend", "KVLOOM_PLUGIN_API"]
+__all__ = ["FlashInferBackend", "FlashInferMLABackend", "KVLOOM_PLUGIN_API"]

@@ -35,7 +35,7 @@ _TRITON_ATTN = BackendCandidate("TRITON_ATTN", "kvloom-backend-triton")
 _FLEX_ATTENTION = BackendCandidate("FLEX_ATTENTION", "kvloom-backend-flex-attention")
 
 _MLA_PROVIDER = "kvloom-backend-mla"
-_FLASHINFER_MLA = BackendCandidate("FLASHINFER_MLA", _MLA_PROVIDER)
+_FLASHINFER_MLA = BackendCandidate("FLASHINFER_MLA", "kvloom-backend-flashinfer")  # beside FLASHINFER
 _CUTLASS_MLA = BackendCandidate("CUTLASS_MLA", _MLA_PROVIDER)
 _FLASH_ATTN_MLA = BackendCandidate("FLASH_ATTN_MLA", _MLA_PROVIDER)
 _FLASHMLA = BackendCandidate("FLASHMLA", _MLA_PROVIDER)
