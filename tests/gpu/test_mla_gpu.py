@@ -5,8 +5,12 @@
   with prefix caching, forced chunked prefill and forced preemption.
 - FLASHINFER_MLA (decode; TRITON_MLA prefill) in bf16 on a tiny model with DeepSeek's latent
   widths (kv_lora_rank 512, rope 64, which FlashInfer's MLA kernels require): its greedy
-  tokens agree with TRITON_MLA's in bf16 (same prefill, only the decode kernel differs) and
-  with HF fp32 at >= 90% of positions, eagerly and with CUDA graphs.
+  tokens are as good as bf16 allows, eagerly and with CUDA graphs: the share of them that HF
+  fp32, teacher-forced on the same sequence, ranks first is at least HF bf16's own share
+  (HF's bf16 greedy run judged the same way) less 2 points. Greedy sequences are not compared
+  token by token: on a random tiny model one bf16 near-tie makes two correct runs diverge for
+  the rest of the sequence (measured on the H100: 85% positional agreement between FLASHINFER_MLA
+  and TRITON_MLA, both bf16).
 
 Run on the device with ``bash tests/gpu/run.sh mla``.
 """
@@ -46,9 +50,37 @@ def _tokens(model: Path, prompts: list[list[int]], dtype: str, decode: str, pref
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    return same / sum(len(r) for r in a)
+def _top1_agreement(model: Path, prompts: list[list[int]], generated: list[list[int]]) -> float:
+    """Share of ``generated`` tokens that HF fp32, teacher-forced on prompt + generated, ranks first."""
+    from kvloom.testing.models import load_hf_model
+
+    hf = load_hf_model(model).to("cuda")
+    agree = total = 0
+    with torch.no_grad():
+        for p, g in zip(prompts, generated):
+            ids = torch.tensor([p + g], device="cuda")
+            pred = hf(ids).logits[0, len(p) - 1 : len(p) + len(g) - 1].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(pred, g))
+            total += len(g)
+    del hf
+    torch.cuda.empty_cache()
+    return agree / total
+
+
+def _hf_bf16_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from kvloom.testing.models import load_hf_model
+
+    hf = load_hf_model(model, torch.bfloat16).to("cuda")
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOKENS,
+                              min_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    del hf
+    torch.cuda.empty_cache()
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +125,23 @@ def test_triton_mla_fp32_gives_hf_tokens(tiny_v2: Path, prompts: list[list[int]]
     assert _tokens(tiny_v2, prompts, "float32", "TRITON_MLA", "TRITON_MLA", **kwargs) == expected
 
 
+@pytest.fixture(scope="module")
+def hf_bf16_yardstick(tiny_v2_wide: Path, prompts: list[list[int]]) -> float:
+    """What bf16 allows on this model: HF bf16's greedy tokens judged by HF fp32."""
+    return _top1_agreement(tiny_v2_wide, prompts, _hf_bf16_greedy(tiny_v2_wide, prompts))
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraphs"])
-def test_flashinfer_mla_agrees_with_triton_mla(tiny_v2_wide: Path, prompts: list[list[int]], eager: bool) -> None:
+def test_flashinfer_mla_bf16_top1_agreement(tiny_v2_wide: Path, prompts: list[list[int]], hf_bf16_yardstick: float,
+                                            eager: bool) -> None:  # fmt: skip
     if not (_installed("FLASHINFER_MLA") and _installed("TRITON_MLA")):
         pytest.skip("FLASHINFER_MLA or TRITON_MLA is not installed")
     pytest.importorskip("flashinfer")
-    from kvloom.testing.models import hf_greedy_tokens
-
-    hf = hf_greedy_tokens(tiny_v2_wide, prompts, N_TOKENS)
     fi = _tokens(tiny_v2_wide, prompts, "bfloat16", "FLASHINFER_MLA", "TRITON_MLA", enforce_eager=eager,
                  block_size=16)
     tr = _tokens(tiny_v2_wide, prompts, "bfloat16", "TRITON_MLA", "TRITON_MLA", enforce_eager=eager, block_size=16)
-    assert _agreement(fi, tr) >= 0.9, (fi, tr)
-    assert _agreement(fi, hf) >= 0.9, (fi, hf)
+    fi_top1, tr_top1 = _top1_agreement(tiny_v2_wide, prompts, fi), _top1_agreement(tiny_v2_wide, prompts, tr)
+    print(f"bf16 top-1 agreement with HF fp32: FLASHINFER_MLA {fi_top1:.3f}, TRITON_MLA {tr_top1:.3f}, "
+          f"HF bf16 {hf_bf16_yardstick:.3f}")
+    assert fi_top1 >= min(0.99, hf_bf16_yardstick - 0.02), (fi_top1, hf_bf16_yardstick)
+    assert tr_top1 >= min(0.99, hf_bf16_yardstick - 0.02), (tr_top1, hf_bf16_yardstick)
