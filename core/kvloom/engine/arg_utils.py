@@ -17,41 +17,33 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvloom import plugins
-from kvloom.attention.backend import DEFAULT_BLOCK_SIZE, AttentionSelectorConfig
-from kvloom.attention.selector import select_attention_backend
-from kvloom.config import (
-    AttentionConfig,
-    CacheConfig,
-    CompilationConfig,
-    CUDAGraphMode,
-    DeviceConfig,
-    EngineConfig,
-    LoadConfig,
-    LoRAConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from kvloom.loader.model_source import load_hf_config, resolve_model_source
-from kvloom.models.registry import ModelRegistry
+from kvloom.cudagraph_mode import CUDAGraphMode
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvloom.attention.backend import AttentionSelectorConfig
+    from kvloom.config import EngineConfig, ModelConfig
+
+# Only what EngineArgs needs is imported above: the CLI builds its flags from EngineArgs,
+# and `kvloom --help` must not pay for importing torch. create_engine_config imports the
+# engine's modules when it runs.
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+#: --dtype names -> the torch dtype's attribute name (``getattr(torch, ...)``).
+DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 DTypeName = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
@@ -174,8 +166,10 @@ class EngineArgs(BaseModel):
 
 
 def _resolve_dtype(requested: str, hf_config: object, platform_dtypes: tuple[torch.dtype, ...], platform: str) -> torch.dtype:
+    import torch
+
     if requested != "auto":
-        dtype = DTYPES[requested]
+        dtype = getattr(torch, DTYPES[requested])
         if dtype not in platform_dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in platform_dtypes)
             raise ValueError(f"dtype: {requested} is not supported on platform {platform} (allowed: {allowed})")
@@ -183,7 +177,11 @@ def _resolve_dtype(requested: str, hf_config: object, platform_dtypes: tuple[tor
     # "auto": the platform's preferred dtype, except that a half-precision checkpoint stays
     # in its own half type where the platform supports it and prefers half precision.
     preferred = platform_dtypes[0]
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers >= 4.56 names it `dtype` (reading `torch_dtype` there logs a deprecation
+    # warning); older versions only have `torch_dtype`.
+    config_dtype = getattr(hf_config, "dtype", None)
+    if config_dtype is None and "dtype" not in getattr(hf_config, "__dict__", {}):
+        config_dtype = getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     if preferred != torch.float32 and config_dtype in (torch.float16, torch.bfloat16) and config_dtype in platform_dtypes:
@@ -212,6 +210,25 @@ def _default_capture_sizes(max_num_seqs: int, max_size: int | None) -> list[int]
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Resolve ``args`` into the ``EngineConfig`` every component receives (see the
     module docstring for the order)."""
+    from kvloom import plugins
+    from kvloom.attention.backend import DEFAULT_BLOCK_SIZE
+    from kvloom.attention.selector import select_attention_backend
+    from kvloom.config import (
+        AttentionConfig,
+        CacheConfig,
+        CompilationConfig,
+        DeviceConfig,
+        EngineConfig,
+        LoadConfig,
+        LoRAConfig,
+        ModelConfig,
+        ObservabilityConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+    from kvloom.loader.model_source import load_hf_config, resolve_model_source
+    from kvloom.models.registry import ModelRegistry
+
     plugins.load_plugins()
     platform = plugins.current_platform()
 
@@ -371,6 +388,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 def _selector_config(
     platform: type, model: ModelConfig, kv_cache_dtype: str, block_size: int | None
 ) -> AttentionSelectorConfig:
+    from kvloom.attention.backend import AttentionSelectorConfig
+
     return AttentionSelectorConfig(
         head_size=model.head_size,
         dtype=model.dtype,
@@ -387,17 +406,20 @@ def _selector_config(
 #: (section, field) that a platform's check_and_update_config and the general plugins'
 #: kvloom_update_engine_config must leave as resolved: the model (but its max_model_len),
 #: the selected attention backend, the platform.
-FIXED_FIELDS: tuple[tuple[str, str], ...] = (
-    *(("model", f) for f in ModelConfig.model_fields if f != "max_model_len"),
-    ("attention", "requested_backend"),
-    ("attention", "backend"),
-    ("device", "platform"),
-    ("device", "device_type"),
-)
+def fixed_fields() -> tuple[tuple[str, str], ...]:
+    from kvloom.config import ModelConfig
+
+    return (
+        *(("model", f) for f in ModelConfig.model_fields if f != "max_model_len"),
+        ("attention", "requested_backend"),
+        ("attention", "backend"),
+        ("device", "platform"),
+        ("device", "device_type"),
+    )
 
 
 def _fixed_fields(config: EngineConfig) -> dict[str, object]:
-    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in fixed_fields()}
 
 
 def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str, max_len: int) -> None:

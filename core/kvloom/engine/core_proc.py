@@ -66,6 +66,7 @@ from kvloom.engine.serial import (
     convert_args,
     input_decoders,
 )
+from kvloom.logger import setup_child_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.profiling import cprofile_if_asked
 from kvloom.request import FinishReason
@@ -392,9 +393,7 @@ def _watch_parent(death_pipe: Any, inbox: list[queue.SimpleQueue]) -> None:
 def _setup_logging(level: int | None, fmt: str | None, engine_index: int) -> None:
     if level is None:
         return
-    prefix = f"(EngineCore_{engine_index} pid={os.getpid()}) "
-    logging.basicConfig(level=level, format=prefix + (fmt or "%(levelname)s %(asctime)s %(name)s: %(message)s"),
-                        stream=sys.stderr)  # fmt: skip
+    setup_child_logging(level, fmt, f"(EngineCore_{engine_index} pid={os.getpid()}) ")
 
 
 def run_engine_core(

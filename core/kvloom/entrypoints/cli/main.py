@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from kvloom_registry import PluginError
 
 import kvloom
+from kvloom.logger import DATE_FORMAT as LOG_DATE_FORMAT
+from kvloom.logger import FORMAT as LOG_FORMAT
+from kvloom.logger import configure_logging, logging_level
 
 #: Modules providing ``register_subparser(subparsers)``, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: list[str] = [
@@ -49,10 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging() -> None:
-    level = os.environ.get("KVLOOM_LOGGING_LEVEL", "INFO").upper()
-    if level not in logging.getLevelNamesMapping():
-        raise SystemExit(f"kvloom: error: KVLOOM_LOGGING_LEVEL={level} (allowed: DEBUG, INFO, WARNING, ERROR)")
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    # The command always logs (KVLOOM_CONFIGURE_LOGGING governs the library's import only);
+    # other libraries' loggers go through the root logger, in the same format.
+    try:
+        level = logging_level()
+    except ValueError as exc:
+        raise SystemExit(f"kvloom: error: {exc}") from None
+    configure_logging(level)
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT, stream=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
