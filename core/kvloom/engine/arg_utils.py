@@ -198,6 +198,19 @@ def _derived_max_model_len(hf_config: object) -> int:
     return 2048
 
 
+def _smallest_sliding_window(hf_config: object) -> int | None:
+    """The smallest sliding window any layer uses (HF's ``sliding_window``,
+    ``use_sliding_window``, ``layer_types``), or None."""
+    from kvloom.models.llama import sliding_window_of
+
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    num_layers = getattr(text_config, "num_hidden_layers", None)
+    if not isinstance(num_layers, int) or not isinstance(getattr(text_config, "sliding_window", None), int):
+        return None
+    windows = [w for w in (sliding_window_of(text_config, i) for i in range(num_layers)) if w is not None]
+    return min(windows, default=None)
+
+
 def _default_capture_sizes(max_num_seqs: int, max_size: int | None) -> list[int]:
     """vLLM's default list: 1, 2, 4, then multiples of 8 up to the max size."""
     limit = min(max_size or 512, max_num_seqs)
@@ -244,6 +257,23 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             f"max_model_len: {args.max_model_len} exceeds the model's maximum of {derived_len} "
             f"(allowed: 1..{derived_len})"
         )
+    window = _smallest_sliding_window(hf_config)
+    if window is not None and window < derived_len:
+        # kvloom's attention backends have no sliding-window masks yet (models/llama.py): a
+        # longer context would attend past the window. vLLM's habit when it cannot honour
+        # the window: cap the context to it.
+        if args.max_model_len is None:
+            logger.warning(
+                "The model uses sliding-window attention (%d tokens), which kvloom does not implement yet: "
+                "max_model_len is capped at %d instead of the model's %d (set --max-model-len <= %d).",
+                window, window, derived_len, window,
+            )  # fmt: skip
+        elif args.max_model_len > window:
+            raise ValueError(
+                f"max_model_len: {args.max_model_len} is longer than the model's sliding window of {window} tokens, "
+                f"which kvloom does not implement yet (allowed: 1..{window}); pass --max-model-len {window} or less"
+            )
+        derived_len = window
     max_model_len = args.max_model_len or derived_len
 
     runner = args.runner

@@ -437,7 +437,12 @@ def run_engine_core(
         logger.info("Engine core stopped by SIGTERM")
     except BaseException as exc:
         status = 1
-        if proc is None:
+        if proc is None and isinstance(exc, (ValueError, FileNotFoundError)):
+            # Bad input (a flag, a file): the front end reports the message, which says
+            # what to do; the traceback is for debugging (KVLOOM_LOGGING_LEVEL=DEBUG).
+            logger.error("Engine core failed to start: %s: %s", type(exc).__name__, exc)
+            logger.debug("Engine core start failure", exc_info=exc)
+        elif proc is None:
             logger.error("Engine core failed to start", exc_info=exc)
         else:
             logger.error("Engine core failed; it is shutting down", exc_info=exc)

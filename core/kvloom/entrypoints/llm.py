@@ -89,7 +89,10 @@ class LLM:
             raise ValueError("chat needs a tokenizer, but the engine runs with skip_tokenizer_init=True")
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ValueError("chat: the model's tokenizer has no chat template; pass chat_template=...")
+            raise ValueError(
+                "chat: the model's tokenizer has no chat template; pass one with --chat-template PATH_OR_STRING "
+                "(kvloom chat / serve) or chat_template= (LLM.chat)"
+            )
         ids = tokenizer.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
         )

@@ -3,10 +3,17 @@ clear line instead of a traceback, flags named in errors."""
 
 from __future__ import annotations
 
+import io
+import shutil
 import subprocess
 import sys
 
 import pytest
+from tests.helpers.model_fixtures import tiny_model_dir
+
+from kvloom.entrypoints import llm as llm_module
+from kvloom.testing import resolve_engine_config, run_cli
+from kvloom.testing.models import make_tiny_model
 
 HEAVY_MODULES = ("torch", "transformers")
 
@@ -26,3 +33,76 @@ def test_help_does_not_import_torch(argv):
     assert done.returncode == 0, done.stderr
     assert "usage: kvloom" in done.stdout
     assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
+
+# ---------------------------------------------------------------------- errors, not tracebacks
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # faster; the messages are the same
+
+
+def test_truncated_safetensors_names_the_file(tmp_path, capsys, in_process):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    assert run_cli(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"kvloom: error: weights: cannot read {weights} (5000 bytes)" in err
+    assert "truncated" in err and "Traceback" not in err
+
+
+def test_unexpected_exception_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
+    class Boom:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm_module, "LLM", Boom)
+    assert run_cli(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "kvloom: error: RuntimeError: boom (run with --debug or KVLOOM_LOGGING_LEVEL=DEBUG for the traceback)"
+    )
+    assert run_cli(["generate", "--prompt", "hi", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "RuntimeError: boom" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--temperature", "-1", "--temperature: -1.0 is out of range (allowed: 0.0 <= x <= 100.0)"),
+        ("--top-p", "2", "--top-p: 2.0 is out of range (allowed: 0.0 < x <= 1.0)"),
+        ("--max-tokens", "0", "--max-tokens: 0 is out of range (allowed: 1 <= x"),
+    ],
+)
+def test_bad_sampling_flags_name_the_flag_and_the_range(flag, value, message, capsys):
+    assert run_cli(["generate", "--prompt", "hi", flag, value]) == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert "pydantic" not in err and "validation error" not in err
+
+
+def test_chat_without_a_template_names_the_flag_and_the_flag_works(tmp_path, monkeypatch, capsys, in_process):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    (model_dir / "chat_template.jinja").unlink()
+    argv = ["chat", "--model", str(model_dir), "--max-tokens", "3", "--disable-log-stats"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert run_cli(argv) == 1
+    assert "pass one with --chat-template PATH_OR_STRING" in capsys.readouterr().err
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert run_cli([*argv, "--chat-template", str(template)]) == 0
+    assert capsys.readouterr().out.strip()  # a reply was streamed
+
+
+def test_sliding_window_model_at_its_default_length_is_capped(tmp_path):
+    """vLLM's habit when the window cannot be honoured: the context is capped to it."""
+    model_dir = make_tiny_model("mistral", tmp_path, sliding_window=32)
+    assert resolve_engine_config(model=str(model_dir)).model.max_model_len == 32
+    assert resolve_engine_config(model=str(model_dir), max_model_len=16).model.max_model_len == 16
+    with pytest.raises(ValueError, match=r"max_model_len: 64 is longer .* sliding window of 32 .*--max-model-len 32"):
+        resolve_engine_config(model=str(model_dir), max_model_len=64)

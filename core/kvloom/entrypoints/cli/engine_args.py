@@ -155,9 +155,38 @@ def engine_args_from_namespace(namespace: argparse.Namespace, **overrides: Any) 
     try:
         return EngineArgs(**values)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            loc = [str(part) for part in error["loc"]]
-            where = flag_name(loc[0]) if loc else "engine arguments"
-            problems.append(f"{where}: {error['msg']}")
-        raise ValueError("; ".join(problems)) from None
+        raise ValueError(describe_validation_error(exc, EngineArgs.model_fields, flag_name)) from None
+
+
+def allowed_range(field: FieldInfo) -> str | None:
+    """A field's numeric bounds as text (``0 < x <= 1``), from its ``ge``/``gt``/``le``/``lt``."""
+    low = high = ""
+    for constraint in field.metadata:
+        for attr, template in (("ge", "{} <= "), ("gt", "{} < ")):
+            if getattr(constraint, attr, None) is not None:
+                low = template.format(getattr(constraint, attr))
+        for attr, template in (("le", " <= {}"), ("lt", " < {}")):
+            if getattr(constraint, attr, None) is not None:
+                high = template.format(getattr(constraint, attr))
+    return f"{low}x{high}" if low or high else None
+
+
+def describe_validation_error(
+    exc: ValidationError, fields: dict[str, FieldInfo], flag_for: typing.Callable[[str], str]
+) -> str:
+    """One message naming each bad flag (``flag_for(field name)``), the value given and
+    what the flag allows, instead of pydantic's text."""
+    problems = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"]]
+        if not loc:
+            problems.append(str(error["msg"]).removeprefix("Value error, "))
+            continue
+        where = flag_for(loc[0])
+        field = fields.get(loc[0])
+        bounds = allowed_range(field) if field is not None else None
+        if bounds is not None and error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            problems.append(f"{where}: {error['input']!r} is out of range (allowed: {bounds})")
+        else:
+            problems.append(f"{where}: {str(error['msg']).removeprefix('Value error, ')}")
+    return "; ".join(problems)

@@ -24,17 +24,31 @@ def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int =
     group.add_argument("--sampling-seed", type=int, default=None, help="Seed for reproducible sampling.")
 
 
+#: SamplingParams field -> the flag that sets it (for error messages).
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                  "top_k": "--top-k", "seed": "--sampling-seed"}  # fmt: skip
+
+
 def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
+    """``SamplingParams`` from the sampling flags; a bad value is a ``ValueError`` naming
+    the flag and its allowed range (``--top-p: 2.0 is out of range (allowed: 0 < x <= 1)``)."""
+    from pydantic import ValidationError
+
+    from kvloom.entrypoints.cli.engine_args import describe_validation_error
     from kvloom.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        seed=ns.sampling_seed,
-        **extra,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            top_k=ns.top_k,
+            seed=ns.sampling_seed,
+            **extra,
+        )
+    except ValidationError as exc:
+        flag_for = lambda name: SAMPLING_FLAGS.get(name, name)  # noqa: E731
+        raise ValueError(describe_validation_error(exc, SamplingParams.model_fields, flag_for)) from None
 
 
 def register_subparser(subparsers: Any) -> None:
