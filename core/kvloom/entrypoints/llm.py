@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs(model=model, **kwargs)
+        start = time.perf_counter()
         self.llm_engine = LLMEngine.from_engine_args(args)
+        logger.info("LLM engine for %s ready in %.2f s", self.config.model.served_model_name, time.perf_counter() - start)
         self._counter = itertools.count()
 
         #: The IO processor plugin (``io_processor_plugin``); ``encode`` runs it when set.
@@ -187,11 +190,14 @@ class LLM:
 
         results: dict[str, Any] = {}
         bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        speed = _TokenRates()
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
+                        if use_tqdm:
+                            bar.set_postfix_str(speed.add(out), refresh=False)
                         bar.update(1)
         except BaseException:
             engine.abort_request([r for r in request_ids if r not in results])
@@ -199,3 +205,23 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+
+class _TokenRates:
+    """vLLM's progress-bar postfix: prompt and generated tokens per second of the
+    requests finished so far, since the batch started."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def add(self, out: RequestOutput | PoolingRequestOutput) -> str:
+        self.input_tokens += len(out.prompt_token_ids or [])
+        if isinstance(out, RequestOutput):
+            self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return (
+            f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.output_tokens / elapsed:.2f} toks/s"
+        )

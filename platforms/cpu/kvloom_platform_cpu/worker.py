@@ -4,7 +4,9 @@ Threads: torch's intra-op thread count is ``KVLOOM_CPU_THREADS`` when it is set 
 positive integer (any other value is a ``ValueError`` naming the variable); unset or
 empty, it is the number of cores this process may run on (``os.sched_getaffinity``), so
 a process pinned to 2 cores of a 64-core host (taskset, a container's cpuset) does not
-run 64 threads that fight over them; ``OMP_NUM_THREADS``, when set, is left to torch.
+run 64 threads that fight over them, less the machine's 1-minute load average (at least
+1: oversubscribed torch threads stall each other); ``OMP_NUM_THREADS``, when set, is
+left to torch.
 ``torch.set_num_threads`` is process-wide and runs before the model runner is built.
 
 KV cache: without ``--kv-cache-memory`` (or ``--num-gpu-blocks-override``) it holds what
@@ -43,9 +45,19 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def idle_cores(cores: int) -> int:
+    """Of ``cores``, those the rest of the machine leaves idle: ``cores`` minus the
+    1-minute load average (rounded), at least 1. torch's threads wait for each other at
+    every op, so one thread that shares its core with another busy process stalls them
+    all (measured: decode 10x slower with 2 threads than with 1 on a 2-core machine at
+    load 5)."""
+    return max(1, min(cores, round(cores - _load_average())))
+
+
 def cpu_thread_count() -> int | None:
     """The torch thread count the CPU worker sets: ``KVLOOM_CPU_THREADS``, else the usable
-    cores; None when ``OMP_NUM_THREADS`` is set (torch already follows it)."""
+    cores the machine's load leaves idle; None when ``OMP_NUM_THREADS`` is set (torch
+    already follows it)."""
     threads = os.environ.get(THREADS_ENV, "").strip()
     if threads:
         if not threads.isdigit() or int(threads) < 1:
@@ -53,7 +65,14 @@ def cpu_thread_count() -> int | None:
         return int(threads)
     if os.environ.get("OMP_NUM_THREADS", "").strip():
         return None
-    return usable_cores()
+    return idle_cores(usable_cores())
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def available_host_memory() -> int:
@@ -74,7 +93,12 @@ class CpuWorker(Worker):
         threads = cpu_thread_count()
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        logger.debug("torch runs with %d threads on the CPU", torch.get_num_threads())
+        # os.getloadavg is system-wide (a container sees its host's load); the log says
+        # what was chosen and how to override it.
+        logger.info(
+            "CPU worker: %d torch threads (%d usable cores, load average %.1f; %s sets it)",
+            torch.get_num_threads(), usable_cores(), _load_average(), THREADS_ENV,
+        )  # fmt: skip
         super().init_device()
 
     def kv_cache_budget_bytes(self) -> int:

@@ -46,10 +46,23 @@ def test_without_the_env_threads_follow_the_cores_the_process_may_use(monkeypatc
     else:
         monkeypatch.setenv("KVLOOM_CPU_THREADS", value)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_worker.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     for cores in ({0}, {0, 1, 2}):
         monkeypatch.setattr(cpu_worker.os, "sched_getaffinity", lambda pid, cores=cores: cores)
         _init_worker()
         assert torch.get_num_threads() == len(cores)
+
+
+def test_a_loaded_machine_gets_fewer_threads(monkeypatch, restore_threads):
+    """Threads sharing cores with other busy processes stall each other: the cores the
+    1-minute load average keeps busy are left out (at least one thread)."""
+    monkeypatch.delenv("KVLOOM_CPU_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_worker.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for load, threads in ((1.2, 3), (3.6, 1), (9.0, 1)):
+        monkeypatch.setattr(cpu_worker.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        _init_worker()
+        assert torch.get_num_threads() == threads
 
 
 def test_omp_num_threads_is_left_to_torch(monkeypatch, restore_threads):
