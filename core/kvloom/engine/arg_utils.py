@@ -327,7 +327,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if args.enable_chunked_prefill:
         max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     else:
-        # Without chunking, a whole prompt must fit into one step.
+        # Without chunking, a whole prompt must fit into one step. A smaller budget the user
+        # set is refused rather than silently raised (vLLM refuses it too).
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {args.max_num_batched_tokens} is smaller than max_model_len "
+                f"({max_model_len}); with chunked prefill off (--no-enable-chunked-prefill) a whole prompt must fit "
+                f"into one step: set --max-num-batched-tokens >= {max_model_len} or lower --max-model-len"
+            )
         max_batched = max(args.max_num_batched_tokens or 0, max_model_len, args.max_num_seqs)
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,

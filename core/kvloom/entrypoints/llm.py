@@ -19,6 +19,7 @@ from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
+from kvloom.metrics.reader import Metric
 from kvloom.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -56,6 +57,17 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (vLLM's API); False when blocks are still in use
+        by running requests, so nothing was reset."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (vLLM's API): ``Counter``, ``Gauge`` and
+        ``Histogram`` objects of ``kvloom.metrics.reader``, named as ``/metrics`` names
+        them (``kvloom:prompt_tokens``, ...). Needs stats on (the default)."""
+        return self.llm_engine.get_metrics()
 
     # ------------------------------------------------------------------ generation
     def generate(

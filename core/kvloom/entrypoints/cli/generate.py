@@ -59,6 +59,10 @@ def register_subparser(subparsers: Any) -> None:
     parser.add_argument("--prompt", action="append", required=True, help="A prompt (repeat for several).")
     parser.add_argument("--raw", action="store_true", help="Send prompts as plain text (no chat template).")
     parser.add_argument("--json", action="store_true", help="Print results as JSON.")
+    parser.add_argument(
+        "--lora", default=None, metavar="NAME",
+        help="Generate through LoRA adapter NAME, one of --lora-modules NAME=PATH (turns on --enable-lora).",
+    )  # fmt: skip
     add_sampling_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -69,21 +73,35 @@ def run(ns: argparse.Namespace) -> int:
     from kvloom.entrypoints.llm import LLM
 
     params = sampling_params_from(ns)  # validate before loading the model
-    args = engine_args_from_namespace(ns)
+    args = engine_args_from_namespace(ns, **({"enable_lora": True} if ns.lora else {}))
+    lora_request = _lora_request(ns.lora, args.lora_modules or {})
     llm = LLM(**args.model_dump())  # every field, defaults included: LLM runs with what --help shows
     try:
-        return _generate(ns, llm, params)
+        return _generate(ns, llm, params, lora_request)
     finally:
         llm.llm_engine.shutdown()  # the stat loggers' last log()
 
 
-def _generate(ns: argparse.Namespace, llm: Any, params: Any) -> int:
+def _lora_request(name: str | None, modules: dict[str, str]) -> Any:
+    """The ``LoRARequest`` for ``--lora NAME`` (None without it)."""
+    if name is None:
+        return None
+    if name not in modules:
+        known = ", ".join(sorted(modules)) or "none"
+        raise ValueError(f"--lora: no adapter named {name!r} in --lora-modules (given: {known}); "
+                         f"pass --lora-modules {name}=PATH")  # fmt: skip
+    from kvloom.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=1, lora_path=modules[name])
+
+
+def _generate(ns: argparse.Namespace, llm: Any, params: Any, lora_request: Any = None) -> int:
     tokenizer = llm.get_tokenizer()
     use_chat = not ns.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompts: list[Any] = [
         llm.apply_chat_template([{"role": "user", "content": p}]) if use_chat else p for p in ns.prompt
     ]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     if ns.json:
         results = [
             {
