@@ -61,7 +61,6 @@ from kvloom.config import EngineConfig
 from kvloom.engine.coordinator import LoadBalancer
 from kvloom.engine.core import EngineCore
 from kvloom.engine.core_proc import call_utility, engine_identity, make_socket, run_engine_core
-from kvloom.logger import parent_logging
 from kvloom.engine.serial import (
     ABORT,
     ADD,
@@ -80,6 +79,7 @@ from kvloom.engine.serial import (
     UtilityRequest,
     output_decoders,
 )
+from kvloom.logger import parent_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
 from kvloom.request import EngineCoreRequest, FinishReason
 

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register_subparser(subparsers)
+    _add_debug_flag(parser)
     return parser
 
 
@@ -76,9 +77,7 @@ def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvloom`` console script; returns the exit status."""
     _setup_logging()
-    parser = build_parser()
-    _add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False) or logger.isEnabledFor(logging.DEBUG)
 
     try:
