@@ -4,6 +4,7 @@ clear line instead of a traceback, flags named in errors."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -106,3 +107,23 @@ def test_sliding_window_model_at_its_default_length_is_capped(tmp_path):
     assert resolve_engine_config(model=str(model_dir), max_model_len=16).model.max_model_len == 16
     with pytest.raises(ValueError, match=r"max_model_len: 64 is longer .* sliding window of 32 .*--max-model-len 32"):
         resolve_engine_config(model=str(model_dir), max_model_len=64)
+
+
+def test_generate_runs_the_engine_core_in_its_own_process_only_when_asked(monkeypatch):
+    """A one-shot command skips the second interpreter (seconds of its start)."""
+    seen = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            seen.append(os.environ.get("KVLOOM_ENABLE_MULTIPROCESSING"))
+            raise RuntimeError("stop")
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    monkeypatch.delenv("KVLOOM_ENABLE_MULTIPROCESSING", raising=False)
+    run_cli(["generate", "--prompt", "hi"])
+    assert "KVLOOM_ENABLE_MULTIPROCESSING" not in os.environ  # restored
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "1")
+    run_cli(["generate", "--prompt", "hi"])
+    monkeypatch.delenv("KVLOOM_ENABLE_MULTIPROCESSING")
+    run_cli(["generate", "--prompt", "hi", "--data-parallel-size", "2"])
+    assert seen == ["0", "1", None]

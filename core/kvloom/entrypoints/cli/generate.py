@@ -4,14 +4,18 @@
 
 Each prompt goes in as a user message through the model's chat template when it has
 one; ``--raw`` sends the plain text for completion instead. With no ``--model`` the
-default SmolLM2-135M-Instruct runs.
+default SmolLM2-135M-Instruct runs. The engine core runs in this process (a quicker
+start; KVLOOM_ENABLE_MULTIPROCESSING=1 gives it its own, as LLM and serve do).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -75,11 +79,30 @@ def run(ns: argparse.Namespace) -> int:
     params = sampling_params_from(ns)  # validate before loading the model
     args = engine_args_from_namespace(ns, **({"enable_lora": True} if ns.lora else {}))
     lora_request = _lora_request(ns.lora, args.lora_modules or {})
-    llm = LLM(**args.model_dump())  # every field, defaults included: LLM runs with what --help shows
+    with _engine_core_in_this_process(args.data_parallel_size):
+        llm = LLM(**args.model_dump())  # every field, defaults included: LLM runs with what --help shows
     try:
         return _generate(ns, llm, params, lora_request)
     finally:
         llm.llm_engine.shutdown()  # the stat loggers' last log()
+
+
+@contextlib.contextmanager
+def _engine_core_in_this_process(data_parallel_size: int) -> Iterator[None]:
+    """A one-shot command gains nothing from an engine core process of its own but pays for
+    it (a second interpreter importing torch: seconds of a start of a few): the core runs
+    in this process unless KVLOOM_ENABLE_MULTIPROCESSING says otherwise (or data
+    parallelism needs processes)."""
+    from kvloom.engine.core_client import MULTIPROCESSING_ENV
+
+    if MULTIPROCESSING_ENV in os.environ or data_parallel_size > 1:
+        yield
+        return
+    os.environ[MULTIPROCESSING_ENV] = "0"
+    try:
+        yield
+    finally:
+        del os.environ[MULTIPROCESSING_ENV]
 
 
 def _lora_request(name: str | None, modules: dict[str, str]) -> Any:
