@@ -75,9 +75,9 @@ def test_bad_key_value_is_an_argparse_error() -> None:
 
 
 def test_out_of_range_value_names_the_flag() -> None:
-    with pytest.raises(ValueError, match=r"--gpu-memory-utilization: 1.5 is out of range \(allowed: 0.0 < x <= 1.0\)"):
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization: Input should be less than or equal to 1"):
         parse("--gpu-memory-utilization", "1.5")
-    with pytest.raises(ValueError, match=r"--optimization-level: 7 is out of range \(allowed: 0 <= x <= 3\)"):
+    with pytest.raises(ValueError, match=r"--optimization-level: Input should be less than or equal to 3"):
         parse("-O7")
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
         parse("--max-num-batched-tokens", "4", "--max-num-seqs", "8")

@@ -23,7 +23,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from kvloom.engine.arg_utils import EngineArgs
@@ -155,38 +155,27 @@ def engine_args_from_namespace(namespace: argparse.Namespace, **overrides: Any) 
     try:
         return EngineArgs(**values)
     except ValidationError as exc:
-        raise ValueError(describe_validation_error(exc, EngineArgs.model_fields, flag_name)) from None
-
-
-def allowed_range(field: FieldInfo) -> str | None:
-    """A field's numeric bounds as text (``0 < x <= 1``), from its ``ge``/``gt``/``le``/``lt``."""
-    low = high = ""
-    for constraint in field.metadata:
-        for attr, template in (("ge", "{} <= "), ("gt", "{} < ")):
-            if getattr(constraint, attr, None) is not None:
-                low = template.format(getattr(constraint, attr))
-        for attr, template in (("le", " <= {}"), ("lt", " < {}")):
-            if getattr(constraint, attr, None) is not None:
-                high = template.format(getattr(constraint, attr))
-    return f"{low}x{high}" if low or high else None
+        raise ValueError(describe_validation_error(exc, EngineArgs, flag_name)) from None
 
 
 def describe_validation_error(
-    exc: ValidationError, fields: dict[str, FieldInfo], flag_for: typing.Callable[[str], str]
+    exc: ValidationError, model: type[BaseModel], flag_for: typing.Callable[[str], str]
 ) -> str:
-    """One message naming each bad flag (``flag_for(field name)``), the value given and
-    what the flag allows, instead of pydantic's text."""
+    """One message naming each bad flag (``flag_for(field name)``), the problem and the
+    allowed range where the field has one, as the server words its 400s
+    (``--top-p: Input should be less than or equal to 1 (allowed range: 0.0 < top_p <= 1.0)``)."""
+    from kvloom.entrypoints.openai.errors import allowed_range
+
     problems = []
     for error in exc.errors():
         loc = [str(part) for part in error["loc"]]
-        if not loc:
-            problems.append(str(error["msg"]).removeprefix("Value error, "))
+        msg = str(error["msg"]).removeprefix("Value error, ")
+        if not loc:  # model-level checks name their fields themselves
+            problems.append(msg)
             continue
-        where = flag_for(loc[0])
-        field = fields.get(loc[0])
-        bounds = allowed_range(field) if field is not None else None
-        if bounds is not None and error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-            problems.append(f"{where}: {error['input']!r} is out of range (allowed: {bounds})")
-        else:
-            problems.append(f"{where}: {str(error['msg']).removeprefix('Value error, ')}")
+        text = f"{flag_for(loc[0])}: {msg}"
+        bounds = allowed_range(model, loc[:1])
+        if bounds:
+            text += f" (allowed range: {bounds})"
+        problems.append(text)
     return "; ".join(problems)

@@ -35,7 +35,7 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", 
 
 def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
     """``SamplingParams`` from the sampling flags; a bad value is a ``ValueError`` naming
-    the flag and its allowed range (``--top-p: 2.0 is out of range (allowed: 0 < x <= 1)``)."""
+    the flag and its allowed range (``--top-p: ... (allowed range: 0.0 < top_p <= 1.0)``)."""
     from pydantic import ValidationError
 
     from kvloom.entrypoints.cli.engine_args import describe_validation_error
@@ -52,7 +52,7 @@ def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
         )
     except ValidationError as exc:
         flag_for = lambda name: SAMPLING_FLAGS.get(name, name)  # noqa: E731
-        raise ValueError(describe_validation_error(exc, SamplingParams.model_fields, flag_for)) from None
+        raise ValueError(describe_validation_error(exc, SamplingParams, flag_for)) from None
 
 
 def register_subparser(subparsers: Any) -> None:
