@@ -4,6 +4,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# vLLM's habit: the library logs (model load, KV cache, speed) without the application
+# configuring logging; KVLOOM_CONFIGURE_LOGGING=0 turns this off (kvloom.logger).
+from kvloom.logger import configure_logging_on_import as _configure_logging_on_import  # noqa: E402
+
+_configure_logging_on_import()
+
 # Heavy modules load on first use so that `kvloom --help` and plugin discovery stay fast.
 _LAZY = {
     "LLM": "kvloom.entrypoints.llm",

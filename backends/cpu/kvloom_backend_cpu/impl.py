@@ -91,6 +91,10 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), key_cache.dtype)
         torch.index_select(key_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[0])
         torch.index_select(value_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[1])
+        if batch.pad_rows.numel():
+            # Slots never written (the cache is allocated uninitialised) may hold NaN.
+            buffer[0].index_fill_(0, batch.pad_rows, 0.0)
+            buffer[1].index_fill_(0, batch.pad_rows, 0.0)
         keys = buffer[0].view(num, kv_heads, length, self.head_size)
         values = buffer[1].view(num, kv_heads, length, self.head_size)
         if batch.token_rows is None:

@@ -71,6 +71,10 @@ class DecodeBatch:
     kv_rows: torch.Tensor
     #: bool ``[num_reqs, 1, 1, padded_len]``: True = key position < seq_len.
     key_mask: torch.Tensor
+    #: int64: the gathered rows (indices into ``kv_rows``) past each request's seq_len.
+    #: The cache is not zero-filled, so they may hold NaN; the mask alone would not hide
+    #: it (NaN + -inf and 0 * NaN are NaN), so they are zeroed after the gather.
+    pad_rows: torch.Tensor
 
 
 @dataclass
@@ -208,7 +212,9 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         slots = table[:, positions // block_size] * block_size + positions % block_size  # [B, L]
         kv_heads = self.spec.num_kv_heads
         kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
-        key_mask = (positions[None, :] < dec_seq_lens[:, None]).view(num, 1, 1, -1)
+        valid = positions[None, :] < dec_seq_lens[:, None]  # [B, L]
+        key_mask = valid.view(num, 1, 1, -1)
+        pad_rows = (~valid)[:, None, :].expand(num, kv_heads, -1).reshape(-1).nonzero().squeeze(1)
         return DecodeBatch(
             num_reqs=num,
             token_rows=None if contiguous else rows,
@@ -217,6 +223,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             num_kv_heads=kv_heads,
             kv_rows=kv_rows.reshape(-1),
             key_mask=key_mask,
+            pad_rows=pad_rows,
         )
 
     def _plan_prefill(

@@ -17,43 +17,34 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvloom import plugins
-from kvloom.attention.backend import DEFAULT_BLOCK_SIZE, AttentionSelectorConfig
-from kvloom.attention.selector import select_attention_backend
-from kvloom.config import (
-    AttentionConfig,
-    CacheConfig,
-    CompilationConfig,
-    CUDAGraphMode,
-    DeviceConfig,
-    EngineConfig,
-    LoadConfig,
-    LoRAConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
-from kvloom.loader.model_source import load_hf_config, resolve_model_source
-from kvloom.models.registry import ModelRegistry
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.quantization import check_checkpoint_quantization, check_requested_quantization
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvloom.attention.backend import AttentionSelectorConfig
+    from kvloom.config import EngineConfig, ModelConfig
+
+# Only what EngineArgs needs is imported above: the CLI builds its flags from EngineArgs,
+# and `kvloom --help` must not pay for importing torch. create_engine_config imports the
+# engine's modules when it runs.
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+#: --dtype names -> the torch dtype's attribute name (``getattr(torch, ...)``).
+DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 DTypeName = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
@@ -197,8 +188,10 @@ class EngineArgs(BaseModel):
 
 
 def _resolve_dtype(requested: str, hf_config: object, platform_dtypes: tuple[torch.dtype, ...], platform: str) -> torch.dtype:
+    import torch
+
     if requested != "auto":
-        dtype = DTYPES[requested]
+        dtype = getattr(torch, DTYPES[requested])
         if dtype not in platform_dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in platform_dtypes)
             raise ValueError(f"dtype: {requested} is not supported on platform {platform} (allowed: {allowed})")
@@ -206,7 +199,11 @@ def _resolve_dtype(requested: str, hf_config: object, platform_dtypes: tuple[tor
     # "auto": the platform's preferred dtype, except that a half-precision checkpoint stays
     # in its own half type where the platform supports it and prefers half precision.
     preferred = platform_dtypes[0]
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers >= 4.56 names it `dtype` (reading `torch_dtype` there logs a deprecation
+    # warning); older versions only have `torch_dtype`.
+    config_dtype = getattr(hf_config, "dtype", None)
+    if config_dtype is None and "dtype" not in getattr(hf_config, "__dict__", {}):
+        config_dtype = getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     if preferred != torch.float32 and config_dtype in (torch.float16, torch.bfloat16) and config_dtype in platform_dtypes:
@@ -223,6 +220,19 @@ def _derived_max_model_len(hf_config: object) -> int:
     return 2048
 
 
+def _smallest_sliding_window(hf_config: object) -> int | None:
+    """The smallest sliding window any layer uses (HF's ``sliding_window``,
+    ``use_sliding_window``, ``layer_types``), or None."""
+    from kvloom.models.llama import sliding_window_of
+
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    num_layers = getattr(text_config, "num_hidden_layers", None)
+    if not isinstance(num_layers, int) or not isinstance(getattr(text_config, "sliding_window", None), int):
+        return None
+    windows = [w for w in (sliding_window_of(text_config, i) for i in range(num_layers)) if w is not None]
+    return min(windows, default=None)
+
+
 def _default_capture_sizes(max_num_seqs: int, max_size: int | None) -> list[int]:
     """vLLM's default list: 1, 2, 4, then multiples of 8 up to the max size."""
     limit = min(max_size or 512, max_num_seqs)
@@ -235,6 +245,26 @@ def _default_capture_sizes(max_num_seqs: int, max_size: int | None) -> list[int]
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """Resolve ``args`` into the ``EngineConfig`` every component receives (see the
     module docstring for the order)."""
+    from kvloom import plugins
+    from kvloom.attention.backend import DEFAULT_BLOCK_SIZE
+    from kvloom.attention.selector import select_attention_backend
+    from kvloom.config import (
+        AttentionConfig,
+        CacheConfig,
+        CompilationConfig,
+        DeviceConfig,
+        EngineConfig,
+        LoadConfig,
+        LoRAConfig,
+        ModelConfig,
+        ObservabilityConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+    from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
+    from kvloom.loader.model_source import load_hf_config, resolve_model_source
+    from kvloom.models.registry import ModelRegistry
+
     plugins.load_plugins()
     platform = plugins.current_platform()
 
@@ -251,6 +281,23 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             f"max_model_len: {args.max_model_len} exceeds the model's maximum of {derived_len} "
             f"(allowed: 1..{derived_len})"
         )
+    window = _smallest_sliding_window(hf_config)
+    if window is not None and window < derived_len:
+        # kvloom's attention backends have no sliding-window masks yet (models/llama.py): a
+        # longer context would attend past the window. vLLM's habit when it cannot honour
+        # the window: cap the context to it.
+        if args.max_model_len is None:
+            logger.warning(
+                "The model uses sliding-window attention (%d tokens), which kvloom does not implement yet: "
+                "max_model_len is capped at %d instead of the model's %d (set --max-model-len <= %d).",
+                window, window, derived_len, window,
+            )  # fmt: skip
+        elif args.max_model_len > window:
+            raise ValueError(
+                f"max_model_len: {args.max_model_len} is longer than the model's sliding window of {window} tokens, "
+                f"which kvloom does not implement yet (allowed: 1..{window}); pass --max-model-len {window} or less"
+            )
+        derived_len = window
     max_model_len = args.max_model_len or derived_len
 
     runner = args.runner
@@ -323,7 +370,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if args.enable_chunked_prefill:
         max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     else:
-        # Without chunking, a whole prompt must fit into one step.
+        # Without chunking, a whole prompt must fit into one step. A smaller budget the user
+        # set is refused rather than silently raised (vLLM refuses it too).
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {args.max_num_batched_tokens} is smaller than max_model_len "
+                f"({max_model_len}); with chunked prefill off (--no-enable-chunked-prefill) a whole prompt must fit "
+                f"into one step: set --max-num-batched-tokens >= {max_model_len} or lower --max-model-len"
+            )
         max_batched = max(args.max_num_batched_tokens or 0, max_model_len, args.max_num_seqs)
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
@@ -422,6 +476,8 @@ def _selector_config(
     """The selection config of the model's attention; for an MLA model, of one phase
     (``mla_phase``): decode over the latent rows (one KV head of ``kv_lora_rank +
     qk_rope_head_dim``), prefill over decompressed per-head K/V."""
+    from kvloom.attention.backend import AttentionSelectorConfig
+
     if model.use_mla:
         dims = model.mla_dims
         decode = mla_phase == "decode"
@@ -456,19 +512,22 @@ def _selector_config(
 #: (section, field) that a platform's check_and_update_config and the general plugins'
 #: kvloom_update_engine_config must leave as resolved: the model (but its max_model_len),
 #: the selected attention backend, the platform.
-FIXED_FIELDS: tuple[tuple[str, str], ...] = (
-    *(("model", f) for f in ModelConfig.model_fields if f != "max_model_len"),
-    ("attention", "requested_backend"),
-    ("attention", "backend"),
-    ("attention", "requested_prefill_backend"),
-    ("attention", "prefill_backend"),
-    ("device", "platform"),
-    ("device", "device_type"),
-)
+def fixed_fields() -> tuple[tuple[str, str], ...]:
+    from kvloom.config import ModelConfig
+
+    return (
+        *(("model", f) for f in ModelConfig.model_fields if f != "max_model_len"),
+        ("attention", "requested_backend"),
+        ("attention", "backend"),
+        ("attention", "requested_prefill_backend"),
+        ("attention", "prefill_backend"),
+        ("device", "platform"),
+        ("device", "device_type"),
+    )
 
 
 def _fixed_fields(config: EngineConfig) -> dict[str, object]:
-    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in fixed_fields()}
 
 
 def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str, max_len: int) -> None:

@@ -37,6 +37,8 @@ class EngineCore:
         self.worker = platform.get_worker_cls()(config, platform)
         self.worker.init_device()
         self.worker.load_model()
+        loaded = time.perf_counter()
+        logger.info("Model loading took %.2f s", loaded - start)
         num_blocks = self.worker.determine_num_kv_blocks()
         needed = cdiv(config.model.max_model_len, config.cache.block_size)
         if num_blocks < needed:
@@ -47,8 +49,13 @@ class EngineCore:
             )
         self.worker.initialize_cache(num_blocks)
         config.cache.num_blocks = num_blocks
+        self._log_kv_cache_size(num_blocks)
         self.worker.compile_or_warm_up_model()
-        logger.info("Engine core ready in %.1f s (%d KV blocks)", time.perf_counter() - start, num_blocks)
+        now = time.perf_counter()
+        logger.info(
+            "Engine core ready in %.1f s: model load %.2f s, KV cache and warm-up %.2f s (%d KV blocks)",
+            now - start, loaded - start, now - loaded, num_blocks,
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -59,6 +66,17 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # Async scheduling: steps launched on the device whose outputs are not applied yet.
         self._in_flight: deque[tuple[SchedulerOutput, PendingModelRunnerOutput]] = deque()
+
+    def _log_kv_cache_size(self, num_blocks: int) -> None:
+        """vLLM's start-up line: the KV cache in tokens and how many requests of
+        max_model_len tokens it holds at once (the worker logs its bytes)."""
+        config = self.config
+        tokens = num_blocks * config.cache.block_size
+        per_request = cdiv(config.model.max_model_len, config.cache.block_size) * config.cache.block_size
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d); maximum concurrency for %d tokens per request: %.2fx",
+            tokens, num_blocks, config.cache.block_size, config.model.max_model_len, tokens / per_request,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:

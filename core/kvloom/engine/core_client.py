@@ -79,6 +79,7 @@ from kvloom.engine.serial import (
     UtilityRequest,
     output_decoders,
 )
+from kvloom.logger import parent_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
 from kvloom.request import EngineCoreRequest, FinishReason
 
@@ -301,21 +302,6 @@ def main_module_not_reimported() -> Iterator[None]:
             for name in ("__spec__", "__file__"):
                 main.__dict__.pop(name, None)
             main.__dict__.update(saved)
-
-
-def parent_logging() -> tuple[int | None, str | None]:
-    """The engine core logs like this process: the root logger's level and format when
-    logging is configured here, nothing otherwise (Python's warnings-only default)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        return None, None
-    fmt = None
-    for handler in root.handlers:
-        formatter = handler.formatter
-        if formatter is not None and getattr(formatter, "_fmt", None):
-            fmt = formatter._fmt
-            break
-    return logging.getLogger("kvloom").getEffectiveLevel(), fmt
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -66,6 +66,7 @@ from kvloom.engine.serial import (
     convert_args,
     input_decoders,
 )
+from kvloom.logger import setup_child_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.profiling import cprofile_if_asked
 from kvloom.request import FinishReason
@@ -392,9 +393,7 @@ def _watch_parent(death_pipe: Any, inbox: list[queue.SimpleQueue]) -> None:
 def _setup_logging(level: int | None, fmt: str | None, engine_index: int) -> None:
     if level is None:
         return
-    prefix = f"(EngineCore_{engine_index} pid={os.getpid()}) "
-    logging.basicConfig(level=level, format=prefix + (fmt or "%(levelname)s %(asctime)s %(name)s: %(message)s"),
-                        stream=sys.stderr)  # fmt: skip
+    setup_child_logging(level, fmt, f"(EngineCore_{engine_index} pid={os.getpid()}) ")
 
 
 def run_engine_core(
@@ -438,7 +437,12 @@ def run_engine_core(
         logger.info("Engine core stopped by SIGTERM")
     except BaseException as exc:
         status = 1
-        if proc is None:
+        if proc is None and isinstance(exc, (ValueError, FileNotFoundError)):
+            # Bad input (a flag, a file): the front end reports the message, which says
+            # what to do; the traceback is for debugging (KVLOOM_LOGGING_LEVEL=DEBUG).
+            logger.error("Engine core failed to start: %s: %s", type(exc).__name__, exc)
+            logger.debug("Engine core start failure", exc_info=exc)
+        elif proc is None:
             logger.error("Engine core failed to start", exc_info=exc)
         else:
             logger.error("Engine core failed; it is shutting down", exc_info=exc)

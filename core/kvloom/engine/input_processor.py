@@ -122,6 +122,9 @@ class InputProcessor:
             raise ValueError("pooling_params: this model generates text; start it with runner='pooling' to pool")
         if not pooling and runner == "pooling":
             raise ValueError("sampling_params: this model runs as a pooling (embedding) model and cannot generate")
+        problem = priority_problem(priority, self.config.scheduler.policy)
+        if problem is not None:
+            raise ValueError(problem)
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled; start the engine with --enable-lora")
         if not pooling:
@@ -148,3 +151,14 @@ class InputProcessor:
             priority=priority,
         )
         return request, text
+
+
+def priority_problem(priority: int, policy: str) -> str | None:
+    """Why ``priority`` cannot be honoured under the scheduling ``policy``, or None: under
+    fcfs only 0 is allowed (LLM and the server say the same; the server answers 400)."""
+    if priority != 0 and policy != "priority":
+        return (
+            f"priority: {priority} needs the engine to run with --scheduling-policy priority "
+            f"(it uses {policy}; allowed value: 0)"
+        )
+    return None

@@ -18,6 +18,8 @@ from kvloom.engine.core_client import EngineCoreClient
 from kvloom.engine.frontend import Frontend
 from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
+from kvloom.metrics.loggers import PrometheusStatLogger
+from kvloom.metrics.reader import Metric, get_metrics_snapshot
 from kvloom.outputs import PoolingRequestOutput, RequestOutput
 from kvloom.sampling_params import PoolingParams, SamplingParams
 
@@ -34,7 +36,8 @@ class LLMEngine:
         self.frontend = Frontend(config, log_stats=log_stats)
         self.tokenizer = self.frontend.tokenizer
         self.engine_core: Any = EngineCoreClient.make_client(config, log_stats, asyncio_mode=False)
-        self.frontend.start_stat_loggers(stat_loggers=None)
+        # A Prometheus registry of its own, read by get_metrics() (vLLM's LLM keeps one too).
+        self.frontend.start_stat_loggers(stat_loggers=[PrometheusStatLogger])
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -88,6 +91,13 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.call_utility("reset_prefix_cache")
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's Prometheus metrics now (``kvloom.metrics.reader``); stats must be on."""
+        for stat_logger in self.frontend.stat_loggers:
+            if isinstance(stat_logger, PrometheusStatLogger):
+                return get_metrics_snapshot(stat_logger.registry)
+        raise ValueError("get_metrics: engine stats are off; start the engine without disable_log_stats=True")
 
     def shutdown(self) -> None:
         self.frontend.log_stats_at_shutdown()  # the stat loggers' last log(), after the last step's record()

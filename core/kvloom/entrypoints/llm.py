@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
+from kvloom.metrics.reader import Metric
 from kvloom.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -41,7 +43,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs(model=model, **kwargs)
+        start = time.perf_counter()
         self.llm_engine = LLMEngine.from_engine_args(args)
+        logger.info("LLM engine for %s ready in %.2f s", self.config.model.served_model_name, time.perf_counter() - start)
         self._counter = itertools.count()
 
         #: The IO processor plugin (``io_processor_plugin``); ``encode`` runs it when set.
@@ -53,6 +57,17 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (vLLM's API); False when blocks are still in use
+        by running requests, so nothing was reset."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (vLLM's API): ``Counter``, ``Gauge`` and
+        ``Histogram`` objects of ``kvloom.metrics.reader``, named as ``/metrics`` names
+        them (``kvloom:prompt_tokens``, ...). Needs stats on (the default)."""
+        return self.llm_engine.get_metrics()
 
     # ------------------------------------------------------------------ generation
     def get_default_sampling_params(self) -> SamplingParams:
@@ -95,7 +110,10 @@ class LLM:
             raise ValueError("chat needs a tokenizer, but the engine runs with skip_tokenizer_init=True")
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ValueError("chat: the model's tokenizer has no chat template; pass chat_template=...")
+            raise ValueError(
+                "chat: the model's tokenizer has no chat template; pass one with --chat-template PATH_OR_STRING "
+                "(kvloom chat / serve) or chat_template= (LLM.chat)"
+            )
         ids = tokenizer.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
         )
@@ -190,11 +208,14 @@ class LLM:
 
         results: dict[str, Any] = {}
         bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        speed = _TokenRates()
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
+                        if use_tqdm:
+                            bar.set_postfix_str(speed.add(out), refresh=False)
                         bar.update(1)
         except BaseException:
             engine.abort_request([r for r in request_ids if r not in results])
@@ -202,3 +223,23 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+
+class _TokenRates:
+    """vLLM's progress-bar postfix: prompt and generated tokens per second of the
+    requests finished so far, since the batch started."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def add(self, out: RequestOutput | PoolingRequestOutput) -> str:
+        self.input_tokens += len(out.prompt_token_ids or [])
+        if isinstance(out, RequestOutput):
+            self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return (
+            f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.output_tokens / elapsed:.2f} toks/s"
+        )

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from kvloom.loader.model_source import gguf_cache_dir
 
@@ -129,10 +131,17 @@ def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> I
         )
         use_cache = False
     collected: dict[str, torch.Tensor] = {}
-    for name, tensor in _dequantized_tensors(reader, name_map, unpermute_heads):
-        if use_cache:
-            collected[name] = tensor
-        yield name, tensor
+    start = time.perf_counter()
+    # The first load of a GGUF file dequantizes every tensor (tens of seconds for a small
+    # model on a slow CPU): a progress bar says it is working, the log how long it took.
+    bar = tqdm(total=len(name_map), desc=f"Dequantizing {path.name}", unit="tensor", dynamic_ncols=True)
+    with bar:
+        for name, tensor in _dequantized_tensors(reader, name_map, unpermute_heads):
+            bar.update(1)
+            if use_cache:
+                collected[name] = tensor
+            yield name, tensor
+    logger.info("Dequantized %d GGUF tensors of %s in %.1f s", len(name_map), path.name, time.perf_counter() - start)
     if use_cache and collected:
         _write_cache(cache_file, collected)
 

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,8 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
         return out
     from transformers import AutoConfig, AutoTokenizer
 
-    logger.info("Reading GGUF metadata of %s (cached in %s)", gguf_path.name, out)
+    logger.info("Reading GGUF metadata of %s (once; cached in %s)", gguf_path.name, out)
+    start = time.perf_counter()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -115,6 +117,7 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     for f in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
         os.replace(f, out / f.name)
     tmp.rmdir()
+    logger.info("Converted the GGUF metadata of %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return out
 
 

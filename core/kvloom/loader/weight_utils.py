@@ -70,21 +70,40 @@ def safetensors_weights(
     files: list[Path], origins: dict[str, Path] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``files``; ``origins``, when given, records each name's file."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise _unreadable(path, exc) from exc
+        with f:
             for name in f.keys():
+                try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as exc:
+                    raise _unreadable(path, exc) from exc
                 if origins is not None:
                     origins[name] = path
-                yield name, f.get_tensor(name)
+                yield name, tensor
+
+
+def _unreadable(path: Path, exc: BaseException) -> ValueError:
+    size = path.stat().st_size if path.is_file() else 0
+    return ValueError(
+        f"weights: cannot read {path} ({size} bytes): {exc}. The file may be truncated or corrupt "
+        "(an interrupted download?); download it again."
+    )
 
 
 def pt_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``files``; ``origins``, when given, records each name's file."""
     for path in files:
         # weights_only: a checkpoint must not run code; mmap: no full copy in memory.
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, EOFError) as exc:  # torch's errors for a truncated zip or pickle
+            raise _unreadable(path, exc) from exc
         for name, tensor in state.items():
             if origins is not None:
                 origins[name] = path

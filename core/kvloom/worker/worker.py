@@ -36,7 +36,7 @@ class Worker(WorkerBase):
     defaults (intra-op threads: the cores torch sees, or ``OMP_NUM_THREADS``) in the
     process that runs the engine core. ``torch.set_num_threads`` is process-wide: a
     platform that wants another count calls it in ``init_device`` (kvloom's CPU worker does
-    so from ``KVLOOM_CPU_THREADS``)."""
+    so from ``KVLOOM_CPU_THREADS``, else from the cores the process may use)."""
 
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         super().__init__(config, platform)

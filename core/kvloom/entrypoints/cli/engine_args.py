@@ -24,7 +24,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from kvloom.engine.arg_utils import EngineArgs
@@ -156,9 +156,27 @@ def engine_args_from_namespace(namespace: argparse.Namespace, **overrides: Any) 
     try:
         return EngineArgs(**values)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            loc = [str(part) for part in error["loc"]]
-            where = flag_name(loc[0]) if loc else "engine arguments"
-            problems.append(f"{where}: {error['msg']}")
-        raise ValueError("; ".join(problems)) from None
+        raise ValueError(describe_validation_error(exc, EngineArgs, flag_name)) from None
+
+
+def describe_validation_error(
+    exc: ValidationError, model: type[BaseModel], flag_for: typing.Callable[[str], str]
+) -> str:
+    """One message naming each bad flag (``flag_for(field name)``), the problem and the
+    allowed range where the field has one, as the server words its 400s
+    (``--top-p: Input should be less than or equal to 1 (allowed range: 0.0 < top_p <= 1.0)``)."""
+    from kvloom.entrypoints.openai.errors import allowed_range
+
+    problems = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"]]
+        msg = str(error["msg"]).removeprefix("Value error, ")
+        if not loc:  # model-level checks name their fields themselves
+            problems.append(msg)
+            continue
+        text = f"{flag_for(loc[0])}: {msg}"
+        bounds = allowed_range(model, loc[:1])
+        if bounds:
+            text += f" (allowed range: {bounds})"
+        problems.append(text)
+    return "; ".join(problems)

@@ -8,7 +8,8 @@ top-level imports light so that ``kvloom --help`` stays fast: import the engine 
 ``func``.
 
 Environment: ``KVLOOM_LOGGING_LEVEL`` (default INFO; logs go to stderr, so ``--json``
-output on stdout stays clean). At DEBUG, errors also print their Python traceback.
+output on stdout stays clean). An error prints one line (``kvloom: error: ...``) and exits
+1; with ``--debug`` (after any subcommand) or at DEBUG it also prints its traceback.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from kvloom_registry import PluginError
 
 import kvloom
+from kvloom.logger import DATE_FORMAT as LOG_DATE_FORMAT
+from kvloom.logger import FORMAT as LOG_FORMAT
+from kvloom.logger import configure_logging, logging_level
 
 #: Modules providing ``register_subparser(subparsers)``, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: list[str] = [
@@ -45,29 +49,57 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register_subparser(subparsers)
+    _add_debug_flag(parser)
     return parser
 
 
 def _setup_logging() -> None:
-    level = os.environ.get("KVLOOM_LOGGING_LEVEL", "INFO").upper()
-    if level not in logging.getLevelNamesMapping():
-        raise SystemExit(f"kvloom: error: KVLOOM_LOGGING_LEVEL={level} (allowed: DEBUG, INFO, WARNING, ERROR)")
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    # The command always logs (KVLOOM_CONFIGURE_LOGGING governs the library's import only);
+    # other libraries' loggers go through the root logger, in the same format.
+    try:
+        level = logging_level()
+    except ValueError as exc:
+        raise SystemExit(f"kvloom: error: {exc}") from None
+    configure_logging(level)
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT, stream=sys.stderr)
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` on ``parser`` and every subcommand's parser (it may follow any of them)."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="On an error, print its Python traceback.")  # fmt: skip
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                _add_debug_flag(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvloom`` console script; returns the exit status."""
     _setup_logging()
     args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False) or logger.isEnabledFor(logging.DEBUG)
 
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("kvloom: interrupted", file=sys.stderr)
+        return 130
     except (PluginError, ValueError, FileNotFoundError) as exc:
         # Plugin problems and bad input: the message says what to do (plugin errors
         # carry the plugin's own traceback); our stack adds nothing, except when debugging.
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.exception("kvloom %s failed", args.command)
+        if debug:
+            traceback.print_exc()
         print(f"kvloom: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        # Anything else is unexpected: one line saying what, and how to see where.
+        if debug:
+            traceback.print_exc()
+            print(f"kvloom: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            print(f"kvloom: error: {type(exc).__name__}: {exc} (run with --debug or KVLOOM_LOGGING_LEVEL=DEBUG "
+                  "for the traceback)", file=sys.stderr)  # fmt: skip
         return 1
 
 

@@ -55,10 +55,10 @@ from kvloom.engine.core_client import (
     describe_exit,
     main_module_not_reimported,
     notify_engine_death,
-    parent_logging,
 )
 from kvloom.entrypoints.openai.frontend import FrontendOptions
 from kvloom.entrypoints.openai.limits import ServerLimits
+from kvloom.logger import parent_logging, setup_child_logging
 from kvloom.profiling import cprofile_if_asked
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,7 @@ def run_api_server(
     from kvloom.metrics.loggers import PrometheusStatLogger
 
     prefix = f"(APIServer_{index} pid={os.getpid()}) "
-    if log_level is not None:
-        logging.basicConfig(level=log_level, format=prefix + (log_format or "%(levelname)s %(name)s: %(message)s"),
-                            stream=sys.stderr)  # fmt: skip
+    setup_child_logging(log_level, log_format, prefix)
     # The launcher stops this process (SIGTERM); Ctrl-C in a terminal reaches the whole
     # process group, so it is ignored here until uvicorn runs (which shuts down on it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

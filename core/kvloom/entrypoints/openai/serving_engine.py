@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from kvloom.engine.core_client import EngineDeadError
 from kvloom.engine.errors import RequestFailedError
+from kvloom.engine.input_processor import priority_problem
 from kvloom.entrypoints.openai.errors import APIError, engine_dead_error, from_validation_error, internal_error
 from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import SamplingRequest
@@ -166,12 +167,9 @@ class OpenAIServing:
         return await self.models.resolve(requested)
 
     def check_priority(self, priority: int) -> None:
-        if priority != 0 and self.config.scheduler.policy != "priority":
-            raise APIError(
-                f"priority: {priority} needs the server to run with --scheduling-policy priority "
-                "(it uses fcfs; allowed value: 0)",
-                param="priority",
-            )
+        problem = priority_problem(priority, self.config.scheduler.policy)
+        if problem is not None:
+            raise APIError(problem, param="priority")
 
     def check_num_sequences(self, num_prompts: int, n: int, param: str) -> None:
         """At most ``--max-sequences-per-request`` engine sequences (prompts x n)."""
