@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 
@@ -19,10 +18,6 @@ def register_subparser(subparsers: Any) -> None:
     parser = subparsers.add_parser("chat", help="Chat interactively (streams tokens).", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system", default=None, help="A system message to start the conversation.")
-    parser.add_argument(
-        "--chat-template", default=None, metavar="PATH_OR_STRING",
-        help="A Jinja chat template, or a file holding one (default: the tokenizer's).",
-    )  # fmt: skip
     add_sampling_args(parser, default_max_tokens=256)
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -35,25 +30,11 @@ def run(ns: argparse.Namespace) -> int:
     from kvloom.sampling_params import RequestOutputKind
 
     params = sampling_params_from(ns, output_kind=RequestOutputKind.DELTA)
-    ns.chat_template = load_chat_template(ns.chat_template)
     llm = LLM(**engine_args_from_namespace(ns).model_dump())  # every field, defaults included
     try:
         return _converse(ns, llm, params)
     finally:
         llm.llm_engine.shutdown()  # the stat loggers' last log()
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: the contents of the file it names, else the template itself
-    (vLLM's rule). A value that looks like a path but is no file is an error."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if "{" not in value and (path.suffix in (".jinja", ".j2", ".txt") or "/" in value):
-        raise FileNotFoundError(f"--chat-template: no such file {value!r} (pass a file or the template itself)")
-    return value
 
 
 def _converse(ns: argparse.Namespace, llm: Any, params: Any) -> int:
@@ -73,9 +54,10 @@ def _converse(ns: argparse.Namespace, llm: Any, params: Any) -> int:
             messages = list(system)
             continue
         messages.append({"role": "user", "content": text})
+        # --chat-template is an engine flag: the engine sets it on the tokenizer.
         request_id = f"chat-{turn}"
         turn += 1
-        engine.add_request(request_id, llm.apply_chat_template(messages, ns.chat_template), params)
+        engine.add_request(request_id, llm.apply_chat_template(messages), params)
         reply: list[str] = []
         while engine.has_unfinished_requests():
             for out in engine.step():
