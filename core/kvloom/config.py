@@ -20,19 +20,23 @@ from kvloom.platforms.interface import Platform
 
 
 class CUDAGraphMode(str, enum.Enum):
-    """vLLM's cudagraph_mode values. kvloom has no piecewise compilation, so the
-    PIECEWISE parts of a mode run eagerly (documented in docs/cuda_graphs.md)."""
+    """vLLM's cudagraph_mode values (docs/cuda_graphs.md). The engine resolves the requested
+    mode against the platform, the compiled model and the attention backend's support
+    (``kvloom.worker.cudagraph_dispatcher.resolve_cudagraph_mode``); NONE, PIECEWISE and FULL
+    are also the runtime modes of one step."""
 
     NONE = "NONE"
-    """No CUDA graphs: every step runs eagerly."""
+    """No CUDA graphs: every step runs without graphs (compiled or eager)."""
     PIECEWISE = "PIECEWISE"
-    """Piecewise graphs (vLLM); kvloom runs them eagerly."""
+    """Piecewise graphs of the compiled model (attention between the pieces runs eagerly)
+    for every batch up to the largest capture size."""
     FULL = "FULL"
-    """Full graphs; kvloom captures uniform decode batches, the rest runs eagerly."""
+    """Full graphs; kvloom captures full graphs of uniform decode batches only, so FULL
+    resolves to FULL_AND_PIECEWISE (compiled) or FULL_DECODE_ONLY."""
     FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
-    """Full graphs of uniform decode batches; everything else eagerly."""
+    """Full graphs of uniform decode batches; everything else without graphs."""
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
-    """Full graphs for decode, piecewise for the rest (kvloom: the rest eagerly)."""
+    """Full graphs for uniform decode batches, piecewise graphs for the rest."""
 
 
 # ---------------------------------------------------------------------- resolved sections
@@ -201,18 +205,28 @@ class LoadConfig(_Section):
 
 
 class CompilationConfig(_Section):
-    """CUDA graphs and the platform's custom ops. Platforms and hooks may change every
-    field (turn graphs off, change the capture sizes, ``custom_ops``)."""
+    """torch.compile, CUDA graphs and the platform's custom ops. Platforms and hooks may
+    change every field (turn compilation or graphs off, change the capture sizes,
+    ``custom_ops``); ``cudagraph_mode`` is resolved again when the graphs are captured."""
 
     optimization_level: int = Field(ge=0, le=3)
     """``-O0`` .. ``-O3``: the defaults of the fields below."""
     enforce_eager: bool
-    """No CUDA graphs at all."""
+    """No compilation and no CUDA graphs (unless set explicitly)."""
+    compile_model: bool = False
+    """``torch.compile`` the model's forward through kvloom's piecewise backend
+    (``kvloom.compilation.backend``)."""
+    use_inductor: bool = True
+    """Compile the pieces with Inductor; False keeps them as FX modules (debugging)."""
+    splitting_ops: list[str] = Field(default_factory=lambda: ["kvloom::unified_attention"])
+    """Custom ops the graph is split at (each runs eagerly between two pieces): the
+    attention op plus the ops the attention backend declares graph-unsafe."""
     cudagraph_mode: CUDAGraphMode
-    """vLLM's mode; NONE on a platform without ``supports_cuda_graphs``."""
+    """The resolved mode: NONE on a platform without ``supports_cuda_graphs``, downgraded
+    by the backend's ``cudagraph_support`` and by an uncompiled model."""
     cudagraph_capture_sizes: list[int]
-    """Decode batch sizes whose graphs are captured (sizes above ``max_num_seqs`` are
-    ignored)."""
+    """Token counts whose graphs are captured: full decode graphs for those up to
+    ``max_num_seqs``, piecewise graphs for those up to ``max_num_batched_tokens``."""
     custom_ops: Literal["all", "none"] = "all"
     """``all``: the platform's ``custom_ops`` replace the layers' torch code; ``none``: the
     torch code runs everywhere."""

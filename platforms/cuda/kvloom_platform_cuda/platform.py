@@ -62,6 +62,7 @@ class CudaPlatform(Platform):
     builtin = True
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graphs = True
+    compile_by_default = True
 
     @classmethod
     def is_available(cls) -> bool:
