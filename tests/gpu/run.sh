@@ -2,7 +2,10 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi.
+# decode, offline, serving, select, select-nofi, compile.
+#   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens) and
+#                benchmarks/bench_mixed_step.py (64 decodes + a 512-token chunk, Llama-3-8B shape);
+#                MIXED_ARGS replaces the benchmark's flags (default: --num-layers 16, to fit ~4 min).
 #   serving      benchmarks/bench_serving.py (offline vs kvloom serve, one workload, one run); needs the
 #                carried folder .benchtok (the tokenizer files: SmolLM2's, saved from the GGUF with
 #                transformers' save_pretrained); SERVING_ARGS adds flags.
@@ -173,6 +176,9 @@ for i in "${!stages[@]}"; do
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
     serving) python3 benchmarks/bench_serving.py --tokenizer .benchtok --out "$OUT/serving" ${SERVING_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
+    compile)
+      run_pytest compile tests/gpu/test_compile_gpu.py
+      python3 benchmarks/bench_mixed_step.py --out "$OUT" ${MIXED_ARGS:---num-layers 16} 2>&1 | tail -20 ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

@@ -81,11 +81,12 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
 
 
 class _Piece(nn.Module):
-    """A compiled piece in the split module's place of the FX submodule."""
+    """A compiled piece in the split module's place of its FX submodule (``source``)."""
 
-    def __init__(self, runnable: Callable[..., Any]) -> None:
+    def __init__(self, runnable: Callable[..., Any], source: fx.GraphModule) -> None:
         super().__init__()
         self.runnable = runnable
+        self.source = source
 
     def forward(self, *args: Any) -> Any:
         return self.runnable(*args)
@@ -129,7 +130,7 @@ class PiecewiseBackend:
             runnable = compiled[name]
             if self.wrap_piece is not None:
                 runnable = self.wrap_piece(runnable, i, len(split.pieces))
-            setattr(split.module, name, _Piece(runnable))
+            setattr(split.module, name, _Piece(runnable, split.module.get_submodule(name)))
         elapsed = time.perf_counter() - start
         self.stats.graphs += 1
         self.stats.pieces += len(split.pieces)

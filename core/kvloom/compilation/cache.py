@@ -3,9 +3,9 @@
 The key hashes what the generated code depends on: the model's HF config and dtype, the
 compilation settings, the attention backend, the platform, and the kvloom and torch
 versions. Inductor's and Triton's own caches (``TORCHINDUCTOR_CACHE_DIR``,
-``TRITON_CACHE_DIR``) are pointed into that directory, so a second start with the same
-key loads the compiled pieces instead of compiling them again. Environment variables the
-user set win. The CUDA graphs themselves cannot be stored; they are captured at every start.
+``TRITON_CACHE_DIR``) are pointed into that directory (for the whole process), so a
+second start with the same key loads the compiled pieces instead of compiling them again
+(Dynamo still traces the model at every start). The CUDA graphs themselves cannot be stored; they are captured at every start.
 """
 
 from __future__ import annotations
@@ -57,14 +57,12 @@ def compile_cache_dir(config: EngineConfig) -> Path:
 
 
 def use_compile_cache(config: EngineConfig) -> Path:
-    """Point Inductor's and Triton's caches at this config's directory (unless the user set
-    them) and return the directory."""
+    """Point Inductor's and Triton's caches at this config's directory and return it."""
     path = compile_cache_dir(config)
     path.mkdir(parents=True, exist_ok=True)
+    # Always set: Inductor writes its default into os.environ itself (for its compile
+    # workers) once it has run, so a value found there need not be the user's.
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        if var in os.environ and not os.environ[var].startswith(str(kvloom_cache_dir() / "torch_compile")):
-            logger.info("%s=%s set by the user: kept", var, os.environ[var])
-            continue
         os.environ[var] = str(path / sub)
     logger.info("Compile cache: %s", path)
     return path

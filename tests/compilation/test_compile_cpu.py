@@ -1,0 +1,73 @@
+"""torch.compile through kvloom's piecewise backend on the CPU (Inductor's C++ backend):
+the graph is split at every attention call, one compile serves every batch size, and
+greedy fp32 tokens are identical to eager for -O0, -O1 and -O2. CUDA graphs do not
+exist here (tests/gpu/test_compile_gpu.py covers them)."""
+
+from __future__ import annotations
+
+import pytest
+from tests.helpers.model_fixtures import random_prompts, tiny_model_dir
+
+from kvloom import LLM, SamplingParams
+from kvloom.compilation.backend import op_name
+
+# Prompt lengths give prefill steps of many sizes; the single prompt gives 1-token decode
+# steps (the size Dynamo specialises), the four prompts 4-token ones.
+PROMPTS = random_prompts(500, lengths=(5, 16, 23, 41))
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+def _run(**kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, **kwargs)
+    tokens = _generate(llm, PROMPTS) + _generate(llm, PROMPTS[:1])
+    return tokens, llm
+
+
+@pytest.fixture(scope="module")
+def eager_tokens():
+    tokens, llm = _run(optimization_level=0)
+    assert llm.llm_engine.engine_core.core.worker.runner.compile_backend is None
+    return tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_and_own_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the runner is inspected
+        mp.setenv("KVLOOM_CACHE_DIR", str(tmp_path_factory.mktemp("kvloom-cache")))
+        yield
+
+
+def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
+    # Without Inductor (fast): the structure and the tokens.
+    tokens, llm = _run(optimization_level=1, torch_compile=True, use_inductor=False)
+    runner = llm.llm_engine.engine_core.core.worker.runner
+    backend = runner.compile_backend
+    split = backend.last_split
+    num_layers = len(runner.attn_layers)
+    assert len(split.splitting) == num_layers and len(split.pieces) == num_layers + 1
+    order = [n.target for n in split.module.graph.nodes if n.op == "call_module"]
+    assert order[1::2] == split.splitting  # attention between every two pieces
+    for name in split.splitting:
+        calls = [n for n in split.module.get_submodule(name).graph.nodes if n.op == "call_function"]
+        assert [op_name(n.target) for n in calls] == ["kvloom::unified_attention"]
+    for name in split.pieces:  # the pieces hold no attention
+        nodes = split.module.get_submodule(name).source.graph.nodes  # the FX piece behind the compiled one
+        assert all(op_name(n.target) != "kvloom::unified_attention" for n in nodes if n.op == "call_function")
+    # Steps of many token counts ran: one graph for all of them, one more for one token.
+    assert backend.stats.graphs <= 2, backend.stats
+    assert tokens == eager_tokens
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_inductor_tokens_identical_to_eager(eager_tokens, level):
+    tokens, llm = _run(optimization_level=level, torch_compile=True)
+    backend = llm.llm_engine.engine_core.core.worker.runner.compile_backend
+    assert backend is not None and backend.use_inductor and backend.stats.graphs <= 2
+    assert llm.config.compilation.custom_ops == "none"
+    assert tokens == eager_tokens
