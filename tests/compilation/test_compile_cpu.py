@@ -22,9 +22,11 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in out]
 
 
-def _run(**kwargs) -> tuple[list[list[int]], LLM]:
+def _run(single: bool = True, **kwargs) -> tuple[list[list[int]], LLM]:
+    """Tokens of the four prompts, then (``single``) of the first alone: its 1-token decode
+    steps make Dynamo compile once more (Inductor runs skip it: compiling is slow here)."""
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, **kwargs)
-    tokens = _generate(llm, PROMPTS) + _generate(llm, PROMPTS[:1])
+    tokens = _generate(llm, PROMPTS) + (_generate(llm, PROMPTS[:1]) if single else [])
     return tokens, llm
 
 
@@ -66,8 +68,8 @@ def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_inductor_tokens_identical_to_eager(eager_tokens, level):
-    tokens, llm = _run(optimization_level=level, torch_compile=True)
+    tokens, llm = _run(single=False, optimization_level=level, torch_compile=True)
     backend = llm.llm_engine.engine_core.core.worker.runner.compile_backend
-    assert backend is not None and backend.use_inductor and backend.stats.graphs <= 2
+    assert backend is not None and backend.use_inductor and backend.stats.graphs == 1
     assert llm.config.compilation.custom_ops == "none"
-    assert tokens == eager_tokens
+    assert tokens == eager_tokens[: len(PROMPTS)]
