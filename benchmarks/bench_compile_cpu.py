@@ -100,6 +100,7 @@ def main() -> None:
             result.setdefault("startup_and_run_s", {})[mode] = time.perf_counter() - start
             llm.llm_engine.shutdown()
             del llm
+            torch._dynamo.reset()
             gc.collect()
     result["compiled_tokens_identical"] = tokens["eager"] == tokens["compiled"]
     (out / "compile_cpu.json").write_text(json.dumps(result, indent=1))

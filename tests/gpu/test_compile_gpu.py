@@ -78,6 +78,7 @@ def _run(model: str, prompts, dtype: str, backend: str, mode: str, async_schedul
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     llm.llm_engine.shutdown()
     del llm, runner
+    torch._dynamo.reset()  # drop the compiled code (and the graphs it holds) of this engine
     gc.collect()
     torch.cuda.empty_cache()
     return tokens, seen
