@@ -73,3 +73,40 @@ def test_inductor_tokens_identical_to_eager(eager_tokens, level):
     assert backend is not None and backend.use_inductor and backend.stats.graphs == 1
     assert llm.config.compilation.custom_ops == "none"
     assert tokens == eager_tokens[: len(PROMPTS)]
+
+
+def test_padded_piecewise_steps_keep_the_tokens(eager_tokens):
+    """The runner's PIECEWISE step path without graphs (CPU): inputs padded to a capture
+    size, attention on the real rows only (``num_actual_tokens``), the real rows of the
+    hidden states kept. Tokens and prompt logprobs are those of unpadded steps."""
+    from kvloom.config import CUDAGraphMode
+    from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, optimization_level=1,
+              torch_compile=True, use_inductor=False)  # fmt: skip
+    runner = llm.llm_engine.engine_core.core.worker.runner
+    reference = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                             SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+    dispatcher = CudagraphDispatcher(CUDAGraphMode.PIECEWISE, [8, 64, 128], runner.max_num_reqs,
+                                     runner.max_num_tokens)  # fmt: skip
+    dispatcher.enabled = True  # nothing to capture on the CPU: the wrappers are not there
+    seen = []
+    def dispatch(n: int, uniform_decode: bool):
+        mode, descriptor = dispatcher.dispatch(n, uniform_decode)
+        seen.append((n, descriptor.num_tokens if descriptor else n))
+        return mode, descriptor
+
+    runner.dispatcher.dispatch = dispatch
+    assert _generate(llm, PROMPTS) + _generate(llm, PROMPTS[:1]) == eager_tokens
+    assert any(padded > n for n, padded in seen)  # steps really were padded
+    padded_run = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                              SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+    # Same tokens and ranks; values within fp32 rounding (a padded matmul blocks its rows
+    # differently in the CPU's BLAS).
+    got, want = padded_run[0].prompt_logprobs, reference[0].prompt_logprobs
+    assert len(got) == len(want) > 1 and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys()
+        for token in g:
+            assert g[token].rank == w[token].rank
+            assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-4)
