@@ -85,8 +85,8 @@ def test_padded_piecewise_steps_keep_the_tokens(eager_tokens):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, optimization_level=1,
               torch_compile=True, use_inductor=False)  # fmt: skip
     runner = llm.llm_engine.engine_core.core.worker.runner
-    reference = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
-                             SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)
+    reference = llm.generate([{"prompt_token_ids": PROMPTS[0]}], with_logprobs, use_tqdm=False)
     dispatcher = CudagraphDispatcher(CUDAGraphMode.PIECEWISE, [8, 64, 128], runner.max_num_reqs,
                                      runner.max_num_tokens)  # fmt: skip
     dispatcher.enabled = True  # nothing to capture on the CPU: the wrappers are not there
@@ -99,8 +99,7 @@ def test_padded_piecewise_steps_keep_the_tokens(eager_tokens):
     runner.dispatcher.dispatch = dispatch
     assert _generate(llm, PROMPTS) + _generate(llm, PROMPTS[:1]) == eager_tokens
     assert any(padded > n for n, padded in seen)  # steps really were padded
-    padded_run = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
-                              SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+    padded_run = llm.generate([{"prompt_token_ids": PROMPTS[0]}], with_logprobs, use_tqdm=False)
     # Same tokens and ranks; values within fp32 rounding (a padded matmul blocks its rows
     # differently in the CPU's BLAS).
     got, want = padded_run[0].prompt_logprobs, reference[0].prompt_logprobs

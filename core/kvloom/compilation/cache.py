@@ -5,7 +5,8 @@ compilation settings, the attention backend, the platform, and the kvloom and to
 versions. Inductor's and Triton's own caches (``TORCHINDUCTOR_CACHE_DIR``,
 ``TRITON_CACHE_DIR``) are pointed into that directory (for the whole process), so a
 second start with the same key loads the compiled pieces instead of compiling them again
-(Dynamo still traces the model at every start). The CUDA graphs themselves cannot be stored; they are captured at every start.
+(Dynamo still traces the model at every start). The CUDA graphs themselves cannot be
+stored; they are captured at every start.
 """
 
 from __future__ import annotations

@@ -333,8 +333,13 @@ class ModelRunner:
         is NONE."""
         d = self.dispatcher
         if not d.piecewise_sizes and not d.full_decode_sizes:
-            logger.info("CUDA graphs off (mode %s, backend %s supports %s, compiled: %s)", d.mode.value,
-                        self.backend.NAME, self.backend.cudagraph_support.name, self._compiled_forward is not None)  # fmt: skip
+            logger.info(
+                "CUDA graphs off (mode %s, backend %s supports %s, compiled: %s)",
+                d.mode.value,
+                self.backend.NAME,
+                self.backend.cudagraph_support.name,
+                self._compiled_forward is not None,
+            )
             return
         start = time.perf_counter()
         self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
