@@ -6,6 +6,7 @@ exist here (tests/gpu/test_compile_gpu.py covers them)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from tests.helpers.model_fixtures import random_prompts, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
@@ -43,6 +44,15 @@ def _in_process_and_own_cache(tmp_path_factory):
         mp.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the runner is inspected
         mp.setenv("KVLOOM_CACHE_DIR", str(tmp_path_factory.mktemp("kvloom-cache")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Each engine adds compiled versions of the model's forward to Dynamo's per-code cache
+    # (8 at most, then it runs eagerly): start every test from an empty cache.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
