@@ -44,7 +44,12 @@ MODES: dict[str, dict[str, Any]] = {
     "eager": {"optimization_level": 0},
     "PIECEWISE": {"optimization_level": 2, "torch_compile": True, "cudagraph_mode": "PIECEWISE"},
     "FULL_AND_PIECEWISE": {"optimization_level": 2, "torch_compile": True, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+    # Not run by default: the platform's Triton layer kernels inside the compiled pieces
+    # instead of Inductor's fusions (Dynamo traces the kernel launches).
+    "FULL_AND_PIECEWISE+ops": {"optimization_level": 2, "torch_compile": True,
+                               "cudagraph_mode": "FULL_AND_PIECEWISE", "custom_ops": "all"},
 }
+DEFAULT_MODES = "eager,PIECEWISE,FULL_AND_PIECEWISE"
 
 
 def write_config(path: Path, layers: int) -> Path:
@@ -123,7 +128,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=9, help="Chunks of the long prompt (mixed steps + 1).")
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--gemm-tflops", type=float, default=786.0, help="GEMM rate of the model line (TFLOP/s).")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
     args = parser.parse_args()
     os.environ.setdefault("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the runner's dispatcher is observed
     out = Path(args.out)
