@@ -72,3 +72,42 @@ def test_weak_ref_tensor_views_the_memory():
     assert view.shape == (2, 4) and view.data_ptr() == t[1:].data_ptr()
     t[1, 0] = -1.0
     assert view[0, 0] == -1.0
+
+
+def test_wrapper_captures_once_per_key_then_replays(monkeypatch):
+    """The wrapper's bookkeeping with a stand-in for CUDA graphs (the capture context runs
+    the callable; a replay only counts): one capture per descriptor, replays return the
+    captured outputs' memory, and a moved input is an error."""
+    replays = []
+
+    class FakeGraph:
+        def replay(self):
+            replays.append(self)
+
+    class FakeCapture:
+        def __init__(self, graph, pool=None):
+            self.pool = pool
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    calls = []
+    wrapper = CUDAGraphWrapper(lambda x: calls.append(1) or (x * 2, x.shape[0]), CUDAGraphMode.PIECEWISE, pool="p")
+    x4, x8 = torch.ones(4), torch.ones(8)
+    for key, x in ((BatchDescriptor(4, False), x4), (BatchDescriptor(8, False), x8)):
+        with set_forward_context(None, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=key):
+            captured, n = wrapper(x)  # capture
+            replayed, n2 = wrapper(x)  # replay
+        assert (n, n2) == (x.shape[0], x.shape[0])
+        assert replayed.data_ptr() == captured.data_ptr() and torch.equal(replayed, captured)
+    assert len(calls) == 2 and len(replays) == 2 and set(wrapper.entries) == {BatchDescriptor(4, False),
+                                                                               BatchDescriptor(8, False)}  # fmt: skip
+    with set_forward_context(None, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+                             batch_descriptor=BatchDescriptor(4, False)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="not at their captured addresses"):
+            wrapper(torch.ones(4))
