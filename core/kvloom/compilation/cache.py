@@ -40,8 +40,7 @@ def compile_cache_key(config: EngineConfig) -> str:
             "use_inductor": comp.use_inductor,
             "splitting_ops": comp.splitting_ops,
             "custom_ops": comp.custom_ops,
-            "cudagraph_mode": comp.cudagraph_mode.value,
-        },
+        },  # not cudagraph_mode: graphs wrap the compiled pieces, which are the same for every mode
         "kv_cache_dtype": config.cache.cache_dtype,
         "attention_backend": getattr(config.attention.backend, "NAME", config.attention.backend.__name__),
         "platform": config.device.platform.name,
