@@ -223,18 +223,28 @@ class LoadConfig(_Section):
 
 
 class CompilationConfig(_Section):
-    """CUDA graphs and the platform's custom ops. Platforms and hooks may change every
-    field (turn graphs off, change the capture sizes, ``custom_ops``)."""
+    """torch.compile, CUDA graphs and the platform's custom ops. Platforms and hooks may
+    change every field (turn compilation or graphs off, change the capture sizes,
+    ``custom_ops``); ``cudagraph_mode`` is resolved again when the graphs are captured."""
 
     optimization_level: int = Field(ge=0, le=3)
     """``-O0`` .. ``-O3``: the defaults of the fields below."""
     enforce_eager: bool
-    """No CUDA graphs at all."""
+    """No compilation and no CUDA graphs (unless set explicitly)."""
+    compile_model: bool = False
+    """``torch.compile`` the model's forward through kvloom's piecewise backend
+    (``kvloom.compilation.backend``)."""
+    use_inductor: bool = True
+    """Compile the pieces with Inductor; False keeps them as FX modules (debugging)."""
+    splitting_ops: list[str] = Field(default_factory=lambda: ["kvloom::unified_attention"])
+    """Custom ops the graph is split at (each runs eagerly between two pieces): the
+    attention op plus the ops the attention backend declares graph-unsafe."""
     cudagraph_mode: CUDAGraphMode
-    """vLLM's mode; NONE on a platform without ``supports_cuda_graphs``."""
+    """The resolved mode: NONE on a platform without ``supports_cuda_graphs``, downgraded
+    by the backend's ``cudagraph_support`` and by an uncompiled model."""
     cudagraph_capture_sizes: list[int]
-    """Decode batch sizes whose graphs are captured (sizes above ``max_num_seqs`` are
-    ignored)."""
+    """Token counts whose graphs are captured: full decode graphs for those up to
+    ``max_num_seqs``, piecewise graphs for those up to ``max_num_batched_tokens``."""
     custom_ops: Literal["all", "none"] = "all"
     """``all``: the platform's ``custom_ops`` replace the layers' torch code; ``none``: the
     torch code runs everywhere."""

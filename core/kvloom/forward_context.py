@@ -10,7 +10,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvloom.attention.layer import Attention
+    from kvloom.config import CUDAGraphMode
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """The key of one captured CUDA graph (``kvloom.worker.cudagraph_dispatcher`` makes it):
+    the step's token count padded to a capture size, and whether the batch is a uniform
+    single-token decode (full decode graphs) or not (piecewise graphs)."""
+
+    num_tokens: int
+    uniform_decode: bool
 
 
 @dataclass
@@ -20,9 +34,25 @@ class ForwardContext:
     attn_metadata: Any
     #: Extra per-step data for layers (e.g. LoRA indices), keyed by feature name.
     extras: dict[str, Any] = field(default_factory=dict)
+    #: The model's attention layers by name, for ``torch.ops.kvloom.unified_attention``
+    #: (set when the model runs compiled).
+    attn_layers: dict[str, Attention] | None = None
+    #: The step's real token count when the inputs are padded to a piecewise capture size
+    #: (attention runs on these rows only); None: every row is real.
+    num_actual_tokens: int | None = None
+    #: How CUDA graphs run this forward: NONE (no graph), PIECEWISE (the pieces' wrappers
+    #: capture/replay under ``batch_descriptor``) or FULL (a full graph around the whole
+    #: forward is being captured or replayed: the piece wrappers stay out of the way).
+    cudagraph_runtime_mode: CUDAGraphMode | None = None
+    batch_descriptor: BatchDescriptor | None = None
 
 
 _current: ForwardContext | None = None
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The active context, or None outside ``set_forward_context``."""
+    return _current
 
 
 def get_forward_context() -> ForwardContext:
@@ -32,10 +62,20 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, **extras: Any) -> Iterator[ForwardContext]:
+def set_forward_context(
+    attn_metadata: Any,
+    *,
+    attn_layers: dict[str, Attention] | None = None,
+    num_actual_tokens: int | None = None,
+    cudagraph_runtime_mode: CUDAGraphMode | None = None,
+    batch_descriptor: BatchDescriptor | None = None,
+    **extras: Any,
+) -> Iterator[ForwardContext]:
     global _current
     previous = _current
-    _current = ForwardContext(attn_metadata, dict(extras))
+    _current = ForwardContext(
+        attn_metadata, dict(extras), attn_layers, num_actual_tokens, cudagraph_runtime_mode, batch_descriptor
+    )
     try:
         yield _current
     finally:

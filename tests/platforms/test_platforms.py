@@ -195,14 +195,17 @@ def test_supports_cuda_graphs_decides_whether_graphs_run(fresh_plugins: None, mo
     class WithGraphs(NoGraphs):
         name = "with_graphs"
         supports_cuda_graphs = True
+        compile_by_default = True
 
     assert Platform.supports_cuda_graphs is False and NoGraphs.supports_cuda_graphs is False
     with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
         config = _engine_config_on(NoGraphs, monkeypatch, cudagraph_mode="FULL")
     assert config.compilation.cudagraph_mode == CUDAGraphMode.NONE
-    assert "cudagraph_mode FULL: platform no_graphs does not support CUDA graphs; running eagerly (NONE)" in caplog.text
-    assert _engine_config_on(WithGraphs, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "FULL"
-    assert _engine_config_on(WithGraphs, monkeypatch).compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert "cudagraph_mode FULL -> NONE: the platform has no CUDA graphs" in caplog.text
+    # With graphs: the CPU_ATTN backend declares NEVER, so only the piecewise part remains
+    # (docs/cuda_graphs.md; every combination: tests/compilation/test_dispatcher.py).
+    assert _engine_config_on(WithGraphs, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "PIECEWISE"
+    assert _engine_config_on(WithGraphs, monkeypatch).compilation.cudagraph_mode == CUDAGraphMode.PIECEWISE
     # The built-in CPU platform gets its eager mode from its declaration too.
     assert _engine_config_on(CpuPlatform, monkeypatch, cudagraph_mode="FULL").compilation.cudagraph_mode == "NONE"
 

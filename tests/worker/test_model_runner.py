@@ -12,6 +12,8 @@ from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.worker import model_runner
+from kvloom.config import CUDAGraphMode
+from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher
 from kvloom.worker.model_runner import ModelRunner
 from kvloom.worker.worker import Worker
 
@@ -86,18 +88,24 @@ def test_capture_cudagraphs_installs_the_captured_graphs(monkeypatch):
     captured = []
 
     class FakeGraphs:
-        def __init__(self, runner, sizes):
-            self.runner, self.sizes = runner, sizes
+        def __init__(self, runner, sizes, pool):
+            self.runner, self.sizes, self.pool = runner, sizes, pool
 
         def capture(self):
             captured.append(self.sizes)
 
     runner = _runner()
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", FakeGraphs)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     assert runner.cudagraphs is None
-    runner.capture_cudagraphs([1, 2, 4])
-    assert captured == [[1, 2, 4]]
+    runner.capture_cudagraphs()  # the CPU runner's dispatcher resolved NONE: nothing to capture
+    assert runner.cudagraphs is None and captured == [] and not runner.dispatcher.enabled
+    runner.dispatcher = CudagraphDispatcher(CUDAGraphMode.FULL_DECODE_ONLY, [1, 2, 4], runner.max_num_reqs,
+                                            runner.max_num_tokens)  # fmt: skip
+    runner.capture_cudagraphs()
+    assert captured == [[1, 2, 4]] and runner.dispatcher.enabled
     assert isinstance(runner.cudagraphs, FakeGraphs) and runner.cudagraphs.runner is runner
+    assert runner.cudagraphs.pool == "pool"
 
 
 def _runner_uses(path: Path) -> list[tuple[int, str]]:

@@ -352,8 +352,12 @@ class AttentionBackend(ABC):
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     """Attention types the backend serves."""
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-    """Which batches the builder's metadata can serve inside a captured CUDA graph
-    (``NEVER``: the engine runs eagerly)."""
+    """Which batches the builder's metadata can serve inside a captured full CUDA graph
+    (``NEVER``: no full graphs; piecewise graphs run attention outside the graphs and
+    need no support)."""
+    splitting_ops: ClassVar[tuple[str, ...]] = ()
+    """Custom ops (``namespace::name``) the backend's model code calls that must not be
+    compiled or captured: the compiled graph is split at them, as at the attention op."""
     required_modules: ClassVar[dict[str, str]] = {}
     """Python modules the kernels import, with the pip distribution that provides each,
     e.g. ``{"flashinfer": "flashinfer-python"}``. A missing one is a reason, not a crash."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvloom.attention.backend import AttentionBackend, AttentionType
+import kvloom.compilation.attention_op  # noqa: F401  (registers torch.ops.kvloom.unified_attention)
 from kvloom.forward_context import get_forward_context
 
 
@@ -56,6 +57,20 @@ class Attention(nn.Module):
         key = k.view(n, self.num_kv_heads, self.head_size)
         value = v.view(n, self.num_kv_heads, self.head_size)
         output = torch.empty_like(query)
-        metadata = get_forward_context().attn_metadata
-        self.impl.forward(query, key, value, self.kv_cache, metadata, output)
+        if torch.compiler.is_compiling():
+            # One opaque node in the compiled graph (the split point); see
+            # kvloom.compilation.attention_op. ``prefix`` names the layer there.
+            torch.ops.kvloom.unified_attention(query, key, value, output, self.prefix)
+        else:
+            self.run_backend(query, key, value, output)
         return output.view(n, self.num_heads * self.head_size)
+
+    def run_backend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> None:
+        """The backend's attention into ``output``. Rows past the forward context's
+        ``num_actual_tokens`` are padding (a piecewise CUDA graph's capture size): the
+        backend sees only the real rows, and the padding rows of ``output`` stay as they are."""
+        ctx = get_forward_context()
+        n = ctx.num_actual_tokens
+        if n is not None and n < query.shape[0]:
+            query, key, value, output = query[:n], key[:n], value[:n], output[:n]
+        self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata, output)

@@ -27,8 +27,9 @@ from kvloom.quantization import check_checkpoint_quantization, check_requested_q
 if TYPE_CHECKING:
     import torch
 
-    from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.config import EngineConfig, ModelConfig
+    from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig
+    from kvloom.config import CompilationConfig, EngineConfig, ModelConfig
+    from kvloom.platforms.interface import Platform
 
 # Only what EngineArgs needs is imported above: the CLI builds its flags from EngineArgs,
 # and `kvloom --help` must not pay for importing torch. create_engine_config imports the
@@ -126,13 +127,25 @@ class EngineArgs(BaseModel):
         None, description="MLA models: force the prefill attention backend by NAME (default: by priority)."
     )
     # ---- compilation / CUDA graphs
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
-    optimization_level: int = Field(2, ge=0, le=3, description="-O0..-O3 defaults.")
+    enforce_eager: bool = Field(False, description="No torch.compile and no CUDA graphs (explicit flags win).")
+    optimization_level: int = Field(
+        2, ge=0, le=3, description="-O0: eager; -O1: torch.compile + piecewise CUDA graphs; -O2/-O3: "
+        "torch.compile + full decode graphs and piecewise graphs for the rest (FULL_AND_PIECEWISE)."
+    )
+    torch_compile: bool | None = Field(
+        None, description="torch.compile the model (default: -O1 and above on platforms that compile by default: CUDA)."
+    )
+    use_inductor: bool = Field(True, description="Compile the pieces with Inductor (off: FX pieces, for debugging).")
     cudagraph_mode: CUDAGraphMode | None = Field(None, description="CUDA graph mode (default from -O).")
-    cudagraph_capture_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture.")
-    max_cudagraph_capture_size: int | None = Field(None, ge=1, description="Largest decode batch to capture.")
-    custom_ops: Literal["all", "none"] = Field(
-        "all", description="Use the platform's fused layer kernels (all) or only torch ops (none)."
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None, description="Token counts to capture graphs for (full decode graphs: those <= max_num_seqs)."
+    )
+    max_cudagraph_capture_size: int | None = Field(
+        None, ge=1, description="Largest token count to capture (default min(2 x max_num_seqs, 512))."
+    )
+    custom_ops: Literal["all", "none"] | None = Field(
+        None, description="Use the platform's fused layer kernels (all) or only torch ops (none); default: none "
+        "when Inductor compiles the model (it fuses those ops itself), else all."
     )
     # ---- LoRA
     enable_lora: bool = Field(False, description="Allow LoRA adapters.")
@@ -233,13 +246,79 @@ def _smallest_sliding_window(hf_config: object) -> int | None:
     return min(windows, default=None)
 
 
-def _default_capture_sizes(max_num_seqs: int, max_size: int | None) -> list[int]:
-    """vLLM's default list: 1, 2, 4, then multiples of 8 up to the max size."""
-    limit = min(max_size or 512, max_num_seqs)
-    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+def _default_capture_sizes(max_num_seqs: int, max_size: int | None, max_num_tokens: int) -> list[int]:
+    """vLLM's default list: 1, 2, 4, multiples of 8 below 256, then of 16, up to the max
+    size (default ``min(2 * max_num_seqs, 512)``; at most ``max_num_tokens``)."""
+    limit = min(max_size or min(2 * max_num_seqs, 512), max_num_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, min(limit, 255) + 1, 8))
+    sizes += list(range(256, limit + 1, 16))
     if limit not in sizes:
         sizes.append(limit)
     return sorted(set(sizes))
+
+
+#: -O level -> (torch.compile where the platform compiles by default, cudagraph_mode).
+OPTIMIZATION_LEVELS: dict[int, tuple[bool, CUDAGraphMode]] = {
+    0: (False, CUDAGraphMode.NONE),
+    1: (True, CUDAGraphMode.PIECEWISE),
+    2: (True, CUDAGraphMode.FULL_AND_PIECEWISE),
+    3: (True, CUDAGraphMode.FULL_AND_PIECEWISE),
+}
+
+
+def resolve_compilation(
+    args: EngineArgs,
+    platform: type[Platform],
+    backend: type[AttentionBackend],
+    max_num_batched_tokens: int,
+    *,
+    use_mla: bool = False,
+) -> CompilationConfig:
+    """The compilation section: ``-O`` defaults, then ``--enforce-eager``, then explicit
+    flags (``--torch-compile``, ``--cudagraph-mode``, ``--custom-ops``) win; the mode is
+    finally resolved against the platform, the compiled model and the backend's support."""
+    from kvloom.config import CompilationConfig
+    from kvloom.worker.cudagraph_dispatcher import resolve_cudagraph_mode
+
+    level_compile, level_mode = OPTIMIZATION_LEVELS[args.optimization_level]
+    compile_model = level_compile and platform.compile_by_default and not args.enforce_eager
+    if args.torch_compile is not None:
+        compile_model = args.torch_compile
+    if compile_model and args.enable_lora:
+        # LoRA layers read per-step adapter slots from the forward context, which a
+        # compiled graph would bake in.
+        if args.torch_compile:
+            raise ValueError("torch_compile=True does not support enable_lora; drop one of them")
+        logger.info("LoRA enabled: the model runs without torch.compile")
+        compile_model = False
+    if compile_model and use_mla:
+        # MLAAttention calls its backends directly; it has no graph-splitting op yet.
+        if args.torch_compile:
+            raise ValueError("torch_compile=True does not support MLA models yet (DeepSeek); drop --torch-compile")
+        logger.info("MLA model: it runs without torch.compile (not supported for MLA yet)")
+        compile_model = False
+    requested = CUDAGraphMode.NONE if args.enforce_eager else level_mode
+    if args.cudagraph_mode is not None and not args.enforce_eager:
+        requested = args.cudagraph_mode
+    mode, reasons = resolve_cudagraph_mode(
+        requested, backend.cudagraph_support, compile_model, platform.supports_cuda_graphs
+    )
+    if reasons:
+        logger.info("cudagraph_mode %s -> %s: %s", requested.value, mode.value, "; ".join(reasons))
+    custom_ops = args.custom_ops or ("none" if compile_model and args.use_inductor else "all")
+    capture_sizes = args.cudagraph_capture_sizes or _default_capture_sizes(
+        args.max_num_seqs, args.max_cudagraph_capture_size, max_num_batched_tokens
+    )
+    return CompilationConfig(
+        optimization_level=args.optimization_level,
+        enforce_eager=args.enforce_eager,
+        compile_model=compile_model,
+        use_inductor=args.use_inductor,
+        splitting_ops=["kvloom::unified_attention", *backend.splitting_ops],
+        cudagraph_mode=mode,
+        cudagraph_capture_sizes=[s for s in capture_sizes if s <= max_num_batched_tokens],
+        custom_ops=custom_ops,
+    )
 
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
@@ -251,7 +330,6 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     from kvloom.config import (
         AttentionConfig,
         CacheConfig,
-        CompilationConfig,
         DeviceConfig,
         EngineConfig,
         LoadConfig,
@@ -391,33 +469,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
     # -O levels only set defaults; explicit settings win (as in vLLM: its optimization
     # levels never overwrite an explicit user setting).
-    if args.cudagraph_mode is not None:
-        mode = args.cudagraph_mode
-    elif args.enforce_eager or args.optimization_level == 0:
-        mode = CUDAGraphMode.NONE
-    elif args.optimization_level == 1:
-        mode = CUDAGraphMode.PIECEWISE
-    else:
-        mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    if args.enforce_eager:
-        mode = CUDAGraphMode.NONE
-    if mode != CUDAGraphMode.NONE and not platform.supports_cuda_graphs:
-        logger.info(
-            "cudagraph_mode %s: platform %s does not support CUDA graphs; running eagerly (NONE).",
-            mode.value,
-            platform.name,
-        )
-        mode = CUDAGraphMode.NONE
-    capture_sizes = args.cudagraph_capture_sizes or _default_capture_sizes(
-        args.max_num_seqs, args.max_cudagraph_capture_size
-    )
-    compilation = CompilationConfig(
-        optimization_level=args.optimization_level,
-        enforce_eager=args.enforce_eager,
-        cudagraph_mode=mode,
-        cudagraph_capture_sizes=[s for s in capture_sizes if s <= args.max_num_seqs],
-        custom_ops=args.custom_ops,
-    )
+    compilation = resolve_compilation(args, platform, backend, max_batched, use_mla=model.use_mla)
 
     config = EngineConfig(
         model=model,

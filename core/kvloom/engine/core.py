@@ -39,7 +39,10 @@ class EngineCore:
         self.worker.load_model()
         loaded = time.perf_counter()
         logger.info("Model loading took %.2f s", loaded - start)
+        # On devices with memory profiling this runs the first forward, which compiles
+        # the model when compilation is on (the runner logs the compile time itself).
         num_blocks = self.worker.determine_num_kv_blocks()
+        profiled = time.perf_counter()
         needed = cdiv(config.model.max_model_len, config.cache.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -50,12 +53,15 @@ class EngineCore:
         self.worker.initialize_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self._log_kv_cache_size(num_blocks)
+        cache_ready = time.perf_counter()
         self.worker.compile_or_warm_up_model()
-        now = time.perf_counter()
+        ready = time.perf_counter()
         logger.info(
-            "Engine core ready in %.1f s: model load %.2f s, KV cache and warm-up %.2f s (%d KV blocks)",
-            now - start, loaded - start, now - loaded, num_blocks,
-        )
+            "Engine core ready in %.1f s (%d KV blocks): load %.1f s, KV-cache sizing (profile run) %.1f s, "
+            "KV-cache allocation %.1f s, warm-up and CUDA-graph capture %.1f s; torch.compile time is logged "
+            "by the model runner within the first forwards",
+            ready - start, num_blocks, loaded - start, profiled - loaded, cache_ready - profiled, ready - cache_ready,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,

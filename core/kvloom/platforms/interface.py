@@ -70,6 +70,9 @@ class Platform(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     """Whether the worker can capture and replay CUDA graphs. False: the engine runs
     eagerly (cudagraph_mode NONE) whatever the user asked for."""
+    compile_by_default: ClassVar[bool] = False
+    """Whether ``-O1`` and above ``torch.compile`` the model by default here (an explicit
+    ``--torch-compile`` / ``--no-torch-compile`` wins)."""
 
     @classmethod
     @abstractmethod

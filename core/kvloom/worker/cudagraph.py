@@ -1,9 +1,11 @@
-"""Full CUDA graphs for uniform single-token decode batches (FULL_DECODE_ONLY).
+"""Full CUDA graphs for uniform single-token decode batches: the FULL runtime mode.
 
-kvloom has no torch.compile piecewise path, so every mode's PIECEWISE part runs
-eagerly: NONE and PIECEWISE -> eager; FULL_DECODE_ONLY, FULL_AND_PIECEWISE and FULL ->
-decode batches replay a captured full graph, everything else is eager. The mode is
-downgraded by the backend's declared ``cudagraph_support`` (NEVER -> eager).
+The ``CudagraphDispatcher`` (``kvloom.worker.cudagraph_dispatcher``) sends a uniform decode
+batch here when the resolved mode has full decode graphs (FULL_DECODE_ONLY,
+FULL_AND_PIECEWISE); the key's ``num_tokens`` is the capture size. The graph records the
+model forward (compiled or eager; inside it the piecewise wrappers stay out of the way)
+and the LM head. Async scheduling relies on the split into ``prepare`` (inputs padded and
+the backend's persistent state refreshed, every host->device copy queued) and ``replay``.
 
 A decode batch of b requests is padded up to the smallest capture size B >= b with
 dummy requests (query length 1, seq_len 1, block-table row 0, slot -1); the graph covers
@@ -12,17 +14,16 @@ the model forward and the LM head, so a replay yields logits for the B rows.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvloom.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from kvloom.config import CUDAGraphMode
-from kvloom.forward_context import set_forward_context
+from kvloom.forward_context import BatchDescriptor, set_forward_context
 
 if TYPE_CHECKING:
     from kvloom.worker.model_runner import ModelRunner
@@ -38,14 +39,11 @@ def effective_decode_graphs(mode: CUDAGraphMode, support: AttentionCGSupport) ->
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner: "ModelRunner", capture_sizes: list[int]) -> None:
+    def __init__(self, runner: "ModelRunner", capture_sizes: list[int], pool: Any = None) -> None:
         self.runner = runner
         self.sizes = sorted(s for s in capture_sizes if s <= runner.max_num_reqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
-
-    def can_run(self, num_reqs: int) -> bool:
-        return bool(self.sizes) and num_reqs <= self.sizes[-1]
+        self.pool = pool
 
     def _padded_metadata(self, b: int, size: int) -> CommonAttentionMetadata:
         """Pad the runner's buffers (already holding b real decode rows) to ``size``."""
@@ -72,21 +70,24 @@ class CUDAGraphRunner:
         r = self.runner
         assert r.model is not None and r.builder is not None
         start = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
         # Largest first so smaller graphs reuse the larger ones' memory pool.
         for size in reversed(self.sizes):
             common = r.dummy_metadata(np.ones(size, dtype=np.int64))
             r.input_ids[:size].zero_()
             r.positions[:size].zero_()
             metadata = r.builder.build_for_cudagraph_capture(common)
-            for _ in range(2):  # warm up (Triton JIT, cuBLAS handles) outside the graph
-                with set_forward_context(metadata):
-                    r.model.compute_logits(r.model(r.input_ids[:size], r.positions[:size]))
+            # FULL: piecewise wrappers inside the compiled model run their pieces directly.
+            context = {"attn_layers": r._attn_by_name, "cudagraph_runtime_mode": CUDAGraphMode.FULL,
+                       "batch_descriptor": BatchDescriptor(size, True)}  # fmt: skip
+            for _ in range(2):  # warm up (Triton JIT, cuBLAS handles, Dynamo) outside the graph
+                with set_forward_context(metadata, **context):
+                    r.model.compute_logits(r.run_model(r.input_ids[:size], r.positions[:size]))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                with set_forward_context(metadata):
-                    logits = r.model.compute_logits(r.model(r.input_ids[:size], r.positions[:size]))
+                with set_forward_context(metadata, **context):
+                    logits = r.model.compute_logits(r.run_model(r.input_ids[:size], r.positions[:size]))
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         logger.info(
@@ -96,11 +97,12 @@ class CUDAGraphRunner:
             time.perf_counter() - start,
         )
 
-    def prepare(self, b: int) -> int:
-        """Pad the runner's inputs (b decode rows) to the next captured size and refresh the
-        backend's persistent state; returns that size. Every host->device copy of the step
-        is queued when this returns."""
-        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+    def prepare(self, b: int, size: int) -> int:
+        """Pad the runner's inputs (b decode rows) to the captured ``size`` (the
+        dispatcher's key) and refresh the backend's persistent state; returns ``size``.
+        Every host->device copy of the step is queued when this returns."""
+        if size not in self.graphs or size < b:
+            raise ValueError(f"no full decode graph of size {size} for {b} requests (captured: {self.sizes})")
         padded = self._padded_metadata(b, size)
         self.runner.builder.build_for_cudagraph_capture(padded)  # refresh persistent state
         return size

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,8 +41,11 @@ from torch import nn
 from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.attention.layer import Attention
 from kvloom.attention.mla import MLAAttention, MLAMetadataBuilder
-from kvloom.config import EngineConfig
-from kvloom.forward_context import set_forward_context
+from kvloom.compilation.backend import PiecewiseBackend
+from kvloom.compilation.cache import use_compile_cache
+from kvloom.compilation.cuda_graph import CUDAGraphWrapper
+from kvloom.config import CUDAGraphMode, EngineConfig
+from kvloom.forward_context import BatchDescriptor, set_forward_context
 from kvloom.loader.model_loader import get_model
 from kvloom.lora.manager import LoRAManager
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLogprobs
@@ -52,6 +56,7 @@ from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
+from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
 from kvloom.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -127,7 +132,25 @@ class ModelRunner:
 
 
         self.sampler = Sampler()
-        self.cudagraphs: CUDAGraphRunner | None = None  # set by capture_cudagraphs()
+        self.cudagraphs: CUDAGraphRunner | None = None  # full decode graphs, set by capture_cudagraphs()
+        # torch.compile (set up by load_model when compilation.compile_model is on).
+        self.compile_backend: PiecewiseBackend | None = None
+        self._compiled_forward: Any = None
+        self._attn_by_name: dict[str, Attention] | None = None
+        self.compile_seconds = 0.0
+        # CUDA graphs: the dispatcher decides each step's runtime mode and key; all graphs
+        # share one memory pool (kvloom.compilation.cuda_graph explains why that is safe).
+        comp = config.compilation
+        mode, _ = resolve_cudagraph_mode(
+            comp.cudagraph_mode,
+            self.backend.cudagraph_support,
+            comp.compile_model,
+            config.device.platform.supports_cuda_graphs and device.type == "cuda",
+        )
+        self.dispatcher = CudagraphDispatcher(
+            mode, comp.cudagraph_capture_sizes, self.max_num_reqs, self.max_num_tokens
+        )
+        self.graph_pool: Any = None
         self.lora_manager = None  # a kvloom.lora.manager.LoRAManager when LoRA is enabled
 
         # Host staging buffers (pinned on CUDA) and persistent device buffers. CUDA graphs
@@ -172,6 +195,56 @@ class ModelRunner:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
         if self.config.lora.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config, self.device, self.max_num_tokens)
+        if self.config.compilation.compile_model:
+            self._set_up_compile()
+
+    def _set_up_compile(self) -> None:
+        """``torch.compile`` the model's forward through kvloom's piecewise backend; the
+        compile itself happens on the first forward (and once more for a batch of one
+        token, which Dynamo specialises)."""
+        assert self.model is not None
+        comp = self.config.compilation
+        names = [layer.prefix for layer in self.attn_layers]
+        if len(set(names)) != len(names) or "" in names:
+            raise RuntimeError(
+                f"torch.compile needs a unique prefix on every Attention layer (the attention op finds its "
+                f"layer by it); model {type(self.model).__name__} has {names}"
+            )
+        self._attn_by_name = dict(zip(names, self.attn_layers))
+        use_compile_cache(self.config)
+        wrap: Callable[[Any, int, int], CUDAGraphWrapper] | None = None
+        if self.dispatcher.piecewise_sizes:
+            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
+            pool = self.graph_pool
+
+            def wrap_piece(runnable: Any, index: int, count: int) -> CUDAGraphWrapper:
+                return CUDAGraphWrapper(runnable, CUDAGraphMode.PIECEWISE, pool, name=f"piece {index + 1}/{count}")
+
+            wrap = wrap_piece
+
+        # Dynamo keeps at most ``recompile_limit`` (8) compiled versions per code object
+        # and runs eagerly past it; each engine built in one process adds one (or two):
+        # processes that build many engines (tests) call torch._dynamo.reset() between them.
+        self.compile_backend = PiecewiseBackend(comp.splitting_ops, comp.use_inductor, wrap)
+        self._compiled_forward = torch.compile(self.model.forward, backend=self.compile_backend, fullgraph=True)
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's forward (compiled when compilation is on), inside a forward context."""
+        assert self.model is not None
+        if self._compiled_forward is None:
+            return self.model(input_ids, positions)
+        assert self.compile_backend is not None
+        # One compiled graph for every token count.
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        graphs, start = self.compile_backend.stats.graphs, time.perf_counter()
+        hidden = self._compiled_forward(input_ids, positions)
+        if self.compile_backend.stats.graphs != graphs:
+            elapsed = time.perf_counter() - start
+            self.compile_seconds += elapsed
+            logger.info("torch.compile for %d tokens: %.1f s (Dynamo + backend; %.1f s in all so far)",
+                        input_ids.shape[0], elapsed, self.compile_seconds)  # fmt: skip
+        return hidden
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV-cache block takes over all attention layers (for sizing the cache)."""
@@ -276,14 +349,54 @@ class ModelRunner:
         )
         self.sampler(logits.float(), metadata)
 
-    def capture_cudagraphs(self, sizes: list[int]) -> None:
-        """Capture a full CUDA graph of a uniform decode batch for each of ``sizes``
-        (those up to ``max_num_seqs``); decode steps of up to the largest size replay
-        them from then on (``kvloom.worker.cudagraph``). Runs after
-        ``initialize_kv_cache``."""
-        graphs = CUDAGraphRunner(self, sizes)
-        graphs.capture()
-        self.cudagraphs = graphs
+    def capture_cudagraphs(self) -> None:
+        """Capture the graphs the dispatcher will ask for: piecewise graphs of the
+        compiled model for each piecewise size, then a full graph of a uniform decode
+        batch (model forward + LM head) for each full decode size; steps replay them from
+        then on. Runs after ``initialize_kv_cache``; does nothing when the resolved mode
+        is NONE."""
+        d = self.dispatcher
+        if not d.piecewise_sizes and not d.full_decode_sizes:
+            logger.info(
+                "CUDA graphs off (mode %s, backend %s supports %s, compiled: %s)",
+                d.mode.value,
+                self.backend.NAME,
+                self.backend.cudagraph_support.name,
+                self._compiled_forward is not None,
+            )
+            return
+        start = time.perf_counter()
+        self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
+        for desc in d.descriptors(CUDAGraphMode.PIECEWISE):
+            self._capture_piecewise(desc)
+        if d.piecewise_sizes:
+            logger.info("Captured piecewise CUDA graphs for %d token counts (%d..%d) in %.1f s",
+                        len(d.piecewise_sizes), d.piecewise_sizes[0], d.piecewise_sizes[-1],
+                        time.perf_counter() - start)  # fmt: skip
+        if d.full_decode_sizes:
+            graphs = CUDAGraphRunner(self, d.full_decode_sizes, self.graph_pool)
+            graphs.capture()
+            self.cudagraphs = graphs
+        d.enabled = True
+        logger.info("CUDA graphs (%s) captured in %.1f s", d.mode.value, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _capture_piecewise(self, desc: BatchDescriptor) -> None:
+        """A warm-up forward without graphs at ``desc``'s size (Triton compiles, Dynamo
+        settles), then one under PIECEWISE, which makes every piece's wrapper capture."""
+        n = desc.num_tokens
+        num_reqs = min(n, self.max_num_reqs)
+        query_lens = np.full(num_reqs, n // num_reqs, dtype=np.int64)
+        query_lens[: n % num_reqs] += 1
+        common = self.dummy_metadata(query_lens)
+        self.input_ids[:n].zero_()
+        self.positions[:n].zero_()
+        assert self.builder is not None
+        metadata = self.builder.build(common)
+        self._forward(n, metadata)
+        torch.cuda.synchronize()
+        self._forward(n, metadata, runtime_mode=CUDAGraphMode.PIECEWISE, descriptor=desc)
+        torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ state updates
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
@@ -413,10 +526,30 @@ class ModelRunner:
         assert self.builder is not None
         return self._forward(n, self.builder.build(common))
 
-    def _forward(self, n: int, attn_metadata: Any, extras: dict[str, Any] | None = None) -> torch.Tensor:
-        assert self.model is not None
-        with set_forward_context(attn_metadata, **(extras or {})):
-            return self.model(self.input_ids[:n], self.positions[:n])
+    def _forward(
+        self,
+        n: int,
+        attn_metadata: Any,
+        extras: dict[str, Any] | None = None,
+        runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+        descriptor: BatchDescriptor | None = None,
+    ) -> torch.Tensor:
+        """The forward over the first ``n`` tokens of the input buffers; under PIECEWISE
+        over ``descriptor.num_tokens`` (the rows past ``n`` are zero padding, which
+        attention skips), returning the ``n`` real rows."""
+        padded = descriptor.num_tokens if descriptor is not None else n
+        if padded > n:
+            self.input_ids[n:padded].zero_()
+            self.positions[n:padded].zero_()
+        with set_forward_context(
+            attn_metadata,
+            attn_layers=self._attn_by_name,
+            num_actual_tokens=n,
+            cudagraph_runtime_mode=runtime_mode,
+            batch_descriptor=descriptor,
+            **(extras or {}),
+        ):
+            return self.run_model(self.input_ids[:padded], self.positions[:padded])[:n]
 
     def _mark_inputs_copied(self) -> None:
         """Record, behind the step's host->device copies and before its forward, the event
@@ -450,17 +583,28 @@ class ModelRunner:
 
         logits = None
         hidden = None
-        # LoRA steps run eagerly: the captured graphs hold no adapter updates.
-        graphs = self.cudagraphs if self.lora_manager is None else None
-        if graphs is not None and batch.uniform_decode and graphs.can_run(b):
-            size = graphs.prepare(b)
+        # LoRA steps run without graphs: the captured graphs hold no adapter updates.
+        mode, descriptor = CUDAGraphMode.NONE, None
+        if self.lora_manager is None:
+            mode, descriptor = self.dispatcher.dispatch(batch.num_tokens, batch.uniform_decode)
+        if mode == CUDAGraphMode.FULL:
+            assert self.cudagraphs is not None and descriptor is not None
+            size = self.cudagraphs.prepare(b, descriptor.num_tokens)
             self._mark_inputs_copied()
-            logits = graphs.replay(size, b)
+            logits = self.cudagraphs.replay(size, b)
         else:
             assert self.builder is not None
             attn_metadata = self.builder.build(common)
             self._mark_inputs_copied()
-            hidden = self._forward(batch.num_tokens, attn_metadata, self._lora_extras(batch))
+            hidden = self._forward(batch.num_tokens, attn_metadata, self._lora_extras(batch), mode, descriptor)
+            if mode == CUDAGraphMode.PIECEWISE and any(
+                s.pooling_params is not None
+                or (s.sampling_params is not None and s.sampling_params.prompt_logprobs is not None)
+                for s in batch.states
+            ):
+                # A replayed graph's output is overwritten by the next step, which async
+                # scheduling launches before this step's prompt logprobs / pooling run.
+                hidden = hidden.clone()
         if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None and self.model is not None
             logits = self.model.compute_logits(hidden[self.logits_indices[:b]])

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from kvloom.interfaces import Worker, effective_decode_graphs
+from kvloom.interfaces import Worker
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -62,15 +62,8 @@ class CUDAWorker(Worker):
         return budget
 
     def compile_or_warm_up_model(self) -> None:
+        # The warm-up forward (after the profile run, which compiled the model when
+        # compilation is on), then the graphs the runner's dispatcher asks for (none when
+        # the resolved cudagraph_mode is NONE: it logs why).
         super().compile_or_warm_up_model()
-        compilation = self.config.compilation
-        support = self.config.attention.backend.cudagraph_support
-        if compilation.enforce_eager or not effective_decode_graphs(compilation.cudagraph_mode, support):
-            logger.info(
-                "CUDA graphs off (mode %s, backend %s supports %s)",
-                compilation.cudagraph_mode.value,
-                self.config.attention.backend.NAME,
-                support.name,
-            )
-            return
-        self.runner.capture_cudagraphs(compilation.cudagraph_capture_sizes)
+        self.runner.capture_cudagraphs()

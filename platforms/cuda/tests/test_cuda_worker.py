@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvloom import LLM, SamplingParams
-from kvloom.interfaces import AttentionCGSupport, CUDAGraphMode, ModelRunner, Worker
+from kvloom.interfaces import ModelRunner, Worker
 from kvloom.testing import fresh_plugins, resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
@@ -116,19 +116,15 @@ def test_engine_start_profiles_through_the_runner_then_serves(fake_cuda_memory, 
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_warm_up_captures_graphs_through_the_runner(monkeypatch, enforce_eager):
+def test_warm_up_captures_graphs_through_the_runner(monkeypatch):
+    # The worker warms up, then asks the runner for its graphs; the runner's dispatcher
+    # decides which (none for a resolved mode NONE: tests/compilation/test_dispatcher.py).
     worker = _worker()
     worker.initialize_cache(8)
-    compilation = worker.config.compilation
-    compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY  # the CPU platform had turned graphs off
-    compilation.cudagraph_capture_sizes = [1, 2, 4]
-    compilation.enforce_eager = enforce_eager
-    backend = worker.config.attention.backend
-    monkeypatch.setattr(backend, "cudagraph_support", AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     calls = []
     forward = worker.runner.dummy_forward
     monkeypatch.setattr(worker.runner, "dummy_forward", lambda *a: calls.append("warm-up") or forward(*a))
-    monkeypatch.setattr(worker.runner, "capture_cudagraphs", lambda sizes: calls.append(sizes))
+    monkeypatch.setattr(worker.runner, "capture_cudagraphs", lambda: calls.append("capture"))
     worker.compile_or_warm_up_model()
-    assert calls == (["warm-up"] if enforce_eager else ["warm-up", [1, 2, 4]])
+    assert calls == ["warm-up", "capture"]
+    torch.cuda.empty_cache()
