@@ -84,6 +84,15 @@ class ModelConfig(_Section):
     io_processor_plugin: str | None = None
     """The IO processor plugin to run (``--io-processor-plugin``, else ``config.json``'s
     ``io_processor_plugin``), or None."""
+    chat_template: str | None = None
+    """The chat template to use instead of the tokenizer's (``--chat-template``, the text
+    of the file or the inline template), or None for the tokenizer's own."""
+    generation_defaults: dict[str, Any] = Field(default_factory=dict)
+    """Default sampling parameters of requests that leave them unset (``--generation-config``:
+    the model's ``generation_config.json`` by default): SamplingParams names (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_tokens)."""
+    max_logprobs: int = Field(20, ge=0)
+    """The most logprobs a request may ask per token (``--max-logprobs``)."""
 
     def _text_config(self) -> Any:
         return getattr(self.hf_config, "text_config", None) or self.hf_config

@@ -83,8 +83,10 @@ class WordTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.WORDS[i] for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True) -> Any:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
+                            continue_final_message: bool = False, **template_kwargs: Any) -> Any:  # fmt: skip
         assert tokenize is False
+        self.last_template_kwargs = template_kwargs  # what chat_template_kwargs passed on
         parts = []
         for m in messages:
             if m["role"] == "tool":

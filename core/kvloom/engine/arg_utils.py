@@ -39,8 +39,10 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.registry import ModelRegistry
+from kvloom.quantization import check_checkpoint_quantization, check_requested_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,17 @@ class EngineArgs(BaseModel):
     seed: int = Field(0, ge=0, description="Seed for weight init (dummy) and unseeded sampling.")
     load_format: LoadFormat = Field("auto", description="How to load weights; 'dummy' makes random weights.")
     trust_remote_code: bool = Field(False, description="Accepted for compatibility; kvloom runs no remote code.")
+    chat_template: str | None = Field(
+        None, description="Chat template to use instead of the tokenizer's: a Jinja file or the template inline."
+    )
+    generation_config: str = Field(
+        "auto", description="Default sampling parameters: 'auto' reads the model's generation_config.json, "
+        "'vllm' (or 'kvloom') ignores it, or a folder holding one."
+    )
+    max_logprobs: int = Field(20, ge=0, le=20, description="The most logprobs a request may ask per token (0..20).")
+    quantization: str | None = Field(
+        None, description="Weight quantization method; none is supported yet (only the default, no quantization)."
+    )
     runner: Literal["auto", "generate", "pooling"] = Field("auto", description="Generate text or pool embeddings.")
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(None, description="Pooling for embeddings.")
     normalize: bool | None = Field(None, description="L2-normalise embeddings (default: yes).")
@@ -149,6 +162,11 @@ class EngineArgs(BaseModel):
         if n <= 0:
             raise ValueError("kv_cache_memory must be positive")
         return n
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantization(cls, v: str | None) -> str | None:
+        return check_requested_quantization(v)
 
     @field_validator("cudagraph_capture_sizes")
     @classmethod
@@ -217,6 +235,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
     source = resolve_model_source(args.model, args.load_format, tokenizer=args.tokenizer)
     hf_config = load_hf_config(source)
+    check_checkpoint_quantization(hf_config, source.path)
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
 
@@ -247,7 +266,12 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         pooling_type=args.pooling_type or "LAST",
         normalize=True if args.normalize is None else args.normalize,
         io_processor_plugin=args.io_processor_plugin or getattr(hf_config, "io_processor_plugin", None),
+        chat_template=resolve_chat_template(args.chat_template),
+        generation_defaults=generation_defaults(args.generation_config, source.path),
+        max_logprobs=args.max_logprobs,
     )
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code: kvloom runs no code from model repositories; the flag changes nothing")
 
     kv_cache_dtype = args.kv_cache_dtype
     selector = _selector_config(platform, model, kv_cache_dtype, args.block_size)

@@ -55,6 +55,12 @@ class LLM:
         return self.llm_engine.tokenizer
 
     # ------------------------------------------------------------------ generation
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` of a call without any: the model's generation config
+        (``generation_config``, default ``auto``: its ``generation_config.json``) over
+        kvloom's defaults, as in vLLM."""
+        return SamplingParams(**self.config.model.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -64,7 +70,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         return self._run(prompt_list, params, use_tqdm, lora_request, priority)  # type: ignore[return-value]
 
     def chat(

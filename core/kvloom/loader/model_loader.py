@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import checkpoint_names, weights_not_loaded
+from kvloom.models.utils import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,16 @@ def checkpoint_weight_names(model: nn.Module) -> list[str]:
     return list(checkpoint_names(model, getattr(model, "stacked_params", ())))
 
 
-def model_weights(config: EngineConfig, model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors of ``config``'s model source, HF-named, on the CPU."""
+def model_weights(
+    config: EngineConfig, model: nn.Module, origins: dict[str, Path] | None = None
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of ``config``'s model source, HF-named, on the CPU
+    (``origins``: filled with the file of each name, for an HF directory)."""
     kind = config.load.source_kind
     if kind == "gguf":
         return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
     if kind == "hf":
-        return hf_dir_weights(config.model.model, config.load.load_format)
+        return hf_dir_weights(config.model.model, config.load.load_format, origins)
     raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
 
 
@@ -122,7 +126,13 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
         source = "dummy weights"
     else:
         source = config.model.model
-        loaded = model.load_weights(model_weights(config, model))
+        origins: dict[str, Path] = {}
+        try:
+            loaded = model.load_weights(model_weights(config, model, origins))
+        except UnusedCheckpointTensorsError as exc:
+            # The model saw names only; the files they came from make the error actionable.
+            files = [str(origins[name]) for name in exc.names if name in origins] or [source]
+            raise UnusedCheckpointTensorsError(type(model).__name__, exc.names, files) from None
         check_all_weights_loaded(model, loaded, source)
     model.eval()
     model.requires_grad_(False)

@@ -48,5 +48,7 @@ def get_tokenizer(model_config: ModelConfig) -> Any | None:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load the tokenizer of {source}: {e}") from e
+    if model_config.chat_template is not None:
+        tokenizer.chat_template = model_config.chat_template  # --chat-template, for every chat path
     logger.debug("Loaded tokenizer %s (%d tokens) from %s", type(tokenizer).__name__, len(tokenizer), directory)
     return tokenizer

@@ -66,28 +66,38 @@ def find_weight_files(model_dir: str | Path, load_format: str = "auto") -> tuple
     raise FileNotFoundError(f"model: no weight files ({wanted}) in {model_dir}")
 
 
-def safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``files``; ``origins``, when given, records each name's file."""
     from safetensors import safe_open
 
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if origins is not None:
+                    origins[name] = path
                 yield name, f.get_tensor(name)
 
 
-def pt_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def pt_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``files``; ``origins``, when given, records each name's file."""
     for path in files:
         # weights_only: a checkpoint must not run code; mmap: no full copy in memory.
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        yield from state.items()
+        for name, tensor in state.items():
+            if origins is not None:
+                origins[name] = path
+            yield name, tensor
         del state
 
 
-def hf_dir_weights(model_dir: str | Path, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
-    """All tensors of an HF model directory as ``(name, tensor)``."""
+def hf_dir_weights(
+    model_dir: str | Path, load_format: str = "auto", origins: dict[str, Path] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """All tensors of an HF model directory as ``(name, tensor)``; ``origins``, when
+    given, records the file of each name read (for errors that name the file)."""
     kind, files = find_weight_files(model_dir, load_format)
     logger.info("Loading %s weights from %d file(s) in %s", kind, len(files), model_dir)
-    return safetensors_weights(files) if kind == "safetensors" else pt_weights(files)
+    return safetensors_weights(files, origins) if kind == "safetensors" else pt_weights(files, origins)
 
 
 #: Half-width of the uniform distribution of dummy weights: small enough that

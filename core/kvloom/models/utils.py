@@ -8,6 +8,7 @@ The GGUF loader uses the same map to translate llama.cpp tensor names.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -110,20 +111,54 @@ def weights_not_loaded(
         missing.extend(n for n in expected if n not in loaded)
     return missing, total
 
+#: Checkpoint tensors every model may leave unused: the rotary ``inv_freq`` buffers old
+#: checkpoints saved (kvloom computes them). ``fnmatch`` patterns over the full name.
+DEFAULT_IGNORED_CHECKPOINT_TENSORS: tuple[str, ...] = ("*rotary_emb.inv_freq",)
+
+
+class UnusedCheckpointTensorsError(ValueError):
+    """The checkpoint holds tensors the model does not use (``names``, sorted).
+
+    An error, not a warning: an unused tensor is most often part of a format kvloom does
+    not read (fp8 ``weight_scale``, GPTQ ``qweight``/``scales``...), and loading the rest
+    would generate wrong tokens in silence. A model that knows a tensor is harmless to drop
+    lists it in its class attribute ``ignored_checkpoint_tensors``."""
+
+    def __init__(self, model_name: str, names: Sequence[str], files: Sequence[str] = ()) -> None:
+        self.names = sorted(names)
+        self.files = sorted(set(files))
+        shown = ", ".join(self.names[:10]) + (f" ... ({len(self.names)} in all)" if len(self.names) > 10 else "")
+        where = f" in {', '.join(self.files)}" if self.files else ""
+        super().__init__(
+            f"checkpoint tensors{where} are not used by {model_name}: {shown}. They may belong to a weight format "
+            f"kvloom does not support yet (quantization scales, ...); a model that may drop them lists name "
+            f"patterns in its class attribute ignored_checkpoint_tensors"
+        )
+
+
+def ignored_checkpoint_tensors(model: nn.Module) -> tuple[str, ...]:
+    """The ``fnmatch`` patterns of checkpoint tensors ``model`` may leave unused: its class
+    attribute ``ignored_checkpoint_tensors``, else ``DEFAULT_IGNORED_CHECKPOINT_TENSORS``."""
+    return tuple(getattr(model, "ignored_checkpoint_tensors", DEFAULT_IGNORED_CHECKPOINT_TENSORS))
+
+
 def load_checkpoint_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     stacked: Sequence[tuple[str, str, str]],
-    ignored: Sequence[str] = ("rotary_emb.inv_freq",),
+    ignored: Sequence[str] | None = None,
     tied_names: Sequence[str] = (),
 ) -> set[str]:
     """Load HF-named ``weights`` into ``model``; returns the names loaded.
 
-    Names containing one of ``ignored`` (e.g. old checkpoints' rotary buffers) and
+    Names matching one of the ``fnmatch`` patterns ``ignored`` (default: the model's
+    ``ignored_checkpoint_tensors``, e.g. old checkpoints' rotary buffers) and
     ``tied_names`` (e.g. ``lm_head.weight`` of a tied model, a copy of the embedding)
-    are skipped; other unknown names are logged and skipped. A required weight that
-    never arrived is an error naming it.
+    are skipped; any other tensor the model does not use is an
+    ``UnusedCheckpointTensorsError`` naming them. A required weight that never arrived is
+    an error naming it.
     """
+    patterns = ignored_checkpoint_tensors(model) if ignored is None else tuple(ignored)
     targets = checkpoint_names(model, stacked)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -131,7 +166,7 @@ def load_checkpoint_weights(
         for name, tensor in weights:
             target = targets.get(name)
             if target is None:
-                if name in tied_names or any(part in name for part in ignored):
+                if name in tied_names or any(fnmatch.fnmatchcase(name, p) for p in patterns):
                     continue
                 unexpected.append(name)
                 continue
@@ -147,8 +182,7 @@ def load_checkpoint_weights(
                 target.param.data.copy_(tensor)
             loaded.add(name)
     if unexpected:
-        shown = ", ".join(sorted(unexpected)[:10])
-        logger.warning("Ignored %d checkpoint tensors the model does not use: %s", len(unexpected), shown)
+        raise UnusedCheckpointTensorsError(type(model).__name__, unexpected)
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:10]) + (f" ... ({len(missing)} in all)" if len(missing) > 10 else "")

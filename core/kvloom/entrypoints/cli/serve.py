@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+from kvloom.entrypoints.cli.vllm_flags import add_vllm_flags
+from kvloom.entrypoints.openai.frontend import FrontendOptions
 from kvloom.profiling import cprofile_if_asked
 from kvloom.entrypoints.openai.errors import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_JSON_NUMBER_LENGTH
 from kvloom.entrypoints.openai.limits import (
@@ -61,6 +64,25 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="API server processes sharing the port, each with its own HTTP, tokenization and detokenization, "
         f"all over the same engine core(s) (default: %(default)s; allowed: 1..{MAX_API_SERVER_COUNT}).",
     )
+    server.add_argument("--response-role", default="assistant",
+                        help="The role of the reply in chat completions (default: %(default)s).")
+    server.add_argument("--root-path", default=None,
+                        help="The path prefix a reverse proxy serves the API under (ASGI root_path).")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS).")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file (with --ssl-keyfile: HTTPS).")
+    server.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=None,
+                        help='CORS allowed origins, a JSON list (default: ["*"] once a CORS flag is given).')
+    server.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=None,
+                        help='CORS allowed methods, a JSON list (default: ["*"]).')
+    server.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=None,
+                        help='CORS allowed headers, a JSON list (default: ["*"]).')
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    server.add_argument("--disable-fastapi-docs", action="store_true", help="No /docs, /redoc and /openapi.json.")
+    logging_group = server.add_mutually_exclusive_group()
+    logging_group.add_argument("--enable-log-requests", action="store_true",
+                               help="Log each request's id, prompt size and sampling parameters.")
+    logging_group.add_argument("--disable-log-requests", action="store_true",
+                               help="Do not log requests (the default; vLLM's older spelling).")
     limits = parser.add_argument_group("request limits (what one request may ask of the server)")
     limits.add_argument(
         "--max-request-body-bytes",
@@ -88,8 +110,42 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="The longest number literal in a JSON body, in characters (default: %(default)s); longer is a 400.",
     )
     add_engine_args(parser)
+    add_vllm_flags(parser)
     parser.set_defaults(func=run, parser=parser)
     return parser
+
+
+def _json_list(flag: str) -> "type":
+    """vLLM's form of the CORS flags: a JSON list of strings (``'["https://a.example"]'``)."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+def frontend_options(args: argparse.Namespace) -> FrontendOptions:
+    """The ``FrontendOptions`` of the server flags (a ``ValueError`` naming a bad one)."""
+    cors_flags = (args.allowed_origins, args.allowed_methods, args.allowed_headers)
+    return FrontendOptions(
+        response_role=args.response_role,
+        enable_log_requests=args.enable_log_requests,
+        allowed_origins=tuple(args.allowed_origins or ["*"]),
+        allowed_methods=tuple(args.allowed_methods or ["*"]),
+        allowed_headers=tuple(args.allowed_headers or ["*"]),
+        allow_credentials=args.allow_credentials,
+        cors=args.allow_credentials or any(value is not None for value in cors_flags),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             max_json_depth=args.max_json_depth,
             max_json_number_length=args.max_json_number_length,
         )
+        frontend = frontend_options(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.api_server_count > 1:
@@ -124,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
 
         options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key or None,
                                 uvicorn_log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log, limits=limits)  # fmt: skip
+                                access_log=not args.disable_uvicorn_access_log, limits=limits,
+                                frontend=frontend)  # fmt: skip
         status = launch(engine_args, options, args.api_server_count)
         if status:
             logger.error("kvloom serve stopped because a process failed (exit status %d)", status)
@@ -146,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
                     uvicorn_log_level=args.uvicorn_log_level,
                     access_log=not args.disable_uvicorn_access_log,
                     limits=limits,
+                    frontend=frontend,
                 )
             )
     except KeyboardInterrupt:

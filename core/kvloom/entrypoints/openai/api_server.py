@@ -47,6 +47,7 @@ from kvloom.entrypoints.openai.errors import (
     parse_json_body,
     validate_body,
 )
+from kvloom.entrypoints.openai.frontend import FrontendOptions
 from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -270,14 +271,20 @@ async def _log_stats_periodically(engine: "AsyncLLM", interval: float) -> None:
 
 
 def build_app(
-    engine: "AsyncLLM", api_key: str | None = None, log_stats: bool = True, limits: ServerLimits | None = None
+    engine: "AsyncLLM",
+    api_key: str | None = None,
+    log_stats: bool = True,
+    limits: ServerLimits | None = None,
+    frontend: FrontendOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``. With ``api_key``, every endpoint that runs model
     code (/v1/*, /tokenize, /detokenize, /pooling) needs ``Authorization: Bearer
     <api_key>``; /health, /version and /metrics stay open (as in vLLM). ``limits``: what one
-    request may ask (``ServerLimits``; the defaults when None)."""
+    request may ask (``ServerLimits``; the defaults when None). ``frontend``: response
+    role, request logging, CORS, docs pages (``FrontendOptions``)."""
 
     limits = limits if limits is not None else ServerLimits()
+    frontend = frontend if frontend is not None else FrontendOptions()
     models = OpenAIServingModels(engine)
 
     @contextlib.asynccontextmanager
@@ -293,12 +300,16 @@ def build_app(
             if task is not None:
                 task.cancel()
 
-    app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if frontend.disable_fastapi_docs else {}
+    app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__, lifespan=lifespan, **docs)
     app.state.engine = engine
     app.add_middleware(RequestGuard, max_body_bytes=limits.body_limit(engine.config.model.max_model_len))
+    frontend.install_cors(app)  # outermost: preflights are answered before the guard and the API key
 
     completions = OpenAIServingCompletion(engine, models, limits)
     chat = OpenAIServingChat(engine, models, limits)
+    chat.response_role = frontend.response_role
+    completions.log_requests = chat.log_requests = frontend.enable_log_requests
     tokenization = OpenAIServingTokenization(engine, models, limits)
     pooling = OpenAIServingPooling(engine, models, load_io_processor(engine.config), limits)
 
@@ -452,6 +463,7 @@ async def serve_http(
     uvicorn_log_level: str = "info",
     access_log: bool = True,
     limits: ServerLimits | None = None,
+    frontend: FrontendOptions | None = None,
 ) -> int:
     """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM.
 
@@ -461,11 +473,15 @@ async def serve_http(
     stopped either way."""
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[PrometheusStatLogger])
     try:
-        config = uvicorn.Config(build_app(engine, api_key=api_key, limits=limits), host=host, port=port,
-                                log_level=uvicorn_log_level, access_log=access_log)  # fmt: skip
+        frontend = frontend if frontend is not None else FrontendOptions()
+        config = uvicorn.Config(build_app(engine, api_key=api_key, limits=limits, frontend=frontend), host=host,
+                                port=port, log_level=uvicorn_log_level, access_log=access_log,
+                                **frontend.uvicorn_kwargs())  # fmt: skip
         engines = engine.config.parallel.data_parallel_size
-        logger.info("kvloom %s serving %s on http://%s:%d with 1 API server and %d engine core%s", kvloom.__version__,
-                    engine.config.model.served_model_name, host, port, engines, "s" if engines > 1 else "")  # fmt: skip
+        scheme = "https" if frontend.ssl_certfile else "http"
+        logger.info("kvloom %s serving %s on %s://%s:%d with 1 API server and %d engine core%s", kvloom.__version__,
+                    engine.config.model.served_model_name, scheme, host, port, engines,
+                    "s" if engines > 1 else "")  # fmt: skip
         return await serve_engine(engine, config)
     finally:
         engine.shutdown()

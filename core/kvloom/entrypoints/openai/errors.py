@@ -8,6 +8,7 @@ bad field, and the allowed range where the field has one.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
@@ -16,6 +17,8 @@ import annotated_types
 from pydantic import BaseModel, ValidationError
 
 from kvloom.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -256,10 +259,24 @@ def _check_unicode(text: str, path: tuple[str | int, ...], is_key: bool = False)
                        code="invalid_value") from None  # fmt: skip
 
 
+#: How many ignored field names one warning lists, and how much of each name it shows
+#: (a hostile body may hold thousands of long keys).
+IGNORED_FIELDS_SHOWN = 10
+IGNORED_FIELD_NAME_CHARS = 64
+
+
 def validate_body(model: type[BaseModel], data: Any) -> Any:
+    """``data`` (a JSON object) validated as ``model``; a 400 naming each bad field. Unknown
+    fields are accepted (as in vLLM) and named in a warning."""
     if not isinstance(data, dict):
         raise APIError(f"Request body must be a JSON object, got {type(data).__name__}", code="invalid_value")
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc, model) from None
+    ignored = request.ignored_fields() if hasattr(request, "ignored_fields") else []
+    if ignored:
+        shown = [name[:IGNORED_FIELD_NAME_CHARS] for name in ignored[:IGNORED_FIELDS_SHOWN]]
+        more = f" (and {len(ignored) - len(shown)} more)" if len(ignored) > len(shown) else ""
+        logger.warning("The following fields were present in the request but ignored: %s%s", shown, more)
+    return request

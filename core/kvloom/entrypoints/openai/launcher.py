@@ -57,6 +57,7 @@ from kvloom.engine.core_client import (
     notify_engine_death,
     parent_logging,
 )
+from kvloom.entrypoints.openai.frontend import FrontendOptions
 from kvloom.entrypoints.openai.limits import ServerLimits
 from kvloom.profiling import cprofile_if_asked
 
@@ -78,6 +79,7 @@ class ServerOptions:
     uvicorn_log_level: str
     access_log: bool
     limits: ServerLimits | None
+    frontend: FrontendOptions = FrontendOptions()
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
@@ -152,9 +154,10 @@ def run_api_server(
         # the engine core's death even before any request).
         engine = AsyncLLM(config, stat_loggers=[prometheus], client_index=index, client_addresses=addresses)
         try:
-            app = build_app(engine, api_key=options.api_key, limits=options.limits)
+            app = build_app(engine, api_key=options.api_key, limits=options.limits, frontend=options.frontend)
             uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
-                                       access_log=options.access_log, log_config=log_config)  # fmt: skip
+                                       access_log=options.access_log, log_config=log_config,
+                                       **options.frontend.uvicorn_kwargs())  # fmt: skip
             # uvicorn handles SIGTERM while it serves, and raises it again once it stopped:
             # ignored from here on.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,19 +1,32 @@
 """Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
 
-Requests are strict (a string where a number belongs is an error, not a coercion) and
-forbid unknown fields, so a typo is a 400 naming the field rather than a silently ignored
-option. Ranges mirror ``kvloom.sampling_params.SamplingParams``. vLLM's extensions
-(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, cache_salt,
-priority, ...) sit next to OpenAI's fields, as vLLM users pass them through
+Requests are strict about the fields kvloom knows (a string where a number belongs is an
+error, not a coercion) and tolerant as vLLM is about the rest, since the official clients
+and frameworks send fields of newer API versions (``store``, ``metadata``,
+``parallel_tool_calls``, ...):
+
+* an unknown field is accepted and ignored; the server logs a warning naming it
+  (``ignored_fields``);
+* ``null`` for any optional field means its default;
+* a field of a feature kvloom has not built (tools, images and audio, structured output,
+  ...) that asks for the feature is a 400 naming the field (``NOT_BUILT_*``): ignoring it
+  would answer something else than what was asked.
+
+Ranges mirror ``kvloom.sampling_params.SamplingParams``. vLLM's extensions (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, cache_salt, priority,
+chat_template_kwargs, ...) sit next to OpenAI's fields, as vLLM users pass them through
 ``extra_body``.
 """
 
 from __future__ import annotations
 
 import time
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core.core_schema import ValidatorFunctionWrapHandler
 
 from kvloom.sampling_params import (
     _MAX_SEED,
@@ -29,8 +42,73 @@ from kvloom.sampling_params import (
 MAX_LOGPROBS = 20
 
 
+def _nullable(annotation: Any) -> bool:
+    if annotation is Any or annotation is None:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _nullable(typing.get_args(annotation)[0])
+    return origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """A request body: strict types, unknown fields ignored (and remembered, see
+    ``ignored_fields``), ``null`` for a field that cannot be null means its default."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _tolerate(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        ignored: list[str] = []
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            if cls.model_config.get("extra") != "allow":
+                ignored = [key for key in data if key not in fields]
+            data = {key: value for key, value in data.items()
+                    if not (value is None and key in fields and not _nullable(fields[key].annotation))}  # fmt: skip
+        instance = handler(data)
+        if isinstance(instance, OpenAIRequest):
+            instance._ignored = ignored
+        return instance
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown fields of the body, nested ones as ``parent.field``."""
+        names = list(self._ignored)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            children = value if isinstance(value, list) else [value]
+            for index, child in enumerate(children):
+                if isinstance(child, OpenAIRequest):
+                    where = f"{name}[{index}]" if isinstance(value, list) else name
+                    names.extend(f"{where}.{inner}" for inner in child.ignored_fields())
+        return names
+
+
+def check_not_built(request: BaseModel, table: dict[str, tuple[str, tuple[Any, ...]]]) -> None:
+    """A 400 (``ValueError`` 'field: ...') for the first field of ``table`` that asks for
+    a feature kvloom has not built: a value other than null, empty, false or one of the
+    field's harmless values."""
+    for name, (feature, harmless) in table.items():
+        value = getattr(request, name)
+        if value is None or value is False or value == [] or value == {} or value in harmless:
+            continue
+        raise ValueError(f"{name}: {feature} is not supported by kvloom yet")
+
+
+#: Fields of both endpoints whose features kvloom has not built: field -> (feature, values
+#: that do not ask for it).
+NOT_BUILT_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "response_format": ("structured output (response_format other than {'type': 'text'})", ({"type": "text"},)),
+    "structured_outputs": ("structured output", ()),
+    "guided_json": ("guided decoding", ()),
+    "guided_regex": ("guided decoding", ()),
+    "guided_choice": ("guided decoding", ()),
+    "guided_grammar": ("guided decoding", ()),
+    "logits_processors": ("custom logits processors", ()),
+    "bad_words": ("bad_words", ()),
+}
 
 
 class OpenAIResponse(BaseModel):
@@ -121,6 +199,20 @@ class SamplingRequest(OpenAIRequest):
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = 0
+    # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    logits_processors: Any = None
+    bad_words: Any = None
+
+    @model_validator(mode="after")
+    def _check_not_built_sampling(self) -> "SamplingRequest":
+        check_not_built(self, NOT_BUILT_SAMPLING)
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -138,9 +230,12 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:  # fmt: skip
         """SamplingParams of one prompt's engine request, all n choices of it (the engine
-        fans n out, see ``serving_engine``)."""
+        fans n out, see ``serving_engine``). ``defaults``: the values of the fields the
+        request leaves unset (the model's generation config, ``--generation-config``)."""
+        defaults = defaults or {}
         values: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -160,6 +255,8 @@ class SamplingRequest(OpenAIRequest):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 values[name] = value
         return SamplingParams(**values)
@@ -203,13 +300,17 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("is not supported by kvloom")
+            raise ValueError("suffix (fill-in-the-middle) is not supported by kvloom yet")
         return value
+
+    prompt_embeds: Any = None
 
     @model_validator(mode="after")
     def _check_best_of(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of: only best_of == n is supported (got best_of={self.best_of}, n={self.n})")
+            raise ValueError(f"best_of: only best_of == n (or null) is supported, as in vLLM V1, which removed "
+                             f"best_of (got best_of={self.best_of}, n={self.n})")  # fmt: skip
+        check_not_built(self, {"prompt_embeds": ("prompt_embeds", ())})
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -284,6 +385,12 @@ class ChatMessageParam(OpenAIRequest):
 
         if isinstance(value, list) and all(is_text_part(part) for part in value):
             return value
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type {kind[:40]!r} are not supported by kvloom yet "
+                                     "(it serves text-only models: send text parts {'type': 'text', 'text': ...})")
         raise ValueError("must be a string or a list of text parts ({'type': 'text', 'text': ...}); "
                          "kvloom serves text-only models")
 
@@ -295,6 +402,29 @@ class ChatMessageParam(OpenAIRequest):
         return message
 
 
+#: Chat fields whose features kvloom has not built (see ``NOT_BUILT_SAMPLING``).
+NOT_BUILT_CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calling", ()),
+    "tool_choice": ("tool calling (tool_choice other than 'none' or 'auto')", ("none", "auto")),
+    "functions": ("function calling", ()),
+    "function_call": ("function calling (function_call other than 'none' or 'auto')", ("none", "auto")),
+    "audio": ("audio output", ()),
+    "modalities": ("output modalities other than text", (["text"],)),
+    "chat_template": ("a chat template per request (start the server with --chat-template)", ()),
+    "echo": ("echo for chat completions", ()),
+    "documents": ("documents (RAG chat templates)", ()),
+    "mm_processor_kwargs": ("multimodal inputs", ()),
+}
+
+#: ``chat_template_kwargs`` keys that would change how kvloom calls the template rather than
+#: what the template sees.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
@@ -302,20 +432,33 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Features not built yet (NOT_BUILT_CHAT).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    chat_template: Any = None
+    echo: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by kvloom")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: tool calling is not supported by kvloom")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported by kvloom")
+        check_not_built(self, NOT_BUILT_CHAT)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt to be false (the reply continues "
+                             "the last message instead of starting a new one)")  # fmt: skip
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through chat_template_kwargs "
+                             "(use the request's own fields)")  # fmt: skip
         return self
 
     def requested_max_tokens(self) -> int | None:

@@ -48,6 +48,9 @@ class _Choice:
 
 
 class OpenAIServingChat(OpenAIServing):
+    #: The role of the reply (``--response-role``).
+    response_role: str = "assistant"
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -55,7 +58,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_priority(request.priority)
         self.check_sampling_fields(request)
         self.check_num_sequences(1, request.n, "n")
-        prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt)
+        prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt,
+                                              request.add_special_tokens, request.continue_final_message,
+                                              request.chat_template_kwargs)  # fmt: skip
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -133,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatCompletionResponseChoice(
                     index=i,
-                    message=ChatMessage(role="assistant", content=c.text),
+                    message=ChatMessage(role=self.response_role, content=c.text),
                     logprobs=ChatCompletionLogProbs(content=c.logprobs) if request.logprobs else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -161,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
             # Like OpenAI: every choice opens with the assistant role and empty content.
             for index in range(request.n):
                 yield self._chunk(request_id, model, ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content="")))  # fmt: skip
+                    index=index, delta=DeltaMessage(role=self.response_role, content="")))  # fmt: skip
             async with aclosing(outputs):
                 async for _, output in outputs:
                     for completion in output.outputs:  # one chunk per choice with news

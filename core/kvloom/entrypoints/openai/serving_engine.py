@@ -132,6 +132,9 @@ def _vocab_size(config: Any) -> int | None:
 
 
 class OpenAIServing:
+    #: Log each request's id, prompt sizes and sampling parameters (``--enable-log-requests``).
+    log_requests: bool = False
+
     def __init__(
         self, engine: "AsyncLLM", models: OpenAIServingModels | None = None, limits: ServerLimits | None = None
     ) -> None:
@@ -141,6 +144,9 @@ class OpenAIServing:
         self.model_name = self.config.model.served_model_name
         self.max_model_len = self.config.model.max_model_len
         self.vocab_size = _vocab_size(self.config)
+        # --generation-config and --max-logprobs (ModelConfig)
+        self.generation_defaults: dict[str, Any] = dict(getattr(self.config.model, "generation_defaults", {}) or {})
+        self.max_logprobs: int = getattr(self.config.model, "max_logprobs", 20)
         self.limits = limits if limits is not None else ServerLimits()
         # The base model and its LoRA adapters; the server shares one among its endpoints.
         self.models = models if models is not None else OpenAIServingModels(engine)
@@ -197,6 +203,11 @@ class OpenAIServing:
                            f"1 <= top_k <= {vocab}, the vocabulary size)", param="top_k")  # fmt: skip
         if request.stop_token_ids:
             self.check_token_ids(request.stop_token_ids, "stop_token_ids")
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(request, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
+                raise APIError(f"{name}: {value} is more than this server allows (allowed range: 0 <= {name} <= "
+                               f"{self.max_logprobs}, --max-logprobs)", param=name)  # fmt: skip
         if request.logit_bias:
             self.check_token_ids([int(k) for k in request.logit_bias], "logit_bias")
 
@@ -243,27 +254,34 @@ class OpenAIServing:
         """``tokenize``, off the event loop when the prompt is large."""
         return await run_blocking(len(prompt), self.tokenize, prompt, add_special_tokens, param, limit)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat template applied to ``messages`` (a 400 when it cannot be)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
+        """The chat template applied to ``messages`` (a 400 when it cannot be);
+        ``template_kwargs``: extra variables for the template (``chat_template_kwargs``)."""
         tokenizer = self.require_tokenizer("messages")
         if getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(f"messages: the model {self.model_name} has no chat template; use /v1/completions",
-                           param="messages")  # fmt: skip
+            raise APIError(f"messages: the model {self.model_name} has no chat template; use /v1/completions "
+                           "or start the server with --chat-template", param="messages")  # fmt: skip
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=False,
+                                                 **(template_kwargs or {}))  # fmt: skip
         except Exception as exc:  # jinja's TemplateError, or the template's own raise_exception
             raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False) -> Prompt:
-        text = self.render_chat(messages, add_generation_prompt)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> Prompt:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
         # The template already wrote the special tokens (BOS, role markers).
         return self.tokenize(text, add_special_tokens=add_special_tokens, param="messages")
 
     async def chat_prompt_async(self, messages: list[dict], add_generation_prompt: bool,
-                                add_special_tokens: bool = False) -> Prompt:  # fmt: skip
+                                add_special_tokens: bool = False, continue_final_message: bool = False,
+                                template_kwargs: dict[str, Any] | None = None) -> Prompt:  # fmt: skip
         """``chat_prompt``, off the event loop when the messages are large."""
         size = sum(len(str(m.get("content") or "")) for m in messages) + 64 * len(messages)
-        return await run_blocking(size, self.chat_prompt, messages, add_generation_prompt, add_special_tokens)
+        return await run_blocking(size, self.chat_prompt, messages, add_generation_prompt, add_special_tokens,
+                                  continue_final_message, template_kwargs)  # fmt: skip
 
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is None:
@@ -284,7 +302,9 @@ class OpenAIServing:
             )
         room = limit - n_prompt
         if requested is None:
-            return room
+            # The model's generation config may bound an unset max_tokens (max_new_tokens).
+            default = self.generation_defaults.get("max_tokens")
+            return min(room, default) if isinstance(default, int) and default > 0 else room
         if requested > room:
             raise APIError(
                 f"{max_tokens_param}: {requested} is too large: the prompt uses {n_prompt} of this model's "
@@ -296,14 +316,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ generation
 
-    @staticmethod
     def sampling_params(
-        request: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self, request: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
     ) -> SamplingParams:
-        """``request.sampling_params(...)``, made before anything is sent so that a bad
-        combination of fields (e.g. min_tokens > max_tokens) is a 400."""
+        """``request.sampling_params(...)`` with the generation config's defaults, made
+        before anything is sent so that a bad combination of fields (e.g. min_tokens >
+        max_tokens) is a 400."""
         try:
-            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.generation_defaults)
         except ValidationError as exc:
             raise from_validation_error(exc, SamplingParams) from None
 
@@ -320,6 +340,10 @@ class OpenAIServing:
         included) now, then return (prompt index, output) as outputs arrive (``merged``).
         A prompt the engine refuses is a 400 here, and nothing of the request runs."""
         inputs = [{"prompt_token_ids": prompt.token_ids} for prompt in prompts]
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt(s) of %s tokens, lora %s, params %s", request_id, len(prompts),
+                        [len(p.token_ids) for p in prompts], lora_request.lora_name if lora_request else None,
+                        params[0])  # fmt: skip
         streams = await self.admit(request_id, inputs, params, lora_request, priority, cache_salt)
         return AdmittedOutputs(streams, request_id)
 
