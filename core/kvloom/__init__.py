@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "kvloom.entrypoints.llm",
     "SamplingParams": "kvloom.sampling_params",
+    "StructuredOutputsParams": "kvloom.sampling_params",
     "PoolingParams": "kvloom.sampling_params",
     "RequestOutputKind": "kvloom.sampling_params",
     "RequestOutput": "kvloom.outputs",
