@@ -37,6 +37,7 @@ from kvloom.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 MAX_LOGPROBS = 20
@@ -100,12 +101,6 @@ def check_not_built(request: BaseModel, table: dict[str, tuple[str, tuple[Any, .
 #: Fields of both endpoints whose features kvloom has not built: field -> (feature, values
 #: that do not ask for it).
 NOT_BUILT_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "response_format": ("structured output (response_format other than {'type': 'text'})", ({"type": "text"},)),
-    "structured_outputs": ("structured output", ()),
-    "guided_json": ("guided decoding", ()),
-    "guided_regex": ("guided decoding", ()),
-    "guided_choice": ("guided decoding", ()),
-    "guided_grammar": ("guided decoding", ()),
     "logits_processors": ("custom logits processors", ()),
     "bad_words": ("bad_words", ()),
 }
@@ -199,13 +194,15 @@ class SamplingRequest(OpenAIRequest):
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* aliases (``structured_outputs_params``).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     logits_processors: Any = None
     bad_words: Any = None
 
@@ -230,8 +227,50 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's constraint and the field that asked for it (``None, None``: none).
+        At most one of response_format (other than text), structured_outputs and the
+        guided_* fields may ask; a malformed one is a ``ValueError`` naming the field."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format: type 'json_schema' needs json_schema.schema, a JSON schema "
+                                     "object")  # fmt: skip
+                asked.append(("response_format", {"json": schema}))
+            elif kind == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif kind == "structural_tag":
+                asked.append(("response_format", {"structural_tag": {k: v for k, v in fmt.items() if k != "type"}}))
+            elif kind != "text":
+                raise ValueError(f"response_format: type must be 'text', 'json_object', 'json_schema' or "
+                                 f"'structural_tag' (got {kind!r:.40})")  # fmt: skip
+        if self.structured_outputs:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, {kind: value}))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: only one of response_format, structured_outputs and guided_* may "
+                             f"constrain the output (also given: {asked[0][0]})")  # fmt: skip
+        field, values = asked[0]
+        try:
+            return StructuredOutputsParams(**values), field
+        except (TypeError, ValueError) as exc:
+            message = str(exc).removeprefix("structured_outputs: ").removeprefix("structured_outputs.")
+            raise ValueError(f"{field}: {message}") from None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:  # fmt: skip
+                        defaults: dict[str, Any] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:  # fmt: skip
         """SamplingParams of one prompt's engine request, all n choices of it (the engine
         fans n out, see ``serving_engine``). ``defaults``: the values of the fields the
         request leaves unset (the model's generation config, ``--generation-config``)."""
@@ -251,6 +290,7 @@ class SamplingRequest(OpenAIRequest):
             "seed": self.seed,
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            "structured_outputs": structured_outputs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
