@@ -15,11 +15,6 @@ from kvloom.structured_output.backend import StructuredOutputBackend, Structured
 
 logger = logging.getLogger(__name__)
 
-#: How many tokens a matcher can roll back (preemption with a step in flight, rejected
-#: tokens): more than any one step adds.
-MAX_ROLLBACK_TOKENS = 64
-
-
 def choice_to_ebnf(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of ``choices`` (JSON string escapes are
     xgrammar's EBNF string escapes)."""
@@ -116,4 +111,4 @@ class XgrammarBackend(StructuredOutputBackend):
         raise ValueError(f"structured_outputs: unknown kind {kind!r}")
 
     def new_grammar(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
-        return XgrammarGrammar(xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS))
+        return XgrammarGrammar(xgr.GrammarMatcher(compiled))
