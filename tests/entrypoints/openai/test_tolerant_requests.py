@@ -90,8 +90,6 @@ def test_best_of_equal_to_n_is_accepted_and_else_explained(client: TestClient) -
 
 
 @pytest.mark.parametrize("field,value,fragment", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool calling"),
-    ("tool_choice", "required", "tool calling"),
     ("functions", [{"name": "f"}], "function calling"),
     ("audio", {"voice": "alloy", "format": "wav"}, "audio output"),
     ("modalities", ["text", "audio"], "output modalities"),

@@ -20,6 +20,7 @@ chat_template_kwargs, ...) sit next to OpenAI's fields, as vLLM users pass them 
 
 from __future__ import annotations
 
+import json
 import time
 import types
 import typing
@@ -41,6 +42,8 @@ from kvloom.sampling_params import (
 )
 
 MAX_LOGPROBS = 20
+#: Keys of ``structured_outputs`` that are options, not a constraint.
+STRUCTURED_OUTPUT_OPTIONS = frozenset({"disable_any_whitespace"})
 
 
 def _nullable(annotation: Any) -> bool:
@@ -249,7 +252,10 @@ class SamplingRequest(OpenAIRequest):
             elif kind != "text":
                 raise ValueError(f"response_format: type must be 'text', 'json_object', 'json_schema' or "
                                  f"'structural_tag' (got {kind!r:.40})")  # fmt: skip
-        if self.structured_outputs:
+        # structured_outputs may carry only options (disable_any_whitespace) for the
+        # constraint another field asks for, as in vLLM.
+        options = {k: v for k, v in (self.structured_outputs or {}).items() if k in STRUCTURED_OUTPUT_OPTIONS}
+        if self.structured_outputs and len(options) < len(self.structured_outputs):
             asked.append(("structured_outputs", dict(self.structured_outputs)))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):  # fmt: skip
@@ -263,7 +269,7 @@ class SamplingRequest(OpenAIRequest):
                              f"constrain the output (also given: {asked[0][0]})")  # fmt: skip
         field, values = asked[0]
         try:
-            return StructuredOutputsParams(**values), field
+            return StructuredOutputsParams(**{**options, **values}), field
         except (TypeError, ValueError) as exc:
             message = str(exc).removeprefix("structured_outputs: ").removeprefix("structured_outputs.")
             raise ValueError(f"{field}: {message}") from None
@@ -439,13 +445,27 @@ class ChatMessageParam(OpenAIRequest):
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")
+        # Assistant tool calls: chat templates (HF's convention) read the arguments as a
+        # mapping, where OpenAI sends a JSON string.
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_template_tool_call(call) for call in calls]
         return message
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call  # not JSON: the template gets the string
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 #: Chat fields whose features kvloom has not built (see ``NOT_BUILT_SAMPLING``).
 NOT_BUILT_CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling", ()),
-    "tool_choice": ("tool calling (tool_choice other than 'none' or 'auto')", ("none", "auto")),
     "functions": ("function calling", ()),
     "function_call": ("function calling (function_call other than 'none' or 'auto')", ("none", "auto")),
     "audio": ("audio output", ()),
@@ -465,6 +485,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })  # fmt: skip
 
 
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (none: no arguments)."""
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
@@ -475,9 +517,12 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """none: no call; auto (the default with tools): the model may call (needs the
+    server's --enable-auto-tool-choice and --tool-call-parser); required: at least one
+    call; a named function: that call. required and named calls are grammar-enforced."""
     # Features not built yet (NOT_BUILT_CHAT).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -495,6 +540,13 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt to be false (the reply continues "
                              "the last message instead of starting a new one)")  # fmt: skip
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = [t.function.name for t in self.tools or []]
+            if not names:
+                raise ValueError("tool_choice: 'required' or a named function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r:.80} (tools: "
+                                 f"{', '.join(names)})")  # fmt: skip
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:
             raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through chat_template_kwargs "
@@ -508,9 +560,35 @@ class ChatCompletionRequest(SamplingRequest):
         return [m.for_template() for m in self.messages]
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str
+    """The arguments as a JSON string (OpenAI's shape)."""
+
+
+class ToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
+    """Present when the reply calls tools."""
 
 
 class ChatCompletionLogProb(OpenAIResponse):
@@ -547,6 +625,7 @@ class ChatCompletionResponse(OpenAIResponse):
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):
