@@ -158,3 +158,22 @@ def test_a_matcher_ahead_of_its_request_is_rolled_back(tokenizer) -> None:
     expected = xgr.allocate_token_bitmask(1, len(tokenizer))
     fresh.fill_next_token_bitmask(expected)
     assert torch.equal(rolled_back, expected) and not torch.equal(with_all, rolled_back)
+
+
+
+def test_identical_grammars_compile_once_and_the_stats_say_so(tokenizer) -> None:
+    scheduler, manager = make(tokenizer)
+    for i in range(3):  # as n=3 siblings would
+        scheduler.add_request(Request(f"s{i}", [1, 2], structured(choice=["on", "off"])))
+    scheduler.add_request(Request("t", [1, 2], structured(regex="[0-9]")))
+    first = scheduler.make_stats()
+    assert (first.structured_output_cache_queries, first.structured_output_cache_hits) == (4, 2)
+    while manager._pending and any(not f.done() for f in manager._pending.values()):
+        manager.wait_for_compile(0.1)
+    second = scheduler.make_stats()
+    compile_times = first.structured_output_compile_times + second.structured_output_compile_times
+    assert len(compile_times) == 2 and all(t > 0 for t in compile_times)  # one per distinct grammar
+    assert second.structured_output_cache_queries == 0
+    result = run(scheduler, len(tokenizer))
+    texts = {tokenizer.decode(result["tokens"][f"s{i}"], skip_special_tokens=True) for i in range(3)}
+    assert texts <= {"on", "off"} and tokenizer.decode(result["tokens"]["t"], skip_special_tokens=True).isdigit()

@@ -586,13 +586,19 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Queue sizes, KV-cache usage, and prefix-cache/preemption counts since the last call."""
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats(),
             num_preemptions=num_preemptions,
         )
+        if self.structured_output_manager is not None:
+            structured = self.structured_output_manager.take_stats()
+            stats.structured_output_compile_times = structured.compile_times
+            stats.structured_output_cache_queries = structured.cache_queries
+            stats.structured_output_cache_hits = structured.cache_hits
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached KV blocks; False (nothing done) while requests hold blocks."""
