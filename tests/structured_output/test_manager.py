@@ -177,3 +177,19 @@ def test_identical_grammars_compile_once_and_the_stats_say_so(tokenizer) -> None
     result = run(scheduler, len(tokenizer))
     texts = {tokenizer.decode(result["tokens"][f"s{i}"], skip_special_tokens=True) for i in range(3)}
     assert texts <= {"on", "off"} and tokenizer.decode(result["tokens"]["t"], skip_special_tokens=True).isdigit()
+
+
+def test_async_scheduling_steps_synchronously_while_a_structured_request_runs(tokenizer) -> None:
+    """Its next bitmask needs its last token: no step may be scheduled ahead of it."""
+    scheduler, manager = make(tokenizer)
+    scheduler.add_request(Request("p", [1, 2], SamplingParams(max_tokens=50)))
+    g = torch.Generator().manual_seed(0)
+    step(scheduler, len(tokenizer), g)
+    assert scheduler.can_schedule_ahead()
+    scheduler.add_request(Request("s", [1, 2], structured(regex="[a-z]{30}")))
+    while scheduler.requests["s"].status != RequestStatus.RUNNING:
+        manager.wait_for_compile(0.1)
+        step(scheduler, len(tokenizer), g)
+    assert not scheduler.can_schedule_ahead()
+    scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.can_schedule_ahead() and "s" not in manager.grammars
