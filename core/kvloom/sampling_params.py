@@ -54,11 +54,17 @@ class StructuredOutputsParams:
     """
 
     json: dict[str, Any] | str | None = None
+    """A JSON schema (a dict, or its JSON text)."""
     json_object: bool | None = None
+    """``True``: any JSON object."""
     regex: str | None = None
+    """A regular expression the whole output matches."""
     choice: list[str] | None = None
+    """The output is one of these strings."""
     grammar: str | None = None
+    """An EBNF/GBNF grammar whose start rule is ``root``."""
     structural_tag: dict[str, Any] | str | None = None
+    """An xgrammar structural tag (a dict, or its JSON text)."""
     disable_any_whitespace: bool = False
     """JSON without whitespace between items (shorter output, fewer tokens)."""
 

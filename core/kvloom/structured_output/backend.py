@@ -63,6 +63,7 @@ class StructuredOutputBackend(abc.ABC):
     the entry-point name of a plugin backend)."""
 
     name: ClassVar[str]
+    """What ``--structured-outputs-backend`` selects (a plugin's entry-point name)."""
 
     @classmethod
     @abc.abstractmethod

@@ -14,7 +14,9 @@ class ParsedToolCall:
     """One call: the function's name and its arguments as a JSON string."""
 
     name: str
+    """The function's name."""
     arguments: str
+    """Its arguments, a JSON string."""
 
 
 @dataclass
@@ -23,10 +25,13 @@ class ExtractedToolCalls:
     when there is none)."""
 
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    """The calls, in order."""
     content: str | None = None
+    """The text outside the calls (``None``: none)."""
 
     @property
     def tools_called(self) -> bool:
+        """Whether any call was found."""
         return bool(self.tool_calls)
 
 
@@ -40,8 +45,9 @@ class ToolParser(abc.ABC):
     name and arguments), so a parser implements the one method."""
 
     name: ClassVar[str]
-    #: Strings that start a tool call in this format.
+    """What ``--tool-call-parser`` selects (a plugin's entry-point name)."""
     start_markers: ClassVar[tuple[str, ...]]
+    """Strings that start a tool call in this format."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -71,7 +71,7 @@ from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.metrics.loggers import PrometheusStatLogger, multiprocess_metrics_dir
 from kvloom.pooling.io_processors import load_io_processor
-from kvloom.tool_parsers import get_tool_parser_cls
+from kvloom.tool_parsers.registry import get_tool_parser_cls
 
 if TYPE_CHECKING:
     from kvloom.engine.arg_utils import EngineArgs

@@ -49,7 +49,7 @@ class FrontendOptions:
             raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser NAME (hermes, llama3_json or a "
                              "plugin's)")  # fmt: skip
         if self.tool_call_parser is not None:
-            from kvloom.tool_parsers import get_tool_parser_cls
+            from kvloom.tool_parsers.registry import get_tool_parser_cls
 
             get_tool_parser_cls(self.tool_call_parser)  # a ValueError naming the parsers there are
         if not self.response_role or len(self.response_role) > 64:

@@ -39,7 +39,7 @@ from kvloom.entrypoints.openai.tool_calls import ToolStream, as_tool_calls, pars
 from kvloom.outputs import CompletionOutput, SampleLogprobs
 from kvloom.sampling_params import SamplingParams
 from kvloom.structured_output.registry import validate_structured_outputs
-from kvloom.tool_parsers import ToolParser
+from kvloom.tool_parsers.base import ToolParser
 
 logger = logging.getLogger(__name__)
 

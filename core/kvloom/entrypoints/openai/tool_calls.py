@@ -26,7 +26,7 @@ from kvloom.entrypoints.openai.protocol import (
     ToolCall,
 )
 from kvloom.sampling_params import StructuredOutputsParams
-from kvloom.tool_parsers import ParsedToolCall, ToolParser
+from kvloom.tool_parsers.base import ParsedToolCall, ToolParser
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
