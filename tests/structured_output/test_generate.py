@@ -80,7 +80,7 @@ def test_schema_errors_catches_what_it_checks() -> None:
     assert schema_errors(good, SCHEMA) == []
     bad = {**good, "name": "T m", "species": "cow", "age": 31, "tags": ["a"] * 3, "owner": {"city": "x" * 9},
            "extra": 1}  # fmt: skip
-    assert len(schema_errors(bad, SCHEMA)) == 7
+    assert len(schema_errors(bad, SCHEMA)) == 8  # the long city breaks maxLength and pattern
 
 
 @pytest.fixture(scope="module")

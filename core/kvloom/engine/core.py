@@ -136,6 +136,8 @@ class EngineCore:
             len(in_flight) < 2 and scheduler.has_unfinished_requests() and scheduler.can_schedule_ahead()
         ):
             scheduler_output = scheduler.schedule()
+            if scheduler_output.is_empty() and len(in_flight) == 0:
+                self.structured_output_manager.wait_for_compile(0.01)  # as in step()
             in_flight.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
             if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
                 # The pipeline was empty: keep this step running, schedule the next behind it.
