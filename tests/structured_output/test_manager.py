@@ -193,3 +193,13 @@ def test_async_scheduling_steps_synchronously_while_a_structured_request_runs(to
     assert not scheduler.can_schedule_ahead()
     scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
     assert scheduler.can_schedule_ahead() and "s" not in manager.grammars
+
+
+def test_a_structural_tag(tokenizer) -> None:
+    scheduler, _ = make(tokenizer)
+    tag = {"type": "structural_tag",
+           "format": {"type": "tag", "begin": "<id>", "content": {"type": "regex", "pattern": "[0-9]{3}"}, "end": "</id>"}}
+    scheduler.add_request(Request("s", [1, 2], structured(structural_tag=tag)))
+    result = run(scheduler, len(tokenizer), seed=3)
+    assert re.fullmatch(r"<id>[0-9]{3}</id>", tokenizer.decode(result["tokens"]["s"], skip_special_tokens=True))
+    assert result["finished"]["s"][0] == FinishReason.STOP
