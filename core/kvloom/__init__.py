@@ -14,6 +14,7 @@ _configure_logging_on_import()
 _LAZY = {
     "LLM": "kvloom.entrypoints.llm",
     "SamplingParams": "kvloom.sampling_params",
+    "StructuredOutputsParams": "kvloom.sampling_params",
     "PoolingParams": "kvloom.sampling_params",
     "RequestOutputKind": "kvloom.sampling_params",
     "RequestOutput": "kvloom.outputs",

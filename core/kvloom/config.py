@@ -265,6 +265,14 @@ class LoRAConfig(_Section):
     """``name -> path`` of the adapters the server loads at startup."""
 
 
+class StructuredOutputsConfig(_Section):
+    """Structured outputs (guided decoding). Platforms and hooks may change the backend."""
+
+    backend: str = "xgrammar"
+    """The grammar library: ``xgrammar`` (built in) or a plugin of the
+    ``kvloom.structured_output_backends`` group."""
+
+
 class ObservabilityConfig(_Section):
     """Engine statistics. Platforms and hooks may change both fields."""
 
@@ -317,3 +325,5 @@ class EngineConfig(_Section):
     """Stats logging: ``disable_log_stats``, ``log_stats_interval``."""
     device: DeviceConfig
     """``platform``: the active ``Platform`` class; ``device_type``."""
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    """``backend``: the structured-output backend's name."""

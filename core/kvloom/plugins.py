@@ -28,6 +28,8 @@ from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
+from kvloom.structured_output.backend import StructuredOutputBackend
+from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
     PLUGINS_ENV,
     DuplicatePluginError,
@@ -53,6 +55,8 @@ GENERAL_PLUGINS = "kvloom.general_plugins"
 IO_PROCESSOR_PLUGINS = "kvloom.io_processor_plugins"
 STAT_LOGGER_PLUGINS = "kvloom.stat_logger_plugins"
 LORA_RESOLVERS = "kvloom.lora_resolvers"
+STRUCTURED_OUTPUT_BACKENDS = "kvloom.structured_output_backends"
+TOOL_PARSERS = "kvloom.tool_parsers"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -62,6 +66,9 @@ GROUPS: tuple[PluginGroup, ...] = (
     PluginGroup(IO_PROCESSOR_PLUGINS, IOProcessor, unique_names=True, label="IO processors"),
     PluginGroup(STAT_LOGGER_PLUGINS, StatLoggerBase, label="stat loggers"),
     PluginGroup(LORA_RESOLVERS, LoRAResolver, unique_names=True, label="LoRA resolvers"),
+    PluginGroup(STRUCTURED_OUTPUT_BACKENDS, StructuredOutputBackend, unique_names=True, name_attr="name",
+                label="structured-output backends"),  # fmt: skip
+    PluginGroup(TOOL_PARSERS, ToolParser, unique_names=True, name_attr="name", label="tool parsers"),
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -224,3 +231,15 @@ def call_update_engine_config(config: EngineConfig) -> None:
     load_plugins()
     assert _hooks is not None
     _hooks.call_hook("kvloom_update_engine_config", config=config)
+
+
+def structured_output_backends() -> dict[str, PluginEntry]:
+    """Loaded structured-output backend plugins: name -> entry (``.target`` is the
+    ``StructuredOutputBackend`` subclass). The built-in ``xgrammar`` is not a plugin."""
+    return loaded_plugins().by_name(STRUCTURED_OUTPUT_BACKENDS)
+
+
+def tool_parser_plugins() -> dict[str, PluginEntry]:
+    """Loaded tool-call parser plugins: name -> entry (``.target`` is the ``ToolParser``
+    subclass). The built-in ``hermes`` and ``llama3_json`` are not plugins."""
+    return loaded_plugins().by_name(TOOL_PARSERS)

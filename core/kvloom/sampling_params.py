@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,6 +36,78 @@ def check_unicode(value: str, name: str) -> str:
             raise ValueError(f"{name} is not valid Unicode (lone UTF-16 surrogate \\u{ord(value[exc.start]):04x} "
                              f"at position {exc.start})") from None  # fmt: skip
     return value
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a format (vLLM's ``StructuredOutputsParams``): exactly one
+    of ``json`` (a JSON schema, as a dict or a JSON string), ``json_object`` (any JSON
+    object), ``regex``, ``choice`` (one of these strings), ``grammar`` (an EBNF/GBNF
+    grammar whose start rule is ``root``) or ``structural_tag`` (xgrammar's structural tag,
+    a dict or JSON string).
+
+    A dataclass (as in vLLM, whose ``json`` field a pydantic model could not have). Only
+    the shape is checked here; whether the schema, regex or grammar compiles is checked
+    by the structured-output backend when the request is processed
+    (``kvloom.structured_output.validate_structured_outputs``), so a bad one is an error
+    naming the problem.
+    """
+
+    json: dict[str, Any] | str | None = None
+    """A JSON schema (a dict, or its JSON text)."""
+    json_object: bool | None = None
+    """``True``: any JSON object."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """The output is one of these strings."""
+    grammar: str | None = None
+    """An EBNF/GBNF grammar whose start rule is ``root``."""
+    structural_tag: dict[str, Any] | str | None = None
+    """An xgrammar structural tag (a dict, or its JSON text)."""
+    disable_any_whitespace: bool = False
+    """JSON without whitespace between items (shorter output, fewer tokens)."""
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"structured_outputs: exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set "
+                f"(got {', '.join(kinds) if kinds else 'none'})"
+            )
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+        if kind in ("json", "structural_tag") and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.{kind} must be an object or a JSON string, got {type(value).__name__}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            for c in value:
+                check_unicode(c, "a choice")
+
+    @property
+    def kind(self) -> str:
+        """The one kind that is set (``json``, ``json_object``, ``regex``, ...)."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> str:
+        """The kind's value as one string: the key of the compiled-grammar cache, and what
+        a backend compiles (JSON for dicts and choice lists)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json_object":
+            return ""
+        if isinstance(value, (dict, list)):
+            return json.dumps(value, sort_keys=True)
+        return value
+
+
+#: The kinds of ``StructuredOutputsParams``, in the order error messages list them.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class RequestOutputKind(enum.Enum):
@@ -94,6 +168,9 @@ class SamplingParams(BaseModel):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Outputs carry everything so far (``CUMULATIVE``), only the new part (``DELTA``), or
     come once, at the end (``FINAL_ONLY``)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice, a grammar, ... (see
+    ``StructuredOutputsParams``)."""
 
     @field_validator("stop", mode="before")
     @classmethod

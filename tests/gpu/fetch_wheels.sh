@@ -17,7 +17,7 @@ download apache-tvm-ffi==0.1.15.post2
 # What kvloom needs beyond the GPU image (fastapi 0.13x imports opentelemetry-api) (which has torch, triton, transformers, tokenizers,
 # safetensors, numpy, pluggy, prometheus-client, pytest, httpx and tqdm).
 for pkg in pydantic pydantic-core annotated-types typing-inspection gguf fastapi starlette \
-           annotated-doc uvicorn h11 pyzmq msgspec opentelemetry-api importlib-metadata zipp "$@"; do
+           annotated-doc uvicorn h11 pyzmq msgspec opentelemetry-api importlib-metadata zipp xgrammar "$@"; do
   download "$pkg"
 done
 du -sh .whl  # keep it well under the 64 MiB a device call may carry

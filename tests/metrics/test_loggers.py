@@ -61,6 +61,9 @@ def test_prometheus_metric_values_and_labels() -> None:
             kv_cache_usage=0.25,
             prefix_cache_stats=PrefixCacheStats(requests=2, queries=64, hits=16),
             num_preemptions=1,
+            structured_output_compile_times=[0.003, 0.4],
+            structured_output_cache_queries=3,
+            structured_output_cache_hits=1,
         ),
         IterationStats(
             num_prompt_tokens=40,
@@ -83,6 +86,11 @@ def test_prometheus_metric_values_and_labels() -> None:
     assert s[("kvloom:prefix_cache_queries_total", ME)] == 80
     assert s[("kvloom:prefix_cache_hits_total", ME)] == 16
     assert s[("kvloom:num_preemptions_total", ME)] == 1
+    assert s[("kvloom:structured_output_cache_queries_total", ME)] == 3
+    assert s[("kvloom:structured_output_cache_hits_total", ME)] == 1
+    assert s[("kvloom:structured_output_compile_time_seconds_count", M)] == 2
+    assert s[("kvloom:structured_output_compile_time_seconds_bucket", (("le", "0.005"), ("model_name", "m1")))] == 1
+    assert s[("kvloom:structured_output_compile_time_seconds_sum", M)] == pytest.approx(0.403)
     assert s[("kvloom:prompt_tokens_total", M)] == 40
     assert s[("kvloom:generation_tokens_total", M)] == 4
     for reason in ("stop", "length", "abort"):
@@ -131,6 +139,9 @@ def test_prometheus_every_issue_metric_is_exported_with_help_and_type() -> None:
         "kvloom:request_prefill_time_seconds": "histogram",
         "kvloom:request_decode_time_seconds": "histogram",
         "kvloom:cache_config_info": "gauge",
+        "kvloom:structured_output_cache_queries": "counter",
+        "kvloom:structured_output_cache_hits": "counter",
+        "kvloom:structured_output_compile_time_seconds": "histogram",
     }
     for name, kind in expected.items():
         assert name in families, name

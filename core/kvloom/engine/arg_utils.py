@@ -153,6 +153,10 @@ class EngineArgs(BaseModel):
     max_lora_rank: int = Field(16, ge=1, le=512, description="Max adapter rank.")
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept loaded (default max_loras).")
     lora_modules: dict[str, str] | None = Field(None, description="name=path adapters to preload.")
+    # ---- structured outputs
+    structured_outputs_backend: str = Field(
+        "xgrammar", description="Structured-output (guided decoding) backend: xgrammar or a plugin's name."
+    )
     # ---- observability
     # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
     disable_log_stats: bool = Field(
@@ -338,6 +342,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         ObservabilityConfig,
         ParallelConfig,
         SchedulerConfig,
+        StructuredOutputsConfig,
     )
     from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
     from kvloom.loader.model_source import load_hf_config, resolve_model_source
@@ -496,6 +501,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             disable_log_stats=args.disable_log_stats, log_stats_interval=args.log_stats_interval
         ),
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
+        structured_outputs=StructuredOutputsConfig(backend=args.structured_outputs_backend),
     )
     resolved = _fixed_fields(config)
     platform.check_and_update_config(config)

@@ -9,6 +9,7 @@ The core holds no text and no tokenizer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -16,12 +17,14 @@ from collections.abc import Iterable
 
 from kvloom import plugins
 from kvloom.config import EngineConfig
+from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
 from kvloom.sample.metadata import check_sampling_params
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
+from kvloom.structured_output.manager import StructuredOutputManager
 from kvloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -62,12 +65,18 @@ class EngineCore:
             "by the model runner within the first forwards",
             ready - start, num_blocks, loaded - start, profiled - loaded, cache_ready - profiled, ready - cache_ready,
         )  # fmt: skip
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs.backend,
+            config.model.vocab_size,
+            tokenizer_loader=functools.partial(get_tokenizer, config.model),
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             num_blocks,
             log_stats=log_stats,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            structured_output_manager=self.structured_output_manager,
         )
         self.async_scheduling = config.scheduler.async_scheduling
         # Async scheduling: steps launched on the device whose outputs are not applied yet.
@@ -136,6 +145,9 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty():
+            # Nothing runs but grammars compile: wait for one instead of spinning.
+            self.structured_output_manager.wait_for_compile(0.01)
         runner_output = self.worker.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -148,6 +160,8 @@ class EngineCore:
             len(in_flight) < 2 and scheduler.has_unfinished_requests() and scheduler.can_schedule_ahead()
         ):
             scheduler_output = scheduler.schedule()
+            if scheduler_output.is_empty() and len(in_flight) == 0:
+                self.structured_output_manager.wait_for_compile(0.01)  # as in step()
             in_flight.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
             if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
                 # The pipeline was empty: keep this step running, schedule the next behind it.
@@ -169,4 +183,5 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.worker.shutdown()

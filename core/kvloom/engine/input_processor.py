@@ -14,6 +14,7 @@ from kvloom.inputs import PromptType
 from kvloom.lora.request import LoRARequest
 from kvloom.request import EngineCoreRequest
 from kvloom.sampling_params import PoolingParams, SamplingParams, check_unicode
+from kvloom.structured_output.registry import validate_structured_outputs
 
 
 def _generation_eos_ids(hf_config: Any, model_path: str) -> list[int]:
@@ -97,6 +98,11 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= t < v]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is out of range (allowed: 0..{v - 1})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: the engine runs without a tokenizer (skip_tokenizer_init), "
+                                 "which grammars need")  # fmt: skip
+            validate_structured_outputs(params.structured_outputs, self.config.structured_outputs.backend)
 
     def process(
         self,

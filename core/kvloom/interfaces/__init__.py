@@ -30,6 +30,9 @@ example packages):
   replace: ``CUSTOM_OP_SIGNATURES``, and ``LoRAMapping`` for the ``lora_delta`` op;
 - general plugins: ``hookimpl`` and the registries the hooks receive
   (``ModelRegistry``, ``LoRAResolverRegistry``);
+- structured-output backends: ``StructuredOutputBackend``, ``StructuredOutputGrammar``,
+  ``StructuredOutputsParams``; tool-call parsers: ``ToolParser``, ``ExtractedToolCalls``,
+  ``ParsedToolCall`` (``docs/structured_outputs.md``);
 - IO processors: ``IOProcessor``, ``PromptType``, ``PoolingParams``, ``SamplingParams``,
   ``PoolingRequestOutput``;
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
@@ -100,7 +103,9 @@ from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.plugins import PLUGIN_API_VERSION
-from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
+from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
 from kvloom.worker.cudagraph import effective_decode_graphs
 from kvloom.worker.model_runner import ModelRunner
 from kvloom.worker.worker import Worker
@@ -133,6 +138,7 @@ __all__ = [
     "DeviceCapability",
     "DeviceConfig",
     "EngineConfig",
+    "ExtractedToolCalls",
     "FinishedRequestStats",
     "IOProcessor",
     "IterationStats",
@@ -150,6 +156,7 @@ __all__ = [
     "ObservabilityConfig",
     "PLUGIN_API_VERSION",
     "ParallelConfig",
+    "ParsedToolCall",
     "Platform",
     "PoolingParams",
     "PoolingRequestOutput",
@@ -159,6 +166,10 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStats",
     "StatLoggerBase",
+    "StructuredOutputBackend",
+    "StructuredOutputGrammar",
+    "StructuredOutputsParams",
+    "ToolParser",
     "Worker",
     "WorkerBase",
     "copy_rows_skipping_invalid",

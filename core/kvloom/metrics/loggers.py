@@ -178,6 +178,9 @@ REQUEST_LATENCY_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
                            15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
                            1920.0, 7680.0]  # fmt: skip
 
+#: Grammar compile times: a regex in a millisecond, a large JSON schema in seconds.
+COMPILE_TIME_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]  # fmt: skip
+
 
 def token_count_buckets(max_model_len: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to max_model_len (and max_model_len itself)."""
@@ -252,6 +255,16 @@ class PrometheusStatLogger(StatLoggerBase):
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         self.num_preemptions = engine_counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.structured_output_cache_queries = engine_counter(
+            "structured_output_cache_queries", "Structured-output requests that looked up the compiled-grammar cache."
+        )
+        self.structured_output_cache_hits = engine_counter(
+            "structured_output_cache_hits", "Structured-output requests whose grammar was in the cache."
+        )
+        self.structured_output_compile_time = histogram(
+            "structured_output_compile_time_seconds", "Histogram of grammar compile time in seconds.",
+            COMPILE_TIME_BUCKETS,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         request_success = Counter(
@@ -349,6 +362,10 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.prefix_cache_queries[engine_idx].inc(scheduler_stats.prefix_cache_stats.queries)
                 self.prefix_cache_hits[engine_idx].inc(scheduler_stats.prefix_cache_stats.hits)
                 self.num_preemptions[engine_idx].inc(scheduler_stats.num_preemptions)
+                self.structured_output_cache_queries[engine_idx].inc(scheduler_stats.structured_output_cache_queries)
+                self.structured_output_cache_hits[engine_idx].inc(scheduler_stats.structured_output_cache_hits)
+                for seconds in scheduler_stats.structured_output_compile_times:
+                    self.structured_output_compile_time.observe(seconds)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

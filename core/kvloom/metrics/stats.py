@@ -68,6 +68,12 @@ class SchedulerStats:
     """The step's prefix-cache lookups."""
     num_preemptions: int = 0
     """Preemptions in this step."""
+    structured_output_compile_times: list[float] = field(default_factory=list)
+    """Seconds each grammar compiled since the last stats (structured outputs)."""
+    structured_output_cache_queries: int = 0
+    """Structured requests that looked their grammar up in the compiled-grammar cache."""
+    structured_output_cache_hits: int = 0
+    """Those that found it there (compiled, or compiling for another request)."""
 
 
 # ----------------------------------------------------------------- front end

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvloom.lora.request import LoRARequest
 from kvloom.sampling_params import PoolingParams, SamplingParams
 
@@ -49,6 +51,12 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     #: Requests finished, aborted or preempted since the last step: drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    #: Structured outputs: request id -> its row of ``grammar_bitmask``, for the
+    #: structured requests that sample this step.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    #: int32 ``[rows, ceil(vocab_size / 32)]`` on the CPU: bit ``t`` of a row set when
+    #: token ``t`` may be sampled (``kvloom.structured_output.bitmask``).
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -35,6 +35,15 @@ preempted since their step was scheduled. Requests whose sampling reads their pr
 tokens (presence, frequency and repetition penalties) need the host to know every token:
 while one is running, ``can_schedule_ahead()`` is false and the core steps synchronously.
 
+Structured outputs (``kvloom.structured_output``): a request with ``structured_outputs``
+waits in ``WAITING_FOR_FSM`` (set aside, keeping its place in the queue, while the others
+are scheduled) until its grammar has compiled; a grammar that fails to compile finishes
+its request alone with ``FinishReason.ERROR``. Each step carries a bitmask row for every
+structured request that samples in it; its tokens advance its matcher, and it finishes
+(``stop``) when the grammar terminates. The bitmask of step n+1 needs the token of step
+n, so structured requests are among those that need the host to know every token:
+while one runs, async scheduling steps synchronously.
+
 Requests never wait on each other forever: a request that needs more KV blocks than the
 whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
 this) is finished with ``FinishReason.LENGTH`` instead of being retried.
@@ -54,6 +63,7 @@ from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestSt
 from kvloom.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
 from kvloom.scheduler.utils import check_stop
+from kvloom.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,7 @@ class Scheduler:
         num_blocks: int,
         log_stats: bool = True,
         max_loras: int | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -114,6 +125,9 @@ class Scheduler:
         # Requests whose sampling reads their earlier output tokens (penalties): with
         # async scheduling none of them may run while a step is in flight.
         self._needs_host_tokens: set[str] = set()
+        # Structured outputs: None = refused (the engine core passes its manager).
+        self.structured_output_manager = structured_output_manager
+        self._structured: set[str] = set()  # ids of requests with a grammar
 
     # ------------------------------------------------------------------ requests in
 
@@ -139,6 +153,13 @@ class Scheduler:
                 max_num_tokens = min(max_num_tokens, num_prompt_tokens + request.max_tokens)
             self._stop_limits[request.request_id] = (frozenset(stop_token_ids), max_num_tokens)
             if params.uses_penalties:
+                self._needs_host_tokens.add(request.request_id)
+            if params.structured_outputs is not None:
+                if self.structured_output_manager is None:
+                    raise ValueError(f"request {request.request_id!r}: structured outputs are not enabled in this scheduler")
+                self.structured_output_manager.grammar_init(request)
+                request.status = RequestStatus.WAITING_FOR_FSM
+                self._structured.add(request.request_id)
                 self._needs_host_tokens.add(request.request_id)
         self.waiting.add(request)
         if self.log_stats:
@@ -286,6 +307,17 @@ class Scheduler:
                 if request.num_output_placeholders:  # preempted with a step in flight: wait for its token
                     skipped.append(self.waiting.pop())
                     continue
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    assert self.structured_output_manager is not None
+                    ready = self.structured_output_manager.grammar_ready(request)
+                    if ready is False:  # still compiling: the requests behind it go on
+                        skipped.append(self.waiting.pop())
+                        continue
+                    if ready is not True:  # failed to compile: this request fails alone
+                        self.waiting.pop()
+                        self._pending_outputs.append(self._fail_request(request, ready))
+                        continue
+                    request.status = RequestStatus.WAITING
                 computed_blocks, num_hits = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hits
                 if 0 < threshold < num_new:
@@ -334,6 +366,20 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
+        bitmask_rows: dict[str, int] = {}
+        bitmask = None
+        if self._structured:
+            # Structured requests that sample this step (a prefill chunk short of the
+            # prompt's end samples nothing).
+            sampling = [
+                req
+                for req_id in num_scheduled_tokens
+                if req_id in self._structured and (req := self.requests[req_id]).num_computed_tokens >= req.num_tokens
+            ]
+            if sampling:
+                assert self.structured_output_manager is not None
+                bitmask_rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -342,6 +388,8 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             scheduled_spec_decode_tokens=spec_decode_tokens,
             finished_req_ids=finished_req_ids,
+            structured_output_request_ids=bitmask_rows,
+            grammar_bitmask=bitmask,
         )
 
     def _pick_victim(self) -> Request:
@@ -448,6 +496,18 @@ class Scheduler:
                         break
                 if num_accepted < len(new_token_ids):
                     new_token_ids = new_token_ids[:num_accepted]
+                if req_id in self._structured:
+                    manager = self.structured_output_manager
+                    assert manager is not None
+                    if not manager.accept_tokens(req_id, new_token_ids):
+                        outputs.append(self._fail_request(
+                            request, f"structured outputs: the sampled tokens {new_token_ids} are not allowed by the "
+                                     "request's grammar"))  # fmt: skip
+                        any_finished = True
+                        continue
+                    if not finished and manager.is_terminated(req_id):
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        finished = True
 
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if new_token_ids or finished or new_prompt_logprobs:
@@ -489,6 +549,10 @@ class Scheduler:
         del self.requests[request.request_id]
         self._stop_limits.pop(request.request_id, None)
         self._needs_host_tokens.discard(request.request_id)
+        if request.request_id in self._structured:
+            self._structured.discard(request.request_id)
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
         self._finished_since_output.add(request.request_id)
 
@@ -522,13 +586,19 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Queue sizes, KV-cache usage, and prefix-cache/preemption counts since the last call."""
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats() or PrefixCacheStats(),
             num_preemptions=num_preemptions,
         )
+        if self.structured_output_manager is not None:
+            structured = self.structured_output_manager.take_stats()
+            stats.structured_output_compile_times = structured.compile_times
+            stats.structured_output_cache_queries = structured.cache_queries
+            stats.structured_output_cache_hits = structured.cache_hits
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached KV blocks; False (nothing done) while requests hold blocks."""

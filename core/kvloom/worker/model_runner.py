@@ -55,6 +55,7 @@ from kvloom.sample.metadata import SamplingMetadata
 from kvloom.sample.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import SchedulerOutput
+from kvloom.structured_output.bitmask import apply_grammar_bitmask
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
@@ -609,6 +610,8 @@ class ModelRunner:
         if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None and self.model is not None
             logits = self.model.compute_logits(hidden[self.logits_indices[:b]])
+        if so.grammar_bitmask is not None and logits is not None:
+            apply_grammar_bitmask(logits, batch.req_ids, so.structured_output_request_ids, so.grammar_bitmask)
         return self._postprocess(batch, logits, hidden)
 
     def _lora_extras(self, batch: StepBatch) -> dict[str, Any]:

@@ -372,7 +372,7 @@ def test_chat_content_parts(client: TestClient, engine: FakeAsyncLLM) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 62},
          ["max_completion_tokens: 62 is too large", "<= 61"], "max_completion_tokens"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "tools": [{"type": "function"}]},
-         ["tools: tool calling is not supported by kvloom yet"], "tools"),
+         ["tools[0].function: field required"], "tools[0].function"),
     ],
 )
 def test_bad_fields_are_400(client: TestClient, path: str, body: dict, fragments: list[str], param: str | None) -> None:

@@ -66,6 +66,11 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     )
     server.add_argument("--response-role", default="assistant",
                         help="The role of the reply in chat completions (default: %(default)s).")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.')
+    server.add_argument("--tool-call-parser", default=None,
+                        help="How tool calls are found in the model's output: hermes, llama3_json or a plugin's "
+                             "name (the kvloom.tool_parsers entry-point group).")
     server.add_argument("--root-path", default=None,
                         help="The path prefix a reverse proxy serves the API under (ASGI root_path).")
     server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS).")
@@ -145,6 +150,8 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions:
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,
         disable_fastapi_docs=args.disable_fastapi_docs,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -71,6 +71,7 @@ from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.metrics.loggers import PrometheusStatLogger, multiprocess_metrics_dir
 from kvloom.pooling.io_processors import load_io_processor
+from kvloom.tool_parsers.registry import get_tool_parser_cls
 
 if TYPE_CHECKING:
     from kvloom.engine.arg_utils import EngineArgs
@@ -310,6 +311,8 @@ def build_app(
     completions = OpenAIServingCompletion(engine, models, limits)
     chat = OpenAIServingChat(engine, models, limits)
     chat.response_role = frontend.response_role
+    if frontend.enable_auto_tool_choice and frontend.tool_call_parser is not None:
+        chat.tool_parser_cls = get_tool_parser_cls(frontend.tool_call_parser)
     completions.log_requests = chat.log_requests = frontend.enable_log_requests
     tokenization = OpenAIServingTokenization(engine, models, limits)
     pooling = OpenAIServingPooling(engine, models, load_io_processor(engine.config), limits)

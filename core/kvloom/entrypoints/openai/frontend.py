@@ -34,6 +34,10 @@ class FrontendOptions:
     root_path: str | None = None
     """The path prefix a proxy serves the app under (``--root-path``, ASGI's root_path)."""
     disable_fastapi_docs: bool = False
+    enable_auto_tool_choice: bool = False
+    """Tool choice "auto": the model may call tools (``--enable-auto-tool-choice``)."""
+    tool_call_parser: str | None = None
+    """The tool-call parser's name (``--tool-call-parser``)."""
 
     def __post_init__(self) -> None:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
@@ -41,6 +45,13 @@ class FrontendOptions:
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{flag}: {path} is not a file")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser NAME (hermes, llama3_json or a "
+                             "plugin's)")  # fmt: skip
+        if self.tool_call_parser is not None:
+            from kvloom.tool_parsers.registry import get_tool_parser_cls
+
+            get_tool_parser_cls(self.tool_call_parser)  # a ValueError naming the parsers there are
         if not self.response_role or len(self.response_role) > 64:
             raise ValueError(f"--response-role: {self.response_role!r} must be 1..64 characters")
         if self.root_path is not None and self.root_path and not self.root_path.startswith("/"):

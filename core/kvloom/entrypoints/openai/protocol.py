@@ -20,6 +20,7 @@ chat_template_kwargs, ...) sit next to OpenAI's fields, as vLLM users pass them 
 
 from __future__ import annotations
 
+import json
 import time
 import types
 import typing
@@ -37,9 +38,12 @@ from kvloom.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 MAX_LOGPROBS = 20
+#: Keys of ``structured_outputs`` that are options, not a constraint.
+STRUCTURED_OUTPUT_OPTIONS = frozenset({"disable_any_whitespace"})
 
 
 def _nullable(annotation: Any) -> bool:
@@ -100,12 +104,6 @@ def check_not_built(request: BaseModel, table: dict[str, tuple[str, tuple[Any, .
 #: Fields of both endpoints whose features kvloom has not built: field -> (feature, values
 #: that do not ask for it).
 NOT_BUILT_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "response_format": ("structured output (response_format other than {'type': 'text'})", ({"type": "text"},)),
-    "structured_outputs": ("structured output", ()),
-    "guided_json": ("guided decoding", ()),
-    "guided_regex": ("guided decoding", ()),
-    "guided_choice": ("guided decoding", ()),
-    "guided_grammar": ("guided decoding", ()),
     "logits_processors": ("custom logits processors", ()),
     "bad_words": ("bad_words", ()),
 }
@@ -199,13 +197,15 @@ class SamplingRequest(OpenAIRequest):
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* aliases (``structured_outputs_params``).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     logits_processors: Any = None
     bad_words: Any = None
 
@@ -230,8 +230,53 @@ class SamplingRequest(OpenAIRequest):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's constraint and the field that asked for it (``None, None``: none).
+        At most one of response_format (other than text), structured_outputs and the
+        guided_* fields may ask; a malformed one is a ``ValueError`` naming the field."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format: type 'json_schema' needs json_schema.schema, a JSON schema "
+                                     "object")  # fmt: skip
+                asked.append(("response_format", {"json": schema}))
+            elif kind == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif kind == "structural_tag":
+                asked.append(("response_format", {"structural_tag": {k: v for k, v in fmt.items() if k != "type"}}))
+            elif kind != "text":
+                raise ValueError(f"response_format: type must be 'text', 'json_object', 'json_schema' or "
+                                 f"'structural_tag' (got {kind!r:.40})")  # fmt: skip
+        # structured_outputs may carry only options (disable_any_whitespace) for the
+        # constraint another field asks for, as in vLLM.
+        options = {k: v for k, v in (self.structured_outputs or {}).items() if k in STRUCTURED_OUTPUT_OPTIONS}
+        if self.structured_outputs and len(options) < len(self.structured_outputs):
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, {kind: value}))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: only one of response_format, structured_outputs and guided_* may "
+                             f"constrain the output (also given: {asked[0][0]})")  # fmt: skip
+        field, values = asked[0]
+        try:
+            return StructuredOutputsParams(**{**options, **values}), field
+        except (TypeError, ValueError) as exc:
+            message = str(exc).removeprefix("structured_outputs: ").removeprefix("structured_outputs.")
+            raise ValueError(f"{field}: {message}") from None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:  # fmt: skip
+                        defaults: dict[str, Any] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:  # fmt: skip
         """SamplingParams of one prompt's engine request, all n choices of it (the engine
         fans n out, see ``serving_engine``). ``defaults``: the values of the fields the
         request leaves unset (the model's generation config, ``--generation-config``)."""
@@ -251,6 +296,7 @@ class SamplingRequest(OpenAIRequest):
             "seed": self.seed,
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            "structured_outputs": structured_outputs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
@@ -399,13 +445,27 @@ class ChatMessageParam(OpenAIRequest):
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")
+        # Assistant tool calls: chat templates (HF's convention) read the arguments as a
+        # mapping, where OpenAI sends a JSON string.
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_template_tool_call(call) for call in calls]
         return message
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call  # not JSON: the template gets the string
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 #: Chat fields whose features kvloom has not built (see ``NOT_BUILT_SAMPLING``).
 NOT_BUILT_CHAT: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling", ()),
-    "tool_choice": ("tool calling (tool_choice other than 'none' or 'auto')", ("none", "auto")),
     "functions": ("function calling", ()),
     "function_call": ("function calling (function_call other than 'none' or 'auto')", ("none", "auto")),
     "audio": ("audio output", ()),
@@ -425,6 +485,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })  # fmt: skip
 
 
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (none: no arguments)."""
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
@@ -435,9 +517,12 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """none: no call; auto (the default with tools): the model may call (needs the
+    server's --enable-auto-tool-choice and --tool-call-parser); required: at least one
+    call; a named function: that call. required and named calls are grammar-enforced."""
     # Features not built yet (NOT_BUILT_CHAT).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -455,6 +540,13 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt to be false (the reply continues "
                              "the last message instead of starting a new one)")  # fmt: skip
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = [t.function.name for t in self.tools or []]
+            if not names:
+                raise ValueError("tool_choice: 'required' or a named function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r:.80} (tools: "
+                                 f"{', '.join(names)})")  # fmt: skip
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:
             raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through chat_template_kwargs "
@@ -468,9 +560,35 @@ class ChatCompletionRequest(SamplingRequest):
         return [m.for_template() for m in self.messages]
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str
+    """The arguments as a JSON string (OpenAI's shape)."""
+
+
+class ToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
+    """Present when the reply calls tools."""
 
 
 class ChatCompletionLogProb(OpenAIResponse):
@@ -507,6 +625,7 @@ class ChatCompletionResponse(OpenAIResponse):
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template, n
 assistant replies out, streamed as ``chat.completion.chunk`` deltas or whole. One engine
-request (with n) serves the whole response; choice i is its sequence i."""
+request (with n) serves the whole response; choice i is its sequence i. Tool calling
+(``tools``, ``tool_choice``) is in ``tool_calls``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvloom.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
+    NamedToolChoice,
     UsageInfo,
 )
 from kvloom.entrypoints.openai.serving_engine import (
@@ -33,7 +35,11 @@ from kvloom.entrypoints.openai.serving_engine import (
     random_id,
     sse,
 )
+from kvloom.entrypoints.openai.tool_calls import ToolStream, as_tool_calls, parse_calls, tool_grammar, tool_mode
 from kvloom.outputs import CompletionOutput, SampleLogprobs
+from kvloom.sampling_params import SamplingParams
+from kvloom.structured_output.registry import validate_structured_outputs
+from kvloom.tool_parsers.base import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,9 @@ class _Choice:
 class OpenAIServingChat(OpenAIServing):
     #: The role of the reply (``--response-role``).
     response_role: str = "assistant"
+    #: ``--enable-auto-tool-choice``'s parser (``--tool-call-parser``); None: auto tool
+    #: choice is refused.
+    tool_parser_cls: type[ToolParser] | None = None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -58,18 +67,46 @@ class OpenAIServingChat(OpenAIServing):
         self.check_priority(request.priority)
         self.check_sampling_fields(request)
         self.check_num_sequences(1, request.n, "n")
+        try:
+            mode = tool_mode(request, self.tool_parser_cls is not None)
+        except ValueError as exc:
+            raise APIError(str(exc), param="tool_choice") from None
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
         prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt,
                                               request.add_special_tokens, request.continue_final_message,
-                                              request.chat_template_kwargs)  # fmt: skip
+                                              template_kwargs or None)  # fmt: skip
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs, None)
+        if mode in ("required", "named"):
+            params = self._with_tool_grammar(request, mode, params)
         request_id = random_id("chatcmpl")
         outputs = await self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
         if request.stream:
-            return EventStream(self._stream(request, request_id, prompt, outputs), outputs)
-        return await self._collect(request, request_id, prompt, outputs)
+            return EventStream(self._stream(request, request_id, prompt, outputs, mode), outputs)
+        return await self._collect(request, request_id, prompt, outputs, mode)
+
+    def _with_tool_grammar(self, request: ChatCompletionRequest, mode: str, params: SamplingParams) -> SamplingParams:
+        """``params`` constrained to the tool-call grammar of ``mode``."""
+        if params.structured_outputs is not None:
+            raise APIError("tool_choice: a required or named tool choice cannot be combined with response_format, "
+                           "structured_outputs or guided_*", param="tool_choice")  # fmt: skip
+        grammar = tool_grammar(request, mode)
+        try:
+            validate_structured_outputs(grammar, self.structured_outputs_backend)
+        except ValueError as exc:
+            raise APIError(f"tools: a function's parameters are not a usable JSON schema: "
+                           f"{str(exc).removeprefix('structured_outputs.json: ')}", param="tools") from None
+        return params.model_copy(update={"structured_outputs": grammar})
+
+    def _tool_parser(self, mode: str | None) -> ToolParser | None:
+        if mode != "auto":
+            return None
+        assert self.tool_parser_cls is not None
+        return self.tool_parser_cls(self.tokenizer)
 
     # ------------------------------------------------------------ shared formatting
 
@@ -125,20 +162,32 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------ whole response
 
     async def _collect(
-        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs
+        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs,
+        mode: str | None = None,
     ) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(request.n)]
         async with aclosing(outputs):
             async for _, output in outputs:
                 for completion in output.outputs:
                     self._delta(request, choices[completion.index], completion)
+        messages = []
+        parser = self._tool_parser(mode)
+        for c in choices:
+            message = ChatMessage(role=self.response_role, content=c.text)
+            if mode is not None:
+                calls, content = parse_calls(c.text, mode, request, parser)
+                if calls:
+                    message = ChatMessage(role=self.response_role, content=content, tool_calls=as_tool_calls(calls))
+                    if c.finish_reason == "stop" and mode != "named":  # OpenAI: a forced function 'stop's
+                        c.finish_reason = "tool_calls"
+            messages.append(message)
         return ChatCompletionResponse(
             id=request_id,
             model=request.model or self.model_name,
             choices=[
                 ChatCompletionResponseChoice(
                     index=i,
-                    message=ChatMessage(role=self.response_role, content=c.text),
+                    message=messages[i],
                     logprobs=ChatCompletionLogProbs(content=c.logprobs) if request.logprobs else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -154,14 +203,17 @@ class OpenAIServingChat(OpenAIServing):
         chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
         data = chunk.model_dump(mode="json")
         # A delta carries only what it sets (OpenAI's shape: {"role": ...} or {"content": ...}).
-        data["choices"][0]["delta"] = {k: v for k, v in data["choices"][0]["delta"].items() if v is not None}
+        data["choices"][0]["delta"] = choice.delta.model_dump(mode="json", exclude_none=True)
         return sse(json.dumps(data))
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs
+        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs,
+        mode: str | None = None,
     ) -> AsyncIterator[str]:
         model = request.model or self.model_name
         choices = [_Choice() for _ in range(request.n)]
+        named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
+        tools = [ToolStream(mode, self._tool_parser(mode), named) for _ in range(request.n)] if mode else None
         try:
             # Like OpenAI: every choice opens with the assistant role and empty content.
             for index in range(request.n):
@@ -174,14 +226,23 @@ class OpenAIServingChat(OpenAIServing):
                         choice = choices[index]
                         text, logprobs = self._delta(request, choice, completion)
                         finished = completion.finish_reason is not None
-                        if not text and not finished and not logprobs:
+                        calls = None
+                        if tools is not None:  # tool calls: content until a call starts, calls as deltas
+                            text, calls = tools[index].feed(text)
+                            if finished:
+                                rest, end_calls = tools[index].finish(request)
+                                text = (text or "") + (rest or "") or None
+                                calls = (calls or []) + (end_calls or []) or None
+                                if tools[index].called and choice.finish_reason == "stop":
+                                    choice.finish_reason = "tool_calls"
+                        if not text and not finished and not logprobs and not calls:
                             continue
                         yield self._chunk(
                             request_id,
                             model,
                             ChatCompletionResponseStreamChoice(
                                 index=index,
-                                delta=DeltaMessage(content=text if text else None),
+                                delta=DeltaMessage(content=text if text else None, tool_calls=calls),
                                 logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None else None,
                                 finish_reason=choice.finish_reason if finished else None,
                                 stop_reason=choice.stop_reason if finished else None,

@@ -40,7 +40,8 @@ from kvloom.entrypoints.openai.protocol import SamplingRequest
 from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import RequestOutput
-from kvloom.sampling_params import PoolingParams, SamplingParams
+from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
+from kvloom.structured_output.registry import DEFAULT_BACKEND, validate_structured_outputs
 
 if TYPE_CHECKING:
     from kvloom.engine.async_llm import AsyncLLM
@@ -148,6 +149,8 @@ class OpenAIServing:
         # --generation-config and --max-logprobs (ModelConfig)
         self.generation_defaults: dict[str, Any] = dict(getattr(self.config.model, "generation_defaults", {}) or {})
         self.max_logprobs: int = getattr(self.config.model, "max_logprobs", 20)
+        structured_config = getattr(self.config, "structured_outputs", None)
+        self.structured_outputs_backend = structured_config.backend if structured_config is not None else DEFAULT_BACKEND
         self.limits = limits if limits is not None else ServerLimits()
         # The base model and its LoRA adapters; the server shares one among its endpoints.
         self.models = models if models is not None else OpenAIServingModels(engine)
@@ -320,10 +323,29 @@ class OpenAIServing:
         """``request.sampling_params(...)`` with the generation config's defaults, made
         before anything is sent so that a bad combination of fields (e.g. min_tokens >
         max_tokens) is a 400."""
+        structured, field = self.structured_outputs(request)
         try:
-            return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.generation_defaults)
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.generation_defaults,
+                                           structured_outputs=structured)  # fmt: skip
         except ValidationError as exc:
             raise from_validation_error(exc, SamplingParams) from None
+
+    def structured_outputs(self, request: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint, checked by the structured-output backend (a
+        schema, regex or grammar that cannot compile is a 400 naming the field)."""
+        try:
+            structured, field = request.structured_outputs_params()
+            if structured is not None:
+                if self.tokenizer is None:
+                    raise ValueError(f"{field}: the server runs without a tokenizer (--skip-tokenizer-init), which "
+                                     "structured outputs need")  # fmt: skip
+                try:
+                    validate_structured_outputs(structured, self.structured_outputs_backend)
+                except ValueError as exc:
+                    raise ValueError(f"{field}: {str(exc).removeprefix('structured_outputs.')}") from None
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(":", 1)[0]) from None
+        return structured, field
 
     async def generate(
         self,

@@ -1,0 +1,190 @@
+"""The engine core's structured-output manager (vLLM V1's ``StructuredOutputManager``).
+
+A request with ``structured_outputs`` enters the scheduler in ``WAITING_FOR_FSM``: its
+grammar compiles in a thread pool, off the engine core's loop, while the other requests
+run. The scheduler asks ``grammar_ready()`` each step; once compiled, the request gets
+its own matcher and queues like any other (a grammar that fails to compile fails its
+request alone, ``FinishReason.ERROR``). Compiled grammars are cached by (kind, spec), so
+n>1 siblings and repeated schemas compile once.
+
+Each step the scheduler has ``grammar_bitmask()`` fill one bitmask row per structured
+request that samples in it (the runner masks the logits with it before sampling), and
+``accept_tokens()`` advances the matchers with the sampled tokens; a request ends when
+its grammar terminates. A matcher always tracks the request's output tokens: before a
+row is filled, a matcher ahead of them (tokens dropped) is rolled back and one behind is
+advanced, so preemption, which keeps the output tokens, needs nothing more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar, clean_error
+from kvloom.structured_output.registry import get_backend_cls
+
+if TYPE_CHECKING:
+    from kvloom.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: Compiled grammars kept (least recently used dropped first).
+CACHE_SIZE = 256
+
+
+class StructuredOutputStats:
+    """Compile times and cache lookups since the last ``take()`` (for the metrics)."""
+
+    def __init__(self) -> None:
+        self.compile_times: list[float] = []
+        self.cache_queries = 0
+        self.cache_hits = 0
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        backend_name: str,
+        vocab_size: int,
+        tokenizer_loader: Any,
+        max_workers: int = 2,
+    ) -> None:
+        """``tokenizer_loader()`` returns the model's tokenizer; it is called once, when
+        the first structured request arrives (the engine core needs no tokenizer
+        otherwise)."""
+        self.backend_cls = get_backend_cls(backend_name)
+        self.vocab_size = vocab_size
+        self._tokenizer_loader = tokenizer_loader
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvloom-grammar")
+        self._cache: OrderedDict[tuple[str, str, bool], concurrent.futures.Future[Any]] = OrderedDict()
+        self._pending: dict[str, concurrent.futures.Future[Any]] = {}
+        self.grammars: dict[str, StructuredOutputGrammar] = {}
+        self._bitmask: torch.Tensor | None = None
+        self._stats = StructuredOutputStats()
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ compile
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                tokenizer = self._tokenizer_loader()
+                if tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer (the engine runs "
+                                     "with skip_tokenizer_init)")  # fmt: skip
+                eos = tokenizer.eos_token_id
+                self._backend = self.backend_cls(tokenizer, self.vocab_size, [] if eos is None else [eos])
+            return self._backend
+
+    def _compile(self, params: Any) -> Any:
+        backend = self.backend
+        start = time.perf_counter()
+        compiled = backend.compile(params)
+        elapsed = time.perf_counter() - start
+        with self._stats_lock:
+            self._stats.compile_times.append(elapsed)
+        logger.debug("Compiled a %s grammar in %.3f s", params.kind, elapsed)
+        return compiled
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the grammar of ``request`` (or take it from the cache)."""
+        params = request.sampling_params.structured_outputs  # type: ignore[union-attr]
+        key = (params.kind, params.spec(), params.disable_any_whitespace)
+        with self._stats_lock:
+            self._stats.cache_queries += 1
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._stats.cache_hits += 1
+                self._cache.move_to_end(key)
+            else:
+                future = self._pool.submit(self._compile, params)
+                self._cache[key] = future
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        self._pending[request.request_id] = future
+
+    def grammar_ready(self, request: Request) -> bool | str:
+        """True once the grammar of ``request`` is compiled and its matcher made; False
+        while it compiles; the error message if it failed to compile."""
+        request_id = request.request_id
+        if request_id in self.grammars:
+            return True
+        future = self._pending.get(request_id)
+        if future is None:
+            return "structured outputs: no grammar was started for this request"
+        if not future.done():
+            return False
+        del self._pending[request_id]
+        exc = future.exception()
+        if exc is not None:
+            kind = request.sampling_params.structured_outputs.kind  # type: ignore[union-attr]
+            return f"structured_outputs.{kind}: the grammar failed to compile: {clean_error(exc)}"
+        try:
+            self.grammars[request_id] = self.backend.new_grammar(future.result())
+        except Exception as exc:  # a backend's matcher failing is this request's problem only
+            return f"structured outputs: making the grammar matcher failed: {clean_error(exc)}"
+        return True
+
+    # ------------------------------------------------------------------ per step
+    def _sync(self, request: Request, grammar: StructuredOutputGrammar) -> None:
+        """Make the matcher's accepted tokens the request's output tokens."""
+        num_output = len(request.output_token_ids)
+        ahead = grammar.num_processed_tokens - num_output
+        if ahead > 0:
+            grammar.rollback(ahead)
+        elif ahead < 0 and not grammar.accept_tokens(request.output_token_ids[num_output + ahead :]):
+            raise RuntimeError(f"request {request.request_id}: its output tokens do not match its grammar")
+
+    def grammar_bitmask(self, requests: list[Request]) -> tuple[dict[str, int], torch.Tensor | None]:
+        """One bitmask row per request of ``requests`` (structured ones that sample this
+        step): request id -> row, and the rows (int32, CPU)."""
+        if not requests:
+            return {}, None
+        backend = self.backend
+        n = len(requests)
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = backend.allocate_bitmask(max(n, 16), self.vocab_size)
+        bitmask = self._bitmask
+        rows: dict[str, int] = {}
+        for i, request in enumerate(requests):
+            grammar = self.grammars[request.request_id]
+            self._sync(request, grammar)
+            grammar.fill_bitmask(bitmask, i)
+            rows[request.request_id] = i
+        # A copy: the runner may still read it when the next step refills the buffer.
+        return rows, bitmask[:n].clone()
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the matcher of a request; False if a token is not allowed."""
+        return self.grammars[request_id].accept_tokens(token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        return self.grammars[request_id].is_terminated()
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a pending grammar to compile (returns at
+        once when none is pending)."""
+        pending = [f for f in self._pending.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def free(self, request_id: str) -> None:
+        self.grammars.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    def take_stats(self) -> StructuredOutputStats:
+        """Compile times and cache lookups since the last call."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, StructuredOutputStats()
+        return stats
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

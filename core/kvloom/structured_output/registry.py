@@ -1,0 +1,37 @@
+"""Structured-output backends by name: the built-in ``xgrammar`` and plugins of the
+``kvloom.structured_output_backends`` entry-point group (``docs/structured_outputs.md``)."""
+
+from __future__ import annotations
+
+from kvloom.sampling_params import StructuredOutputsParams
+from kvloom.structured_output.backend import StructuredOutputBackend
+
+#: The backend used when none is named.
+DEFAULT_BACKEND = "xgrammar"
+
+
+def available_backends() -> dict[str, type[StructuredOutputBackend]]:
+    """Backend name -> class: the built-in one and the loaded plugins."""
+    from kvloom import plugins
+    from kvloom.structured_output.xgrammar_backend import XgrammarBackend
+
+    backends: dict[str, type[StructuredOutputBackend]] = {XgrammarBackend.name: XgrammarBackend}
+    for name, entry in plugins.structured_output_backends().items():
+        if name in backends:
+            raise ValueError(f"{entry.describe()}: the structured-output backend {name!r} is built in")
+        backends[name] = entry.target
+    return backends
+
+
+def get_backend_cls(name: str) -> type[StructuredOutputBackend]:
+    backends = available_backends()
+    if name not in backends:
+        raise ValueError(
+            f"structured_outputs_backend: unknown backend {name!r} (available: {', '.join(sorted(backends))})"
+        )
+    return backends[name]
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, backend: str = DEFAULT_BACKEND) -> None:
+    """Raise ``ValueError`` naming the problem if ``params`` cannot be compiled."""
+    get_backend_cls(backend).validate(params)

@@ -1,0 +1,30 @@
+"""Tool-call parsers by name: the built-in ``hermes`` and ``llama3_json``, and plugins of
+the ``kvloom.tool_parsers`` entry-point group (``docs/structured_outputs.md``)."""
+
+from __future__ import annotations
+
+from kvloom.tool_parsers.base import ToolParser
+from kvloom.tool_parsers.hermes import HermesToolParser
+from kvloom.tool_parsers.llama3_json import Llama3JsonToolParser
+
+BUILT_IN: dict[str, type[ToolParser]] = {cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser)}
+
+
+def available_tool_parsers() -> dict[str, type[ToolParser]]:
+    """Parser name -> class: the built-in ones and the loaded plugins."""
+    from kvloom import plugins
+
+    parsers = dict(BUILT_IN)
+    for name, entry in plugins.tool_parser_plugins().items():
+        if name in parsers:
+            raise ValueError(f"{entry.describe()}: the tool parser {name!r} is built in")
+        parsers[name] = entry.target
+    return parsers
+
+
+def get_tool_parser_cls(name: str) -> type[ToolParser]:
+    parsers = available_tool_parsers()
+    if name not in parsers:
+        raise ValueError(f"--tool-call-parser: unknown parser {name!r} (available: {', '.join(sorted(parsers))})")
+    return parsers[name]
+
