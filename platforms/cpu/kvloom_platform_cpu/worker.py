@@ -23,7 +23,6 @@ import os
 import torch
 
 from kvloom.interfaces import Worker
-from kvloom.utils import cdiv
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -106,7 +105,7 @@ class CpuWorker(Worker):
             return self.config.cache.kv_cache_memory
         scheduler, block_size = self.config.scheduler, self.config.cache.block_size
         per_block = self.runner.kv_cache_bytes_per_block()
-        wanted = scheduler.max_num_seqs * cdiv(scheduler.max_model_len, block_size) * per_block
+        wanted = scheduler.max_num_seqs * -(-scheduler.max_model_len // block_size) * per_block  # ceil
         cap = int(available_host_memory() * HOST_KV_CACHE_FRACTION)
         if wanted > cap:
             logger.info(
