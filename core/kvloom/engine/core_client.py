@@ -361,7 +361,9 @@ class EngineCoreProcess:
             kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
                         output_addresses=[c.output for c in clients], engine_index=engine_index,
                         death_pipe=death_reader, log_level=level, log_format=fmt, env=env),  # fmt: skip
-            daemon=True,
+            # A daemonic process may not start processes: with tensor-parallel worker
+            # processes the core is not daemonic and ends through its death pipe instead.
+            daemon=config.parallel.distributed_executor_backend != "mp",
         )
         with main_module_not_reimported():
             self.process.start()

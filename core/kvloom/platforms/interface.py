@@ -70,6 +70,9 @@ class Platform(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     """Whether the worker can capture and replay CUDA graphs. False: the engine runs
     eagerly (cudagraph_mode NONE) whatever the user asked for."""
+    dist_backend: ClassVar[str] = "gloo"
+    """The torch.distributed backend the tensor-parallel ranks of this platform talk over
+    ("gloo" on the CPU, "nccl" on CUDA; an out-of-tree platform names its own, e.g. "hccl")."""
     compile_by_default: ClassVar[bool] = False
     """Whether ``-O1`` and above ``torch.compile`` the model by default here (an explicit
     ``--torch-compile`` / ``--no-torch-compile`` wins)."""

@@ -20,6 +20,7 @@ KVLOOM_PLUGIN_API = "1.0"
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    dist_backend = "gloo"
     builtin = True
     # float32 first: "auto" runs in float32 on the CPU, where half-precision matmuls are
     # slower on most processors and less accurate.
