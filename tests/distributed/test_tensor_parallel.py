@@ -119,10 +119,10 @@ def test_flags_parse_and_default_to_mp() -> None:
 @pytest.mark.parametrize(
     ("engine_args", "message"),
     [
-        (dict(tensor_parallel_size=3), r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"),
-        (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"distributed_executor_backend: 'uni'"),
-        (dict(tensor_parallel_size=2, enable_lora=True), r"enable_lora: True is not supported with tensor_parallel"),
-        (dict(tensor_parallel_size=0), r"tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, r"distributed_executor_backend: 'uni'"),
+        ({"tensor_parallel_size": 2, "enable_lora": True}, r"enable_lora: True is not supported with tensor_parallel"),
+        ({"tensor_parallel_size": 0}, r"tensor_parallel_size"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_field(engine_args: dict[str, object], message: str) -> None:

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["Executor", "get_executor_cls"]
 
 
-def get_executor_cls(config: "EngineConfig") -> type[Executor]:
+def get_executor_cls(config: EngineConfig) -> type[Executor]:
     """The executor of ``config.parallel.distributed_executor_backend`` ("uni" or "mp")."""
     backend = config.parallel.distributed_executor_backend
     if backend == "mp":

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class Executor(ABC):
     """Runs ``WorkerBase`` methods on every rank; results come from the driver (rank 0)."""
 
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
     @abstractmethod
@@ -44,15 +44,15 @@ class Executor(ABC):
     def compile_or_warm_up_model(self) -> None:
         self.collective_rpc("compile_or_warm_up_model")
 
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; the driver's output."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
-    def execute_model_async(self, scheduler_output: "SchedulerOutput") -> PendingModelRunnerOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
         """Launch one step (async scheduling). Default: run it to completion."""
         return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
 
-    def add_lora(self, lora_request: "LoRARequest") -> bool:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.collective_rpc("add_lora", (lora_request,))[0]
 
     def remove_lora(self, lora_id: int) -> bool:

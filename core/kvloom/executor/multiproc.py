@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvloom.executor.abstract import Executor
+from kvloom.processes import describe_exit, main_module_not_reimported
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
@@ -85,9 +86,8 @@ class _Rank:
 class MultiprocExecutor(Executor):
     """One spawned worker process per rank; results from rank 0."""
 
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        from kvloom.engine.core_client import main_module_not_reimported
         from kvloom.logger import parent_logging
 
         self.world_size = config.parallel.tensor_parallel_size
@@ -106,9 +106,9 @@ class MultiprocExecutor(Executor):
                 process = spawn.Process(
                     target=run_worker,
                     name=f"kvloom-tp-worker-{rank}",
-                    kwargs=dict(config=config, rank=rank, world_size=self.world_size, backend=backend,
-                                init_method=init_method, timeout_s=timeout_s, conn=child_end,
-                                log_level=level, log_format=fmt),  # fmt: skip
+                    kwargs={"config": config, "rank": rank, "world_size": self.world_size, "backend": backend,
+                                "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
+                                "log_level": level, "log_format": fmt},
                     # Daemonic: the processes end with the engine core's process.
                     daemon=True,
                 )
@@ -159,8 +159,6 @@ class MultiprocExecutor(Executor):
         return results
 
     def _dead(self, r: _Rank, method: str) -> WorkerRankError:
-        from kvloom.engine.core_client import describe_exit
-
         r.process.join(timeout=1.0)
         return WorkerRankError(r.rank, f"(pid {r.process.pid}) {describe_exit(r.process.exitcode)} during {method}")
 
@@ -188,7 +186,7 @@ class MultiprocExecutor(Executor):
 
 
 def run_worker(
-    config: "EngineConfig",
+    config: EngineConfig,
     rank: int,
     world_size: int,
     backend: str,

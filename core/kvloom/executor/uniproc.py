@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class UniProcExecutor(Executor):
     """Calls the platform's worker directly (no process, no collective, no copy)."""
 
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         platform = config.device.platform
         self.driver_worker = platform.get_worker_cls()(config, platform)
@@ -26,10 +26,10 @@ class UniProcExecutor(Executor):
         return [getattr(self.driver_worker, method)(*args)]
 
     # The hot path calls the worker without building argument tuples and lists.
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_worker.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: "SchedulerOutput") -> PendingModelRunnerOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
         return self.driver_worker.execute_model_async(scheduler_output)
 
     def shutdown(self) -> None:
