@@ -79,6 +79,11 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.
     assert isinstance(executor, MultiprocExecutor)
     pids = executor.worker_pids
     assert len(_alive(pids)) == 2
+    # A rank that raises answers with its traceback; the error names the rank.
+    with pytest.raises(WorkerRankError, match=r"(?s)rank [01] \(pid \d+\) raised in no_such_method:.*AttributeError"):
+        executor.collective_rpc("no_such_method")
+    # The other rank's late error reply is dropped, not taken for the next call's answer.
+    assert executor.collective_rpc("list_loras") == [set(), set()]
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerRankError, match=r"rank 1 .*killed by SIGKILL") as info:
@@ -87,6 +92,13 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.
     assert time.monotonic() - start < 30  # seen through the process sentinel, not a collective timeout
     llm.llm_engine.shutdown()
     assert _alive(pids) == []
+
+
+def test_dummy_weights_load_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--load-format dummy``: each rank fills its own slices; the engine runs."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    tokens = greedy_tokens(str(tiny_model_dir("qwen3")), tensor_parallel_size=2, load_format="dummy")
+    assert [len(t) for t in tokens] == [GREEDY.max_tokens] * len(PROMPTS)
 
 
 def test_engine_core_process_shutdown_leaves_no_worker() -> None:

@@ -93,6 +93,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel.tensor_parallel_size
         self._ranks: list[_Rank] = []
         self._closed = False
+        self._seq = 0
         # A FileStore in a private directory: no port to pick, nothing left behind.
         self._store_dir = tempfile.mkdtemp(prefix="kvloom-tp-")
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
@@ -133,7 +134,11 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         if self._closed:
             raise RuntimeError(f"the tensor-parallel executor is shut down (called {method})")
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        # Calls are numbered: a reply left over from a call that failed on another rank
+        # (raised before every rank answered) is recognised and dropped.
+        self._seq += 1
+        seq = self._seq
+        payload = pickle.dumps((seq, method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for r in self._ranks:
             try:
                 r.conn.send_bytes(payload)
@@ -146,11 +151,14 @@ class MultiprocExecutor(Executor):
             waiting = [*pending, *(s for s, r in sentinels.items() if r.conn in pending)]
             for ready in multiprocessing.connection.wait(waiting):
                 if ready in pending:
-                    r = pending.pop(ready)
+                    r = pending[ready]
                     try:
-                        status, value = r.conn.recv()
+                        reply_seq, status, value = r.conn.recv()
                     except (EOFError, OSError):
                         raise self._dead(r, method) from None
+                    if reply_seq != seq:
+                        continue  # a stale reply: this rank's answer to this call is still to come
+                    del pending[ready]
                     if status == "error":
                         raise WorkerRankError(r.rank, f"(pid {r.process.pid}) raised in {method}:\n{value}")
                     results[r.rank] = value
@@ -166,7 +174,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        payload = pickle.dumps(("shutdown", ()))
+        payload = pickle.dumps((-1, "shutdown", ()))
         for r in self._ranks:
             try:
                 r.conn.send_bytes(payload)
@@ -216,22 +224,22 @@ def run_worker(
         failure = traceback.format_exc()
     while True:
         try:
-            method, args = pickle.loads(conn.recv_bytes())
+            seq, method, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             logger.warning("The engine core is gone; tensor-parallel rank %d stops", rank)
             break
         if method == "shutdown":
             break
         if failure is not None:
-            conn.send(("error", failure))
+            conn.send((seq, "error", failure))
             continue
         try:
             result = getattr(worker, method)(*args)
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            conn.send((seq, "error", traceback.format_exc()))
             continue
         # A step's output leaves the driver only: the other ranks' are the same tokens.
-        conn.send(("ok", None if rank != 0 and method in DRIVER_ONLY_RESULTS else result))
+        conn.send((seq, "ok", None if rank != 0 and method in DRIVER_ONLY_RESULTS else result))
     try:
         if worker is not None:
             worker.shutdown()
