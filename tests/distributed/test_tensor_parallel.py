@@ -3,6 +3,7 @@
 * TP=2 generates the same greedy tokens as TP=1 on the fp32 tiny models (Llama with the
   engine core in its own process, Qwen3 with it in this process, and a Llama with one KV
   head and a vocabulary not divisible by 2: the KV head replicated, the vocabulary padded);
+* ``--load-format dummy`` loads each rank's slices; CPU ranks share the cores;
 * a worker rank that dies makes ``generate`` raise an error naming the rank, and no
   worker process outlives the engine;
 * the flags are validated against the model and each other.
@@ -27,12 +28,6 @@ from kvloom.testing.models import save_tiny_checkpoint, tiny_hf_config, tiny_mod
 
 PROMPTS = [[3, 17, 250, 9, 41], [5, 6, 7, 100, 200, 300, 11, 12, 13], [400, 2, 77]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two ranks on a small machine: one torch thread each, or they fight over the cores.
-    monkeypatch.setenv("KVLOOM_CPU_THREADS", "1")
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +109,18 @@ def test_engine_core_process_shutdown_leaves_no_worker() -> None:
     while _alive(workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(workers) == []
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each CPU rank gets its share of the torch threads (else every rank takes them all),
+    unless KVLOOM_CPU_THREADS is set."""
+    from kvloom_platform_cpu.platform import CpuPlatform
+
+    monkeypatch.delenv("KVLOOM_CPU_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert CpuPlatform.tensor_parallel_env(1, 2) == {"KVLOOM_CPU_THREADS": share}
+    monkeypatch.setenv("KVLOOM_CPU_THREADS", "3")
+    assert CpuPlatform.tensor_parallel_env(1, 2) == {}
 
 
 def test_flags_parse_and_default_to_mp() -> None:

@@ -107,9 +107,12 @@ class MultiprocExecutor(Executor):
                 process = spawn.Process(
                     target=run_worker,
                     name=f"kvloom-tp-worker-{rank}",
-                    kwargs={"config": config, "rank": rank, "world_size": self.world_size, "backend": backend,
-                                "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
-                                "log_level": level, "log_format": fmt},
+                    kwargs={
+                        "config": config, "rank": rank, "world_size": self.world_size, "backend": backend,
+                        "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
+                        "log_level": level, "log_format": fmt,
+                        "env": config.device.platform.tensor_parallel_env(rank, self.world_size),
+                    },  # fmt: skip
                     # Daemonic: the processes end with the engine core's process.
                     daemon=True,
                 )
@@ -203,13 +206,16 @@ def run_worker(
     conn: multiprocessing.connection.Connection,
     log_level: int | None = None,
     log_format: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """A worker process's busy loop: join the process group, build the worker, then
-    answer calls until ``shutdown`` or the parent's end of the pipe closes."""
+    answer calls until ``shutdown`` or the parent's end of the pipe closes. ``env``: the
+    platform's ``tensor_parallel_env`` for this rank, set before anything else."""
     from kvloom import plugins
     from kvloom.distributed import parallel_state
     from kvloom.logger import setup_child_logging
 
+    os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     if log_level is not None:
         setup_child_logging(log_level, log_format, f"(TPWorker rank={rank} pid={os.getpid()}) ")

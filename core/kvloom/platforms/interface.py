@@ -148,6 +148,14 @@ class Platform(ABC):
                          "(allowed: 1)")  # fmt: skip
 
     @classmethod
+    def tensor_parallel_env(cls, rank: int, world_size: int) -> dict[str, str]:
+        """The environment variables of tensor-parallel rank ``rank`` of ``world_size``
+        (``--tensor-parallel-size``): each rank is a worker process of its own, which sets
+        these before its worker is built (e.g. its share of the CPU threads). Rank ``r``'s
+        worker runs on ``device(r)``. Default: none."""
+        return {}
+
+    @classmethod
     def device(cls, device_id: int = 0) -> torch.device:
         """The torch device the worker runs on."""
         return torch.device(cls.device_type, device_id) if cls.device_type != "cpu" else torch.device("cpu")

@@ -41,6 +41,11 @@ class CpuPlatform(Platform):
         return {THREADS_ENV: str(max(1, len(os.sched_getaffinity(0)) // count))}
 
     @classmethod
+    def tensor_parallel_env(cls, rank: int, world_size: int) -> dict[str, str]:
+        # The ranks share this machine's cores, as data-parallel replicas do.
+        return cls.data_parallel_env(rank, world_size)
+
+    @classmethod
     def get_attn_backend_priority(
         cls, use_mla: bool, capability: DeviceCapability | None
     ) -> list[BackendCandidate]:
