@@ -4,8 +4,9 @@
   engine core in its own process, Qwen3 with it in this process, and a Llama with one KV
   head and a vocabulary not divisible by 2: the KV head replicated, the vocabulary padded);
 * ``--load-format dummy`` loads each rank's slices; CPU ranks share the cores;
-* a worker rank that dies makes ``generate`` raise an error naming the rank, and no
-  worker process outlives the engine;
+* a worker rank that raises or dies makes the call (``generate``) raise an error naming
+  the rank, with the engine core in this process or in its own, and no process outlives
+  the engine;
 * the flags are validated against the model and each other.
 """
 
@@ -21,6 +22,7 @@ import psutil
 import pytest
 
 from kvloom import LLM, SamplingParams
+from kvloom.engine.core_client import EngineDeadError
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 from kvloom.executor.multiproc import MultiprocExecutor, WorkerRankError
 from kvloom.testing import resolve_engine_config
@@ -109,6 +111,28 @@ def test_engine_core_process_shutdown_leaves_no_worker() -> None:
     while _alive(workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(workers) == []
+
+
+def test_killed_rank_under_an_engine_core_process_kills_the_engine_naming_it() -> None:
+    """The engine core in its own process (the default): a rank's death ends the engine
+    core, the front end raises ``EngineDeadError`` naming the rank, nothing is left."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2, async_scheduling=True)  # fmt: skip
+    this = os.getpid()
+    processes = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    core = next(p for p in processes if p.ppid() == this)
+    ranks = [p for p in processes if p.ppid() == core.pid]
+    assert len(ranks) == 2
+    assert len(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    ranks[1].kill()
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    pids = [p.pid for p in (core, *ranks)]
+    deadline = time.monotonic() + 20
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

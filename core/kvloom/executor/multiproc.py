@@ -112,7 +112,7 @@ class MultiprocExecutor(Executor):
                         "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
                         "log_level": level, "log_format": fmt,
                         "env": config.device.platform.tensor_parallel_env(rank, self.world_size),
-                    },  # fmt: skip
+                    },
                     # Daemonic: the processes end with the engine core's process.
                     daemon=True,
                 )
