@@ -187,10 +187,14 @@ class SchedulerConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Parallelism (one device today)."""
+    """Parallelism: tensor parallelism over worker processes, data-parallel replicas."""
 
-    tensor_parallel_size: int = Field(default=1, ge=1, le=1)
-    """Tensor-parallel degree: 1 (the only value kvloom supports)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Tensor-parallel degree: worker processes (ranks) that each hold a slice of every
+    sharded layer (heads, MLP columns, vocabulary)."""
+    distributed_executor_backend: Literal["uni", "mp"] = "uni"
+    """How the engine core runs its workers: "uni" (one worker in the engine core's
+    process; tensor-parallel size 1) or "mp" (one process per rank on this machine)."""
     data_parallel_size: int = Field(default=1, ge=1)
     """Data-parallel replicas: engine core processes, each a whole model with its own KV
     cache, among which the front ends balance the requests."""
@@ -310,7 +314,7 @@ class EngineConfig(_Section):
     """Batching: ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill, policy,
     async scheduling."""
     parallel: ParallelConfig
-    """Parallelism (``tensor_parallel_size``, 1 today; ``data_parallel_size``)."""
+    """Parallelism (``tensor_parallel_size``, ``distributed_executor_backend``, ``data_parallel_size``)."""
     attention: AttentionConfig
     """``backend``: the selected ``AttentionBackend`` class; ``requested_backend``: the
     user's ``--attention-backend``."""

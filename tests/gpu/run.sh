@@ -2,13 +2,15 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile.
+# decode, offline, serving, select, select-nofi, moe, mla, compile, tp.
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
 #   mla          the GPU tests of backends/mla (TRITON_MLA), of FLASHINFER_MLA, tests/gpu/test_mla_gpu.py (tiny
 #                DeepSeek-V2) and the MLA conformance of both, then benchmarks/bench_mla_decode.py (MLA decode
 #                alone vs copy bandwidth) -> $OUT/mla/mla_decode.json; MLA_ARGS adds flags.
+#   tp           tests/gpu/test_tp_gpu.py (TP=2 vs TP=1 greedy tokens over NCCL, eager and CUDA graphs; a
+#                killed rank); needs a machine with two GPUs (kind nvidia-h100-x2).
 #   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens) and
 #                benchmarks/bench_mixed_step.py (64 decodes + a 512-token chunk, Llama-3-8B shape);
 #                MIXED_ARGS replaces the benchmark's flags (default: --num-layers 16, to fit ~4 min).
@@ -193,6 +195,7 @@ for i in "${!stages[@]}"; do
     compile)
       run_pytest compile tests/gpu/test_compile_gpu.py
       python3 benchmarks/bench_mixed_step.py --out "$OUT" ${MIXED_ARGS:---num-layers 16} 2>&1 | tail -20 ;;
+    tp) run_pytest tp tests/gpu/test_tp_gpu.py ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

@@ -114,7 +114,14 @@ class EngineArgs(BaseModel):
         False, description="Schedule step n+1 while step n runs on the device (overlaps host work)."
     )
     # ---- parallel
-    tensor_parallel_size: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Tensor-parallel ranks (worker processes on this machine); must divide the model's "
+        "num_attention_heads (Llama, Mistral, Qwen2, Qwen3 and their MoE variants)."
+    )
+    distributed_executor_backend: Literal["uni", "mp"] | None = Field(
+        None, description="How the workers run: uni (one worker in the engine core's process) or mp (one process "
+        "per tensor-parallel rank); default: mp when --tensor-parallel-size > 1, else uni."
+    )
     data_parallel_size: int = Field(
         1, ge=1, description="Model replicas, each an engine core process (one GPU each on CUDA; on the CPU they "
         "share the cores); requests go to the least loaded."
@@ -270,6 +277,44 @@ OPTIMIZATION_LEVELS: dict[int, tuple[bool, CUDAGraphMode]] = {
 }
 
 
+def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni", "mp"]:
+    """Validate ``--tensor-parallel-size`` against the model and the other flags; the
+    executor backend (``--distributed-executor-backend``, default mp above one rank)."""
+    from kvloom.models.registry import ModelRegistry
+
+    tp = args.tensor_parallel_size
+    backend = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+    if tp == 1:
+        return backend
+    if backend == "uni":
+        raise ValueError(f"distributed_executor_backend: 'uni' runs one worker, but tensor_parallel_size is {tp} "
+                         "(allowed with tensor_parallel_size > 1: mp)")  # fmt: skip
+    model_cls = ModelRegistry.load_model_cls(model.architecture)
+    if not getattr(model_cls, "supports_tensor_parallel", False) or model.runner != "generate":
+        raise ValueError(
+            f"tensor_parallel_size: {model.architecture} ({model.runner} runner) has no tensor-parallel layers yet "
+            f"(allowed: 1); the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral generators have"
+        )
+    if model.num_heads % tp != 0:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's num_attention_heads "
+                         f"({model.num_heads}); allowed: a divisor of {model.num_heads}")  # fmt: skip
+    kv = model.num_kv_heads
+    if kv % tp != 0 and tp % kv != 0:
+        raise ValueError(f"tensor_parallel_size: {tp} neither divides nor is a multiple of the model's "
+                         f"num_key_value_heads ({kv})")  # fmt: skip
+    intermediate = getattr(model.hf_config, "intermediate_size", None)
+    if intermediate is not None and intermediate % tp != 0:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size ({intermediate})")
+    for flag, value, allowed in (
+        ("enable_lora", args.enable_lora, False),
+        ("data_parallel_size", args.data_parallel_size, 1),
+    ):
+        if value != allowed:
+            raise ValueError(f"{flag}: {value!r} is not supported with tensor_parallel_size {tp} yet "
+                             f"(allowed: {allowed!r})")  # fmt: skip
+    return backend
+
+
 def resolve_compilation(
     args: EngineArgs,
     platform: type[Platform],
@@ -405,6 +450,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         generation_defaults=generation_defaults(args.generation_config, source.path),
         max_logprobs=args.max_logprobs,
     )
+    executor_backend = check_tensor_parallel(args, model)
     if args.trust_remote_code:
         logger.info("--trust-remote-code: kvloom runs no code from model repositories; the flag changes nothing")
 
@@ -481,6 +527,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         cache=cache,
         scheduler=scheduler,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                distributed_executor_backend=executor_backend,
                                 data_parallel_size=args.data_parallel_size),  # fmt: skip
         attention=AttentionConfig(
             requested_backend=args.attention_backend,

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from kvloom import plugins
 from kvloom.config import EngineConfig
+from kvloom.executor import get_executor_cls
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
@@ -26,6 +27,7 @@ from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
 from kvloom.structured_output.manager import StructuredOutputManager
 from kvloom.utils import cdiv
+from kvloom.worker.worker_base import WorkerBase
 
 logger = logging.getLogger(__name__)
 
@@ -35,36 +37,15 @@ class EngineCore:
         # Plugins load in every process that runs an engine core (idempotent).
         plugins.load_plugins()
         self.config = config
-        platform = config.device.platform
         start = time.perf_counter()
-        self.worker = platform.get_worker_cls()(config, platform)
-        self.worker.init_device()
-        self.worker.load_model()
-        loaded = time.perf_counter()
-        logger.info("Model loading took %.2f s", loaded - start)
-        # On devices with memory profiling this runs the first forward, which compiles
-        # the model when compilation is on (the runner logs the compile time itself).
-        num_blocks = self.worker.determine_num_kv_blocks()
-        profiled = time.perf_counter()
-        needed = cdiv(config.model.max_model_len, config.cache.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"The KV cache holds {num_blocks} blocks of {config.cache.block_size} tokens, fewer than "
-                f"the {needed} blocks one request of max_model_len={config.model.max_model_len} needs. "
-                "Raise --kv-cache-memory / --gpu-memory-utilization or lower --max-model-len."
-            )
-        self.worker.initialize_cache(num_blocks)
-        config.cache.num_blocks = num_blocks
-        self._log_kv_cache_size(num_blocks)
-        cache_ready = time.perf_counter()
-        self.worker.compile_or_warm_up_model()
-        ready = time.perf_counter()
-        logger.info(
-            "Engine core ready in %.1f s (%d KV blocks): load %.1f s, KV-cache sizing (profile run) %.1f s, "
-            "KV-cache allocation %.1f s, warm-up and CUDA-graph capture %.1f s; torch.compile time is logged "
-            "by the model runner within the first forwards",
-            ready - start, num_blocks, loaded - start, profiled - loaded, cache_ready - profiled, ready - cache_ready,
-        )  # fmt: skip
+        # The executor runs the platform's worker: here (tensor-parallel size 1) or one
+        # process per rank (--distributed-executor-backend mp).
+        self.executor = get_executor_cls(config)(config)
+        try:
+            num_blocks = self._start_workers(config, start)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs.backend,
             config.model.vocab_size,
@@ -81,6 +62,45 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # Async scheduling: steps launched on the device whose outputs are not applied yet.
         self._in_flight: deque[tuple[SchedulerOutput, PendingModelRunnerOutput]] = deque()
+
+    @property
+    def worker(self) -> WorkerBase:
+        """The worker in this process (tensor-parallel size 1 only; tests reach into it)."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError(f"{type(self.executor).__name__} runs its workers in other processes")
+        return worker
+
+    def _start_workers(self, config: EngineConfig, start: float) -> int:
+        """Load the model, size and allocate the KV cache, warm up (every rank); the
+        number of KV blocks."""
+        self.executor.load_model()
+        loaded = time.perf_counter()
+        logger.info("Model loading took %.2f s", loaded - start)
+        # On devices with memory profiling this runs the first forward, which compiles
+        # the model when compilation is on (the runner logs the compile time itself).
+        num_blocks = self.executor.determine_num_kv_blocks()
+        profiled = time.perf_counter()
+        needed = cdiv(config.model.max_model_len, config.cache.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {config.cache.block_size} tokens, fewer than "
+                f"the {needed} blocks one request of max_model_len={config.model.max_model_len} needs. "
+                "Raise --kv-cache-memory / --gpu-memory-utilization or lower --max-model-len."
+            )
+        self.executor.initialize_cache(num_blocks)
+        config.cache.num_blocks = num_blocks
+        self._log_kv_cache_size(num_blocks)
+        cache_ready = time.perf_counter()
+        self.executor.compile_or_warm_up_model()
+        ready = time.perf_counter()
+        logger.info(
+            "Engine core ready in %.1f s (%d KV blocks): load %.1f s, KV-cache sizing (profile run) %.1f s, "
+            "KV-cache allocation %.1f s, warm-up and CUDA-graph capture %.1f s; torch.compile time is logged "
+            "by the model runner within the first forwards",
+            ready - start, num_blocks, loaded - start, profiled - loaded, cache_ready - profiled, ready - cache_ready,
+        )  # fmt: skip
+        return num_blocks
 
     def _log_kv_cache_size(self, num_blocks: int) -> None:
         """vLLM's start-up line: the KV cache in tokens and how many requests of
@@ -148,7 +168,7 @@ class EngineCore:
         if scheduler_output.is_empty():
             # Nothing runs but grammars compile: wait for one instead of spinning.
             self.structured_output_manager.wait_for_compile(0.01)
-        runner_output = self.worker.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_async(self) -> EngineCoreOutputs:
@@ -162,7 +182,7 @@ class EngineCore:
             scheduler_output = scheduler.schedule()
             if scheduler_output.is_empty() and len(in_flight) == 0:
                 self.structured_output_manager.wait_for_compile(0.01)  # as in step()
-            in_flight.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+            in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
             if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
                 # The pipeline was empty: keep this step running, schedule the next behind it.
                 return EngineCoreOutputs(timestamp=time.monotonic())
@@ -171,17 +191,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self.worker.add_lora(lora_request)
+        return self.executor.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.worker.remove_lora(lora_id)
+        return self.executor.remove_lora(lora_id)
 
     def list_loras(self) -> set[int]:
-        return self.worker.list_loras()
+        return self.executor.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
-        self.worker.shutdown()
+        self.executor.shutdown()

@@ -41,15 +41,13 @@ import multiprocessing.connection
 import os
 import queue
 import shutil
-import signal
-import sys
 import tempfile
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +79,7 @@ from kvloom.engine.serial import (
 )
 from kvloom.logger import parent_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
+from kvloom.processes import describe_exit, main_module_not_reimported
 from kvloom.request import EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -285,36 +284,6 @@ class ThreadedClient(EngineCoreClient):
 # ===================================================================== multiprocess
 
 
-@contextlib.contextmanager
-def main_module_not_reimported() -> Iterator[None]:
-    """Start the spawned process without re-running the caller's ``__main__`` in it:
-    a script that makes an ``LLM`` at top level, without an ``if __name__ ==
-    "__main__"`` guard, would otherwise start another engine from the engine core."""
-    main = sys.modules.get("__main__")
-    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if main and name in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__["__spec__"] = None
-            main.__dict__.pop("__file__", None)
-        yield
-    finally:
-        if main is not None:
-            for name in ("__spec__", "__file__"):
-                main.__dict__.pop(name, None)
-            main.__dict__.update(saved)
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "is gone"
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
-
-
 def notify_engine_death(ctx: zmq.Context, output_address: str, description: str) -> None:
     """Tell the client reading ``output_address`` that an engine core died: send ``DEAD``
     (as from ``EngineDeadError``) into its own output socket, which wakes whoever waits on
@@ -361,7 +330,9 @@ class EngineCoreProcess:
             kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
                         output_addresses=[c.output for c in clients], engine_index=engine_index,
                         death_pipe=death_reader, log_level=level, log_format=fmt, env=env),  # fmt: skip
-            daemon=True,
+            # A daemonic process may not start processes: with tensor-parallel worker
+            # processes the core is not daemonic and ends through its death pipe instead.
+            daemon=config.parallel.distributed_executor_backend != "mp",
         )
         with main_module_not_reimported():
             self.process.start()

@@ -13,24 +13,69 @@ layout from ``output_sizes`` / ``shard_names``.
 
 Parameters are created with ``torch.empty`` in the default dtype and device (the model
 loader sets both), so building a model does no initialisation work.
+
+Tensor parallelism (``parallel``): ``"replicated"`` (the default) keeps the whole weight on
+every rank; ``"column"`` keeps this rank's rows of every shard (``output_sizes`` are the
+local sizes, ``full_output_sizes`` the checkpoint's) and needs no collective; ``"row"``
+keeps this rank's input columns and sums the partial products over the ranks (one
+all-reduce, the bias added once after it). The rank and world size are read from
+``kvloom.distributed.parallel_state`` when the layer is built; at world size 1 every mode
+is the plain GEMM.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvloom.distributed import parallel_state
+
+ParallelMode = Literal["replicated", "column", "row"]
+
+
+def _split(size: int, world_size: int, what: str) -> int:
+    if size % world_size != 0:
+        raise ValueError(f"{what}: {size} is not divisible by the tensor-parallel size {world_size}")
+    return size // world_size
 
 
 class LinearBase(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight ``[output_size, input_size]`` (HF layout)."""
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool, shard_names: list[str], prefix: str = ""
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        shard_names: list[str],
+        prefix: str = "",
+        parallel: ParallelMode = "replicated",
+        shard_starts: list[int] | None = None,
+        local_output_sizes: list[int] | None = None,
     ) -> None:
+        """``output_sizes`` and ``input_size`` are the checkpoint's (whole) sizes. A column-
+        parallel layer keeps ``output_sizes[i] / tp`` rows of shard ``i`` starting at row
+        ``rank * that`` unless ``local_output_sizes`` / ``shard_starts`` say otherwise (the
+        replicated KV heads of ``QKVLinear``)."""
         super().__init__()
         if len(output_sizes) != len(shard_names):
             raise ValueError(f"{prefix}: {len(output_sizes)} output sizes but {len(shard_names)} shard names")
+        self.parallel = parallel
+        self.tp_rank = parallel_state.tp_rank() if parallel != "replicated" else 0
+        self.tp_size = parallel_state.tp_world_size() if parallel != "replicated" else 1
+        self.full_output_sizes = list(output_sizes)
+        self.full_input_size = input_size
+        if parallel == "column":
+            local = local_output_sizes or [_split(n, self.tp_size, f"{prefix} output size") for n in output_sizes]
+            self.shard_starts = shard_starts or [self.tp_rank * n for n in local]
+            output_sizes = local
+        else:
+            self.shard_starts = [0] * len(output_sizes)
+        if parallel == "row":
+            input_size = _split(input_size, self.tp_size, f"{prefix} input size")
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
@@ -41,6 +86,22 @@ class LinearBase(nn.Module):
             self.bias: nn.Parameter | None = nn.Parameter(torch.empty(self.output_size), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+
+    def _this_rank(self, loaded: torch.Tensor, index: int, is_bias: bool) -> torch.Tensor:
+        """The part of a whole checkpoint tensor of shard ``index`` this rank keeps."""
+        if self.tp_size == 1:
+            return loaded
+        if self.parallel == "column":
+            full = self.full_output_sizes[index]
+            if loaded.shape[0] != full:
+                raise ValueError(f"{self.prefix}: checkpoint tensor has {loaded.shape[0]} output rows, expected {full}")
+            return loaded.narrow(0, self.shard_starts[index], self.output_sizes[index])
+        if self.parallel == "row" and not is_bias:
+            if loaded.dim() != 2 or loaded.shape[1] != self.full_input_size:
+                raise ValueError(f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+                                 f"{self.full_input_size} input columns")  # fmt: skip
+            return loaded.narrow(1, self.tp_rank * self.input_size, self.input_size)
+        return loaded
 
     def shard_slice(self, shard: str) -> slice:
         """The output rows that hold ``shard``."""
@@ -57,8 +118,11 @@ class LinearBase(nn.Module):
             if len(self.shard_names) != 1:
                 raise ValueError(f"{self.prefix}: a merged layer needs a shard name (one of {self.shard_names})")
             target = param.data
+            index = 0
         else:
             target = param.data[self.shard_slice(shard)]
+            index = self.shard_names.index(shard)
+        loaded = self._this_rank(loaded, index, is_bias=param is self.bias)
         if tuple(target.shape) != tuple(loaded.shape):
             raise ValueError(
                 f"{self.prefix}: checkpoint tensor{'' if shard is None else f' for shard {shard}'} has shape "
@@ -67,18 +131,27 @@ class LinearBase(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.parallel != "row" or self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # Each rank holds a slice of the input features: sum the partial products, then
+        # add the bias once.
+        out = parallel_state.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         sizes = self.output_size if len(self.output_sizes) == 1 else dict(zip(self.shard_names, self.output_sizes))
-        return f"in={self.input_size}, out={sizes}, bias={self.bias is not None}"
+        tp = "" if self.tp_size == 1 else f", {self.parallel}-parallel rank {self.tp_rank}/{self.tp_size}"
+        return f"in={self.input_size}, out={sizes}, bias={self.bias is not None}{tp}"
 
 
 class Linear(LinearBase):
     """A single projection (``o_proj``, ``down_proj``)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, prefix: str = "") -> None:
-        super().__init__(input_size, [output_size], bias, ["0"], prefix)
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, prefix: str = "",
+        parallel: ParallelMode = "replicated",
+    ) -> None:  # fmt: skip
+        super().__init__(input_size, [output_size], bias, ["0"], prefix, parallel)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         super().weight_loader(param, loaded, None)
@@ -88,12 +161,20 @@ class MergedLinear(LinearBase):
     """Several projections of the same input in one GEMM; shards are named by index
     ("0", "1", ...) in the order given (``gate_up_proj``: "0" = gate, "1" = up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, prefix: str = "") -> None:
-        super().__init__(input_size, output_sizes, bias, [str(i) for i in range(len(output_sizes))], prefix)
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, prefix: str = "",
+        parallel: ParallelMode = "replicated",
+    ) -> None:  # fmt: skip
+        super().__init__(input_size, output_sizes, bias, [str(i) for i in range(len(output_sizes))], prefix, parallel)
 
 
 class QKVLinear(LinearBase):
-    """The fused query/key/value projection; shards "q", "k", "v"."""
+    """The fused query/key/value projection; shards "q", "k", "v".
+
+    Column-parallel (``parallel=True`` at a tensor-parallel size above 1): each rank keeps
+    ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads, or, with fewer KV
+    heads than ranks, one KV head replicated on ``tp / num_kv_heads`` ranks (the one its
+    query heads attend to). ``num_heads`` / ``num_kv_heads`` are this rank's counts."""
 
     def __init__(
         self,
@@ -103,12 +184,32 @@ class QKVLinear(LinearBase):
         num_kv_heads: int,
         bias: bool = False,
         prefix: str = "",
+        parallel: bool = False,
     ) -> None:
-        q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, ["q", "k", "v"], prefix)
+        tp, rank = (parallel_state.tp_world_size(), parallel_state.tp_rank()) if parallel else (1, 0)
+        local_heads = _split(num_heads, tp, f"{prefix} num_attention_heads")
+        if num_kv_heads >= tp:
+            local_kv = _split(num_kv_heads, tp, f"{prefix} num_key_value_heads")
+            kv_head = rank * local_kv
+        else:
+            if tp % num_kv_heads != 0:
+                raise ValueError(f"{prefix} num_key_value_heads: the tensor-parallel size {tp} is not a multiple "
+                                 f"of {num_kv_heads}")  # fmt: skip
+            local_kv, kv_head = 1, rank // (tp // num_kv_heads)
+        q_size, kv_size = local_heads * head_size, local_kv * head_size
+        super().__init__(
+            hidden_size,
+            [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size],
+            bias,
+            ["q", "k", "v"],
+            prefix,
+            "column" if parallel else "replicated",
+            shard_starts=[rank * q_size, kv_head * head_size, kv_head * head_size],
+            local_output_sizes=[q_size, kv_size, kv_size],
+        )
         self.head_size = head_size
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.num_heads = local_heads
+        self.num_kv_heads = local_kv
         self.q_size = q_size
         self.kv_size = kv_size
 

@@ -1,4 +1,13 @@
-"""Token embedding and LM head (which may share the embedding's weight)."""
+"""Token embedding and LM head (which may share the embedding's weight).
+
+Vocab-parallel (``parallel=True`` at a tensor-parallel size above 1): each rank keeps
+``ceil(vocab / tp)`` rows, the vocabulary ids ``[vocab_start, vocab_end)`` (the last rank's
+tail is zero padding). The embedding looks up the ids it holds, zeroes the others and sums
+over the ranks (one all-reduce); the LM head computes its slice of the logits and
+all-gathers them (every rank gets the whole ``[M, vocab]``: every rank's sampler then
+draws the same tokens, and the driver's are the ones returned). At world size 1 both are
+the plain lookup and GEMM.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +15,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloom.distributed import parallel_state
+from kvloom.utils import cdiv
+
 
 class VocabEmbedding(nn.Module):
-    """``input_ids [N] -> [N, embedding_dim]``; weight ``[num_embeddings, embedding_dim]``."""
+    """``input_ids [N] -> [N, embedding_dim]``; weight ``[num_embeddings, embedding_dim]``
+    (``[ceil(num_embeddings / tp), embedding_dim]`` on each rank when vocab-parallel)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "", parallel: bool = False) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.prefix = prefix
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.tp_size = parallel_state.tp_world_size() if parallel else 1
+        self.tp_rank = parallel_state.tp_rank() if parallel else 0
+        rows = cdiv(num_embeddings, self.tp_size)
+        self.vocab_start = self.tp_rank * rows
+        self.vocab_end = min(num_embeddings, self.vocab_start + rows)
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        """Copy a checkpoint tensor into ``param`` (shapes must match; ``shard`` is unused)."""
-        if tuple(param.shape) != tuple(loaded.shape):
+        """Copy this rank's rows of a checkpoint tensor into ``param`` (the checkpoint's
+        shape must be ``[num_embeddings, embedding_dim]``; ``shard`` is unused)."""
+        if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
-                f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+                f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                f"expected {(self.num_embeddings, self.embedding_dim)}"
             )
-        param.data.copy_(loaded)
+        if self.tp_size == 1:
+            param.data.copy_(loaded)
+            return
+        count = self.vocab_end - self.vocab_start
+        param.data[:count].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[count:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(held, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        out = F.embedding(local_ids, self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
+        return parallel_state.all_reduce(out)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        tp = "" if self.tp_size == 1 else f", vocab [{self.vocab_start}, {self.vocab_end}) of rank {self.tp_rank}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{tp}"
 
 
 class LMHead(VocabEmbedding):
@@ -41,7 +72,9 @@ class LMHead(VocabEmbedding):
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Use ``embedding``'s weight (the same Parameter) as this head's."""
-        if (embedding.num_embeddings, embedding.embedding_dim) != (self.num_embeddings, self.embedding_dim):
+        if (embedding.num_embeddings, embedding.embedding_dim, embedding.tp_size) != (
+            self.num_embeddings, self.embedding_dim, self.tp_size,
+        ):  # fmt: skip
             raise ValueError(f"{self.prefix}: cannot tie to an embedding of another shape")
         self.weight = embedding.weight
 
@@ -50,4 +83,7 @@ class LMHead(VocabEmbedding):
 
         The GEMM runs in the model dtype (as HF's ``lm_head``), then upcasts.
         """
-        return F.linear(hidden_states, self.weight).float()
+        logits = F.linear(hidden_states, self.weight).float()
+        if self.tp_size == 1:
+            return logits
+        return parallel_state.all_gather(logits, dim=-1)[:, : self.num_embeddings]

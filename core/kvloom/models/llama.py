@@ -76,17 +76,22 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.num_heads = config.model.num_heads
-        self.num_kv_heads = config.model.num_kv_heads
         self.head_dim = config.model.head_size
+        check_sliding_window(hf, layer_idx, config.model.max_model_len)
+        # Tensor parallelism: column-parallel QKV (this rank's heads), row-parallel o_proj.
+        self.qkv_proj = QKVLinear(
+            hf.hidden_size, self.head_dim, config.model.num_heads, config.model.num_kv_heads, bias=qkv_bias,
+            prefix=_join(prefix, "qkv_proj"), parallel=True,
+        )
+        # This rank's head counts (the whole model's at tensor-parallel size 1).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        check_sliding_window(hf, layer_idx, config.model.max_model_len)
-        self.qkv_proj = QKVLinear(
-            hf.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias,
-            prefix=_join(prefix, "qkv_proj"),
+        self.o_proj = Linear(
+            config.model.num_heads * self.head_dim, hf.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj"),
+            parallel="row",
         )
-        self.o_proj = Linear(self.q_size, hf.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj"))
         if qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
@@ -128,10 +133,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hf = config.model.hf_config
         bias = bool(getattr(hf, "mlp_bias", False))
+        # Tensor parallelism: column-parallel gate/up, row-parallel down_proj.
         self.gate_up_proj = MergedLinear(
-            hf.hidden_size, [hf.intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj")
+            hf.hidden_size, [hf.intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj"),
+            parallel="column",
         )
-        self.down_proj = Linear(hf.intermediate_size, hf.hidden_size, bias=bias, prefix=_join(prefix, "down_proj"))
+        self.down_proj = Linear(
+            hf.intermediate_size, hf.hidden_size, bias=bias, prefix=_join(prefix, "down_proj"), parallel="row"
+        )
         self.act_fn = get_gated_activation(hf.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +210,9 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"))
+        self.embed_tokens = VocabEmbedding(
+            hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"), parallel=True
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), attention_kwargs, mlp_factory)
             for i in range(hf.num_hidden_layers)
@@ -230,6 +241,9 @@ class LlamaForCausalLM(nn.Module):
 
     stacked_params = LLAMA_STACKED_PARAMS
     """(merged parameter, HF name, shard) for the fused q/k/v and gate/up projections."""
+    supports_tensor_parallel = True
+    """Heads, MLP columns and vocabulary are split over tensor-parallel ranks (a mixture of
+    experts in a subclass stays whole on every rank: correct, not yet sharded)."""
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
     """Merged module -> its HF modules, for LoRA (``{"qkv_proj": ["q_proj", ...], ...}``)."""
 
@@ -238,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         hf = config.model.hf_config
         self.model = LlamaModel(config, _join(prefix, "model"), self.attention_kwargs(hf), self.mlp_block)
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"), parallel=True)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -70,6 +70,9 @@ class Platform(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     """Whether the worker can capture and replay CUDA graphs. False: the engine runs
     eagerly (cudagraph_mode NONE) whatever the user asked for."""
+    dist_backend: ClassVar[str] = "gloo"
+    """The torch.distributed backend the tensor-parallel ranks of this platform talk over
+    ("gloo" on the CPU, "nccl" on CUDA; an out-of-tree platform names its own, e.g. "hccl")."""
     compile_by_default: ClassVar[bool] = False
     """Whether ``-O1`` and above ``torch.compile`` the model by default here (an explicit
     ``--torch-compile`` / ``--no-torch-compile`` wins)."""
@@ -143,6 +146,14 @@ class Platform(ABC):
         is not supported (a ``ValueError``)."""
         raise ValueError(f"--data-parallel-size: {count} replicas are not supported by the {cls.name} platform "
                          "(allowed: 1)")  # fmt: skip
+
+    @classmethod
+    def tensor_parallel_env(cls, rank: int, world_size: int) -> dict[str, str]:
+        """The environment variables of tensor-parallel rank ``rank`` of ``world_size``
+        (``--tensor-parallel-size``): each rank is a worker process of its own, which sets
+        these before its worker is built (e.g. its share of the CPU threads). Rank ``r``'s
+        worker runs on ``device(r)``. Default: none."""
+        return {}
 
     @classmethod
     def device(cls, device_id: int = 0) -> torch.device:

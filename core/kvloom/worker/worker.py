@@ -12,6 +12,7 @@ import logging
 import torch
 
 from kvloom.config import EngineConfig
+from kvloom.distributed import parallel_state
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
 from kvloom.platforms.interface import Platform
@@ -40,7 +41,8 @@ class Worker(WorkerBase):
 
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         super().__init__(config, platform)
-        self.device = platform.device()
+        # Rank r of a tensor-parallel group runs on device r of this machine.
+        self.device = platform.device(parallel_state.tp_rank())
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:

@@ -20,6 +20,7 @@ KVLOOM_PLUGIN_API = "1.0"
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    dist_backend = "gloo"
     builtin = True
     # float32 first: "auto" runs in float32 on the CPU, where half-precision matmuls are
     # slower on most processors and less accurate.
@@ -38,6 +39,11 @@ class CpuPlatform(Platform):
         if os.environ.get(THREADS_ENV, "").strip():
             return {}
         return {THREADS_ENV: str(max(1, len(os.sched_getaffinity(0)) // count))}
+
+    @classmethod
+    def tensor_parallel_env(cls, rank: int, world_size: int) -> dict[str, str]:
+        # The ranks share this machine's cores, as data-parallel replicas do.
+        return cls.data_parallel_env(rank, world_size)
 
     @classmethod
     def get_attn_backend_priority(

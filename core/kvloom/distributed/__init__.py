@@ -1,0 +1,1 @@
+"""Tensor-parallel state and collectives (``parallel_state``)."""

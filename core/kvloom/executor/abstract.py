@@ -1,0 +1,66 @@
+"""The executor contract: how the engine core drives its worker(s).
+
+The engine core asks an executor, never a worker, to load the model, size and allocate
+the KV cache and run steps. ``UniProcExecutor`` holds one worker in the engine core's own
+process (tensor-parallel size 1, what kvloom always did); ``MultiprocExecutor`` runs one
+worker process per tensor-parallel rank (``--distributed-executor-backend mp``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from kvloom.outputs import PendingModelRunnerOutput
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+    from kvloom.lora.request import LoRARequest
+    from kvloom.outputs import ModelRunnerOutput
+    from kvloom.scheduler.output import SchedulerOutput
+
+
+class Executor(ABC):
+    """Runs ``WorkerBase`` methods on every rank; results come from the driver (rank 0)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call ``method(*args)`` on every rank's worker; the results in rank order.
+        A rank that raises or dies raises here, naming the rank."""
+
+    def load_model(self) -> None:
+        self.collective_rpc("load_model")
+
+    def determine_num_kv_blocks(self) -> int:
+        """The KV blocks every rank can hold: the smallest count (ranks allocate alike)."""
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def compile_or_warm_up_model(self) -> None:
+        self.collective_rpc("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank; the driver's output."""
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
+        """Launch one step (async scheduling). Default: run it to completion."""
+        return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.collective_rpc("add_lora", (lora_request,))[0]
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.collective_rpc("remove_lora", (lora_id,))[0]
+
+    def list_loras(self) -> set[int]:
+        return self.collective_rpc("list_loras")[0]
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers (and their processes); idempotent."""

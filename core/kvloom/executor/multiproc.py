@@ -1,0 +1,253 @@
+"""``MultiprocExecutor``: one worker process per tensor-parallel rank on this machine.
+
+Start-up: the engine core's process spawns ``tensor_parallel_size`` processes (the
+``spawn`` start method: CUDA cannot be used in a forked child); each joins a
+torch.distributed process group over the backend its platform names
+(``Platform.dist_backend``: gloo on the CPU, NCCL on CUDA) with a timeout on every
+collective, builds the platform's worker and waits for calls.
+
+Transport: one ``multiprocessing`` pipe per rank. Each call (a worker method and its
+arguments, e.g. ``execute_model`` with the step's ``SchedulerOutput``) is pickled once
+and the same bytes are written to every rank's pipe; every rank answers on its own
+pipe, rank 0 with the result and the others with ``None`` (their outputs are identical
+and never leave the process). A pipe per rank is the simplest correct broadcast: it needs
+no port, a rank sees its parent's death as end of file on it, and waiting on the pipes
+together with the processes' sentinels reports a rank that raised or died at once,
+naming it. (vLLM's shared-memory broadcast ring saves the per-rank copy; for the scheduler
+outputs of a few ranks the copy is small next to a step, and the ring can replace the
+pipes behind the same ``collective_rpc`` later.)
+
+Failure and shutdown: a rank that raises answers with its traceback and the call raises
+``WorkerRankError`` naming it; a rank that dies is seen through its sentinel and the call
+raises the same, with its exit status. ``shutdown`` asks every rank to stop, then
+terminates and finally kills any that did not, so no worker process outlives the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvloom.executor.abstract import Executor
+from kvloom.processes import describe_exit, main_module_not_reimported
+
+if TYPE_CHECKING:
+    from kvloom.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+#: ``KVLOOM_DIST_TIMEOUT_S``: seconds a collective may wait for the other ranks before it
+#: raises (torch.distributed's ``init_process_group(timeout=...)``).
+DIST_TIMEOUT_ENV = "KVLOOM_DIST_TIMEOUT_S"
+DEFAULT_DIST_TIMEOUT_S = 600.0
+#: Seconds a rank gets to stop after the shutdown call, then after SIGTERM, before SIGKILL.
+SHUTDOWN_GRACE_S = 5.0
+#: Worker methods whose results only rank 0 sends back.
+DRIVER_ONLY_RESULTS = frozenset({"execute_model", "execute_model_async"})
+
+
+class WorkerRankError(RuntimeError):
+    """A tensor-parallel worker rank failed (raised or died); ``rank`` names it."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(f"tensor-parallel worker rank {rank} {message}")
+
+
+def dist_timeout_s() -> float:
+    value = os.environ.get(DIST_TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_DIST_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{DIST_TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
+    return seconds
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: Any  # multiprocessing.Process of the spawn context
+    conn: multiprocessing.connection.Connection
+
+
+class MultiprocExecutor(Executor):
+    """One spawned worker process per rank; results from rank 0."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        from kvloom.logger import parent_logging
+
+        self.world_size = config.parallel.tensor_parallel_size
+        self._ranks: list[_Rank] = []
+        self._closed = False
+        self._seq = 0
+        # A FileStore in a private directory: no port to pick, nothing left behind.
+        self._store_dir = tempfile.mkdtemp(prefix="kvloom-tp-")
+        init_method = f"file://{os.path.join(self._store_dir, 'store')}"
+        backend = config.device.platform.dist_backend
+        timeout_s = dist_timeout_s()
+        level, fmt = parent_logging()
+        spawn = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(self.world_size):
+                parent_end, child_end = spawn.Pipe(duplex=True)
+                process = spawn.Process(
+                    target=run_worker,
+                    name=f"kvloom-tp-worker-{rank}",
+                    kwargs={
+                        "config": config, "rank": rank, "world_size": self.world_size, "backend": backend,
+                        "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
+                        "log_level": level, "log_format": fmt,
+                        "env": config.device.platform.tensor_parallel_env(rank, self.world_size),
+                    },
+                    # Daemonic: the processes end with the engine core's process.
+                    daemon=True,
+                )
+                with main_module_not_reimported():
+                    process.start()
+                child_end.close()
+                self._ranks.append(_Rank(rank, process, parent_end))
+            logger.info(
+                "Started %d tensor-parallel worker processes (pids %s), backend %s",
+                self.world_size, ", ".join(str(r.process.pid) for r in self._ranks), backend,
+            )  # fmt: skip
+            self.collective_rpc("init_device")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids, in rank order."""
+        return [r.process.pid for r in self._ranks]
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if self._closed:
+            raise RuntimeError(f"the tensor-parallel executor is shut down (called {method})")
+        # Calls are numbered: a reply left over from a call that failed on another rank
+        # (raised before every rank answered) is recognised and dropped.
+        self._seq += 1
+        seq = self._seq
+        payload = pickle.dumps((seq, method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for r in self._ranks:
+            try:
+                r.conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                raise self._dead(r, method) from None
+        results: list[Any] = [None] * self.world_size
+        pending = {r.conn: r for r in self._ranks}
+        sentinels = {r.process.sentinel: r for r in self._ranks}
+        while pending:
+            waiting = [*pending, *(s for s, r in sentinels.items() if r.conn in pending)]
+            for ready in multiprocessing.connection.wait(waiting):
+                if ready in pending:
+                    r = pending[ready]
+                    try:
+                        reply_seq, status, value = r.conn.recv()
+                    except (EOFError, OSError):
+                        raise self._dead(r, method) from None
+                    if reply_seq != seq:
+                        continue  # a stale reply: this rank's answer to this call is still to come
+                    del pending[ready]
+                    if status == "error":
+                        raise WorkerRankError(r.rank, f"(pid {r.process.pid}) raised in {method}:\n{value}")
+                    results[r.rank] = value
+                elif sentinels[ready].conn in pending and not sentinels[ready].conn.poll():
+                    raise self._dead(sentinels[ready], method)
+        return results
+
+    def _dead(self, r: _Rank, method: str) -> WorkerRankError:
+        r.process.join(timeout=1.0)
+        return WorkerRankError(r.rank, f"(pid {r.process.pid}) {describe_exit(r.process.exitcode)} during {method}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        payload = pickle.dumps((-1, "shutdown", ()))
+        for r in self._ranks:
+            try:
+                r.conn.send_bytes(payload)
+            except OSError:
+                pass  # already gone
+        for stop in (None, "terminate", "kill"):
+            for r in self._ranks:
+                if stop is not None and r.process.is_alive():
+                    getattr(r.process, stop)()
+            for r in self._ranks:
+                r.process.join(timeout=SHUTDOWN_GRACE_S)
+            if not any(r.process.is_alive() for r in self._ranks):
+                break
+        for r in self._ranks:
+            r.conn.close()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    backend: str,
+    init_method: str,
+    timeout_s: float,
+    conn: multiprocessing.connection.Connection,
+    log_level: int | None = None,
+    log_format: str | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
+    """A worker process's busy loop: join the process group, build the worker, then
+    answer calls until ``shutdown`` or the parent's end of the pipe closes. ``env``: the
+    platform's ``tensor_parallel_env`` for this rank, set before anything else."""
+    from kvloom import plugins
+    from kvloom.distributed import parallel_state
+    from kvloom.logger import setup_child_logging
+
+    os.environ.update(env or {})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    if log_level is not None:
+        setup_child_logging(log_level, log_format, f"(TPWorker rank={rank} pid={os.getpid()}) ")
+    worker: Any = None
+    failure: str | None = None
+    try:
+        plugins.load_plugins()
+        platform = config.device.platform
+        parallel_state.init_tensor_parallel(rank, world_size, backend, init_method, timeout_s)
+        worker = platform.get_worker_cls()(config, platform)
+    except BaseException:
+        failure = traceback.format_exc()
+    while True:
+        try:
+            seq, method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            logger.warning("The engine core is gone; tensor-parallel rank %d stops", rank)
+            break
+        if method == "shutdown":
+            break
+        if failure is not None:
+            conn.send((seq, "error", failure))
+            continue
+        try:
+            result = getattr(worker, method)(*args)
+        except BaseException:
+            conn.send((seq, "error", traceback.format_exc()))
+            continue
+        # A step's output leaves the driver only: the other ranks' are the same tokens.
+        conn.send((seq, "ok", None if rank != 0 and method in DRIVER_ONLY_RESULTS else result))
+    try:
+        if worker is not None:
+            worker.shutdown()
+    finally:
+        parallel_state.destroy_tensor_parallel()

@@ -1,0 +1,173 @@
+"""Tensor parallelism on the CPU: two gloo ranks (``--distributed-executor-backend mp``).
+
+* TP=2 generates the same greedy tokens as TP=1 on the fp32 tiny models (Llama with the
+  engine core in its own process, Qwen3 with it in this process, and a Llama with one KV
+  head and a vocabulary not divisible by 2: the KV head replicated, the vocabulary padded);
+* ``--load-format dummy`` loads each rank's slices; CPU ranks share the cores;
+* a worker rank that raises or dies makes the call (``generate``) raise an error naming
+  the rank, with the engine core in this process or in its own, and no process outlives
+  the engine;
+* the flags are validated against the model and each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvloom import LLM, SamplingParams
+from kvloom.engine.core_client import EngineDeadError
+from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+from kvloom.executor.multiproc import MultiprocExecutor, WorkerRankError
+from kvloom.testing import resolve_engine_config
+from kvloom.testing.models import save_tiny_checkpoint, tiny_hf_config, tiny_model_dir
+
+PROMPTS = [[3, 17, 250, 9, 41], [5, 6, 7, 100, 200, 300, 11, 12, 13], [400, 2, 77]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with one KV head (replicated on both ranks), an odd vocabulary (padded
+    on the last rank) and tied embeddings (the vocab-parallel head shares the shard)."""
+    config = tiny_hf_config("llama", num_key_value_heads=1, vocab_size=515, tie_word_embeddings=True)
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("llama_kv1"))
+
+
+def greedy_tokens(model: str, **engine_args: object) -> list[list[int]]:
+    llm = LLM(model, dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True, **engine_args)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("model", "core_in_process"),
+    [("llama", False), ("qwen3", True), ("llama_kv1", True)],
+)
+def test_tp2_greedy_tokens_match_tp1(
+    model: str, core_in_process: bool, one_kv_head_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if core_in_process:
+        monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    path = str(one_kv_head_model if model == "llama_kv1" else tiny_model_dir(model))
+    expected = greedy_tokens(path)
+    assert len({tuple(t) for t in expected}) > 1  # the prompts do not all collapse to one output
+    assert greedy_tokens(path, tensor_parallel_size=2) == expected
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2)  # fmt: skip
+    executor = llm.llm_engine.engine_core.core.executor
+    assert isinstance(executor, MultiprocExecutor)
+    pids = executor.worker_pids
+    assert len(_alive(pids)) == 2
+    # A rank that raises answers with its traceback; the error names the rank.
+    with pytest.raises(WorkerRankError, match=r"(?s)rank [01] \(pid \d+\) raised in no_such_method:.*AttributeError"):
+        executor.collective_rpc("no_such_method")
+    # The other rank's late error reply is dropped, not taken for the next call's answer.
+    assert executor.collective_rpc("list_loras") == [set(), set()]
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerRankError, match=r"rank 1 .*killed by SIGKILL") as info:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 30  # seen through the process sentinel, not a collective timeout
+    llm.llm_engine.shutdown()
+    assert _alive(pids) == []
+
+
+def test_dummy_weights_load_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--load-format dummy``: each rank fills its own slices; the engine runs."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    tokens = greedy_tokens(str(tiny_model_dir("qwen3")), tensor_parallel_size=2, load_format="dummy")
+    assert [len(t) for t in tokens] == [GREEDY.max_tokens] * len(PROMPTS)
+
+
+def test_engine_core_process_shutdown_leaves_no_worker() -> None:
+    """With the engine core in its own process, the rank processes are its children:
+    shutting the engine down ends all of them."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2)  # fmt: skip
+    descendants = psutil.Process().children(recursive=True)
+    workers = [p.pid for p in descendants if "spawn_main" in " ".join(p.cmdline())]
+    assert len(workers) >= 3  # the engine core and its two ranks
+    llm.llm_engine.shutdown()
+    deadline = time.monotonic() + 20
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(workers) == []
+
+
+def test_killed_rank_under_an_engine_core_process_kills_the_engine_naming_it() -> None:
+    """The engine core in its own process (the default): a rank's death ends the engine
+    core, the front end raises ``EngineDeadError`` naming the rank, nothing is left."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2, async_scheduling=True)  # fmt: skip
+    this = os.getpid()
+    processes = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    core = next(p for p in processes if p.ppid() == this)
+    ranks = [p for p in processes if p.ppid() == core.pid]
+    assert len(ranks) == 2
+    assert len(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    ranks[1].kill()
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    pids = [p.pid for p in (core, *ranks)]
+    deadline = time.monotonic() + 20
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each CPU rank gets its share of the torch threads (else every rank takes them all),
+    unless KVLOOM_CPU_THREADS is set."""
+    from kvloom_platform_cpu.platform import CpuPlatform
+
+    monkeypatch.delenv("KVLOOM_CPU_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert CpuPlatform.tensor_parallel_env(1, 2) == {"KVLOOM_CPU_THREADS": share}
+    monkeypatch.setenv("KVLOOM_CPU_THREADS", "3")
+    assert CpuPlatform.tensor_parallel_env(1, 2) == {}
+
+
+def test_flags_parse_and_default_to_mp() -> None:
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = engine_args_from_namespace(
+        parser.parse_args(["--model", "m", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+    )
+    assert (args.tensor_parallel_size, args.distributed_executor_backend) == (2, "mp")
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2)
+    assert config.parallel.distributed_executor_backend == "mp"
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")))
+    assert config.parallel.distributed_executor_backend == "uni"
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "message"),
+    [
+        ({"tensor_parallel_size": 3}, r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, r"distributed_executor_backend: 'uni'"),
+        ({"tensor_parallel_size": 2, "enable_lora": True}, r"enable_lora: True is not supported with tensor_parallel"),
+        ({"tensor_parallel_size": 0}, r"tensor_parallel_size"),
+    ],
+)
+def test_bad_flags_are_refused_naming_the_field(engine_args: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_engine_config(model=str(tiny_model_dir("llama")), **engine_args)
