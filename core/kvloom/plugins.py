@@ -233,13 +233,25 @@ def call_update_engine_config(config: EngineConfig) -> None:
     _hooks.call_hook("kvloom_update_engine_config", config=config)
 
 
-def structured_output_backends() -> dict[str, PluginEntry]:
-    """Loaded structured-output backend plugins: name -> entry (``.target`` is the
-    ``StructuredOutputBackend`` subclass). The built-in ``xgrammar`` is not a plugin."""
-    return loaded_plugins().by_name(STRUCTURED_OUTPUT_BACKENDS)
+def with_built_ins(built_in: dict[str, type], group: str, kind: str) -> dict[str, type]:
+    """Name -> class for a plugin kind that kvloom also ships built-in implementations of
+    (structured-output backends, tool parsers): ``built_in`` plus the loaded plugins of
+    ``group``; a plugin may not reuse a built-in name (``kind`` names it in the error)."""
+    merged = dict(built_in)
+    for name, entry in loaded_plugins().by_name(group).items():
+        if name in merged:
+            raise ValueError(f"{entry.describe()}: the {kind} {name!r} is built in")
+        merged[name] = entry.target
+    return merged
 
 
-def tool_parser_plugins() -> dict[str, PluginEntry]:
-    """Loaded tool-call parser plugins: name -> entry (``.target`` is the ``ToolParser``
-    subclass). The built-in ``hermes`` and ``llama3_json`` are not plugins."""
-    return loaded_plugins().by_name(TOOL_PARSERS)
+def structured_output_backends(built_in: dict[str, type]) -> dict[str, type]:
+    """Structured-output backends: name -> ``StructuredOutputBackend`` subclass, the
+    built-in ones (``built_in``: ``xgrammar``) and the loaded plugins."""
+    return with_built_ins(built_in, STRUCTURED_OUTPUT_BACKENDS, "structured-output backend")
+
+
+def tool_parsers(built_in: dict[str, type]) -> dict[str, type]:
+    """Tool-call parsers: name -> ``ToolParser`` subclass, the built-in ones (``built_in``:
+    ``hermes``, ``llama3_json``) and the loaded plugins."""
+    return with_built_ins(built_in, TOOL_PARSERS, "tool parser")

@@ -15,12 +15,7 @@ def available_backends() -> dict[str, type[StructuredOutputBackend]]:
     from kvloom import plugins
     from kvloom.structured_output.xgrammar_backend import XgrammarBackend
 
-    backends: dict[str, type[StructuredOutputBackend]] = {XgrammarBackend.name: XgrammarBackend}
-    for name, entry in plugins.structured_output_backends().items():
-        if name in backends:
-            raise ValueError(f"{entry.describe()}: the structured-output backend {name!r} is built in")
-        backends[name] = entry.target
-    return backends
+    return plugins.structured_output_backends({XgrammarBackend.name: XgrammarBackend})
 
 
 def get_backend_cls(name: str) -> type[StructuredOutputBackend]:

@@ -14,12 +14,7 @@ def available_tool_parsers() -> dict[str, type[ToolParser]]:
     """Parser name -> class: the built-in ones and the loaded plugins."""
     from kvloom import plugins
 
-    parsers = dict(BUILT_IN)
-    for name, entry in plugins.tool_parser_plugins().items():
-        if name in parsers:
-            raise ValueError(f"{entry.describe()}: the tool parser {name!r} is built in")
-        parsers[name] = entry.target
-    return parsers
+    return plugins.tool_parsers(BUILT_IN)
 
 
 def get_tool_parser_cls(name: str) -> type[ToolParser]:
