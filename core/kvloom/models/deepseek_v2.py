@@ -34,6 +34,7 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.models.llama import LlamaDecoderLayer, LlamaModel
 from kvloom.models.utils import load_checkpoint_weights
 
 #: (merged module, checkpoint module, shard): gate/up of the dense MLPs and shared experts.
@@ -157,17 +158,10 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
 
-    def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos_sin)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    #: Llama's residual stream (input norm, attention, post-attention norm, feed-forward):
+    #: only the attention and the feed-forward block differ.
+    mlp_name = "mlp"
+    forward = LlamaDecoderLayer.forward
 
 
 class DeepseekV2Model(nn.Module):
@@ -186,14 +180,8 @@ class DeepseekV2Model(nn.Module):
             max_position_embeddings=hf.max_position_embeddings,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos_sin)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    #: Embedding, rotary tables once per step, the layers, the final norm: as Llama.
+    forward = LlamaModel.forward
 
 
 class DeepseekV2ForCausalLM(nn.Module):
