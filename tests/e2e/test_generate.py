@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from tests.helpers.model_fixtures import hf_greedy_tokens, load_hf_model, random_prompts, tiny_model_dir
+from tests.helpers.model_fixtures import greedy_counting_preemptions, hf_greedy_tokens, load_hf_model, random_prompts, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
 
@@ -78,18 +78,9 @@ def test_preemption_really_happens(arch, hf_reference, monkeypatch):
     llm = LLM(
         str(tiny_model_dir(arch)), dtype="float32", num_gpu_blocks_override=14, max_model_len=128, disable_log_stats=True
     )
-    engine = llm.llm_engine
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    preemptions = 0
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-        preemptions += engine.engine_core.core.scheduler.make_stats().num_preemptions
+    tokens, preemptions = greedy_counting_preemptions(llm, prompts, NEW_TOKENS)
     assert preemptions > 0
-    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert tokens == expected
 
 
 def test_logprobs_close_to_hf():

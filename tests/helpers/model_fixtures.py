@@ -306,3 +306,22 @@ def tiny_async_llm(model_dir: str | Path) -> Any:
     return AsyncLLM.from_engine_args(
         EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
     )
+
+
+def greedy_counting_preemptions(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Each prompt's greedy tokens (EOS ignored) stepped through ``llm``'s engine with the
+    engine core in this process, and how many preemptions the scheduler made meanwhile (the
+    tests that force preemption check it really happened)."""
+    from kvloom import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    preemptions, results = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        preemptions += engine.engine_core.core.scheduler.make_stats().num_preemptions
+    return [results[str(i)] for i in range(len(prompts))], preemptions

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.model_fixtures import hf_greedy_tokens, random_prompts, tiny_model_dir
+from tests.helpers.model_fixtures import greedy_counting_preemptions, hf_greedy_tokens, random_prompts, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
 from kvloom.attention.mla import MLAAttention
@@ -85,19 +85,9 @@ def test_preemption_really_happens(hf_reference):
         str(tiny_model_dir("deepseek_v2")), dtype="float32", num_gpu_blocks_override=16, max_model_len=72,
         block_size=8, disable_log_stats=True,
     )  # fmt: skip
-    engine = llm.llm_engine
-    for i, p in enumerate(prompts):
-        engine.add_request(
-            str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        )
-    preemptions, results = 0, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-        preemptions += engine.engine_core.core.scheduler.make_stats().num_preemptions
+    tokens, preemptions = greedy_counting_preemptions(llm, prompts, NEW_TOKENS)
     assert preemptions > 0
-    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert tokens == expected
 
 
 def test_latent_cache_layout_and_sizing():
