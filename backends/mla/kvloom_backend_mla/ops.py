@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.interfaces import parse_kernel_overrides
+
 LOG2_E = 1.4426950408889634
 #: Smallest M, N and K of a ``tl.dot`` operand: head tiles, position tiles and head dims
 #: are padded up to it.
@@ -80,22 +82,9 @@ def default_config(dtype: torch.dtype) -> MLAKernelConfig:
 
 
 def parse_overrides(text: str) -> dict[str, int | None]:
-    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}`` for fields of ``MLAKernelConfig``."""
-    fields = {f.name for f in dataclasses.fields(MLAKernelConfig)}
-    out: dict[str, int | None] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or name not in fields:
-            raise ValueError(f"{ENV_VAR}: bad entry {item!r}; expected NAME=INT with NAME one of {sorted(fields)}")
-        if value.lower() == "none":
-            out[name] = None
-            continue
-        try:
-            out[name] = int(value)
-        except ValueError:
-            raise ValueError(f"{ENV_VAR}: {name}={value!r} is not an integer") from None
-    return out
+    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}`` for fields of ``MLAKernelConfig``
+    (``KVLOOM_TRITON_MLA_CONFIG``'s syntax)."""
+    return parse_kernel_overrides(text, MLAKernelConfig, ENV_VAR)
 
 
 def resolve_config(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.interfaces import parse_kernel_overrides
+
 ENV_VAR = "KVLOOM_TRITON_ATTN_CONFIG"
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
@@ -109,25 +111,8 @@ def default_config(head_size: int, dtype: torch.dtype) -> KernelConfig:
 
 
 def parse_overrides(text: str) -> dict[str, int | None]:
-    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}`` for fields of ``KernelConfig``."""
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    overrides: dict[str, int | None] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or name not in fields:
-            raise ValueError(
-                f"{ENV_VAR}: bad entry {item!r}; expected NAME=INT with NAME one of {sorted(fields)}"
-            )
-        value = value.strip()
-        if value.lower() == "none":
-            overrides[name] = None
-            continue
-        try:
-            overrides[name] = int(value)
-        except ValueError:
-            raise ValueError(f"{ENV_VAR}: {name}={value!r} is not an integer") from None
-    return overrides
+    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}`` for fields of ``KernelConfig`` (``KVLOOM_TRITON_ATTN_CONFIG``'s syntax)."""
+    return parse_kernel_overrides(text, KernelConfig, ENV_VAR)
 
 
 def resolve_config(

@@ -17,7 +17,8 @@ example packages):
   ``AttentionSelectorConfig``, ``AttentionType``, ``AttentionCGSupport``, ``MultipleOf``,
   ``BlockSizeSpec``;
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
-  ``copy_rows_skipping_invalid``;
+  ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
+  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; workers:
   ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
   subclass), which drives a ``ModelRunner`` (``self.runner``: a platform's worker calls
@@ -64,6 +65,7 @@ from kvloom.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from kvloom.attention.kernel_overrides import parse_kernel_overrides
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
 from kvloom.attention.mla import (
     MLA_DECODE,
@@ -175,6 +177,7 @@ __all__ = [
     "copy_rows_skipping_invalid",
     "effective_decode_graphs",
     "hookimpl",
+    "parse_kernel_overrides",
     "read_adapter_config",
     "validate_adapter_config",
     "write_kv_default_layout",
