@@ -2,15 +2,18 @@
 """Decode step time against the physical limit (issue 6, benchmark 2).
 
 Llama-3-8B shape with random (dummy) bf16 weights, context 1024, batch 1, 16, 64, 256.
-For each batch and mode (``graphs``: CUDA graphs; ``eager``; options appended with
-``+``: ``+async`` for async scheduling, ``+noops`` for ``--custom-ops none``, i.e. plain
-torch layer math instead of the platform's fused kernels), B requests with 1024-token prompts are prefilled, then the
+For each batch and mode (``graphs``: the default ``-O2``, i.e. torch.compile with full
+decode graphs; ``eager``; options appended with ``+``: ``+async`` for async scheduling,
+``+noops`` for ``--custom-ops none``, i.e. plain torch layer math instead of the platform's
+fused kernels, ``+nocompile`` for ``--no-torch-compile``: an eager model in full graphs), B requests with 1024-token prompts are prefilled, then the
 wall time of ``--steps`` consecutive full engine steps (schedule + forward + sampling +
 output processing) is taken while every request decodes; the step time is its mean (with
 async scheduling a step's host work overlaps the previous step's device work, so only a
 run of steps shows it). The limit is
 
     (weight bytes read per step + KV bytes read per step) / measured copy bandwidth
+
+and, stricter, the same bytes over the measured read bandwidth (a large reduction)
 
 where the weights are every matrix the step multiplies with (the embedding table is only
 gathered: B rows) and the KV bytes are B x context x bytes per token.
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_limits import measure_copy_bandwidth  # noqa: E402
+from device_limits import measure_copy_bandwidth, measure_read_bandwidth  # noqa: E402
 
 # Llama-3-8B
 V, H, I, L, NH, NKV, HD = 128256, 4096, 14336, 32, 32, 8, 128
@@ -45,10 +48,23 @@ def write_llama3_config(path: Path) -> Path:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
-        num_key_value_heads=NKV, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.eos_token_id = None
@@ -75,8 +91,9 @@ def measure(llm: Any, batch: int, steps: int, seed: int, vocab: int = V, context
     scheduler = engine.engine_core.core.scheduler
     g = torch.Generator().manual_seed(seed)
     # FINAL_ONLY, as LLM.generate runs: the front end builds outputs only at the end.
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     ids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
     for request_id in ids:
         prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
@@ -97,8 +114,12 @@ def measure(llm: Any, batch: int, steps: int, seed: int, vocab: int = V, context
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"mean_s": total / steps, "median_s": statistics.median(times), "min_s": min(times),
-            "context": context + 2 + steps / 2}
+    return {
+        "mean_s": total / steps,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "context": context + 2 + steps / 2,
+    }
 
 
 def main() -> None:
@@ -107,7 +128,9 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="Attention backend (default: selection by priority).")
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs|eager[+async][+noops]")
+    parser.add_argument(
+        "--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs|eager[+async][+noops][+nocompile]"
+    )
     args = parser.parse_args()
     # measure() reads the scheduler between steps: the engine core runs in this process.
     os.environ.setdefault("KVLOOM_ENABLE_MULTIPROCESSING", "0")
@@ -115,10 +138,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     copy = measure_copy_bandwidth(torch.device("cuda"), 1.0, 25, 200)
+    read = measure_read_bandwidth(torch.device("cuda"), 2.0, 25, 200)
     bw = copy["copy_GBps"] * 1e9
+    read_bw = read["read_GBps"] * 1e9
     result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "copy": copy, "rows": [],
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "copy": copy,
+        "read": read,
+        "rows": [],
     }
     from kvloom import LLM
 
@@ -126,13 +156,21 @@ def main() -> None:
         model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
         for mode in args.modes.split(","):
             base, *options = mode.split("+")
-            if base not in ("graphs", "eager") or set(options) - {"async", "noops"}:
-                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async and/or +noops")
+            if base not in ("graphs", "eager") or set(options) - {"async", "noops", "nocompile"}:
+                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile")
             llm = LLM(
-                str(model_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                max_model_len=2048, max_num_seqs=max(batches), attention_backend=args.backend,
-                enforce_eager=(base == "eager"), gpu_memory_utilization=0.9,
-                async_scheduling="async" in options, custom_ops="none" if "noops" in options else "all",
+                str(model_dir),
+                load_format="dummy",
+                dtype="bfloat16",
+                skip_tokenizer_init=True,
+                max_model_len=2048,
+                max_num_seqs=max(batches),
+                attention_backend=args.backend,
+                enforce_eager=(base == "eager"),
+                gpu_memory_utilization=0.9,
+                async_scheduling="async" in options,
+                custom_ops="none" if "noops" in options else None,
+                torch_compile=False if "nocompile" in options else None,
                 disable_log_stats=True,  # as recorded: LLM kept stats off by default then
             )
             backend = llm.config.attention.backend.NAME
@@ -140,8 +178,19 @@ def main() -> None:
                 m = measure(llm, batch, args.steps, seed=batch)
                 limit = bytes_per_step(batch, m["context"])
                 t_limit = limit["total_bytes"] / bw
-                row = {"mode": mode, "backend": backend, "batch": batch, **m, **limit, "limit_s": t_limit,
-                       "fraction_of_limit": t_limit / m["mean_s"], "tok_s": batch / m["mean_s"]}
+                t_read = limit["total_bytes"] / read_bw
+                row = {
+                    "mode": mode,
+                    "backend": backend,
+                    "batch": batch,
+                    **m,
+                    **limit,
+                    "limit_s": t_limit,
+                    "fraction_of_limit": t_limit / m["mean_s"],
+                    "read_limit_s": t_read,
+                    "fraction_of_read_limit": t_read / m["mean_s"],
+                    "tok_s": batch / m["mean_s"],
+                }
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 (out / "decode_roofline.json").write_text(json.dumps(result, indent=1))
@@ -150,11 +199,18 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
 
-    print(f"\n== decode, Llama-3-8B shape, context {CONTEXT}, {result['gpu']}, copy {copy['copy_GBps']:.0f} GB/s")
-    print(f"{'mode':>18} {'backend':>14} {'batch':>5} {'step ms':>8} {'limit ms':>8} {'% limit':>7} {'tok/s':>8}")
+    print(
+        f"\n== decode, Llama-3-8B shape, context {CONTEXT}, {result['gpu']}, copy {copy['copy_GBps']:.0f} GB/s, "
+        f"read {read['read_GBps']:.0f} GB/s"
+    )
+    print(
+        f"{'mode':>22} {'backend':>14} {'batch':>5} {'step ms':>8} {'limit ms':>8} {'% copy':>7} {'% read':>7} {'tok/s':>8}"
+    )
     for r in result["rows"]:
-        print(f"{r['mode']:>18} {r['backend']:>14} {r['batch']:>5} {1e3 * r['mean_s']:8.2f} {1e3 * r['limit_s']:8.2f} "
-              f"{100 * r['fraction_of_limit']:6.1f}% {r['tok_s']:8.0f}")
+        print(
+            f"{r['mode']:>22} {r['backend']:>14} {r['batch']:>5} {1e3 * r['mean_s']:8.2f} {1e3 * r['limit_s']:8.2f} "
+            f"{100 * r['fraction_of_limit']:6.1f}% {100 * r['fraction_of_read_limit']:6.1f}% {r['tok_s']:8.0f}"
+        )
 
 
 if __name__ == "__main__":

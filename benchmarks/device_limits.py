@@ -1,5 +1,9 @@
-"""Device ceilings shared by the benchmarks: copy bandwidth and bf16 GEMM rate, measured
-the same way everywhere (median of device-timed runs, random data, read+write bytes)."""
+"""Device ceilings shared by the benchmarks: copy bandwidth, read bandwidth and bf16 GEMM
+rate, measured the same way everywhere (median of device-timed runs, random data).
+
+Copy bandwidth counts read + write bytes of a tensor copy; read bandwidth counts the bytes
+of a large reduction (a decode step mostly reads: weights and KV), which the H100 streams
+faster than it copies, so it is the stricter limit."""
 
 from __future__ import annotations
 
@@ -38,6 +42,14 @@ def measure_copy_bandwidth(device: torch.device, gib: float, warmup_ms: int, rep
     ms = bench(lambda: dst.copy_(src), warmup_ms, rep_ms, device)
     moved = 2 * src.numel() * src.element_size()  # read + write
     return {"copy_bytes": moved, "copy_ms": ms, "copy_GBps": moved / ms / 1e6}
+
+
+def measure_read_bandwidth(device: torch.device, gib: float, warmup_ms: int, rep_ms: int) -> dict[str, float]:
+    numel = int(gib * 2**30) // 2
+    src = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    ms = bench(lambda: src.sum(dtype=torch.float32), warmup_ms, rep_ms, device)
+    read = src.numel() * src.element_size()
+    return {"read_bytes": read, "read_ms": ms, "read_GBps": read / ms / 1e6}
 
 
 def measure_gemm_rate(device: torch.device, n: int, warmup_ms: int, rep_ms: int) -> dict[str, float]:

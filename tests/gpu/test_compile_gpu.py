@@ -1,6 +1,6 @@
 """torch.compile + piecewise / full CUDA graphs on a CUDA GPU (issue 19).
 
-- fp32 parity models (tiny random Llama and Qwen3), TRITON_ATTN: greedy tokens identical
+- fp32 parity models (tiny random Llama, Qwen3 and Qwen3-MoE: the fused_moe kernel as an opaque op), TRITON_ATTN: greedy tokens identical
   for eager (-O0), PIECEWISE and FULL_AND_PIECEWISE, with async scheduling off and on;
   the steps really ran the graphs the mode promises (the dispatcher is observed).
 - FLASHINFER (bf16 only): the compiled model gives identical tokens without graphs, with
@@ -96,7 +96,9 @@ EXPECTED_RUNTIME = {"eager": {"NONE"}, "compiled": {"NONE"}, "PIECEWISE": {"PIEC
                     "FULL_AND_PIECEWISE": {"FULL", "PIECEWISE"}}  # fmt: skip
 
 
-@pytest.mark.parametrize(("arch", "async_scheduling"), [("llama", False), ("llama", True), ("qwen3", False)])
+@pytest.mark.parametrize(
+    ("arch", "async_scheduling"), [("llama", False), ("llama", True), ("qwen3", False), ("qwen3_moe", False)]
+)
 def test_fp32_tokens_identical_across_modes(arch, async_scheduling):
     from tests.helpers.model_fixtures import tiny_model_dir
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,6 +106,26 @@ def _merged_without_stacked_params(model: nn.Module, stacked: Iterable[tuple[str
     return sorted(found - mapped)
 
 
+#: Platform ops a compiled model keeps under ``--custom-ops none``: their torch code is not
+#: layer math for Inductor to fuse but reads routing sizes on the host, which neither a
+#: traced graph nor a CUDA graph can hold.
+_KEPT_WHEN_COMPILED = ("fused_moe",)
+
+
+def _layer_ops(config: EngineConfig) -> dict[str, Callable[..., object]]:
+    """The platform's fused layer kernels to activate: all of them, unless ``--custom-ops
+    none``; a compiled model calls them through opaque torch ops."""
+    comp = config.compilation
+    ops = config.device.platform.custom_ops(config)
+    if comp.custom_ops != "all":
+        ops = {name: op for name, op in ops.items() if comp.compile_model and name in _KEPT_WHEN_COMPILED}
+    if comp.compile_model and ops:
+        from kvloom.compilation.opaque_ops import as_opaque_ops
+
+        ops = as_opaque_ops(ops)
+    return ops
+
+
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     """The model of ``config`` on ``device`` in ``config.model.dtype``, weights loaded, in eval mode."""
     device = torch.device(device)
@@ -114,9 +134,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
         architecture = ModelRegistry.pooling_architecture(architecture)
     model_cls = ModelRegistry.load_model_cls(architecture)
     start = time.perf_counter()
-    # The platform's fused layer kernels, unless --custom-ops none.
-    ops = config.device.platform.custom_ops(config) if config.compilation.custom_ops == "all" else {}
-    set_custom_ops(ops)
+    set_custom_ops(_layer_ops(config))
     with default_dtype(config.model.dtype), device:
         model = model_cls(config)
     # Layers that allocate in their own way (or out-of-tree models) end up here too.

@@ -132,8 +132,11 @@ class Platform(ABC):
         arguments. Each must match the torch code it replaces as
         ``kvloom.testing.check_custom_op`` checks (bit-identical, or within 2 ulp for the
         norms) for the dtypes it is returned for; return only the ops that hold for
-        ``config.model.dtype``. Called once when the model loads, unless ``--custom-ops
-        none``. Default: none, the torch code runs."""
+        ``config.model.dtype``. Called once when the model loads; ``--custom-ops none``
+        drops them all, except ``fused_moe`` for a compiled model (its torch code syncs with
+        the host). A compiled model calls them through opaque torch ops
+        (``kvloom.compilation.opaque_ops``), so Dynamo never traces into them. Default:
+        none, the torch code runs."""
         return {}
 
     @classmethod

@@ -68,10 +68,9 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graphs = True
     dist_backend = "nccl"
-    # torch.compile with piecewise CUDA graphs is opt-in on CUDA (--torch-compile) until it
-    # has been verified on a GPU (tests/gpu/run.sh compile); -O levels then keep today's
-    # full decode graphs with an eager model.
-    compile_by_default = False
+    # -O1..-O3 compile the model and capture piecewise graphs (verified on the H100 by
+    # tests/gpu/run.sh compile: identical tokens across modes, docs/benchmarks/gpu_h100.md).
+    compile_by_default = True
 
     @classmethod
     def is_available(cls) -> bool:
