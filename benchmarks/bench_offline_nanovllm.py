@@ -51,8 +51,8 @@ def write_qwen3_config(path: Path, vocab_size: int = V, **shape: int) -> Path:
     its sizes: a tokenizer's vocabulary, a tiny shape for a CPU check) saved in ``path``."""
     from transformers import Qwen3Config
 
-    sizes = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
-                 num_key_value_heads=NKV, head_dim=HD)  # fmt: skip
+    sizes = {"hidden_size": H, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH,
+             "num_key_value_heads": NKV, "head_dim": HD}
     if set(shape) - set(sizes):
         raise ValueError(f"unknown Qwen3 sizes {sorted(set(shape) - set(sizes))} (allowed: {', '.join(sizes)})")
     sizes.update(shape)

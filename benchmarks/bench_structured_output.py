@@ -75,8 +75,14 @@ logger = logging.getLogger("bench_structured_output")
 TARGET_RATIO = 1.15
 
 #: A tiny Qwen3 for the CPU smoke run (``--shape tiny``).
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16)  # fmt: skip
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 
 
 def _letters(n: int) -> dict[str, Any]:
@@ -100,19 +106,19 @@ SCHEMA: dict[str, Any] = _obj(
         tier={"type": "string", "enum": ["free", "pro", "enterprise"]},
         address=_obj(street=_letters(16), city=_letters(12),
                      country={"type": "string", "enum": ["NO", "SE", "DE", "FR", "US", "JP"]},
-                     zip={"type": "string", "maxLength": 5, "pattern": "^[0-9]{5}$"}),  # fmt: skip
+                     zip={"type": "string", "maxLength": 5, "pattern": "^[0-9]{5}$"}),
     ),
     items={"type": "array", "minItems": 1, "maxItems": 4, "items": _obj(
         sku={"type": "string", "maxLength": 8, "pattern": "^[A-Z]{3}-[0-9]{4}$"},
         quantity={"type": "integer", "minimum": 1, "maximum": 99},
         category={"type": "string", "enum": ["book", "toy", "food", "tool", "garment"]},
         gift={"type": "boolean"},
-    )},  # fmt: skip
+    )},
     tags={"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6, "pattern": "^[a-z]{1,6}$"}},
     shipping=_obj(method={"type": "string", "enum": ["ground", "air", "express"]}, insured={"type": "boolean"},
-                  days={"type": "integer", "minimum": 1, "maximum": 30}),  # fmt: skip
+                  days={"type": "integer", "minimum": 1, "maximum": 30}),
     notes=_letters(20),
-)
+)  # fmt: skip
 
 
 def model_dir_with_tokenizer(root: Path, tokenizer_dir: Path, shape: str) -> tuple[Path, Any]:
@@ -134,7 +140,7 @@ class StepRecorder:
     and what ``schedule()`` put in it, plus the bitmask fill and apply times."""
 
     def __init__(self, llm: Any, device: torch.device) -> None:
-        import kvloom.worker.model_runner as model_runner
+        from kvloom.worker import model_runner
 
         self.engine = llm.llm_engine
         self.core = self.engine.engine_core.core
@@ -374,9 +380,15 @@ def print_table(result: dict[str, Any]) -> None:
         c = run["compile"]
         print(f"{run['mode']:>6} compile: tokenizer info {1e3 * c['tokenizer_info_s']:.1f} ms, schema cold "
               f"{1e3 * c['cold_s']:.1f} ms, cached {1e3 * c['cached_s']:.3f} ms")  # fmt: skip
-    for key in ("constrained_tokens_identical_sync_async", "plain_tokens_identical_sync_async",
-                "async_plain_overlaps", "async_constrained_overlaps", "structured_requests_force_synchronous_steps",
-                "worst_step_time_ratio", "meets_target"):
+    for key in (
+        "constrained_tokens_identical_sync_async",
+        "plain_tokens_identical_sync_async",
+        "async_plain_overlaps",
+        "async_constrained_overlaps",
+        "structured_requests_force_synchronous_steps",
+        "worst_step_time_ratio",
+        "meets_target",
+    ):
         if key in result:
             print(f"{key}: {result[key]}")
 
@@ -390,8 +402,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=1024,
-                        help="Cap of the constrained requests (the schema ends them well before).")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1024,
+        help="Cap of the constrained requests (the schema ends them well before).",
+    )
     parser.add_argument("--modes", default="sync,async", help="comma-separated: sync, async (async_scheduling)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)

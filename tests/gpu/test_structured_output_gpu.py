@@ -42,11 +42,10 @@ def test_json_schema_requests_on_cuda_all_validate() -> None:
     """32 sampled (temperature 1) JSON-schema requests at once on a tiny random Llama
     with a real byte-level tokenizer, on CUDA with CUDA graphs: every output ends with
     its grammar and validates against the CPU acceptance schema."""
-    from tests.structured_output.test_generate import SCHEMA
-
     from kvloom import LLM, SamplingParams, StructuredOutputsParams
     from kvloom.testing.json_schema import schema_errors
     from kvloom.testing.models import tiny_model_dir
+    from tests.structured_output.test_generate import SCHEMA
 
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="1GiB", max_num_seqs=32,
               disable_log_stats=True)  # fmt: skip

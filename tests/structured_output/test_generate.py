@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from kvloom import LLM, SamplingParams, StructuredOutputsParams
-from kvloom.request import FinishReason
 from kvloom.testing.json_schema import schema_errors
 
 pytestmark = pytest.mark.slow
