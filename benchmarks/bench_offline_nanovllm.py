@@ -46,14 +46,20 @@ def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts[:num_seqs], out_lens[:num_seqs]
 
 
-def write_qwen3_config(path: Path) -> Path:
+def write_qwen3_config(path: Path, vocab_size: int = V, **shape: int) -> Path:
+    """The Qwen3-0.6B config (``vocab_size`` and ``shape``, e.g. ``hidden_size``, replace
+    its sizes: a tokenizer's vocabulary, a tiny shape for a CPU check) saved in ``path``."""
     from transformers import Qwen3Config
 
+    sizes = {"hidden_size": H, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH,
+             "num_key_value_heads": NKV, "head_dim": HD}
+    if set(shape) - set(sizes):
+        raise ValueError(f"unknown Qwen3 sizes {sorted(set(shape) - set(sizes))} (allowed: {', '.join(sizes)})")
+    sizes.update(shape)
     cfg = Qwen3Config(
-        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
-        num_key_value_heads=NKV, head_dim=HD, tie_word_embeddings=True,
+        vocab_size=vocab_size, **sizes, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False, max_window_layers=28,
+        rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False, max_window_layers=sizes["num_hidden_layers"],
     )
     cfg.architectures = ["Qwen3ForCausalLM"]
     cfg.eos_token_id = None

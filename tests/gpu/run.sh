@@ -2,13 +2,18 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, tp.
+# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp.
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
 #   mla          the GPU tests of backends/mla (TRITON_MLA), of FLASHINFER_MLA, tests/gpu/test_mla_gpu.py (tiny
 #                DeepSeek-V2) and the MLA conformance of both, then benchmarks/bench_mla_decode.py (MLA decode
 #                alone vs copy bandwidth) -> $OUT/mla/mla_decode.json; MLA_ARGS adds flags.
+#   so           tests/gpu/test_structured_output_gpu.py (xgrammar's CUDA bitmask kernel; 32 sampled JSON-schema
+#                requests on a tiny model all validate) and benchmarks/bench_structured_output.py (Qwen3-0.6B shape,
+#                dummy weights, .benchtok's vocabulary, batch 64: decode step with a JSON schema vs without, sync and
+#                async scheduling; grammar compile time; bitmask fill/apply) -> $OUT/so/structured_output.json;
+#                needs the carried folder .benchtok; SO_ARGS adds flags.
 #   tp           tests/gpu/test_tp_gpu.py (TP=2 vs TP=1 greedy tokens over NCCL, eager and CUDA graphs; a
 #                killed rank); needs a machine with two GPUs (kind nvidia-h100-x2).
 #   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens) and
@@ -195,6 +200,9 @@ for i in "${!stages[@]}"; do
     compile)
       run_pytest compile tests/gpu/test_compile_gpu.py
       python3 benchmarks/bench_mixed_step.py --out "$OUT" ${MIXED_ARGS:---num-layers 16} 2>&1 | tail -20 ;;
+    so)
+      run_pytest so tests/gpu/test_structured_output_gpu.py
+      python3 benchmarks/bench_structured_output.py --tokenizer .benchtok --out "$OUT/so" ${SO_ARGS:-} 2>&1 | tail -40 ;;
     tp) run_pytest tp tests/gpu/test_tp_gpu.py ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;

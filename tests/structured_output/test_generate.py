@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvloom import LLM, SamplingParams, StructuredOutputsParams
-from kvloom.request import FinishReason
+from kvloom.testing.json_schema import schema_errors
 
 pytestmark = pytest.mark.slow
 
@@ -40,47 +40,14 @@ SCHEMA: dict[str, Any] = {
 }  # fmt: skip
 
 
-def schema_errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
-    """Where ``value`` breaks ``schema`` (the keywords SCHEMA uses; jsonschema is not a
-    dependency)."""
-    errors: list[str] = []
-    kind = schema.get("type")
-    checks = {"object": dict, "array": list, "string": str, "boolean": bool}
-    if kind == "integer":
-        if not isinstance(value, int) or isinstance(value, bool):
-            return [f"{path}: not an integer"]
-        if not schema.get("minimum", value) <= value <= schema.get("maximum", value):
-            errors.append(f"{path}: {value} out of range")
-    elif kind in checks and not isinstance(value, checks[kind]):
-        return [f"{path}: not a {kind}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{path}: {value!r} not in enum")
-    if kind == "string" and len(value) > schema.get("maxLength", len(value)):
-        errors.append(f"{path}: longer than {schema['maxLength']}")
-    if kind == "string" and "pattern" in schema and not re.search(schema["pattern"], value):
-        errors.append(f"{path}: {value!r} does not match {schema['pattern']}")
-    if kind == "array":
-        if len(value) > schema.get("maxItems", len(value)):
-            errors.append(f"{path}: more than {schema['maxItems']} items")
-        for i, item in enumerate(value):
-            errors += schema_errors(item, schema["items"], f"{path}[{i}]")
-    if kind == "object":
-        props = schema.get("properties", {})
-        errors += [f"{path}: missing {k}" for k in schema.get("required", []) if k not in value]
-        if schema.get("additionalProperties") is False:
-            errors += [f"{path}: unexpected {k}" for k in value if k not in props]
-        for k, v in value.items():
-            if k in props:
-                errors += schema_errors(v, props[k], f"{path}.{k}")
-    return errors
-
-
 def test_schema_errors_catches_what_it_checks() -> None:
     good = {"name": "Tom", "species": "cat", "age": 3, "tags": ["a"], "owner": {"city": "Oslo", "verified": True}}
     assert schema_errors(good, SCHEMA) == []
     bad = {**good, "name": "T m", "species": "cow", "age": 31, "tags": ["a"] * 3, "owner": {"city": "x" * 9},
            "extra": 1}  # fmt: skip
     assert len(schema_errors(bad, SCHEMA)) == 8  # the long city breaks maxLength and pattern
+    with pytest.raises(ValueError, match=r"schema at \$\.x: unsupported keywords \['minLength'\]"):
+        schema_errors({"x": "a"}, {"type": "object", "properties": {"x": {"type": "string", "minLength": 2}}})
 
 
 @pytest.fixture(scope="module")

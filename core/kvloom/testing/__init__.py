@@ -38,7 +38,9 @@ dependencies):
   the random paged batches that tests and benchmarks check backends with, and the
   references of the custom ops;
 - ``kvloom.testing.host_sync``: detect host synchronisations in code meant for CUDA
-  graphs.
+  graphs;
+- ``kvloom.testing.json_schema``: ``schema_errors`` (where a JSON value breaks a schema,
+  for structured-output tests and benchmarks).
 """
 
 from kvloom.testing.conformance import (
