@@ -70,7 +70,7 @@ class WorkerRankError(RuntimeError):
 
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
-        super().__init__(f"tensor-parallel worker rank {rank} {message}")
+        super().__init__(f"worker rank {rank} {message}")
 
 
 class _PendingStep(PendingModelRunnerOutput):
