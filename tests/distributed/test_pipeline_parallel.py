@@ -4,7 +4,9 @@
   with an uneven 2+1 layer split, Qwen3-MoE, and Qwen2 with tied embeddings: the last
   stage's own LM head loads the embedding), with more requests than ``max_num_seqs`` and
   a small token budget so that the engine core keeps two micro-batches in flight;
-* TP=2 x PP=2 (four ranks) gives the same tokens too;
+* TP=2 x PP=2 (four ranks) gives the same tokens too, and so does PP=2 under forced
+  preemption (a KV cache too small for the batch: requests are preempted, some with a step
+  still in the pipeline);
 * a stage builds and reads only its own layers (and the embedding / norm / head where
   they live);
 * a killed rank makes ``generate`` raise an error naming it, and no process is left;
@@ -28,7 +30,8 @@ from kvloom.executor.multiproc import MultiprocExecutor, WorkerRankError
 from kvloom.loader import weight_utils
 from kvloom.loader.model_loader import get_model
 from kvloom.testing import resolve_engine_config
-from kvloom.testing.models import tiny_model_dir
+from kvloom.testing.models import random_prompts, tiny_model_dir
+from tests.helpers.model_fixtures import greedy_counting_preemptions
 
 # Five requests over max_num_seqs=4 and a 16-token step budget: prompts are chunked, and
 # while one micro-batch is in the pipeline the next takes the requests left out of it.
@@ -77,6 +80,25 @@ def test_tp2_times_pp2_greedy_tokens_match() -> None:
     path = str(tiny_model_dir("llama"))
     expected, _ = greedy_tokens(path)
     tokens, _ = greedy_tokens(path, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert tokens == expected
+
+
+def test_pp2_under_preemption_matches_pp1() -> None:
+    """14 blocks of 16 tokens cannot hold 5 requests of up to 104 tokens (as in
+    tests/e2e/test_generate.py's preemption case)."""
+    path = str(tiny_model_dir("llama"))
+    prompts = random_prompts(512)
+
+    def run(**engine_args: object) -> tuple[list[list[int]], int]:
+        llm = LLM(path, dtype="float32", max_model_len=128, disable_log_stats=True, **engine_args)  # type: ignore[arg-type]
+        try:
+            return greedy_counting_preemptions(llm, prompts, 40)
+        finally:
+            llm.llm_engine.shutdown()
+
+    expected, _ = run(kv_cache_memory="16MiB")
+    tokens, preemptions = run(pipeline_parallel_size=2, num_gpu_blocks_override=14)
+    assert preemptions > 0
     assert tokens == expected
 
 
