@@ -187,17 +187,25 @@ class SchedulerConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Parallelism: tensor parallelism over worker processes, data-parallel replicas."""
+    """Parallelism: tensor and pipeline parallelism over worker processes, data-parallel replicas."""
 
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Tensor-parallel degree: worker processes (ranks) that each hold a slice of every
     sharded layer (heads, MLP columns, vocabulary)."""
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    """Pipeline stages: each holds a contiguous run of the decoder layers (and their KV
+    cache); the engine core keeps up to this many micro-batches in flight."""
     distributed_executor_backend: Literal["uni", "mp"] = "uni"
     """How the engine core runs its workers: "uni" (one worker in the engine core's
     process; tensor-parallel size 1) or "mp" (one process per rank on this machine)."""
     data_parallel_size: int = Field(default=1, ge=1)
     """Data-parallel replicas: engine core processes, each a whole model with its own KV
     cache, among which the front ends balance the requests."""
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine core: tensor-parallel size x pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class AttentionConfig(_Section):
@@ -314,7 +322,8 @@ class EngineConfig(_Section):
     """Batching: ``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill, policy,
     async scheduling."""
     parallel: ParallelConfig
-    """Parallelism (``tensor_parallel_size``, ``distributed_executor_backend``, ``data_parallel_size``)."""
+    """Parallelism (``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``,
+    ``data_parallel_size``)."""
     attention: AttentionConfig
     """``backend``: the selected ``AttentionBackend`` class; ``requested_backend``: the
     user's ``--attention-backend``."""

@@ -1,6 +1,7 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): TP=2 gives TP=1's greedy tokens on the fp32
-tiny Llama and Qwen3, eager and with the platform's default CUDA graphs; a killed rank
-raises naming it.
+tiny Llama and Qwen3, eager and with the platform's default CUDA graphs; pipeline
+parallelism PP=2 (NCCL send/recv between the stages, two micro-batches in flight) gives
+PP=1's on Llama and Qwen3-MoE; a killed rank raises naming it.
 
 Run on a machine with two or more GPUs: ``bash tests/gpu/run.sh tp``.
 """
@@ -45,6 +46,15 @@ def test_tp2_matches_tp1_on_gpus(arch: str, enforce_eager: bool) -> None:
     model = str(tiny_model_dir(arch))
     expected = greedy_tokens(model, enforce_eager=enforce_eager)
     assert greedy_tokens(model, tensor_parallel_size=2, enforce_eager=enforce_eager) == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_pp2_matches_pp1_on_gpus(arch: str) -> None:
+    model = str(tiny_model_dir(arch))
+    # More requests than fit one micro-batch (a 16-token step budget): the batch queue fills.
+    batching = {"max_num_seqs": 4, "max_num_batched_tokens": 16}
+    expected = greedy_tokens(model, enforce_eager=True, **batching)
+    assert greedy_tokens(model, pipeline_parallel_size=2, **batching) == expected
 
 
 def test_killed_rank_raises_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,9 +118,14 @@ class EngineArgs(BaseModel):
         1, ge=1, description="Tensor-parallel ranks (worker processes on this machine); must divide the model's "
         "num_attention_heads (Llama, Mistral, Qwen2, Qwen3 and their MoE variants)."
     )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline stages (worker processes on this machine, times the tensor-parallel size), "
+        "each with a contiguous run of the decoder layers; at most the model's num_hidden_layers (Llama, Mistral, "
+        "Qwen2, Qwen3 and their MoE variants)."
+    )
     distributed_executor_backend: Literal["uni", "mp"] | None = Field(
         None, description="How the workers run: uni (one worker in the engine core's process) or mp (one process "
-        "per tensor-parallel rank); default: mp when --tensor-parallel-size > 1, else uni."
+        "per rank); default: mp when --tensor-parallel-size or --pipeline-parallel-size > 1, else uni."
     )
     data_parallel_size: int = Field(
         1, ge=1, description="Model replicas, each an engine core process (one GPU each on CUDA; on the CPU they "
@@ -278,18 +283,51 @@ OPTIMIZATION_LEVELS: dict[int, tuple[bool, CUDAGraphMode]] = {
 
 
 def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni", "mp"]:
-    """Validate ``--tensor-parallel-size`` against the model and the other flags; the
-    executor backend (``--distributed-executor-backend``, default mp above one rank)."""
+    """Validate ``--tensor-parallel-size`` and ``--pipeline-parallel-size`` against the
+    model and the other flags; the executor backend (``--distributed-executor-backend``,
+    default mp above one rank)."""
     from kvloom.models.registry import ModelRegistry
 
-    tp = args.tensor_parallel_size
-    backend = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
-    if tp == 1:
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    backend = args.distributed_executor_backend or ("mp" if tp * pp > 1 else "uni")
+    if tp * pp == 1:
         return backend
     if backend == "uni":
-        raise ValueError(f"distributed_executor_backend: 'uni' runs one worker, but tensor_parallel_size is {tp} "
-                         "(allowed with tensor_parallel_size > 1: mp)")  # fmt: skip
+        field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
+        raise ValueError(f"distributed_executor_backend: 'uni' runs one worker, but {field} is {max(tp, pp)} "
+                         f"(allowed with {field} > 1: mp)")  # fmt: skip
     model_cls = ModelRegistry.load_model_cls(model.architecture)
+    if pp > 1:
+        check_pipeline_parallel(args, model, model_cls)
+    if tp > 1:
+        _check_tensor_parallel_size(args, model, model_cls)
+    return backend
+
+
+def check_pipeline_parallel(args: EngineArgs, model: ModelConfig, model_cls: type) -> None:
+    """``--pipeline-parallel-size`` above 1: a model that splits its layers, at most one
+    stage per layer, and none of the features that stages do not carry yet."""
+    pp = args.pipeline_parallel_size
+    if not getattr(model_cls, "supports_pipeline_parallel", False) or model.runner != "generate":
+        raise ValueError(
+            f"pipeline_parallel_size: {model.architecture} ({model.runner} runner) cannot be split into pipeline "
+            "stages yet (allowed: 1); the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral generators can"
+        )
+    layers = int(getattr(model.hf_config, "num_hidden_layers", 0))
+    if pp > layers:
+        raise ValueError(f"pipeline_parallel_size: {pp} stages for the model's {layers} layers "
+                         f"(allowed: 1..{layers}, at least one layer per stage)")  # fmt: skip
+    for flag, value, allowed in (
+        ("async_scheduling", args.async_scheduling, False),
+    ):
+        if value != allowed:
+            raise ValueError(f"{flag}: {value!r} is not supported with pipeline_parallel_size {pp} yet "
+                             f"(allowed: {allowed!r}); the stages keep {pp} micro-batches in flight instead")  # fmt: skip
+    _check_no_unsupported_features(args, f"pipeline_parallel_size {pp}")
+
+
+def _check_tensor_parallel_size(args: EngineArgs, model: ModelConfig, model_cls: type) -> None:
+    tp = args.tensor_parallel_size
     if not getattr(model_cls, "supports_tensor_parallel", False) or model.runner != "generate":
         raise ValueError(
             f"tensor_parallel_size: {model.architecture} ({model.runner} runner) has no tensor-parallel layers yet "
@@ -305,14 +343,16 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni"
     intermediate = getattr(model.hf_config, "intermediate_size", None)
     if intermediate is not None and intermediate % tp != 0:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size ({intermediate})")
+    _check_no_unsupported_features(args, f"tensor_parallel_size {tp}")
+
+
+def _check_no_unsupported_features(args: EngineArgs, what: str) -> None:
     for flag, value, allowed in (
         ("enable_lora", args.enable_lora, False),
         ("data_parallel_size", args.data_parallel_size, 1),
     ):
         if value != allowed:
-            raise ValueError(f"{flag}: {value!r} is not supported with tensor_parallel_size {tp} yet "
-                             f"(allowed: {allowed!r})")  # fmt: skip
-    return backend
+            raise ValueError(f"{flag}: {value!r} is not supported with {what} yet (allowed: {allowed!r})")
 
 
 def resolve_compilation(
@@ -346,8 +386,17 @@ def resolve_compilation(
             raise ValueError("torch_compile=True does not support MLA models yet (DeepSeek); drop --torch-compile")
         logger.info("MLA model: it runs without torch.compile (not supported for MLA yet)")
         compile_model = False
-    requested = CUDAGraphMode.NONE if args.enforce_eager else level_mode
-    if args.cudagraph_mode is not None and not args.enforce_eager:
+    # Pipeline stages exchange IntermediateTensors around the forward; neither the compiled
+    # graph nor the CUDA graphs carry that input and output yet.
+    pipeline = args.pipeline_parallel_size > 1
+    if pipeline and (compile_model or (args.cudagraph_mode not in (None, CUDAGraphMode.NONE))):
+        if args.torch_compile or args.cudagraph_mode not in (None, CUDAGraphMode.NONE):
+            raise ValueError(f"pipeline_parallel_size: {args.pipeline_parallel_size} runs eagerly (no torch.compile, "
+                             "no CUDA graphs yet); drop --torch-compile / --cudagraph-mode")  # fmt: skip
+        logger.info("Pipeline parallelism: the model runs eagerly (no torch.compile, no CUDA graphs)")
+        compile_model = False
+    requested = CUDAGraphMode.NONE if args.enforce_eager or pipeline else level_mode
+    if args.cudagraph_mode is not None and not args.enforce_eager and not pipeline:
         requested = args.cudagraph_mode
     mode, reasons = resolve_cudagraph_mode(
         requested, backend.cudagraph_support, compile_model, platform.supports_cuda_graphs
@@ -527,6 +576,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         cache=cache,
         scheduler=scheduler,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=executor_backend,
                                 data_parallel_size=args.data_parallel_size),  # fmt: skip
         attention=AttentionConfig(

@@ -3,7 +3,8 @@
 ``step()`` is schedule -> execute -> update; everything the front end needs comes back
 in ``EngineCoreOutputs`` (new tokens, finish reasons, event timestamps, scheduler stats).
 With ``async_scheduling`` a step launches the next one before waiting for the previous
-(see ``_step_async``).
+(see ``_step_async``). With pipeline parallelism the core keeps up to one micro-batch per
+stage in flight (``_step_pipelined``, vLLM's batch queue).
 The core holds no text and no tokenizer.
 """
 
@@ -20,7 +21,7 @@ from kvloom.config import EngineConfig
 from kvloom.executor import get_executor_cls
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
-from kvloom.outputs import EngineCoreOutputs, PendingModelRunnerOutput
+from kvloom.outputs import EngineCoreOutputs, ModelRunnerOutput, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
 from kvloom.sample.metadata import check_sampling_params
 from kvloom.scheduler.output import SchedulerOutput
@@ -58,8 +59,11 @@ class EngineCore:
             log_stats=log_stats,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             structured_output_manager=self.structured_output_manager,
+            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
         )
         self.async_scheduling = config.scheduler.async_scheduling
+        # Pipeline parallelism: micro-batches in flight at most (vLLM's max_concurrent_batches).
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         # Async scheduling: steps launched on the device whose outputs are not applied yet.
         self._in_flight: deque[tuple[SchedulerOutput, PendingModelRunnerOutput]] = deque()
 
@@ -164,6 +168,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if self.async_scheduling:
             return self._step_async()
+        if self.max_concurrent_batches > 1:
+            return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty():
             # Nothing runs but grammars compile: wait for one instead of spinning.
@@ -186,6 +192,27 @@ class EngineCore:
             if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
                 # The pipeline was empty: keep this step running, schedule the next behind it.
                 return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output, pending = in_flight.popleft()
+        return scheduler.update_from_output(scheduler_output, pending.get_output())
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """One step of the batch queue (pipeline parallelism): while fewer than
+        ``max_concurrent_batches`` micro-batches are in flight, schedule one more (the
+        scheduler leaves out requests already in flight) and return at once; otherwise,
+        or when nothing more can be scheduled, wait for the oldest and apply its tokens.
+        The first stage then works on micro-batch n+1 while the next stage runs n."""
+        in_flight, scheduler = self._in_flight, self.scheduler
+        if len(in_flight) < self.max_concurrent_batches:
+            scheduler_output = scheduler.schedule()
+            if not scheduler_output.is_empty() or scheduler_output.finished_req_ids:
+                # A step that only drops finished requests goes out too: every stage must
+                # forget them, in order with the steps around it.
+                in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+                if not scheduler_output.is_empty() and len(in_flight) < self.max_concurrent_batches:
+                    return EngineCoreOutputs(timestamp=time.monotonic())
+            elif not in_flight:
+                self.structured_output_manager.wait_for_compile(0.01)  # as in step()
+                return scheduler.update_from_output(scheduler_output, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         scheduler_output, pending = in_flight.popleft()
         return scheduler.update_from_output(scheduler_output, pending.get_output())
 

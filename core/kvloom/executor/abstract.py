@@ -3,7 +3,9 @@
 The engine core asks an executor, never a worker, to load the model, size and allocate
 the KV cache and run steps. ``UniProcExecutor`` holds one worker in the engine core's own
 process (tensor-parallel size 1, what kvloom always did); ``MultiprocExecutor`` runs one
-worker process per tensor-parallel rank (``--distributed-executor-backend mp``).
+worker process per rank (``--distributed-executor-backend mp``; tensor-parallel size x
+pipeline-parallel size ranks). A step's output comes from the output rank: the last
+pipeline stage's tensor-parallel rank 0 (rank 0 without pipeline parallelism).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""``MultiprocExecutor``: one worker process per tensor-parallel rank on this machine.
+"""``MultiprocExecutor``: one worker process per rank on this machine.
 
-Start-up: the engine core's process spawns ``tensor_parallel_size`` processes (the
+Start-up: the engine core's process spawns ``tensor_parallel_size x
+pipeline_parallel_size`` processes (the
 ``spawn`` start method: CUDA cannot be used in a forked child); each joins a
 torch.distributed process group over the backend its platform names
 (``Platform.dist_backend``: gloo on the CPU, NCCL on CUDA) with a timeout on every
@@ -9,8 +10,12 @@ collective, builds the platform's worker and waits for calls.
 Transport: one ``multiprocessing`` pipe per rank. Each call (a worker method and its
 arguments, e.g. ``execute_model`` with the step's ``SchedulerOutput``) is pickled once
 and the same bytes are written to every rank's pipe; every rank answers on its own
-pipe, rank 0 with the result and the others with ``None`` (their outputs are identical
-and never leave the process). A pipe per rank is the simplest correct broadcast: it needs
+pipe, the output rank (the last pipeline stage's tensor-parallel rank 0; rank 0 without
+pipeline parallelism) with a step's result and the others with ``None`` (their outputs
+are identical or, on earlier stages, empty, and never leave the process). With pipeline
+parallelism ``execute_model_async`` returns once the step is sent: the engine core sends
+the next micro-batch while this one moves down the stages, and collects the replies of
+each in order. A pipe per rank is the simplest correct broadcast: it needs
 no port, a rank sees its parent's death as end of file on it, and waiting on the pipes
 together with the processes' sentinels reports a rank that raised or died at once,
 naming it. (vLLM's shared-memory broadcast ring saves the per-rank copy; for the scheduler
@@ -37,11 +42,15 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvloom.distributed import parallel_state
 from kvloom.executor.abstract import Executor
+from kvloom.outputs import PendingModelRunnerOutput
 from kvloom.processes import describe_exit, main_module_not_reimported
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
+    from kvloom.outputs import ModelRunnerOutput
+    from kvloom.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +65,28 @@ DRIVER_ONLY_RESULTS = frozenset({"execute_model", "execute_model_async"})
 
 
 class WorkerRankError(RuntimeError):
-    """A tensor-parallel worker rank failed (raised or died); ``rank`` names it."""
+    """A worker rank failed (raised or died); ``rank`` names it (its global rank: pipeline
+    stage ``rank // tensor_parallel_size``)."""
 
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
-        super().__init__(f"tensor-parallel worker rank {rank} {message}")
+        super().__init__(f"worker rank {rank} {message}")
+
+
+class _PendingStep(PendingModelRunnerOutput):
+    """A step sent to every rank (``MultiprocExecutor.execute_model_async``): the output
+    rank's result, collected on the first ``get_output()``."""
+
+    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+        self._executor = executor
+        self._seq = seq
+        self._output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            executor = self._executor
+            self._output = executor._collect(self._seq, "execute_model")[executor.output_rank]
+        return self._output
 
 
 def dist_timeout_s() -> float:
@@ -90,10 +116,16 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         from kvloom.logger import parent_logging
 
-        self.world_size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.output_rank = parallel_state.output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._ranks: list[_Rank] = []
         self._closed = False
         self._seq = 0
+        # Replies that arrived for a call other than the one being collected, kept for the
+        # steps still in flight (``_awaited``): (rank, seq) -> (status, value).
+        self._early: dict[tuple[int, int], tuple[str, Any]] = {}
+        self._awaited: set[int] = set()
         # A FileStore in a private directory: no port to pick, nothing left behind.
         self._store_dir = tempfile.mkdtemp(prefix="kvloom-tp-")
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
@@ -110,6 +142,7 @@ class MultiprocExecutor(Executor):
                     kwargs={
                         "config": config, "rank": rank, "world_size": self.world_size, "backend": backend,
                         "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
+                        "tensor_parallel_size": parallel.tensor_parallel_size,
                         "log_level": level, "log_format": fmt,
                         "env": config.device.platform.tensor_parallel_env(rank, self.world_size),
                     },
@@ -121,7 +154,7 @@ class MultiprocExecutor(Executor):
                 child_end.close()
                 self._ranks.append(_Rank(rank, process, parent_end))
             logger.info(
-                "Started %d tensor-parallel worker processes (pids %s), backend %s",
+                "Started %d worker processes (pids %s), backend %s",
                 self.world_size, ", ".join(str(r.process.pid) for r in self._ranks), backend,
             )  # fmt: skip
             self.collective_rpc("init_device")
@@ -135,8 +168,22 @@ class MultiprocExecutor(Executor):
         return [r.process.pid for r in self._ranks]
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self._collect(self._send(method, args), method)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
+        """Send the step to every rank and return without waiting (the engine core's batch
+        queue under pipeline parallelism); ``get_output()`` collects the output rank's."""
+        seq = self._send("execute_model", (scheduler_output,))
+        self._awaited.add(seq)
+        return _PendingStep(self, seq)
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> int:
+        """Write call ``method(*args)`` to every rank; its sequence number."""
         if self._closed:
-            raise RuntimeError(f"the tensor-parallel executor is shut down (called {method})")
+            raise RuntimeError(f"the multiprocess executor is shut down (called {method})")
         # Calls are numbered: a reply left over from a call that failed on another rank
         # (raised before every rank answered) is recognised and dropped.
         self._seq += 1
@@ -147,8 +194,21 @@ class MultiprocExecutor(Executor):
                 r.conn.send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 raise self._dead(r, method) from None
+        return seq
+
+    def _collect(self, seq: int, method: str) -> list[Any]:
+        """Every rank's reply to call ``seq``, in rank order; a rank that raised or died
+        raises ``WorkerRankError`` naming it."""
+        self._awaited.discard(seq)
         results: list[Any] = [None] * self.world_size
         pending = {r.conn: r for r in self._ranks}
+        for r in self._ranks:
+            early = self._early.pop((r.rank, seq), None)
+            if early is not None:
+                del pending[r.conn]
+                if early[0] == "error":
+                    raise WorkerRankError(r.rank, f"(pid {r.process.pid}) raised in {method}:\n{early[1]}")
+                results[r.rank] = early[1]
         sentinels = {r.process.sentinel: r for r in self._ranks}
         while pending:
             waiting = [*pending, *(s for s, r in sentinels.items() if r.conn in pending)]
@@ -160,7 +220,9 @@ class MultiprocExecutor(Executor):
                     except (EOFError, OSError):
                         raise self._dead(r, method) from None
                     if reply_seq != seq:
-                        continue  # a stale reply: this rank's answer to this call is still to come
+                        if reply_seq in self._awaited:  # a step in flight: its collector takes it later
+                            self._early[(r.rank, reply_seq)] = (status, value)
+                        continue  # else a stale reply: this rank's answer to this call is still to come
                     del pending[ready]
                     if status == "error":
                         raise WorkerRankError(r.rank, f"(pid {r.process.pid}) raised in {method}:\n{value}")
@@ -207,6 +269,7 @@ def run_worker(
     log_level: int | None = None,
     log_format: str | None = None,
     env: dict[str, str] | None = None,
+    tensor_parallel_size: int | None = None,
 ) -> None:
     """A worker process's busy loop: join the process group, build the worker, then
     answer calls until ``shutdown`` or the parent's end of the pipe closes. ``env``: the
@@ -224,7 +287,7 @@ def run_worker(
     try:
         plugins.load_plugins()
         platform = config.device.platform
-        parallel_state.init_tensor_parallel(rank, world_size, backend, init_method, timeout_s)
+        parallel_state.init_tensor_parallel(rank, world_size, backend, init_method, timeout_s, tensor_parallel_size)
         worker = platform.get_worker_cls()(config, platform)
     except BaseException:
         failure = traceback.format_exc()
@@ -244,8 +307,10 @@ def run_worker(
         except BaseException:
             conn.send((seq, "error", traceback.format_exc()))
             continue
-        # A step's output leaves the driver only: the other ranks' are the same tokens.
-        conn.send((seq, "ok", None if rank != 0 and method in DRIVER_ONLY_RESULTS else result))
+        # A step's output leaves the output rank only: the other ranks' are the same tokens
+        # (tensor parallelism) or empty (earlier pipeline stages).
+        output = rank == parallel_state.output_rank(parallel_state.tp_world_size(), parallel_state.pp_world_size())
+        conn.send((seq, "ok", None if not output and method in DRIVER_ONLY_RESULTS else result))
     try:
         if worker is not None:
             worker.shutdown()

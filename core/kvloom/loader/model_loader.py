@@ -59,7 +59,9 @@ def model_weights(
     if kind == "gguf":
         return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
     if kind == "hf":
-        return hf_dir_weights(config.model.model, config.load.load_format, origins)
+        # A pipeline stage reads only its own tensors (the model says which are elsewhere).
+        skip = getattr(model, "checkpoint_tensor_elsewhere", None)
+        return hf_dir_weights(config.model.model, config.load.load_format, origins, skip)
     raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
 
 

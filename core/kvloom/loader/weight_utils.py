@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -67,9 +67,10 @@ def find_weight_files(model_dir: str | Path, load_format: str = "auto") -> tuple
 
 
 def safetensors_weights(
-    files: list[Path], origins: dict[str, Path] | None = None
+    files: list[Path], origins: dict[str, Path] | None = None, skip: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of ``files``; ``origins``, when given, records each name's file."""
+    """The tensors of ``files``; ``origins``, when given, records each name's file. Names
+    for which ``skip`` is true are never read (another pipeline stage's tensors)."""
     from safetensors import SafetensorError, safe_open
 
     for path in files:
@@ -79,6 +80,8 @@ def safetensors_weights(
             raise _unreadable(path, exc) from exc
         with f:
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except SafetensorError as exc:
@@ -96,8 +99,11 @@ def _unreadable(path: Path, exc: BaseException) -> ValueError:
     )
 
 
-def pt_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of ``files``; ``origins``, when given, records each name's file."""
+def pt_weights(
+    files: list[Path], origins: dict[str, Path] | None = None, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``files``; ``origins``, when given, records each name's file. Names
+    for which ``skip`` is true are left out (memory-mapped: their bytes are not read)."""
     for path in files:
         # weights_only: a checkpoint must not run code; mmap: no full copy in memory.
         try:
@@ -105,6 +111,8 @@ def pt_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Ite
         except (RuntimeError, EOFError) as exc:  # torch's errors for a truncated zip or pickle
             raise _unreadable(path, exc) from exc
         for name, tensor in state.items():
+            if skip is not None and skip(name):
+                continue
             if origins is not None:
                 origins[name] = path
             yield name, tensor
@@ -112,13 +120,17 @@ def pt_weights(files: list[Path], origins: dict[str, Path] | None = None) -> Ite
 
 
 def hf_dir_weights(
-    model_dir: str | Path, load_format: str = "auto", origins: dict[str, Path] | None = None
+    model_dir: str | Path,
+    load_format: str = "auto",
+    origins: dict[str, Path] | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """All tensors of an HF model directory as ``(name, tensor)``; ``origins``, when
-    given, records the file of each name read (for errors that name the file)."""
+    """All tensors of an HF model directory as ``(name, tensor)``, but those ``skip``
+    names; ``origins``, when given, records the file of each name read (for errors that
+    name the file)."""
     kind, files = find_weight_files(model_dir, load_format)
     logger.info("Loading %s weights from %d file(s) in %s", kind, len(files), model_dir)
-    return safetensors_weights(files, origins) if kind == "safetensors" else pt_weights(files, origins)
+    return safetensors_weights(files, origins, skip) if kind == "safetensors" else pt_weights(files, origins, skip)
 
 
 #: Half-width of the uniform distribution of dummy weights: small enough that

@@ -173,6 +173,8 @@ class DeepseekV2Model(nn.Module):
             DeepseekV2DecoderLayer(config, i, _join(prefix, f"layers.{i}")) for i in range(hf.num_hidden_layers)
         )
         self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        # LlamaModel.forward's stage attributes: DeepSeek is never pipeline-split (every layer here).
+        self.start_layer, self.end_layer, self.is_last_stage = 0, hf.num_hidden_layers, True
         self.rotary_emb = RotaryEmbedding(
             head_dim=hf.qk_rope_head_dim,
             max_position=config.model.max_model_len,

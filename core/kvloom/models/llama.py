@@ -14,10 +14,17 @@ never takes effect and is accepted (e.g. Mistral-7B-v0.1 with ``--max-model-len 
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) subclass these classes and only
 change the flags in ``LlamaAttention``; the mixture-of-experts models (Qwen3-MoE, Mixtral)
 change the feed-forward block through ``mlp_block``.
+
+Pipeline parallelism (``supports_pipeline_parallel``): on stage ``p`` of ``P`` the model
+builds only its decoder layers (``kvloom.distributed.pipeline.stage_layer_range``), the
+embedding on the first stage and the final norm and LM head on the last, and loads only
+their checkpoint tensors (``checkpoint_tensor_elsewhere``); ``forward`` takes and returns
+``IntermediateTensors`` between stages.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +33,8 @@ from torch import nn
 
 from kvloom.attention.layer import Attention
 from kvloom.config import EngineConfig
+from kvloom.distributed import parallel_state
+from kvloom.distributed.pipeline import IntermediateTensors, PPMissingLayer, stage_layer_range
 from kvloom.layers.activation import get_gated_activation
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
@@ -201,6 +210,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm; on a pipeline stage only its part of them
+    (the others are ``PPMissingLayer``)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -210,14 +222,21 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.embed_tokens = VocabEmbedding(
-            hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"), parallel=True
-        )
+        stage, num_stages = parallel_state.pp_rank(), parallel_state.pp_world_size()
+        self.start_layer, self.end_layer = stage_layer_range(hf.num_hidden_layers, stage, num_stages)
+        self.is_first_stage, self.is_last_stage = stage == 0, stage == num_stages - 1
+        self.embed_tokens: nn.Module = (
+            VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"), parallel=True)
+            if self.is_first_stage else PPMissingLayer()
+        )  # fmt: skip
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), attention_kwargs, mlp_factory)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf.num_hidden_layers)
+        )  # fmt: skip
+        self.norm: nn.Module = (
+            RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
         )
-        self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             head_dim=config.model.head_size,
             max_position=config.model.max_model_len,
@@ -225,14 +244,28 @@ class LlamaModel(nn.Module):
             max_position_embeddings=hf.max_position_embeddings,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states on the last stage, the stream for the next stage on the
+        others; ``intermediate_tensors``: the previous stage's (None on the first)."""
+        if intermediate_tensors is None:
+            hidden_states = self.embed_tokens(input_ids)
+            residual: torch.Tensor | None = None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         cos_sin = self.rotary_emb.cos_sin(positions)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        if not self.is_last_stage:
+            assert residual is not None  # a stage holds at least one layer
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+#: A checkpoint name of one decoder layer; group 1 is its index.
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,16 +279,22 @@ class LlamaForCausalLM(nn.Module):
     experts in a subclass stays whole on every rank: correct, not yet sharded)."""
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
     """Merged module -> its HF modules, for LoRA (``{"qkv_proj": ["q_proj", ...], ...}``)."""
+    supports_pipeline_parallel = True
+    """Decoder layers are split over pipeline stages (embedding on the first, norm and LM
+    head on the last); every subclass (Qwen2/3, Mistral, Qwen3-MoE, Mixtral) inherits it."""
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         self.config = config
         hf = config.model.hf_config
         self.model = LlamaModel(config, _join(prefix, "model"), self.attention_kwargs(hf), self.mlp_block)
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"), parallel=True)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head: nn.Module = PPMissingLayer()
+        if self.model.is_last_stage:
+            self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"), parallel=True)
+            # A last stage without the embedding loads the tied weight into its own head.
+            if self.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     @classmethod
     def attention_kwargs(cls, hf_config: Any) -> dict[str, bool]:
@@ -269,14 +308,38 @@ class LlamaForCausalLM(nn.Module):
         ``MLPFactory``; what the MoE models change): the dense ``LlamaMLP``."""
         return llama_mlp(config, layer_idx, prefix)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[M, vocab]`` of the hidden states the sampler needs."""
         return self.lm_head(hidden_states)
 
+    def checkpoint_tensor_elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage only (the
+        loader then never reads it): another stage's layers, the embedding off the first
+        stage (unless this last stage's head is tied to it), norm and head off the last."""
+        model = self.model
+        if (match := _LAYER_NAME.match(name)) is not None:
+            return not model.start_layer <= int(match.group(1)) < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return not (model.is_first_stage or (model.is_last_stage and self.tie_word_embeddings))
+        if name.startswith(("model.norm.", "lm_head.")):
+            return not model.is_last_stage
+        return False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named checkpoint tensors (merging q/k/v and gate/up); the names loaded."""
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=tied)
+        """Load HF-named checkpoint tensors (merging q/k/v and gate/up); the names loaded.
+        Tensors of other pipeline stages are skipped."""
+        model = self.model
+        tied = ("lm_head.weight",) if self.tie_word_embeddings and model.is_first_stage else ()
+        # A tied head on a last stage without the embedding: the embedding is its weight.
+        own_head = self.tie_word_embeddings and model.is_last_stage and not model.is_first_stage
+        kept = (
+            ("lm_head.weight" if own_head and name == "model.embed_tokens.weight" else name, tensor)
+            for name, tensor in weights
+            if not self.checkpoint_tensor_elsewhere(name)
+        )
+        return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=tied)

@@ -38,6 +38,10 @@ class CachedRequestData:
     #: Blocks appended to the request's block table this step (may be empty).
     new_block_ids: list[int]
     num_computed_tokens: int
+    #: Pipeline parallelism only: the tokens this step computes (positions
+    #: ``num_computed_tokens`` on), which the stages before the last did not sample
+    #: themselves. None without pipeline parallelism.
+    new_token_ids: list[int] | None = None
 
 
 @dataclass

@@ -44,6 +44,12 @@ structured request that samples in it; its tokens advance its matcher, and it fi
 n, so structured requests are among those that need the host to know every token:
 while one runs, async scheduling steps synchronously.
 
+Pipeline parallelism (``pipeline_parallel_size`` P > 1): the engine core keeps up to P
+micro-batches in flight, one per stage. A request is in at most one of them: while its
+step is in flight it is not scheduled again (``_in_flight``), so every step's inputs are
+known tokens. The stages before the last sample nothing; each scheduled running request
+carries the tokens its step computes (``CachedRequestData.new_token_ids``).
+
 Requests never wait on each other forever: a request that needs more KV blocks than the
 whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
 this) is finished with ``FinishReason.LENGTH`` instead of being retried.
@@ -79,6 +85,7 @@ class Scheduler:
         log_stats: bool = True,
         max_loras: int | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -128,6 +135,9 @@ class Scheduler:
         # Structured outputs: None = refused (the engine core passes its manager).
         self.structured_output_manager = structured_output_manager
         self._structured: set[str] = set()  # ids of requests with a grammar
+        # Pipeline parallelism: ids of requests in a step not yet back from the last stage.
+        self.pipeline_parallel = pipeline_parallel_size > 1
+        self._in_flight: set[str] = set()
 
     # ------------------------------------------------------------------ requests in
 
@@ -231,6 +241,7 @@ class Scheduler:
         allocate_slots = kv.allocate_slots
         async_scheduling = self.async_scheduling
         stop_limits = self._stop_limits
+        pipeline, in_flight = self.pipeline_parallel, self._in_flight
 
         # 1. Running requests (a copy: preemption removes from self.running). A scheduled
         # request's tokens count as computed at once (the worker computes them before
@@ -239,6 +250,8 @@ class Scheduler:
             if token_budget == 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this loop
+                continue
+            if pipeline and request.request_id in in_flight:  # its previous step is still in the pipeline
                 continue
             num_computed = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
@@ -274,8 +287,9 @@ class Scheduler:
                 continue
             request_id = request.request_id
             cached_reqs.append(
-                CachedRequestData(request_id, [b.block_id for b in new_blocks] if new_blocks else [], num_computed)
-            )
+                CachedRequestData(request_id, [b.block_id for b in new_blocks] if new_blocks else [], num_computed,
+                                  request.all_token_ids[num_computed : num_computed + num_new] if pipeline else None)
+            )  # fmt: skip
             request.num_computed_tokens = num_computed + num_new
             num_scheduled_tokens[request_id] = num_new
             token_budget -= num_new
@@ -304,8 +318,8 @@ class Scheduler:
                 ):
                     skipped.append(self.waiting.pop())
                     continue
-                if request.num_output_placeholders:  # preempted with a step in flight: wait for its token
-                    skipped.append(self.waiting.pop())
+                if request.num_output_placeholders or (pipeline and request.request_id in in_flight):
+                    skipped.append(self.waiting.pop())  # preempted with a step in flight: wait for its token
                     continue
                 if request.status == RequestStatus.WAITING_FOR_FSM:
                     assert self.structured_output_manager is not None
@@ -381,6 +395,8 @@ class Scheduler:
                 bitmask_rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        if pipeline:
+            in_flight.update(num_scheduled_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -435,6 +451,8 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         outputs, self._pending_outputs = self._pending_outputs, []
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        if self.pipeline_parallel:
+            self._in_flight.difference_update(num_scheduled_tokens)
         req_ids = model_runner_output.req_ids
         if len(req_ids) != len(num_scheduled_tokens):
             missing = sorted(set(num_scheduled_tokens) - set(req_ids))

@@ -122,6 +122,22 @@ class InputBatch:
         if position < self.max_model_len:
             self.token_ids[state.row, position] = token_id
 
+    def write_tokens(self, state: CachedRequestState, start: int, token_ids: list[int]) -> None:
+        """The request's tokens at positions ``start, start+1, ...``, learnt elsewhere (a
+        pipeline stage before the last gets the last stage's samples from the
+        scheduler): known positions are overwritten, the next ones appended."""
+        for position, token_id in enumerate(token_ids, start):
+            if position < state.num_prompt_tokens:
+                continue  # prompt tokens never change
+            index = position - state.num_prompt_tokens
+            if index < len(state.output_token_ids):
+                self.set_token(state, index, token_id)
+            elif index == len(state.output_token_ids):
+                self.append_token(state, token_id)
+            else:
+                raise RuntimeError(f"request {state.req_id}: token at position {position} arrived before the "
+                                   f"{state.num_tokens} earlier ones")  # fmt: skip
+
     def remove(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
         if state is not None:

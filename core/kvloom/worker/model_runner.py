@@ -46,6 +46,8 @@ from kvloom.compilation.backend import PiecewiseBackend
 from kvloom.compilation.cache import use_compile_cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper
 from kvloom.config import CUDAGraphMode, EngineConfig
+from kvloom.distributed import parallel_state
+from kvloom.distributed.pipeline import IntermediateTensors
 from kvloom.forward_context import BatchDescriptor, set_forward_context
 from kvloom.loader.model_loader import get_model
 from kvloom.lora.manager import LoRAManager
@@ -127,6 +129,10 @@ class ModelRunner:
         self.pin_memory = device.type == "cuda"
 
         self.model: nn.Module | None = None
+        # Pipeline parallelism: the first stage embeds the tokens, the last samples; the
+        # others receive and send IntermediateTensors (kvloom.distributed.pipeline).
+        self.pp_first, self.pp_last = parallel_state.is_first_stage(), parallel_state.is_last_stage()
+        self._pp_send: tuple[Any, torch.Tensor] | None = None  # the send in progress and its buffer
         self.attn_layers: list[Attention | MLAAttention] = []
         self.kv_caches: list[torch.Tensor] = []
         self.builder = None
@@ -230,9 +236,15 @@ class ModelRunner:
         self.compile_backend = PiecewiseBackend(comp.splitting_ops, comp.use_inductor, wrap)
         self._compiled_forward = torch.compile(self.model.forward, backend=self.compile_backend, fullgraph=True)
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The model's forward (compiled when compilation is on), inside a forward context."""
+    def run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> Any:
+        """The model's forward (compiled when compilation is on), inside a forward context;
+        ``intermediate_tensors``: the previous pipeline stage's (never compiled: pipeline
+        parallelism runs eagerly)."""
         assert self.model is not None
+        if intermediate_tensors is not None:
+            return self.model(input_ids, positions, intermediate_tensors)
         if self._compiled_forward is None:
             return self.model(input_ids, positions)
         assert self.compile_backend is not None
@@ -327,7 +339,8 @@ class ModelRunner:
         memory.reset_peak_memory_stats()
         num_reqs = self.max_num_reqs
         logits = self.dummy_forward(self.max_num_tokens, num_reqs)
-        self._dummy_sample(logits, num_reqs)
+        if self.pp_last:
+            self._dummy_sample(logits, num_reqs)
         memory.synchronize()
         peak = memory.max_memory_allocated()
         del logits
@@ -448,6 +461,9 @@ class ModelRunner:
                 continue
             state = self.input_batch[cached.req_id]
             self.input_batch.append_blocks(state, cached.new_block_ids)
+            if cached.new_token_ids is not None and not self.pp_last:
+                # Pipeline parallelism: the last stage sampled these; this stage learns them here.
+                self.input_batch.write_tokens(state, cached.num_computed_tokens, cached.new_token_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         if self.lora_manager is not None:
             for req_id in so.num_scheduled_tokens:
@@ -524,7 +540,7 @@ class ModelRunner:
         self.input_ids[dst] = self._prev_sampled[torch.tensor(src, device=self.device)]
 
     # ------------------------------------------------------------------ forward
-    def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor:
+    def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor | None:
         assert self.builder is not None
         return self._forward(n, self.builder.build(common))
 
@@ -535,14 +551,27 @@ class ModelRunner:
         extras: dict[str, Any] | None = None,
         runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
         descriptor: BatchDescriptor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The forward over the first ``n`` tokens of the input buffers; under PIECEWISE
         over ``descriptor.num_tokens`` (the rows past ``n`` are zero padding, which
-        attention skips), returning the ``n`` real rows."""
+        attention skips), returning the ``n`` real rows. On a pipeline stage other than
+        the first it receives the previous stage's tensors first; on one other than the
+        last it sends its own to the next stage and returns None."""
         padded = descriptor.num_tokens if descriptor is not None else n
         if padded > n:
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
+        intermediate = None
+        if not self.pp_first:
+            hidden_size = self.config.model.hf_config.hidden_size
+            packed = torch.empty(2, n, hidden_size, dtype=self.config.model.dtype, device=self.device)
+            intermediate = IntermediateTensors.unpack(parallel_state.recv_from_previous_stage(packed))
+        if not self.pp_last:
+            with set_forward_context(attn_metadata, attn_layers=self._attn_by_name, num_actual_tokens=n,
+                                     **(extras or {})):  # fmt: skip
+                out = self.run_model(self.input_ids[:n], self.positions[:n], intermediate)
+            self._send_to_next_stage(out.pack())
+            return None
         with set_forward_context(
             attn_metadata,
             attn_layers=self._attn_by_name,
@@ -551,7 +580,15 @@ class ModelRunner:
             batch_descriptor=descriptor,
             **(extras or {}),
         ):
-            return self.run_model(self.input_ids[:padded], self.positions[:padded])[:n]
+            return self.run_model(self.input_ids[:padded], self.positions[:padded], intermediate)[:n]
+
+    def _send_to_next_stage(self, packed: torch.Tensor) -> None:
+        """Start sending ``packed`` to the next stage without waiting for it to arrive (the
+        next stage may still be busy with the previous micro-batch): this stage goes on
+        with its next step. The previous send is finished first, so at most one is open."""
+        if self._pp_send is not None:
+            self._pp_send[0].wait()
+        self._pp_send = (parallel_state.send_to_next_stage(packed), packed)
 
     def _mark_inputs_copied(self) -> None:
         """Record, behind the step's host->device copies and before its forward, the event
@@ -582,6 +619,12 @@ class ModelRunner:
         batch, common = self._prepare_inputs(so, req_ids)
         batch.failed_req_ids = [r for r in so.num_scheduled_tokens if r in failed] if failed else []
         b = len(batch.req_ids)
+        if not self.pp_last:
+            # An earlier pipeline stage: forward its layers, hand the stream on; the last
+            # stage samples and its output is the step's.
+            assert self.builder is not None
+            self._forward(batch.num_tokens, self.builder.build(common), self._lora_extras(batch))
+            return PendingModelRunnerOutput.done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
 
         logits = None
         hidden = None
@@ -760,6 +803,8 @@ class ModelRunner:
         self.positions[:num_tokens].copy_(torch.arange(num_tokens, device=self.device) % self.max_model_len)
         hidden = self._forward_eager(num_tokens, common)
         assert self.model is not None
+        if hidden is None:  # a pipeline stage before the last: no logits here
+            return torch.empty(0, device=self.device)
         if self.config.model.runner == "pooling":  # embedding models have no LM head
             return hidden[self.logits_indices[:num_reqs]]
         return self.model.compute_logits(hidden[self.logits_indices[:num_reqs]])

@@ -41,8 +41,9 @@ class Worker(WorkerBase):
 
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         super().__init__(config, platform)
-        # Rank r of a tensor-parallel group runs on device r of this machine.
-        self.device = platform.device(parallel_state.tp_rank())
+        # Global rank r (pipeline stage r // tp, tensor-parallel rank r % tp) runs on
+        # device r of this machine.
+        self.device = platform.device(parallel_state.rank())
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:

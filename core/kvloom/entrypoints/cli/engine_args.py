@@ -29,8 +29,13 @@ from pydantic.fields import FieldInfo
 
 from kvloom.engine.arg_utils import EngineArgs
 
-#: Extra spellings of some flags (vLLM's): -O, and vLLM's name of the KV-cache size.
-_SHORT_FLAGS: dict[str, list[str]] = {"optimization_level": ["-O"], "kv_cache_memory": ["--kv-cache-memory-bytes"]}
+#: Extra spellings of some flags (vLLM's): -O, -tp, -pp, and vLLM's name of the KV-cache size.
+_SHORT_FLAGS: dict[str, list[str]] = {
+    "optimization_level": ["-O"],
+    "kv_cache_memory": ["--kv-cache-memory-bytes"],
+    "tensor_parallel_size": ["-tp"],
+    "pipeline_parallel_size": ["-pp"],
+}
 
 
 def flag_name(field_name: str) -> str:
