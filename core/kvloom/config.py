@@ -192,9 +192,10 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Tensor-parallel degree: worker processes (ranks) that each hold a slice of every
     sharded layer (heads, MLP columns, vocabulary)."""
-    distributed_executor_backend: Literal["uni", "mp"] = "uni"
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = "uni"
     """How the engine core runs its workers: "uni" (one worker in the engine core's
-    process; tensor-parallel size 1) or "mp" (one process per rank on this machine)."""
+    process; tensor-parallel size 1), "mp" (one process per rank on this machine) or "ray"
+    (one Ray actor per rank, placed on the nodes of a Ray cluster)."""
     data_parallel_size: int = Field(default=1, ge=1)
     """Data-parallel replicas: engine core processes, each a whole model with its own KV
     cache, among which the front ends balance the requests."""

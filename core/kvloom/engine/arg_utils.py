@@ -118,9 +118,10 @@ class EngineArgs(BaseModel):
         1, ge=1, description="Tensor-parallel ranks (worker processes on this machine); must divide the model's "
         "num_attention_heads (Llama, Mistral, Qwen2, Qwen3 and their MoE variants)."
     )
-    distributed_executor_backend: Literal["uni", "mp"] | None = Field(
-        None, description="How the workers run: uni (one worker in the engine core's process) or mp (one process "
-        "per tensor-parallel rank); default: mp when --tensor-parallel-size > 1, else uni."
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
+        None, description="How the workers run: uni (one worker in the engine core's process), mp (one process "
+        "per tensor-parallel rank on this machine) or ray (one Ray actor per rank, on the nodes of a Ray cluster; "
+        "needs pip install ray); default: mp when --tensor-parallel-size > 1, else uni."
     )
     data_parallel_size: int = Field(
         1, ge=1, description="Model replicas, each an engine core process (one GPU each on CUDA; on the CPU they "
@@ -277,18 +278,22 @@ OPTIMIZATION_LEVELS: dict[int, tuple[bool, CUDAGraphMode]] = {
 }
 
 
-def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni", "mp"]:
+def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni", "mp", "ray"]:
     """Validate ``--tensor-parallel-size`` against the model and the other flags; the
     executor backend (``--distributed-executor-backend``, default mp above one rank)."""
     from kvloom.models.registry import ModelRegistry
 
     tp = args.tensor_parallel_size
     backend = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+    if backend == "ray":
+        from kvloom.executor.ray import import_ray
+
+        import_ray()  # a clear error now, not when the engine core starts
     if tp == 1:
         return backend
     if backend == "uni":
         raise ValueError(f"distributed_executor_backend: 'uni' runs one worker, but tensor_parallel_size is {tp} "
-                         "(allowed with tensor_parallel_size > 1: mp)")  # fmt: skip
+                         "(allowed with tensor_parallel_size > 1: mp, ray)")  # fmt: skip
     model_cls = ModelRegistry.load_model_cls(model.architecture)
     if not getattr(model_cls, "supports_tensor_parallel", False) or model.runner != "generate":
         raise ValueError(

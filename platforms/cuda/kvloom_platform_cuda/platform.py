@@ -68,6 +68,7 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graphs = True
     dist_backend = "nccl"
+    ray_device_key = "GPU"
     # torch.compile with piecewise CUDA graphs is opt-in on CUDA (--torch-compile) until it
     # has been verified on a GPU (tests/gpu/run.sh compile); -O levels then keep today's
     # full decode graphs with an eager model.
