@@ -307,9 +307,11 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni"
     if kv % tp != 0 and tp % kv != 0:
         raise ValueError(f"tensor_parallel_size: {tp} neither divides nor is a multiple of the model's "
                          f"num_key_value_heads ({kv})")  # fmt: skip
-    intermediate = getattr(model.hf_config, "intermediate_size", None)
-    if intermediate is not None and intermediate % tp != 0:
-        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size ({intermediate})")
+    # The dense MLPs' and the experts' (Qwen3-MoE: moe_intermediate_size) hidden sizes are split.
+    for field in ("intermediate_size", "moe_intermediate_size"):
+        intermediate = getattr(model.hf_config, field, None)
+        if intermediate is not None and intermediate % tp != 0:
+            raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {field} ({intermediate})")
     for flag, value, allowed in (
         ("enable_lora", args.enable_lora, False),
         ("data_parallel_size", args.data_parallel_size, 1),
