@@ -12,6 +12,7 @@ CPUs, started once for the module: two gloo ranks as Ray actors.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvloom import LLM  # noqa: E402
+from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace  # noqa: E402
 from kvloom.executor.multiproc import WorkerRankError  # noqa: E402
 from kvloom.executor.ray import RayDistributedExecutor  # noqa: E402
 from kvloom.testing import resolve_engine_config  # noqa: E402
@@ -96,6 +98,15 @@ def test_failed_or_killed_actor_raises_naming_the_rank(monkeypatch: pytest.Monke
     assert time.monotonic() - start < 30
     llm.llm_engine.shutdown()
     assert_nothing_left(pids)
+
+
+def test_the_flag_parses() -> None:
+    parser = add_engine_args(argparse.ArgumentParser())
+    namespace = parser.parse_args(["--model", "m", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"])
+    assert engine_args_from_namespace(namespace).distributed_executor_backend == "ray"
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
+                                   distributed_executor_backend="ray")  # fmt: skip
+    assert config.parallel.distributed_executor_backend == "ray"
 
 
 def test_without_ray_installed_the_error_says_how(monkeypatch: pytest.MonkeyPatch) -> None:

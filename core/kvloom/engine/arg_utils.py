@@ -115,7 +115,7 @@ class EngineArgs(BaseModel):
     )
     # ---- parallel
     tensor_parallel_size: int = Field(
-        1, ge=1, description="Tensor-parallel ranks (worker processes on this machine); must divide the model's "
+        1, ge=1, description="Tensor-parallel ranks (worker processes on this machine, or Ray actors); must divide the model's "
         "num_attention_heads (Llama, Mistral, Qwen2, Qwen3 and their MoE variants)."
     )
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
