@@ -124,3 +124,15 @@ def test_platform_without_a_ray_resource_is_refused(monkeypatch: pytest.MonkeyPa
                                    distributed_executor_backend="ray")  # fmt: skip
     with pytest.raises(ValueError, match=r"'ray' is not supported by the cpu platform .*ray_device_key"):
         RayDistributedExecutor(config)
+
+
+def test_ranks_the_cluster_cannot_place_are_an_error_listing_its_resources(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks on a cluster of two CPUs: a clear error after the placement timeout, and
+    the pending placement group is removed."""
+    monkeypatch.setenv("KVLOOM_RAY_PLACEMENT_TIMEOUT_S", "1")
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=4,
+                                   distributed_executor_backend="ray")  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size: 4 ranks need 4 x \{'CPU': 1\} .* within 1 s "
+                                           r"\(KVLOOM_RAY_PLACEMENT_TIMEOUT_S\); available now: .*'CPU': 2\.0"):  # fmt: skip
+        RayDistributedExecutor(config)
+    assert_nothing_left()

@@ -17,7 +17,9 @@ Start-up:
    seconds (default 300) is an error listing what the cluster has free.
 3. One actor per bundle; the actor of bundle ``r`` is rank ``r``. Ray makes only its
    bundle's device visible to it, so every rank runs on device index 0 of its process
-   (``parallel_state.set_device_index(0)``).
+   (``parallel_state.set_device_index(0)``). It gets the engine process's ``KVLOOM_*``
+   environment variables (Ray starts actors with its raylet's environment) and then the
+   platform's ``tensor_parallel_env`` for its rank.
 4. Rank 0's actor picks a free TCP port on its node; every rank joins the process group at
    ``tcp://<rank 0's node IP>:<port>`` with ``KVLOOM_DIST_TIMEOUT_S`` bounding each
    collective, then builds the platform's worker.
@@ -57,6 +59,8 @@ INSTALL_HINT = "pip install ray (or pip install 'kvloom[ray]')"
 #: ``KVLOOM_RAY_PLACEMENT_TIMEOUT_S``: seconds the placement group may take to be placed.
 PLACEMENT_TIMEOUT_ENV = "KVLOOM_RAY_PLACEMENT_TIMEOUT_S"
 DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
+#: Environment variables of the engine's process that its actors get too.
+FORWARDED_ENV_PREFIX = "KVLOOM_"
 #: Seconds a call that failed on one rank waits to see whether another rank died (the cause).
 DEATH_GRACE_S = 2.0
 
@@ -99,13 +103,16 @@ class RankActor:
     """The body of one rank's Ray actor (made remote by the executor): it holds the
     platform's worker and runs the methods ``collective_rpc`` names."""
 
-    def __init__(self, rank: int, platform: type[Platform], world_size: int,
+    def __init__(self, rank: int, platform: type[Platform], world_size: int, env: dict[str, str],
                  log_level: int | None, log_format: str | None) -> None:  # fmt: skip
         from kvloom.logger import setup_child_logging
 
         self.rank = rank
-        # The platform's per-rank environment (e.g. a CPU rank's share of the threads),
-        # computed on the actor's own node, before the worker is built.
+        # Ray starts actors with the environment of its node's raylet, not the engine's:
+        # the engine's KVLOOM_* settings (plugins, threads, ...) come along explicitly.
+        # Then the platform's per-rank environment (e.g. a CPU rank's share of the
+        # threads), computed on the actor's own node, before the worker is built.
+        os.environ.update(env)
         os.environ.update(platform.tensor_parallel_env(rank, world_size))
         if log_level is not None:
             setup_child_logging(log_level, log_format, f"(RayWorker rank={rank} pid={os.getpid()}) ")
@@ -187,14 +194,15 @@ class RayDistributedExecutor(Executor):
                 )
             level, fmt = parent_logging()
             actor_cls = ray.remote(RankActor)
+            env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
             for rank in range(self.world_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank,
                     placement_group_capture_child_tasks=True,
                 )  # fmt: skip
                 actor = actor_cls.options(
-                    name=None, max_restarts=0, scheduling_strategy=strategy, **actor_resources(device_key)
-                ).remote(rank, platform, self.world_size, level, fmt)
+                    max_restarts=0, scheduling_strategy=strategy, **actor_resources(device_key)
+                ).remote(rank, platform, self.world_size, env, level, fmt)
                 self._actors.append(actor)
             self._where = self._gather("where", [a.where.remote() for a in self._actors])
             master_ip = self._where[0][0]
@@ -218,7 +226,7 @@ class RayDistributedExecutor(Executor):
         ray = self._ray
         if ray.is_initialized():
             return False
-        # The actors import kvloom from this environment; silence Ray's own banner.
+        # The actors' log lines come to this process; Ray's own only from warnings up.
         kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
         if os.environ.get("RAY_ADDRESS"):
             ray.init(**kwargs)  # the cluster RAY_ADDRESS names
