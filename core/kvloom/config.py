@@ -195,9 +195,10 @@ class ParallelConfig(_Section):
     pipeline_parallel_size: int = Field(default=1, ge=1)
     """Pipeline stages: each holds a contiguous run of the decoder layers (and their KV
     cache); the engine core keeps up to this many micro-batches in flight."""
-    distributed_executor_backend: Literal["uni", "mp"] = "uni"
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = "uni"
     """How the engine core runs its workers: "uni" (one worker in the engine core's
-    process; tensor-parallel size 1) or "mp" (one process per rank on this machine)."""
+    process; tensor-parallel size 1), "mp" (one process per rank on this machine) or "ray"
+    (one Ray actor per rank, placed on the nodes of a Ray cluster)."""
     data_parallel_size: int = Field(default=1, ge=1)
     """Data-parallel replicas: engine core processes, each a whole model with its own KV
     cache, among which the front ends balance the requests."""

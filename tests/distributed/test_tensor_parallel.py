@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: two gloo ranks (``--distributed-executor-backend mp``).
 
 * TP=2 generates the same greedy tokens as TP=1 on the fp32 tiny models (Llama with the
-  engine core in its own process, Qwen3 with it in this process, and a Llama with one KV
-  head and a vocabulary not divisible by 2: the KV head replicated, the vocabulary padded);
+  engine core in its own process, Qwen3 with it in this process, a Llama with one KV
+  head and a vocabulary not divisible by 2: the KV head replicated, the vocabulary padded,
+  and the MoE models Qwen3-MoE and Mixtral: experts sharded by their intermediate size);
 * ``--load-format dummy`` loads each rank's slices; CPU ranks share the cores;
 * a worker rank that raises or dies makes the call (``generate``) raise an error naming
   the rank, with the engine core in this process or in its own, and no process outlives
@@ -51,7 +52,7 @@ def greedy_tokens(model: str, **engine_args: object) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("model", "core_in_process"),
-    [("llama", False), ("qwen3", True), ("llama_kv1", True)],
+    [("llama", False), ("qwen3", True), ("llama_kv1", True), ("qwen3_moe", False), ("mixtral", True)],
 )
 def test_tp2_greedy_tokens_match_tp1(
     model: str, core_in_process: bool, one_kv_head_model: Path, monkeypatch: pytest.MonkeyPatch
@@ -171,3 +172,10 @@ def test_flags_parse_and_default_to_mp() -> None:
 def test_bad_flags_are_refused_naming_the_field(engine_args: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_engine_config(model=str(tiny_model_dir("llama")), **engine_args)
+
+
+def test_moe_intermediate_size_must_divide(tmp_path: Path) -> None:
+    """The experts' hidden size (Qwen3-MoE's moe_intermediate_size) is split too."""
+    path = save_tiny_checkpoint(tiny_hf_config("qwen3_moe", moe_intermediate_size=33), tmp_path)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide the model's moe_intermediate_size"):
+        resolve_engine_config(model=str(path), tensor_parallel_size=2)

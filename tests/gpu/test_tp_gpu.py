@@ -1,7 +1,10 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): TP=2 gives TP=1's greedy tokens on the fp32
-tiny Llama and Qwen3, eager and with the platform's default CUDA graphs; pipeline
-parallelism PP=2 (NCCL send/recv between the stages, two micro-batches in flight) gives
-PP=1's on Llama and Qwen3-MoE; a killed rank raises naming it.
+tiny Llama, Qwen3 and the MoE models (Qwen3-MoE, Mixtral: experts sharded, the Triton
+fused_moe on each rank's slices), eager and with the platform's default CUDA graphs; the
+same through the Ray executor (a local Ray started by the executor, one GPU per actor;
+skipped without ray installed); pipeline parallelism PP=2 (NCCL send/recv between the
+stages, two micro-batches in flight) gives PP=1's on Llama and Qwen3-MoE; a killed rank
+raises naming it.
 
 Run on a machine with two or more GPUs: ``bash tests/gpu/run.sh tp``.
 """
@@ -40,7 +43,7 @@ def greedy_tokens(model: str, **engine_args: object) -> list[list[int]]:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_tp2_matches_tp1_on_gpus(arch: str, enforce_eager: bool) -> None:
     model = str(tiny_model_dir(arch))
@@ -66,3 +69,13 @@ def test_killed_rank_raises_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(WorkerRankError, match="rank 1"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
     llm.llm_engine.shutdown()
+
+
+def test_tp2_through_ray_matches_tp1_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Ray actors of one GPU each (Ray shows each its GPU as cuda:0), NCCL between them."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    model = str(tiny_model_dir("qwen3_moe"))
+    expected = greedy_tokens(model, enforce_eager=True)
+    assert greedy_tokens(model, tensor_parallel_size=2, distributed_executor_backend="ray",
+                         enforce_eager=True) == expected  # fmt: skip

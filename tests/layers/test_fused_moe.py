@@ -296,3 +296,60 @@ def test_bad_layer_arguments_name_the_field() -> None:
         FusedMoE(4, 2, 8, 0, renormalize=True)
     with pytest.raises(ValueError, match=r"^expert_weight_names\b"):
         FusedMoE(4, 2, 8, 8, renormalize=True, expert_weight_names=("w1", "w2"))
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int, reduces: list[torch.Tensor]) -> None:
+    """Build the next layers as tensor-parallel rank ``rank``; their all-reduces are recorded
+    (and return their input: the ranks' partial outputs are summed by the test)."""
+    from kvloom.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "tp_rank", lambda: rank)
+    monkeypatch.setattr(parallel_state, "tp_world_size", lambda: world_size)
+    monkeypatch.setattr(parallel_state, "all_reduce", lambda x: reduces.append(x) or x)
+
+
+@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")], ids=["hf", "mixtral"])
+def test_parallel_experts_load_their_slices_and_sum_to_the_whole(
+    names: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under TP=2 each rank keeps rows [r*I/2, (r+1)*I/2) of every expert's gate and up and
+    the same columns of its down; the two ranks' outputs (one all-reduce each, after the
+    combine) add up to the whole layer's."""
+    ckpt = _checkpoint(names)
+    whole = _Block(expert_weight_names=names)
+    load_checkpoint_weights(whole, ckpt.items(), ())
+    gen = torch.Generator().manual_seed(11)
+    x, logits = torch.randn(13, 8, generator=gen), torch.randn(13, 4, generator=gen)
+    expected = whole.layers[0].mlp.experts(x, logits)
+    gate, up, down = names
+    partial = []
+    for rank in range(2):
+        reduces: list[torch.Tensor] = []
+        _as_rank(monkeypatch, rank, 2, reduces)
+        model = _Block(expert_weight_names=names, parallel=True)
+        load_checkpoint_weights(model, ckpt.items(), ())
+        experts = model.layers[0].mlp.experts
+        assert experts.intermediate_size == 3 and experts.full_intermediate_size == 6
+        assert tuple(experts.w13_weight.shape) == (4, 6, 8) and tuple(experts.w2_weight.shape) == (4, 8, 3)
+        rows = slice(3 * rank, 3 * rank + 3)
+        for e in range(4):
+            assert torch.equal(experts.w13_weight[e, :3], ckpt[f"layers.0.mlp.experts.{e}.{gate}.weight"][rows])
+            assert torch.equal(experts.w13_weight[e, 3:], ckpt[f"layers.0.mlp.experts.{e}.{up}.weight"][rows])
+            assert torch.equal(experts.w2_weight[e], ckpt[f"layers.0.mlp.experts.{e}.{down}.weight"][:, rows])
+        partial.append(experts(x, logits))
+        assert len(reduces) == 1  # one all-reduce for the layer, not one per expert
+    torch.testing.assert_close(partial[0] + partial[1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_parallel_experts_refuse_bad_shapes_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_rank(monkeypatch, 1, 4, [])
+    with pytest.raises(ValueError, match=r"experts intermediate_size: 6 is not divisible by the tensor-parallel size 4"):
+        _Block(parallel=True)
+    _as_rank(monkeypatch, 1, 2, [])
+    ckpt = _checkpoint(("gate_proj", "up_proj", "down_proj"))
+    bad = dict(ckpt, **{"layers.0.mlp.experts.1.down_proj.weight": torch.zeros(8, 3)})
+    with pytest.raises(ValueError, match=r"shard 1\.down has shape \(8, 3\), expected \(8, 6\)"):
+        load_checkpoint_weights(_Block(parallel=True), bad.items(), ())

@@ -98,6 +98,25 @@ def output_rank(tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
     return (pipeline_parallel_size - 1) * tensor_parallel_size
 
 
+#: The device index of this rank's process when it is not its rank (None: the rank). A
+#: Ray actor sees only the device its placement-group bundle reserved, as index 0.
+_DEVICE_INDEX: int | None = None
+
+
+def set_device_index(index: int | None) -> None:
+    """Run this process's worker on device ``index`` instead of device ``rank()``."""
+    global _DEVICE_INDEX
+    if index is not None and index < 0:
+        raise ValueError(f"device index: {index} must be >= 0")
+    _DEVICE_INDEX = index
+
+
+def device_index() -> int:
+    """The device this process's worker runs on: its rank on one machine (rank r uses
+    device r), or what ``set_device_index`` set (Ray actors: 0)."""
+    return _STATE.rank if _DEVICE_INDEX is None else _DEVICE_INDEX
+
+
 def init_tensor_parallel(
     rank: int,
     world_size: int,

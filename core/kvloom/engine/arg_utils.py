@@ -115,7 +115,7 @@ class EngineArgs(BaseModel):
     )
     # ---- parallel
     tensor_parallel_size: int = Field(
-        1, ge=1, description="Tensor-parallel ranks (worker processes on this machine); must divide the model's "
+        1, ge=1, description="Tensor-parallel ranks (worker processes on this machine, or Ray actors); must divide the model's "
         "num_attention_heads (Llama, Mistral, Qwen2, Qwen3 and their MoE variants)."
     )
     pipeline_parallel_size: int = Field(
@@ -123,9 +123,10 @@ class EngineArgs(BaseModel):
         "each with a contiguous run of the decoder layers; at most the model's num_hidden_layers (Llama, Mistral, "
         "Qwen2, Qwen3 and their MoE variants)."
     )
-    distributed_executor_backend: Literal["uni", "mp"] | None = Field(
-        None, description="How the workers run: uni (one worker in the engine core's process) or mp (one process "
-        "per rank); default: mp when --tensor-parallel-size or --pipeline-parallel-size > 1, else uni."
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
+        None, description="How the workers run: uni (one worker in the engine core's process), mp (one process "
+        "per rank on this machine) or ray (one Ray actor per tensor-parallel rank, on the nodes of a Ray cluster; "
+        "needs pip install ray); default: mp when --tensor-parallel-size or --pipeline-parallel-size > 1, else uni."
     )
     data_parallel_size: int = Field(
         1, ge=1, description="Model replicas, each an engine core process (one GPU each on CUDA; on the CPU they "
@@ -282,7 +283,7 @@ OPTIMIZATION_LEVELS: dict[int, tuple[bool, CUDAGraphMode]] = {
 }
 
 
-def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni", "mp"]:
+def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni", "mp", "ray"]:
     """Validate ``--tensor-parallel-size`` and ``--pipeline-parallel-size`` against the
     model and the other flags; the executor backend (``--distributed-executor-backend``,
     default mp above one rank)."""
@@ -290,12 +291,20 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni"
 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     backend = args.distributed_executor_backend or ("mp" if tp * pp > 1 else "uni")
+    if backend == "ray":
+        from kvloom.executor.ray import import_ray
+
+        import_ray()  # a clear error now, not when the engine core starts
+        if pp > 1:
+            raise ValueError(f"distributed_executor_backend: 'ray' runs tensor-parallel ranks only, but "
+                             f"pipeline_parallel_size is {pp} (allowed with pipeline_parallel_size > 1: mp)")  # fmt: skip
     if tp * pp == 1:
         return backend
     if backend == "uni":
         field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
+        allowed = "mp, ray" if pp == 1 else "mp"
         raise ValueError(f"distributed_executor_backend: 'uni' runs one worker, but {field} is {max(tp, pp)} "
-                         f"(allowed with {field} > 1: mp)")  # fmt: skip
+                         f"(allowed with {field} > 1: {allowed})")  # fmt: skip
     model_cls = ModelRegistry.load_model_cls(model.architecture)
     if pp > 1:
         check_pipeline_parallel(args, model, model_cls)
@@ -340,9 +349,11 @@ def _check_tensor_parallel_size(args: EngineArgs, model: ModelConfig, model_cls:
     if kv % tp != 0 and tp % kv != 0:
         raise ValueError(f"tensor_parallel_size: {tp} neither divides nor is a multiple of the model's "
                          f"num_key_value_heads ({kv})")  # fmt: skip
-    intermediate = getattr(model.hf_config, "intermediate_size", None)
-    if intermediate is not None and intermediate % tp != 0:
-        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size ({intermediate})")
+    # The dense MLPs' and the experts' (Qwen3-MoE: moe_intermediate_size) hidden sizes are split.
+    for field in ("intermediate_size", "moe_intermediate_size"):
+        intermediate = getattr(model.hf_config, field, None)
+        if intermediate is not None and intermediate % tp != 0:
+            raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {field} ({intermediate})")
     _check_no_unsupported_features(args, f"tensor_parallel_size {tp}")
 
 

@@ -16,6 +16,16 @@ The expert computation is the custom op ``fused_moe`` (``kvloom.layers.custom_op
 platform may replace ``fused_moe_torch`` (tokens grouped by expert, one GEMM per expert
 that has tokens, host-synchronising: the CPU path) by grouped-GEMM kernels (the CUDA
 platform's Triton kernels).
+
+Tensor parallelism (``parallel=True``): every rank keeps all ``E`` experts, each cut along
+its intermediate dimension as the dense MLP is: rank ``r`` holds rows ``[r * I/tp, (r+1) *
+I/tp)`` of every expert's gate and of its up projection (``w13_weight [E, 2 * I/tp, H]``,
+the gate slice then the up slice, so ``silu(gate) * up`` pairs the same columns) and the
+same columns of its down projection (``w2_weight [E, H, I/tp]``). Routing runs whole on
+every rank (the router is replicated); each rank's ``fused_moe`` then yields a partial sum
+of every token's weighted expert outputs, and one all-reduce after the combine adds them,
+not one per expert. The ``fused_moe`` op takes the weights as given: it reads ``I/tp``
+from their shapes.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloom.distributed import parallel_state
 from kvloom.layers.custom_ops import get_custom_op
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -198,6 +209,10 @@ class FusedMoE(nn.Module):
     ``expert_weight_names`` are the checkpoint names of an expert's gate, up and down
     projections (Mixtral: ``("w1", "w3", "w2")``), each under ``<prefix>.<expert id>.``.
     The router (its linear layer, its dtype) and shared experts belong to the model.
+
+    ``parallel``: shard every expert's intermediate dimension over the tensor-parallel
+    ranks (see the module docstring); ``intermediate_size`` is the checkpoint's (whole)
+    size, ``self.intermediate_size`` this rank's. ``forward`` then all-reduces its output.
     """
 
     def __init__(
@@ -216,6 +231,7 @@ class FusedMoE(nn.Module):
         params_dtype: torch.dtype | None = None,
         expert_weight_names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
         prefix: str = "",
+        parallel: bool = False,
     ) -> None:
         super().__init__()
         check_routing(num_experts, top_k, scoring_func=scoring_func, num_expert_group=num_expert_group,
@@ -227,6 +243,13 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
+        self.tp_size = parallel_state.tp_world_size() if parallel else 1
+        self.tp_rank = parallel_state.tp_rank() if parallel else 0
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"{prefix or 'FusedMoE'} intermediate_size: {intermediate_size} is not divisible by the "
+                             f"tensor-parallel size {self.tp_size}")  # fmt: skip
+        self.full_intermediate_size = intermediate_size
+        intermediate_size //= self.tp_size
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.scoring_func = scoring_func
@@ -279,11 +302,24 @@ class FusedMoE(nn.Module):
         raise ValueError(f"{self.prefix}: shard {shard!r} does not belong to this parameter "
                          "(w13_weight: <e>.gate / <e>.up, w2_weight: <e>.down)")  # fmt: skip
 
+    def _this_rank(self, loaded: torch.Tensor, shard: str) -> torch.Tensor:
+        """This rank's part of a whole checkpoint projection: rows of gate/up ``[I, H]``,
+        columns of down ``[H, I]``; a tensor of the wrong shape is an error naming it."""
+        full, hidden = self.full_intermediate_size, self.hidden_size
+        dim = 1 if shard.endswith(".down") else 0
+        expected = (hidden, full) if dim == 1 else (full, hidden)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{self.prefix}: checkpoint tensor for shard {shard} has shape {tuple(loaded.shape)}, "
+                             f"expected {expected}")  # fmt: skip
+        return loaded.narrow(dim, self.tp_rank * self.intermediate_size, self.intermediate_size)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor into ``param``: an expert's projection into its slice
-        (shard ``"<expert>.gate"``, ``"<expert>.up"``, ``"<expert>.down"``), or the whole
-        correction bias (no shard)."""
+        (shard ``"<expert>.gate"``, ``"<expert>.up"``, ``"<expert>.down"``; under tensor
+        parallelism only this rank's part of it), or the whole correction bias (no shard)."""
         target = param.data if shard is None else self.expert_slice(param, shard)
+        if shard is not None and self.tp_size > 1:
+            loaded = self._this_rank(loaded, shard)
         if tuple(target.shape) != tuple(loaded.shape):
             raise ValueError(
                 f"{self.prefix}: checkpoint tensor{'' if shard is None else f' for shard {shard}'} has shape "
@@ -304,8 +340,12 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.select_experts(router_logits)
         op = get_custom_op("fused_moe") or fused_moe_torch
-        return op(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)  # type: ignore[return-value]
+        out = op(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        # Each rank summed its slice of every expert's down projection: one all-reduce
+        # for the whole layer (a no-op at tensor-parallel size 1).
+        return parallel_state.all_reduce(out) if self.tp_size > 1 else out  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}, scoring={self.scoring_func}, renormalize={self.renormalize}")  # fmt: skip
+                f"intermediate={self.intermediate_size}, scoring={self.scoring_func}, renormalize={self.renormalize}"
+                + (f", tensor-parallel rank {self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""))  # fmt: skip

@@ -275,8 +275,8 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = LLAMA_STACKED_PARAMS
     """(merged parameter, HF name, shard) for the fused q/k/v and gate/up projections."""
     supports_tensor_parallel = True
-    """Heads, MLP columns and vocabulary are split over tensor-parallel ranks (a mixture of
-    experts in a subclass stays whole on every rank: correct, not yet sharded)."""
+    """Heads, MLP columns and vocabulary are split over tensor-parallel ranks (subclasses
+    inherit it: the MoE subclasses' experts are split too, ``FusedMoE(parallel=True)``)."""
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
     """Merged module -> its HF modules, for LoRA (``{"qkv_proj": ["q_proj", ...], ...}``)."""
     supports_pipeline_parallel = True

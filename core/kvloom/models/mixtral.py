@@ -14,6 +14,10 @@ from kvloom.models.qwen3_moe import SparseMoeBlock, check_silu
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = True
+    """Mistral's split attention and vocabulary, and experts sharded by their intermediate
+    dimension (``SparseMoeBlock``)."""
+
     @classmethod
     def mlp_block(cls, config: EngineConfig, layer_idx: int, prefix: str) -> tuple[str, nn.Module]:
         hf = config.model.hf_config

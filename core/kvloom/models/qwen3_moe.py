@@ -37,7 +37,11 @@ class SparseMoeBlock(nn.Module):
     """A router and its experts, HF's Mixtral / Qwen3-MoE sparse block:
     ``experts(x, gate(x))`` with the router ``gate`` a bias-free ``Linear`` (its logits in
     the model dtype; ``select_experts`` scores them in float32). ``fused_moe_kwargs`` go to
-    ``FusedMoE`` (routing flags, ``expert_weight_names``)."""
+    ``FusedMoE`` (routing flags, ``expert_weight_names``).
+
+    Tensor parallelism: the router is replicated (every rank routes every token alike) and
+    the experts are sharded by their intermediate dimension (``FusedMoE(parallel=True)``),
+    which all-reduces the block's output once."""
 
     def __init__(
         self,
@@ -51,7 +55,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = Linear(hidden_size, num_experts, bias=False, prefix=_join(prefix, "gate"))
         self.experts = FusedMoE(
-            num_experts, top_k, hidden_size, intermediate_size, prefix=_join(prefix, "experts"), **fused_moe_kwargs
+            num_experts, top_k, hidden_size, intermediate_size, prefix=_join(prefix, "experts"), parallel=True,
+            **fused_moe_kwargs,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -71,6 +76,10 @@ def is_sparse_layer(hf_config: Any, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    supports_tensor_parallel = True
+    """Qwen3's split attention, dense MLPs and vocabulary, and experts sharded by their
+    intermediate dimension (Qwen3-MoE has no shared experts)."""
+
     @classmethod
     def mlp_block(cls, config: EngineConfig, layer_idx: int, prefix: str) -> tuple[str, nn.Module]:
         hf = config.model.hf_config

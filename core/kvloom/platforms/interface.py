@@ -73,6 +73,12 @@ class Platform(ABC):
     dist_backend: ClassVar[str] = "gloo"
     """The torch.distributed backend the tensor-parallel ranks of this platform talk over
     ("gloo" on the CPU, "nccl" on CUDA; an out-of-tree platform names its own, e.g. "hccl")."""
+    ray_device_key: ClassVar[str | None] = None
+    """The Ray resource one tensor-parallel rank of this platform reserves under
+    ``--distributed-executor-backend ray`` ("GPU" on CUDA, "CPU" on the CPU; an
+    out-of-tree platform names the resource its Ray nodes advertise, e.g. "NPU"). Ray makes
+    only the reserved device visible to the rank's actor, which therefore runs on device
+    index 0 of its process. None: the platform does not run under Ray (refused, naming it)."""
     compile_by_default: ClassVar[bool] = False
     """Whether ``-O1`` and above ``torch.compile`` the model by default here (an explicit
     ``--torch-compile`` / ``--no-torch-compile`` wins)."""

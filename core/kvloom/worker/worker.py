@@ -42,8 +42,9 @@ class Worker(WorkerBase):
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         super().__init__(config, platform)
         # Global rank r (pipeline stage r // tp, tensor-parallel rank r % tp) runs on
-        # device r of this machine.
-        self.device = platform.device(parallel_state.rank())
+        # device r of this machine (a Ray actor on the one device Ray made visible to it:
+        # parallel_state.device_index).
+        self.device = platform.device(parallel_state.device_index())
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:

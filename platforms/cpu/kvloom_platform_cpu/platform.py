@@ -21,6 +21,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    ray_device_key = "CPU"
     builtin = True
     # float32 first: "auto" runs in float32 on the CPU, where half-precision matmuls are
     # slower on most processors and less accurate.

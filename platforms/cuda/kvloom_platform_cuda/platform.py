@@ -68,6 +68,7 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graphs = True
     dist_backend = "nccl"
+    ray_device_key = "GPU"
     # torch.compile with piecewise CUDA graphs is correct on the H100 (tests/gpu/run.sh
     # compile: identical tokens across modes) but opt-in (--torch-compile): measured there it
     # gained no throughput on the nano-vllm workload or at decode, and costs ~70 s of cold

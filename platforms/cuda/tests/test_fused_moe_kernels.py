@@ -40,6 +40,19 @@ INTERP_CASES = {
     "strided-hidden": (9, 8, 2, 32, 16),
 }
 INTERP_DTYPES = ["float32", "bfloat16", "float16"]
+#: Tensor parallelism: (tokens, experts, top_k, hidden, whole intermediate, ranks); each
+#: rank's experts are cut along the intermediate dimension (FusedMoE(parallel=True)), here
+#: into sizes that are not multiples of the tiles.
+TP_SHARD_CASE = (11, 8, 2, 40, 72, 2)
+
+
+def tp_shard(w13: torch.Tensor, w2: torch.Tensor, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s slices of whole experts, as ``FusedMoE(parallel=True)`` loads them:
+    rows of the gate and of the up half of ``w13``, the same columns of ``w2``."""
+    inter = w2.shape[-1] // ranks
+    rows = slice(rank * inter, (rank + 1) * inter)
+    gate, up = w13.chunk(2, dim=1)
+    return torch.cat([gate[:, rows], up[:, rows]], dim=1), w2[:, :, rows]
 
 
 def make_case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -165,6 +178,21 @@ def _run_worker() -> None:
                 results[key] = {"max_rel": report["max_rel"], "torch_max_rel": torch_report["max_rel"]}
             except Exception as exc:  # reported per case by the parent
                 results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    # The kernels take the sharded weights as given (intermediate size from their shape):
+    # each rank's output meets the contract and the ranks' sum (the all-reduce) is the
+    # whole layer's within the float32 tolerance.
+    try:
+        *shape, ranks = TP_SHARD_CASE
+        x, w13, w2, weights, ids = make_case(*shape, torch.float32, seed=300)
+        parts = []
+        for rank in range(ranks):
+            w13_r, w2_r = tp_shard(w13, w2, rank, ranks)
+            check_custom_op("fused_moe", fm.fused_moe, x, w13_r.contiguous(), w2_r.contiguous(), weights, ids)
+            parts.append(fm.fused_moe(x, w13_r.contiguous(), w2_r.contiguous(), weights, ids).double())
+        whole = fused_moe_torch(x.double(), w13.double(), w2.double(), weights.double(), ids)
+        results["tp-shards"] = {"max_abs": float((sum(parts) - whole).abs().max())}
+    except Exception as exc:  # reported by the parent
+        results["tp-shards"] = {"error": f"{type(exc).__name__}: {exc}"}
     print("RESULTS " + json.dumps(results))
 
 
@@ -269,3 +297,11 @@ def test_gpu_op_replays_in_a_cuda_graph() -> None:
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _run_worker()
+
+
+def test_interpreter_runs_tensor_parallel_expert_shards(interpreter_results: dict) -> None:
+    """Each rank's slice of the experts (intermediate 72 / 2 = 36, not a tile multiple)
+    runs through the kernels and the ranks' outputs add up to the whole layer's."""
+    result = interpreter_results["tp-shards"]
+    assert "error" not in result, result["error"]
+    assert result["max_abs"] < 1e-4, result

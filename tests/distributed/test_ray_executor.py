@@ -1,0 +1,138 @@
+"""The Ray executor (``--distributed-executor-backend ray``) on a local Ray instance of two
+CPUs, started once for the module: two gloo ranks as Ray actors.
+
+* TP=2 through Ray generates the same greedy tokens as TP=1 on the fp32 tiny Llama, with
+  the engine core in its own process connecting to the running cluster (``RAY_ADDRESS``);
+* an actor that raises or is killed makes the call raise ``WorkerRankError`` naming the
+  rank, at once (not after a collective timeout);
+* shutdown leaves no actor and no placement group: the cluster's resources are all free
+  again and the actors' processes are gone;
+* without Ray installed, or on a platform that names no Ray resource, the error says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from kvloom import LLM  # noqa: E402
+from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace  # noqa: E402
+from kvloom.executor.multiproc import WorkerRankError  # noqa: E402
+from kvloom.executor.ray import RayDistributedExecutor  # noqa: E402
+from kvloom.testing import resolve_engine_config  # noqa: E402
+from kvloom.testing.models import tiny_model_dir  # noqa: E402
+from tests.distributed.test_tensor_parallel import GREEDY, PROMPTS, greedy_tokens  # noqa: E402
+
+NUM_CPUS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[str]:
+    """A local Ray instance for the whole module (starting one takes seconds); its address."""
+    ray.init(num_cpus=NUM_CPUS, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def assert_nothing_left(pids: list[int] = ()) -> None:  # type: ignore[assignment]
+    """No placement group of ours remains, every CPU is free again, the actors' processes
+    are gone (Ray releases a killed actor's resources asynchronously: poll a little)."""
+    deadline = time.monotonic() + 30
+    while True:
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        free = ray.available_resources().get("CPU", 0.0)
+        alive = _alive(list(pids))
+        if (not groups and free == NUM_CPUS and not alive) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert groups == []
+    assert free == NUM_CPUS
+    assert alive == []
+
+
+def test_ray_tp2_greedy_tokens_match_tp1(ray_cluster: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine core runs in its own process and joins this module's cluster."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    path = str(tiny_model_dir("llama"))
+    expected = greedy_tokens(path)
+    assert len({tuple(t) for t in expected}) > 1
+    assert greedy_tokens(path, tensor_parallel_size=2, distributed_executor_backend="ray") == expected
+    assert_nothing_left()
+
+
+def test_failed_or_killed_actor_raises_naming_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2, distributed_executor_backend="ray")  # fmt: skip
+    executor = llm.llm_engine.engine_core.core.executor
+    assert isinstance(executor, RayDistributedExecutor)
+    pids = executor.worker_pids
+    assert len(_alive(pids)) == 2 and os.getpid() not in pids
+    # A rank that raises: its traceback, naming the rank; the executor still works after.
+    with pytest.raises(WorkerRankError, match=r"(?s)rank [01] \(Ray actor, pid \d+ on .*\) raised in no_such_method"
+                                              r".*AttributeError"):  # fmt: skip
+        executor.collective_rpc("no_such_method")
+    assert executor.collective_rpc("list_loras") == [set(), set()]
+    # A rank whose process dies: Ray reports it, the step does not wait on rank 0 (which
+    # is blocked in the all-reduce until the collective timeout).
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerRankError, match=r"rank 1 \(Ray actor, pid \d+ on .*\) died during execute_model") as info:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 30
+    llm.llm_engine.shutdown()
+    assert_nothing_left(pids)
+
+
+def test_the_flag_parses() -> None:
+    parser = add_engine_args(argparse.ArgumentParser())
+    namespace = parser.parse_args(["--model", "m", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"])
+    assert engine_args_from_namespace(namespace).distributed_executor_backend == "ray"
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
+                                   distributed_executor_backend="ray")  # fmt: skip
+    assert config.parallel.distributed_executor_backend == "ray"
+
+
+def test_without_ray_installed_the_error_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ImportError, match=r"distributed_executor_backend: 'ray' needs Ray.*pip install ray"):
+        resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
+                              distributed_executor_backend="ray")  # fmt: skip
+
+
+def test_platform_without_a_ray_resource_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvloom_platform_cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "ray_device_key", None)
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
+                                   distributed_executor_backend="ray")  # fmt: skip
+    with pytest.raises(ValueError, match=r"'ray' is not supported by the cpu platform .*ray_device_key"):
+        RayDistributedExecutor(config)
+
+
+def test_ranks_the_cluster_cannot_place_are_an_error_listing_its_resources(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks on a cluster of two CPUs: a clear error after the placement timeout, and
+    the pending placement group is removed."""
+    monkeypatch.setenv("KVLOOM_RAY_PLACEMENT_TIMEOUT_S", "1")
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=4,
+                                   distributed_executor_backend="ray")  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size: 4 ranks need 4 x \{'CPU': 1\} .* within 1 s "
+                                           r"\(KVLOOM_RAY_PLACEMENT_TIMEOUT_S\); available now: .*'CPU': 2\.0"):  # fmt: skip
+        RayDistributedExecutor(config)
+    assert_nothing_left()
