@@ -34,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_decode_roofline import CONTEXT, V, write_llama3_config  # noqa: E402
-from engines import make_llm, run_header, sampling_params_class  # noqa: E402
+from bench_decode_roofline import CONTEXT, V, write_llama3_config
+from engines import make_llm, run_header, sampling_params_class
 
 log = logging.getLogger("peers.decode")
 
@@ -56,7 +56,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file to write.")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=CONTEXT, help=f"Prompt tokens (default {CONTEXT}).")
-    parser.add_argument("--short", type=int, default=16, help="max_tokens of the short call (N1, default 16; above the prefill chunks of a batch).")
+    parser.add_argument(
+        "--short",
+        type=int,
+        default=16,
+        help="max_tokens of the short call (N1, default 16; above the prefill chunks of a batch).",
+    )
     parser.add_argument("--long", type=int, default=80, help="max_tokens of the long call (N2, default 80).")
     parser.add_argument("--repeats", type=int, default=3, help="Calls of each length; T is their median (default 3).")
     args = parser.parse_args()
@@ -71,8 +76,14 @@ def main() -> None:
     result: dict[str, Any] = {
         **run_header(args.engine, "decode"),
         "method": "generate-difference",
-        "spec": {"model": "Llama-3-8B shape, dummy bf16 weights", "context": args.context, "short": args.short,
-                 "long": args.long, "repeats": args.repeats, "mean_context": args.context + (args.short + args.long) / 2},
+        "spec": {
+            "model": "Llama-3-8B shape, dummy bf16 weights",
+            "context": args.context,
+            "short": args.short,
+            "long": args.long,
+            "repeats": args.repeats,
+            "mean_context": args.context + (args.short + args.long) / 2,
+        },
         "rows": [],
     }
     import torch

@@ -25,8 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_offline_nanovllm import workload, write_qwen3_config  # noqa: E402
-from engines import make_llm, run_header, sampling_params_class  # noqa: E402
+from bench_offline_nanovllm import workload, write_qwen3_config
+from engines import make_llm, run_header, sampling_params_class
 
 log = logging.getLogger("peers.offline")
 
@@ -44,8 +44,14 @@ def main() -> None:
     prompts, out_lens = workload(args.num_seqs)
     result: dict[str, Any] = {
         **run_header(args.engine, "offline"),
-        "spec": {"num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(out_lens),
-                 "temperature": 0.6, "ignore_eos": True, "model": "Qwen3-0.6B shape, dummy bf16 weights"},
+        "spec": {
+            "num_seqs": len(prompts),
+            "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": sum(out_lens),
+            "temperature": 0.6,
+            "ignore_eos": True,
+            "model": "Qwen3-0.6B shape, dummy bf16 weights",
+        },
         "runs": [],
     }
     import torch

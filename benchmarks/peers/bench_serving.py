@@ -36,8 +36,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_offline_nanovllm import write_qwen3_config  # noqa: E402
-from engines import check_engine, run_header  # noqa: E402
+from bench_offline_nanovllm import write_qwen3_config
+from engines import check_engine, run_header
 
 log = logging.getLogger("peers.serving")
 
@@ -102,7 +102,7 @@ def client(port: int, concurrency: int | None, args: argparse.Namespace, work: P
            str(args.output_len), "--json", str(path)]  # fmt: skip
     if concurrency is not None:
         cmd += ["--max-concurrency", name]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout, check=False)
     if done.returncode != 0 or not path.exists():
         raise RuntimeError(f"{shlex.join(cmd)} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     return {"client_command": shlex.join(cmd), **json.loads(path.read_text())}
@@ -113,10 +113,17 @@ def main() -> None:
     parser.add_argument("--engine", required=True, help="vllm or kvloom")
     parser.add_argument("--tokenizer", help="Directory with the tokenizer files to serve with.")
     parser.add_argument("--out", required=True, help="JSON file to write.")
-    parser.add_argument("--vllm-site", default="/tmp/vsite", help="vLLM's install (benchmarks/peers/vllm/stash_install.sh).")
-    parser.add_argument("--model", help="A model directory instead of the Qwen3-0.6B shape + --tokenizer (smoke tests).")
-    parser.add_argument("--engine-flags", default=None,
-                        help="Replace the engine's own server flags (default: ENGINE_FLAGS[engine]); recorded.")
+    parser.add_argument(
+        "--vllm-site", default="/tmp/vsite", help="vLLM's install (benchmarks/peers/vllm/stash_install.sh)."
+    )
+    parser.add_argument(
+        "--model", help="A model directory instead of the Qwen3-0.6B shape + --tokenizer (smoke tests)."
+    )
+    parser.add_argument(
+        "--engine-flags",
+        default=None,
+        help="Replace the engine's own server flags (default: ENGINE_FLAGS[engine]); recorded.",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=512)
@@ -137,16 +144,20 @@ def main() -> None:
     version = None
     if args.engine == "vllm":  # vLLM is not importable here (kvloom's site): ask its install
         found = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                               text=True, env=server_env("vllm", args.vllm_site), cwd="/")  # fmt: skip
+                               text=True, env=server_env("vllm", args.vllm_site), cwd="/", check=False)  # fmt: skip
         if found.returncode != 0:
             raise SystemExit(f"vLLM does not import from --vllm-site {args.vllm_site}:\n{found.stderr[-2000:]}")
         version = found.stdout.strip()
     header = run_header(args.engine, "serving", version)
     result: dict[str, Any] = {
         **header,
-        "spec": {"model": "Qwen3-0.6B shape, dummy bf16 weights" if args.model is None else args.model,
-                 "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                 "tokenizer": Path(args.tokenizer or args.model).name},
+        "spec": {
+            "model": "Qwen3-0.6B shape, dummy bf16 weights" if args.model is None else args.model,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "tokenizer": Path(args.tokenizer or args.model).name,
+        },
         "runs": {},
     }
     out = Path(args.out)
@@ -177,8 +188,12 @@ def main() -> None:
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # recorded; the other caps still run
                     result["runs"][key] = {"error": str(e)[-3000:]}
                 run = result["runs"][key]
-                log.info("%s concurrency %s: %s", args.engine, key,
-                         f"{run['output_throughput']:.0f} output tok/s" if "error" not in run else run["error"][:200])
+                log.info(
+                    "%s concurrency %s: %s",
+                    args.engine,
+                    key,
+                    f"{run['output_throughput']:.0f} output tok/s" if "error" not in run else run["error"][:200],
+                )
                 out.write_text(json.dumps(result, indent=1) + "\n")
         except RuntimeError as e:
             result["error"] = str(e)[-4000:]

@@ -39,7 +39,9 @@ def _import_vllm() -> Any:
     # benchmarks/peers/vllm/ (the install scripts) is a namespace package on this script's path: an installed vLLM
     # (a regular package) wins over it, and without one ``import vllm`` would find only that folder.
     if getattr(vllm, "__file__", None) is None:
-        raise SystemExit("vLLM is not installed: run benchmarks/peers/vllm/stash_install.sh, then PYTHONPATH=/tmp/vsite")
+        raise SystemExit(
+            "vLLM is not installed: run benchmarks/peers/vllm/stash_install.sh, then PYTHONPATH=/tmp/vsite"
+        )
     return vllm
 
 

@@ -22,8 +22,8 @@ from typing import Any
 ENGINES = ("vllm", "kvloom")
 WORKLOADS = ("offline", "decode", "serving")
 NANO_VLLM = (
-    "nano-vllm is not run: PyPI holds only forks of it (no package of GeeeekExplorer/nano-vllm's own code), and it "
-    "needs flash-attn, which has no wheel for the GPU image's torch 2.11 (a ~21 min build per machine); see "
+    "nano-vllm is not run: PyPI has no package of GeeeekExplorer/nano-vllm's own code (only forks that change it), "
+    "and it needs flash-attn, which has no wheel for the GPU image's torch 2.11 (a ~21 min build per machine); see "
     "benchmarks/peers/README.md."
 )
 
@@ -69,9 +69,9 @@ def offline_section(res: Results) -> list[str]:
     spec = next((r["spec"] for r in runs.values() if r), None)
     if spec is None:
         return lines + ["Not measured.", ""]
-    lines += [f"{spec['model']}, {spec['num_seqs']} sequences, {spec['prompt_tokens']:,} prompt tokens, "
+    lines += [(f"{spec['model']}, {spec['num_seqs']} sequences, {spec['prompt_tokens']:,} prompt tokens, "
               f"{spec['output_tokens']:,} output tokens, temperature {spec['temperature']}, EOS ignored; the same "
-              "prompts for both engines. Each timed run follows a warm-up and a prefix-cache reset.", "",
+              "prompts for both engines. Each timed run follows a warm-up and a prefix-cache reset."), "",
               "| engine | version | start-up s | output tok/s, each run | best output tok/s | kvloom / vLLM |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     best = {e: max((x["output_tok_s"] for x in r["runs"]), default=None) if r else None for e, r in runs.items()}
@@ -93,12 +93,12 @@ def decode_section(res: Results) -> list[str]:
     spec = next((r["spec"] for r in runs.values() if r), None)
     if spec is None:
         return lines + ["Not measured.", ""]
-    lines += [f"{spec['model']}, prompts of {spec['context']} tokens, greedy. Step time = (T(max_tokens="
+    lines += [(f"{spec['model']}, prompts of {spec['context']} tokens, greedy. Step time = (T(max_tokens="
               f"{spec['long']}) - T(max_tokens={spec['short']})) / {spec['long'] - spec['short']}, T the median of "
               f"{spec['repeats']} `generate` calls of fresh prompts (mean context {spec['mean_context']:.0f}); the "
               "same code on both engines (benchmarks/peers/bench_decode.py). The last column is kvloom's own "
               "in-engine timing of consecutive engine steps (benchmarks/bench_decode_roofline.py), a cross-check "
-              "of the method.", "",
+              "of the method."), "",
               "| batch | vLLM step ms | kvloom step ms | kvloom / vLLM (tok/s) | kvloom engine-step ms |",
               "|---|---|---|---|---|"]  # fmt: skip
     by_batch = {e: {row["batch"]: row["step_s"] for row in r["rows"]} if r else {} for e, r in runs.items()}
@@ -120,11 +120,11 @@ def serving_section(res: Results) -> list[str]:
     spec = next((r["spec"] for r in runs.values() if r), None)
     if spec is None:
         return lines + ["Not measured.", ""]
-    lines += [f"{spec['model']}, tokenizer `{spec['tokenizer']}`, {spec['num_prompts']:,} requests of "
+    lines += [(f"{spec['model']}, tokenizer `{spec['tokenizer']}`, {spec['num_prompts']:,} requests of "
               f"{spec['input_len']} tokens in and {spec['output_len']} out (EOS ignored, streamed), driven by "
-              "`kvloom bench serve` against each server in turn.", "",
-              "| concurrency | engine | server start s | completed (failed) | output tok/s | TTFT p50 ms | TPOT p50 ms "
-              "| ITL p99 ms | kvloom / vLLM |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "`kvloom bench serve` against each server in turn."), "",
+              ("| concurrency | engine | server start s | completed (failed) | output tok/s | TTFT p50 ms | TPOT p50 ms "
+              "| ITL p99 ms | kvloom / vLLM |"), "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     keys = sorted({k for r in runs.values() if r for k in r["runs"]}, key=lambda k: (k != "inf", k.zfill(8)))
     for key in keys:
         tput = {e: r["runs"][key].get("output_throughput") if r and key in r["runs"] else None for e, r in runs.items()}
@@ -133,7 +133,9 @@ def serving_section(res: Results) -> list[str]:
             if run is None:
                 lines.append(f"| {key} | {e} | – | not measured | – | – | – | – | – |")
             elif "error" in run:
-                lines.append(f"| {key} | {e} | {r['startup_s']:.0f} | failed: {run['error'][:120]!r} | – | – | – | – | – |")
+                lines.append(
+                    f"| {key} | {e} | {r['startup_s']:.0f} | failed: {run['error'][:120]!r} | – | – | – | – | – |"
+                )
             else:
                 ratio = _ratio(tput["kvloom"], tput["vllm"]) if e == "kvloom" else "1"
                 lines.append(f"| {key} | {e} | {r['startup_s']:.0f} | {run['completed']} ({run['failed']}) | "
@@ -161,14 +163,14 @@ def render(res: Results) -> str:
     versions = sorted({f"{r['engine']} {r['version']}" for r in res.values() if "engine" in r})
     lines = ["# kvloom and its peers side by side on the H100", "",
              f"Machine: {'; '.join(machines)}. Runs: {dates[0]} to {dates[-1]}. Engines: {', '.join(versions)}.",
-             "Written by `python benchmarks/peers/report.py` from the JSON files of `bash tests/gpu/run.sh peers` "
-             "(vLLM, then kvloom, on one machine, back to back); the device calls are in the README's GPU section.",
-             "vLLM runs at its defaults (`-O2`: torch.compile, FULL_AND_PIECEWISE CUDA graphs); kvloom with "
+             ("Written by `python benchmarks/peers/report.py` from the JSON files of `bash tests/gpu/run.sh peers` "
+             "(vLLM, then kvloom, on one machine, back to back); the device calls are in the README's GPU section."),
+             ("vLLM runs at its defaults (`-O2`: torch.compile, FULL_AND_PIECEWISE CUDA graphs); kvloom with "
              "`TRITON_ATTN`, async scheduling and CUDA graphs. Ratios are kvloom / vLLM in throughput (above 1: "
-             "kvloom faster).", "", NANO_VLLM, ""]  # fmt: skip
+             "kvloom faster)."), "", NANO_VLLM, ""]  # fmt: skip
     if len(machines) > 1:
-        lines += [f"**Warning**: the results come from {len(machines)} different machines; ratios across them "
-                  "compare machines too.", ""]  # fmt: skip
+        lines += [(f"**Warning**: the results come from {len(machines)} different machines; ratios across them "
+                  "compare machines too."), ""]  # fmt: skip
     lines += offline_section(res) + serving_section(res) + decode_section(res)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -176,7 +178,9 @@ def render(res: Results) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="Directories with the peers' JSON files.")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs/benchmarks/peers_h100.md")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs/benchmarks/peers_h100.md"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.write_text(render(load(args.dirs)))

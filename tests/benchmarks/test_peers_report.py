@@ -41,7 +41,9 @@ def _offline(engine: str, tok_s: list[float]) -> dict:
 def _decode(engine: str, steps: dict[int, float]) -> dict:
     spec = {"model": "Llama-3-8B shape, dummy bf16 weights", "context": 1024, "short": 16, "long": 80, "repeats": 3,
             "mean_context": 1072}  # fmt: skip
-    rows = [{"batch": b, "step_s": s, "tok_s": b / s, "short_s": [1.0], "long_s": [1.0 + 64 * s]} for b, s in steps.items()]
+    rows = [
+        {"batch": b, "step_s": s, "tok_s": b / s, "short_s": [1.0], "long_s": [1.0 + 64 * s]} for b, s in steps.items()
+    ]
     return {**_header(engine, "decode"), "method": "generate-difference", "spec": spec, "settings": {}, "init_s": 30.0,
             "rows": rows}  # fmt: skip
 
@@ -95,8 +97,15 @@ def test_full_report_has_each_workload_with_ratios(full: Path) -> None:
     assert _table_row(text, "| inf | kvloom |")[-1] == "**0.75x**"
     assert _table_row(text, "| 64 | kvloom |")[-1] == "**0.50x**"
     assert text.index("| inf | vllm |") < text.index("| 64 | vllm |")
-    for needle in ("NVIDIA H100 80GB HBM3, torch 2.11.0+cu130", "vllm 0.24.0", "kvloom 0.1.0", "nano-vllm is not run",
-                   "python3 -m vllm serve M", "bench serve --num-prompts 1000", "bench_decode_roofline.py"):
+    for needle in (
+        "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130",
+        "vllm 0.24.0",
+        "kvloom 0.1.0",
+        "nano-vllm is not run",
+        "python3 -m vllm serve M",
+        "bench serve --num-prompts 1000",
+        "bench_decode_roofline.py",
+    ):
         assert needle in text, needle
     assert "Warning" not in text
 

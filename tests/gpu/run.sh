@@ -176,6 +176,9 @@ print(','.join(sorted(names - {'FLASHINFER', 'FLASH_ATTN'})))") || return 1
 peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, results in $OUT/peers
   local dir=$OUT/peers w e status=0 workloads=${PEERS_ARGS:-offline decode serving}
   mkdir -p "$dir"
+  # vLLM's compile cache in /tmp (kept between calls on a warm machine, as kvloom's KVLOOM_CACHE_DIR); no usage
+  # reports (the machine has no network)
+  export VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
   for w in $workloads; do
     case $w in offline|decode|serving) ;; *) log "peers: unknown workload '$w' (allowed: offline decode serving)"; return 2 ;; esac
   done
@@ -192,8 +195,8 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
       case $e/$w in
         vllm/serving|kvloom/serving)
           python3 benchmarks/peers/bench_serving.py --engine $e --tokenizer .benchtok --out "$dir/${e}_serving.json" ;;
-        vllm/*)  # vLLM's own modules alone on the path; its compile cache in /tmp, kept on a warm machine
-          PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vllm-cache python3 benchmarks/peers/bench_$w.py --engine vllm \
+        vllm/*)  # vLLM's own modules alone on the path
+          PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_$w.py --engine vllm \
             --out "$dir/vllm_$w.json" ;;
         kvloom/*) python3 benchmarks/peers/bench_$w.py --engine kvloom --out "$dir/kvloom_$w.json" ;;
       esac || { log "peers: $e $w FAILED"; status=1; }
