@@ -2,7 +2,21 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp.
+# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, peers-stash, peers.
+#   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
+#                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
+#                (benchmarks/peers/vllm/stash_install.sh). Needs neither .whl nor setup: a call with only
+#                peers-stash stages skips setup and gguf. Idempotent.
+#   peers        the peers side by side (issue 20): for each workload of PEERS_ARGS (default "offline decode
+#                serving"), each engine of PEERS_ENGINES (default "vllm kvloom", in that order) back to back:
+#                offline = benchmarks/peers/bench_offline.py (nano-vllm's workload), decode =
+#                benchmarks/peers/bench_decode.py (Llama-3-8B shape, batch 1 and 64, generate-difference method;
+#                for kvloom also benchmarks/bench_decode_roofline.py's engine-step method), serving =
+#                benchmarks/peers/bench_serving.py (each engine's OpenAI server, kvloom's bench client, 1,000
+#                requests 512 in / 256 out, all at once and at --max-concurrency 64; needs .benchtok)
+#                -> $OUT/peers/ENGINE_WORKLOAD.json and $OUT/peers/peers_WORKLOADS.log. vLLM needs peers-stash
+#                done on this warm machine. vLLM's server takes ~4 min to start: one workload per call.
+#                Tables: python benchmarks/peers/report.py DIR (on the CPU machine).
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
@@ -164,7 +178,47 @@ print(','.join(sorted(names - {'FLASHINFER', 'FLASH_ATTN'})))") || return 1
   KVLOOM_PLUGINS=$allow kvloom backends --json | tee -a "$OUT/select-nofi.json"
 }
 
-stages=(setup gguf "$@")
+peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, results in $OUT/peers
+  local dir=$OUT/peers w e status=0 workloads=${PEERS_ARGS:-offline decode serving}
+  mkdir -p "$dir"
+  # vLLM's compile cache in /tmp (kept between calls on a warm machine, as kvloom's KVLOOM_CACHE_DIR); no usage
+  # reports (the machine has no network)
+  export VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+  for w in $workloads; do
+    case $w in offline|decode|serving) ;; *) log "peers: unknown workload '$w' (allowed: offline decode serving)"; return 2 ;; esac
+  done
+  for e in ${PEERS_ENGINES:-vllm kvloom}; do
+    case $e in vllm|kvloom) ;; *) log "peers: unknown engine '$e' (allowed: vllm kvloom)"; return 2 ;; esac
+  done
+  for w in $workloads; do
+    for e in ${PEERS_ENGINES:-vllm kvloom}; do
+      if [ $e = vllm ] && [ ! -f /tmp/vsite/.installed ]; then
+        log "peers: vLLM is not installed on this machine (stage peers-stash with every .vllm/pN); $w skipped"
+        status=1; continue
+      fi
+      log "peers: $e $w"
+      case $e/$w in
+        vllm/serving|kvloom/serving)
+          python3 benchmarks/peers/bench_serving.py --engine $e --tokenizer .benchtok --out "$dir/${e}_serving.json" ;;
+        vllm/*)  # vLLM's own modules alone on the path
+          PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_$w.py --engine vllm \
+            --out "$dir/vllm_$w.json" ;;
+        kvloom/*) python3 benchmarks/peers/bench_$w.py --engine kvloom --out "$dir/kvloom_$w.json" ;;
+      esac || { log "peers: $e $w FAILED"; status=1; }
+      if [ $e/$w = kvloom/decode ]; then  # kvloom's in-engine step timing of the same quantity, as a cross-check
+        python3 benchmarks/bench_decode_roofline.py --backend TRITON_ATTN --modes graphs+async --batches 1,64 \
+          --out /tmp/peers-decode-steps && cp /tmp/peers-decode-steps/decode_roofline.json "$dir/kvloom_decode_steps.json" \
+          || { log "peers: kvloom decode (engine steps) FAILED"; status=1; }
+      fi
+    done
+  done
+  return $status
+}
+
+# A call of peers-stash stages alone stashes what it carries and needs no kvloom install (nor .whl).
+only_stash=1
+for s in "$@"; do [ "$s" = peers-stash ] || only_stash=0; done
+if [ $# -gt 0 ] && [ $only_stash = 1 ]; then stages=("$@"); else stages=(setup gguf "$@"); fi
 for i in "${!stages[@]}"; do
   stage=${stages[$i]}
   case $stage in
@@ -204,6 +258,8 @@ for i in "${!stages[@]}"; do
       run_pytest so tests/gpu/test_structured_output_gpu.py
       python3 benchmarks/bench_structured_output.py --tokenizer .benchtok --out "$OUT/so" ${SO_ARGS:-} 2>&1 | tail -40 ;;
     tp) run_pytest tp tests/gpu/test_tp_gpu.py ;;
+    peers-stash) bash benchmarks/peers/vllm/stash_install.sh || log "peers-stash failed" ;;
+    peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
