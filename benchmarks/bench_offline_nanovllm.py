@@ -82,6 +82,23 @@ def byte_floor(prompts: list[list[int]], out_lens: list[int], copy_bps: float) -
     return {"params": params, "decode_bytes": total, "t_bytes_s": seconds, "best_tok_s": sum(out_lens) / seconds}
 
 
+def timed_generate(llm: Any, prompts: list[list[int]], params: list[Any], expected_tokens: int,
+                   name: str) -> tuple[float, int]:  # fmt: skip
+    """Wall seconds and output tokens of one ``llm.generate`` of the whole workload, from an
+    empty prefix cache; ``llm`` is kvloom's or vLLM's ``LLM`` (benchmarks/peers), the same
+    call for both. A run that does not produce every expected token is an error."""
+    llm.reset_prefix_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if tokens != expected_tokens:
+        raise RuntimeError(f"{name}: {tokens} output tokens, expected {expected_tokens}")
+    return wall, tokens
+
+
 def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: list[int], args: Any) -> dict[str, Any]:
     """``spec`` is a backend name with options: ``+async`` (async scheduling), ``+noops``
     (``--custom-ops none``), e.g. ``TRITON_ATTN+async``."""
@@ -110,16 +127,8 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
     init_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:8]], warm, use_tqdm=False)
-    llm.llm_engine.reset_prefix_cache()
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    if tokens != sum(out_lens):
-        raise RuntimeError(f"{backend}: {tokens} output tokens, expected {sum(out_lens)}")
+    wall, tokens = timed_generate(llm, prompts, params, sum(out_lens), backend)
     config = llm.config
     result = {
         "backend": spec,
@@ -136,7 +145,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
         "total_tok_s": (tokens + sum(map(len, prompts))) / wall,
     }
     llm.llm_engine.shutdown()
-    del llm, outs
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
     return result

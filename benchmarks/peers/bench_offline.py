@@ -19,13 +19,12 @@ import json
 import logging
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_offline_nanovllm import workload, write_qwen3_config
+from bench_offline_nanovllm import timed_generate, workload, write_qwen3_config
 from engines import make_llm, run_header, sampling_params_class
 
 log = logging.getLogger("peers.offline")
@@ -54,8 +53,6 @@ def main() -> None:
         },
         "runs": [],
     }
-    import torch
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
         llm, flags, init_s = make_llm(args.engine, model_dir, max_model_len=4096, max_num_seqs=256,
@@ -66,15 +63,7 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:8]], warm, use_tqdm=False)
         params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
         for _ in range(args.repeats):
-            llm.reset_prefix_cache()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            if tokens != sum(out_lens):
-                raise RuntimeError(f"{args.engine}: {tokens} output tokens, expected {sum(out_lens)}")
+            wall, tokens = timed_generate(llm, prompts, params, sum(out_lens), args.engine)
             run = {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
             log.info("%s: %.0f output tok/s (%.2f s)", args.engine, run["output_tok_s"], wall)
             result["runs"].append(run)

@@ -89,17 +89,23 @@ class _PendingStep(PendingModelRunnerOutput):
         return self._output
 
 
-def dist_timeout_s() -> float:
-    value = os.environ.get(DIST_TIMEOUT_ENV)
+def seconds_from_env(name: str, default: float) -> float:
+    """The positive number of seconds in environment variable ``name`` (``default`` if
+    unset); anything else is an error naming the variable."""
+    value = os.environ.get(name)
     if value is None:
-        return DEFAULT_DIST_TIMEOUT_S
+        return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
     if seconds <= 0:
-        raise ValueError(f"{DIST_TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
+        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0")
     return seconds
+
+
+def dist_timeout_s() -> float:
+    return seconds_from_env(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S)
 
 
 @dataclass

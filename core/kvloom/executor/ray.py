@@ -45,7 +45,13 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from kvloom.executor.abstract import Executor
-from kvloom.executor.multiproc import DRIVER_ONLY_RESULTS, SHUTDOWN_GRACE_S, WorkerRankError, dist_timeout_s
+from kvloom.executor.multiproc import (
+    DRIVER_ONLY_RESULTS,
+    SHUTDOWN_GRACE_S,
+    WorkerRankError,
+    dist_timeout_s,
+    seconds_from_env,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -77,16 +83,7 @@ def import_ray() -> ModuleType:
 
 
 def placement_timeout_s() -> float:
-    value = os.environ.get(PLACEMENT_TIMEOUT_ENV)
-    if value is None:
-        return DEFAULT_PLACEMENT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"{PLACEMENT_TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
-    return seconds
+    return seconds_from_env(PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S)
 
 
 def actor_resources(device_key: str) -> dict[str, Any]:
