@@ -216,9 +216,9 @@ class FusedMoE(nn.Module):
     size, ``self.intermediate_size`` this rank's. ``forward`` then all-reduces its output.
     """
 
-    #: ``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's
-    #: intermediate range of each expert.
     accepts_lazy_weights = True
+    """``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's
+    intermediate range of each expert."""
 
     def __init__(
         self,

@@ -48,9 +48,9 @@ def _split(size: int, world_size: int, what: str) -> int:
 class LinearBase(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight ``[output_size, input_size]`` (HF layout)."""
 
-    #: ``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's part (a
-    #: subclass that overrides ``weight_loader`` gets whole tensors unless it sets it too).
     accepts_lazy_weights = True
+    """``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's part (a
+    subclass that overrides ``weight_loader`` gets whole tensors unless it sets it too)."""
 
     def __init__(
         self,
@@ -163,7 +163,8 @@ class Linear(LinearBase):
     ) -> None:  # fmt: skip
         super().__init__(input_size, [output_size], bias, ["0"], prefix, parallel)
 
-    accepts_lazy_weights = True  # its weight_loader is LinearBase's, with no shard
+    accepts_lazy_weights = True
+    """``weight_loader`` (``LinearBase``'s, with no shard) takes ``LazyTensor`` handles."""
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         super().weight_loader(param, loaded, None)

@@ -24,8 +24,8 @@ class VocabEmbedding(nn.Module):
     """``input_ids [N] -> [N, embedding_dim]``; weight ``[num_embeddings, embedding_dim]``
     (``[ceil(num_embeddings / tp), embedding_dim]`` on each rank when vocab-parallel)."""
 
-    #: ``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's rows.
     accepts_lazy_weights = True
+    """``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's rows."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "", parallel: bool = False) -> None:
         super().__init__()

@@ -32,12 +32,16 @@ class SliceSource(Protocol):
 
 
 class LazyTensor:
-    """A (narrowed) region of one checkpoint tensor, not read yet.
+    """A (narrowed) region of one checkpoint tensor, not read yet: ``shape``, ``dim()``,
+    ``narrow(dim, start, length)`` as a tensor has them, and ``materialize()`` to read it.
+    The safetensors loader makes them (``kvloom.loader.weight_utils``)."""
 
-    ``name``: the checkpoint name (for errors); ``origin``: the file (for errors).
-    """
-
-    __slots__ = ("_offsets", "_source", "name", "origin", "shape")
+    name: str
+    """The checkpoint name of the tensor (for errors)."""
+    origin: str
+    """The file it is read from (for errors; may be empty)."""
+    shape: torch.Size
+    """The shape of this region (the checkpoint tensor's until narrowed)."""
 
     def __init__(
         self, name: str, source: SliceSource, origin: str = "", _region: tuple[tuple[int, ...], torch.Size] | None = None
@@ -57,13 +61,16 @@ class LazyTensor:
         return tuple((o, o + n) for o, n in zip(self._offsets, self.shape))
 
     def dim(self) -> int:
+        """The number of dimensions, as ``torch.Tensor.dim``."""
         return len(self.shape)
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions, as ``torch.Tensor.ndim``."""
         return len(self.shape)
 
     def numel(self) -> int:
+        """The number of elements of this region (what ``materialize`` reads)."""
         return self.shape.numel()
 
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
@@ -109,8 +116,8 @@ class LazyTensor:
         return f"LazyTensor({self.name!r}, [{region}])"
 
 
-#: What a weight loader that accepts lazy weights receives.
 CheckpointTensor = Union[torch.Tensor, LazyTensor]
+"""What a weight loader that accepts lazy weights receives: a tensor or a ``LazyTensor``."""
 
 
 def materialize(x: CheckpointTensor) -> torch.Tensor:
