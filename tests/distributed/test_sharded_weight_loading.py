@@ -60,7 +60,7 @@ def _rank_reads(model: str, rank: int, monkeypatch: pytest.MonkeyPatch) -> tuple
 def _checkpoint_shapes(model: str) -> tuple[dict[str, tuple[int, ...]], int]:
     (path,) = weight_utils.find_weight_files(tiny_model_dir(model))[1]
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     return shapes, sum(4 * torch.Size(s).numel() for s in shapes.values())  # fp32 checkpoints
 
 

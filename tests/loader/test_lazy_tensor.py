@@ -36,7 +36,7 @@ def _handles(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Lazy
     path = tmp_path / "t.safetensors"
     save_file(tensors, str(path))
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        return {name: LazyTensor(name, f.get_slice(name), str(path)) for name in f.keys()}
+        return {name: LazyTensor(name, f.get_slice(name), str(path)) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ tensor). Anything else (arithmetic, ``permute``, indexing) needs ``materialize``
 
 from __future__ import annotations
 
-from typing import Protocol, Union
+from typing import Protocol
 
 import torch
 
@@ -44,7 +44,11 @@ class LazyTensor:
     """The shape of this region (the checkpoint tensor's until narrowed)."""
 
     def __init__(
-        self, name: str, source: SliceSource, origin: str = "", _region: tuple[tuple[int, ...], torch.Size] | None = None
+        self,
+        name: str,
+        source: SliceSource,
+        origin: str = "",
+        _region: tuple[tuple[int, ...], torch.Size] | None = None,
     ) -> None:
         self.name = name
         self.origin = origin
@@ -81,7 +85,9 @@ class LazyTensor:
         if ndim == 0:
             raise ValueError(f"{self.name}: a 0-dim checkpoint tensor cannot be narrowed")
         if not -ndim <= dim < ndim:
-            raise ValueError(f"{self.name}: narrow dim {dim} is outside [{-ndim}, {ndim - 1}] (shape {tuple(self.shape)})")
+            raise ValueError(
+                f"{self.name}: narrow dim {dim} is outside [{-ndim}, {ndim - 1}] (shape {tuple(self.shape)})"
+            )
         dim %= ndim
         size = self.shape[dim]
         if not 0 <= start <= size:
@@ -116,7 +122,7 @@ class LazyTensor:
         return f"LazyTensor({self.name!r}, [{region}])"
 
 
-CheckpointTensor = Union[torch.Tensor, LazyTensor]
+CheckpointTensor = torch.Tensor | LazyTensor
 """What a weight loader that accepts lazy weights receives: a tensor or a ``LazyTensor``."""
 
 
