@@ -12,8 +12,8 @@ the body of the class that defines the module's ``weight_loader``, or the model'
 ``load_weights``; see ``accepts_lazy_weights``): the object it receives is a
 ``torch.Tensor`` *or* a ``LazyTensor`` (``CheckpointTensor``); it may read ``shape`` and
 ``dim()``, call ``narrow(dim, start, length)`` (both types have it, with torch's
-semantics), and calls ``materialize(x)`` on what it finally copies (the identity for a
-tensor). Anything else (arithmetic, ``permute``, indexing) needs ``materialize`` first.
+semantics; a handle refuses a negative ``start``, which a loader has no use for), and
+calls ``materialize(x)`` on what it finally copies (the identity for a tensor). Anything else (arithmetic, ``permute``, indexing) needs ``materialize`` first.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class LazyTensor:
 
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
         """The handle of ``length`` entries from ``start`` along ``dim`` (a negative ``dim``
-        counts from the end, as in torch); nothing is read. A range outside the tensor is a
-        ``ValueError`` naming the tensor, the argument and its allowed range."""
+        counts from the end, as in torch; ``start`` is in ``[0, size]``); nothing is read. A
+        range outside the tensor is a ``ValueError`` naming the tensor, the argument and its
+        allowed range."""
         ndim = len(self.shape)
         if ndim == 0:
             raise ValueError(f"{self.name}: a 0-dim checkpoint tensor cannot be narrowed")
