@@ -19,6 +19,9 @@ A mixture-of-experts model builds its experts as a ``FusedMoE`` (stacked expert 
 loaded per expert from the checkpoint; the ``fused_moe`` custom op) with a router of its
 own, and may override ``LlamaForCausalLM.mlp_block`` to put it in the Llama decoder;
 ``select_experts`` is the routing (HF's Mixtral, Qwen3-MoE and DeepSeek-V2/V3 variants).
+A model class that sets ``accepts_lazy_weights = True`` next to its ``load_weights`` gets
+safetensors tensors as ``LazyTensor`` handles (the parallel layers read only their
+rank's slice); ``materialize`` reads one whole (the identity on a tensor).
 A model with multi-head latent attention (DeepSeek-style) builds each attention block as
 an ``MLAAttention`` (HF module names, the latent cache, both phases) from ``MLADims``
 (``config.model.mla_dims``), ``config.attention.backend`` (decode) and
@@ -37,6 +40,7 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.loader.lazy_tensor import LazyTensor, materialize
 from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
@@ -46,6 +50,7 @@ __all__ = [
     "FusedMoE",
     "LLAMA_STACKED_PARAMS",
     "LMHead",
+    "LazyTensor",
     "Linear",
     "LlamaAttention",
     "LlamaDecoderLayer",
@@ -63,6 +68,7 @@ __all__ = [
     "get_gated_activation",
     "get_rope_parameters",
     "load_checkpoint_weights",
+    "materialize",
     "packed_modules_mapping",
     "select_experts",
 ]

@@ -38,6 +38,7 @@ from torch import nn
 
 from kvloom.distributed import parallel_state
 from kvloom.layers.custom_ops import get_custom_op
+from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 #: HF's DeepSeek-V3 adds this to the sum of the chosen sigmoid scores before dividing.
@@ -215,6 +216,10 @@ class FusedMoE(nn.Module):
     size, ``self.intermediate_size`` this rank's. ``forward`` then all-reduces its output.
     """
 
+    accepts_lazy_weights = True
+    """``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's
+    intermediate range of each expert."""
+
     def __init__(
         self,
         num_experts: int,
@@ -302,7 +307,7 @@ class FusedMoE(nn.Module):
         raise ValueError(f"{self.prefix}: shard {shard!r} does not belong to this parameter "
                          "(w13_weight: <e>.gate / <e>.up, w2_weight: <e>.down)")  # fmt: skip
 
-    def _this_rank(self, loaded: torch.Tensor, shard: str) -> torch.Tensor:
+    def _this_rank(self, loaded: CheckpointTensor, shard: str) -> CheckpointTensor:
         """This rank's part of a whole checkpoint projection: rows of gate/up ``[I, H]``,
         columns of down ``[H, I]``; a tensor of the wrong shape is an error naming it."""
         full, hidden = self.full_intermediate_size, self.hidden_size
@@ -313,10 +318,11 @@ class FusedMoE(nn.Module):
                              f"expected {expected}")  # fmt: skip
         return loaded.narrow(dim, self.tp_rank * self.intermediate_size, self.intermediate_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor into ``param``: an expert's projection into its slice
         (shard ``"<expert>.gate"``, ``"<expert>.up"``, ``"<expert>.down"``; under tensor
-        parallelism only this rank's part of it), or the whole correction bias (no shard)."""
+        parallelism only this rank's part of it, the only part read of a lazy handle), or
+        the whole correction bias (no shard)."""
         target = param.data if shard is None else self.expert_slice(param, shard)
         if shard is not None and self.tp_size > 1:
             loaded = self._this_rank(loaded, shard)
@@ -325,7 +331,7 @@ class FusedMoE(nn.Module):
                 f"{self.prefix}: checkpoint tensor{'' if shard is None else f' for shard {shard}'} has shape "
                 f"{tuple(loaded.shape)}, expected {tuple(target.shape)}"
             )
-        target.copy_(loaded)
+        target.copy_(materialize(loaded))
 
     # ------------------------------------------------------------------ forward
 

@@ -7,7 +7,9 @@
   query and key/value head counts.
 
 Merged layers keep one weight ``[sum(output_sizes), input_size]``; ``weight_loader``
-copies a checkpoint tensor into its slice. A LoRA wrapper finds the projections by
+copies a checkpoint tensor into its slice. It accepts lazy checkpoint handles
+(``kvloom.loader.lazy_tensor``; ``accepts_lazy_weights``) and reads only the rows or columns
+this rank keeps. A LoRA wrapper finds the projections by
 ``isinstance(module, LinearBase)`` (and the module's ``prefix``) and reads the slice
 layout from ``output_sizes`` / ``shard_names``.
 
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.distributed import parallel_state
+from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 
 ParallelMode = Literal["replicated", "column", "row"]
 
@@ -44,6 +47,10 @@ def _split(size: int, world_size: int, what: str) -> int:
 
 class LinearBase(nn.Module):
     """``y = x @ weight.T (+ bias)``; weight ``[output_size, input_size]`` (HF layout)."""
+
+    accepts_lazy_weights = True
+    """``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's part (a
+    subclass that overrides ``weight_loader`` gets whole tensors unless it sets it too)."""
 
     def __init__(
         self,
@@ -87,8 +94,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _this_rank(self, loaded: torch.Tensor, index: int, is_bias: bool) -> torch.Tensor:
-        """The part of a whole checkpoint tensor of shard ``index`` this rank keeps."""
+    def _this_rank(self, loaded: CheckpointTensor, index: int, is_bias: bool) -> CheckpointTensor:
+        """The part of a whole checkpoint tensor of shard ``index`` this rank keeps (a
+        narrowed handle of a lazy one: nothing is read here)."""
         if self.tp_size == 1:
             return loaded
         if self.parallel == "column":
@@ -112,8 +120,10 @@ class LinearBase(nn.Module):
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        """Copy a checkpoint tensor (weight or bias) into ``param`` or into its shard."""
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
+        """Copy a checkpoint tensor (weight or bias) into ``param`` or into its shard:
+        this rank's rows (column-parallel) or input columns (row-parallel) of it, read
+        from the file only then when ``loaded`` is a lazy handle."""
         if shard is None:
             if len(self.shard_names) != 1:
                 raise ValueError(f"{self.prefix}: a merged layer needs a shard name (one of {self.shard_names})")
@@ -128,7 +138,7 @@ class LinearBase(nn.Module):
                 f"{self.prefix}: checkpoint tensor{'' if shard is None else f' for shard {shard}'} has shape "
                 f"{tuple(loaded.shape)}, expected {tuple(target.shape)}"
             )
-        target.copy_(loaded)
+        target.copy_(materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel != "row" or self.tp_size == 1:
@@ -153,7 +163,10 @@ class Linear(LinearBase):
     ) -> None:  # fmt: skip
         super().__init__(input_size, [output_size], bias, ["0"], prefix, parallel)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    accepts_lazy_weights = True
+    """``weight_loader`` (``LinearBase``'s, with no shard) takes ``LazyTensor`` handles."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         super().weight_loader(param, loaded, None)
 
 

@@ -16,12 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.distributed import parallel_state
+from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 from kvloom.utils import cdiv
 
 
 class VocabEmbedding(nn.Module):
     """``input_ids [N] -> [N, embedding_dim]``; weight ``[num_embeddings, embedding_dim]``
     (``[ceil(num_embeddings / tp), embedding_dim]`` on each rank when vocab-parallel)."""
+
+    accepts_lazy_weights = True
+    """``weight_loader`` takes ``LazyTensor`` handles and reads only this rank's rows."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "", parallel: bool = False) -> None:
         super().__init__()
@@ -35,19 +39,20 @@ class VocabEmbedding(nn.Module):
         self.vocab_end = min(num_embeddings, self.vocab_start + rows)
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         """Copy this rank's rows of a checkpoint tensor into ``param`` (the checkpoint's
-        shape must be ``[num_embeddings, embedding_dim]``; ``shard`` is unused)."""
+        shape must be ``[num_embeddings, embedding_dim]``; ``shard`` is unused); of a lazy
+        handle only those rows are read."""
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
                 f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, "
                 f"expected {(self.num_embeddings, self.embedding_dim)}"
             )
         if self.tp_size == 1:
-            param.data.copy_(loaded)
+            param.data.copy_(materialize(loaded))
             return
         count = self.vocab_end - self.vocab_start
-        param.data[:count].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[:count].copy_(materialize(loaded.narrow(0, self.vocab_start, count)))
         param.data[count:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

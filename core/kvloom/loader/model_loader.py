@@ -5,9 +5,11 @@ directly on the target device in the run dtype (no CPU copy, no random init: par
 are ``torch.empty``), then filled from the model source:
 
 * ``load.source_kind == "hf"``: safetensors or ``.bin`` files of the HF directory
-  (``load_format`` "auto", "safetensors" or "pt");
+  (``load_format`` "auto", "safetensors" or "pt"); safetensors tensors reach a model that
+  accepts them as lazy handles, of which each tensor-parallel rank reads its slices only;
 * ``"gguf"``: the GGUF file, dequantized (``kvloom.loader.gguf_loader``);
-* ``load_format == "dummy"``: random weights made on the device from ``model.seed``.
+* ``load_format == "dummy"``: random weights made on the device from ``model.seed``
+  (the parameters are this rank's shards already: nothing else is made).
 
 ``load_weights`` returns the names it loaded; every parameter must be among them (a
 model that loads too little is an error naming the weights, as in vLLM), except with
@@ -28,6 +30,7 @@ from torch import nn
 from kvloom.config import EngineConfig
 from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
+from kvloom.loader.lazy_tensor import CheckpointTensor, accepts_lazy_weights
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
 from kvloom.models.registry import ModelRegistry
 from kvloom.models.utils import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
@@ -52,16 +55,23 @@ def checkpoint_weight_names(model: nn.Module) -> list[str]:
 
 def model_weights(
     config: EngineConfig, model: nn.Module, origins: dict[str, Path] | None = None
-) -> Iterable[tuple[str, torch.Tensor]]:
+) -> Iterable[tuple[str, CheckpointTensor]]:
     """The checkpoint tensors of ``config``'s model source, HF-named, on the CPU
-    (``origins``: filled with the file of each name, for an HF directory)."""
+    (``origins``: filled with the file of each name, for an HF directory).
+
+    A model whose ``load_weights`` is declared lazy-ready (``accepts_lazy_weights = True``
+    in the class that defines it) gets safetensors tensors as ``LazyTensor`` handles, so
+    that each tensor-parallel rank reads only its slices (``kvloom.loader.lazy_tensor``);
+    any other model gets whole tensors, as before. GGUF and ``.bin`` tensors are whole
+    either way."""
     kind = config.load.source_kind
     if kind == "gguf":
         return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
     if kind == "hf":
         # A pipeline stage reads only its own tensors (the model says which are elsewhere).
         skip = getattr(model, "checkpoint_tensor_elsewhere", None)
-        return hf_dir_weights(config.model.model, config.load.load_format, origins, skip)
+        lazy = accepts_lazy_weights(model, "load_weights")
+        return hf_dir_weights(config.model.model, config.load.load_format, origins, skip, lazy)
     raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
 
 

@@ -4,7 +4,9 @@ An HF directory holds safetensors files (one, or shards listed in
 ``model.safetensors.index.json``) or PyTorch ``.bin`` files (likewise, with
 ``pytorch_model.bin.index.json``). Iterators yield ``(hf_name, cpu_tensor)`` one tensor
 at a time, memory-mapped where the format allows, so peak memory stays near the model's
-own size.
+own size. With ``lazy=True`` the safetensors iterator yields ``LazyTensor`` handles
+instead (``kvloom.loader.lazy_tensor``): a tensor-parallel rank then reads only the
+slices its layers keep. ``.bin`` files always yield whole (memory-mapped) tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from kvloom.layers.layernorm import RMSNorm
+from kvloom.loader.lazy_tensor import CheckpointTensor, LazyTensor
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +70,15 @@ def find_weight_files(model_dir: str | Path, load_format: str = "auto") -> tuple
 
 
 def safetensors_weights(
-    files: list[Path], origins: dict[str, Path] | None = None, skip: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+    files: list[Path],
+    origins: dict[str, Path] | None = None,
+    skip: Callable[[str], bool] | None = None,
+    lazy: bool = False,
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """The tensors of ``files``; ``origins``, when given, records each name's file. Names
-    for which ``skip`` is true are never read (another pipeline stage's tensors)."""
+    for which ``skip`` is true are never read (another pipeline stage's tensors). With
+    ``lazy``, ``LazyTensor`` handles: nothing is read until a loader materialises (a
+    region of) one; a handle stays readable after the iterator moved on."""
     from safetensors import SafetensorError, safe_open
 
     for path in files:
@@ -83,7 +91,10 @@ def safetensors_weights(
                 if skip is not None and skip(name):
                     continue
                 try:
-                    tensor = f.get_tensor(name)
+                    # A slice keeps its own reference to the mapped file: it outlives ``f``.
+                    tensor: CheckpointTensor = (
+                        LazyTensor(name, f.get_slice(name), str(path)) if lazy else f.get_tensor(name)
+                    )
                 except SafetensorError as exc:
                     raise _unreadable(path, exc) from exc
                 if origins is not None:
@@ -124,13 +135,17 @@ def hf_dir_weights(
     load_format: str = "auto",
     origins: dict[str, Path] | None = None,
     skip: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    lazy: bool = False,
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """All tensors of an HF model directory as ``(name, tensor)``, but those ``skip``
     names; ``origins``, when given, records the file of each name read (for errors that
-    name the file)."""
+    name the file). ``lazy``: safetensors tensors come as ``LazyTensor`` handles (``.bin``
+    tensors are whole either way)."""
     kind, files = find_weight_files(model_dir, load_format)
     logger.info("Loading %s weights from %d file(s) in %s", kind, len(files), model_dir)
-    return safetensors_weights(files, origins, skip) if kind == "safetensors" else pt_weights(files, origins, skip)
+    if kind == "safetensors":
+        return safetensors_weights(files, origins, skip, lazy)
+    return pt_weights(files, origins, skip)
 
 
 #: Half-width of the uniform distribution of dummy weights: small enough that

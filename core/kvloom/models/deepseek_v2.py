@@ -190,6 +190,9 @@ class DeepseekV2ForCausalLM(nn.Module):
     """kvloom's model contract (see ``LlamaForCausalLM``) for DeepSeek-V2/V3."""
 
     stacked_params = DEEPSEEK_STACKED_PARAMS
+    accepts_lazy_weights = True
+    """``load_weights`` takes lazy handles (it renames and filters): the MTP tensors it
+    drops are never read."""
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()

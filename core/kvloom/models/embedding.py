@@ -31,6 +31,9 @@ class LlamaEmbeddingModel(nn.Module):
     causal_lm_cls: type[LlamaForCausalLM] = LlamaForCausalLM
     stacked_params = LLAMA_STACKED_PARAMS
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
+    accepts_lazy_weights = True
+    """``load_weights`` takes lazy handles (it renames and filters): the LM head it drops
+    is never read."""
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()

@@ -282,6 +282,9 @@ class LlamaForCausalLM(nn.Module):
     supports_pipeline_parallel = True
     """Decoder layers are split over pipeline stages (embedding on the first, norm and LM
     head on the last); every subclass (Qwen2/3, Mistral, Qwen3-MoE, Mixtral) inherits it."""
+    accepts_lazy_weights = True
+    """``load_weights`` takes lazy safetensors handles (it only renames and filters them):
+    each tensor-parallel rank's layers read their own slices (``kvloom.loader.lazy_tensor``)."""
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kvloom.layers.linear import LinearBase
+from kvloom.loader.lazy_tensor import CheckpointTensor, accepts_lazy_weights, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def ignored_checkpoint_tensors(model: nn.Module) -> tuple[str, ...]:
 
 def load_checkpoint_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, CheckpointTensor]],
     stacked: Sequence[tuple[str, str, str]],
     ignored: Sequence[str] | None = None,
     tied_names: Sequence[str] = (),
@@ -174,6 +175,11 @@ def load_checkpoint_weights(
     are skipped; any other tensor the model does not use is an
     ``UnusedCheckpointTensorsError`` naming them. A required weight that never arrived is
     an error naming it.
+
+    ``weights`` may hold ``LazyTensor`` handles (``kvloom.loader.lazy_tensor``): a module
+    whose ``weight_loader`` accepts them (``accepts_lazy_weights``) gets them as they are (the parallel
+    layers read only their rank's slice), any other ``weight_loader`` and a parameter
+    without one get the whole tensor; skipped tensors are never read.
     """
     patterns = ignored_checkpoint_tensors(model) if ignored is None else tuple(ignored)
     targets = checkpoint_names(model, stacked)
@@ -189,14 +195,16 @@ def load_checkpoint_weights(
                 continue
             loader = getattr(target.module, "weight_loader", None)
             if loader is not None:
-                loader(target.param, tensor, target.shard)
+                # A loader that does not declare it takes lazy handles gets the whole tensor.
+                lazy_ok = accepts_lazy_weights(target.module, "weight_loader")
+                loader(target.param, tensor if lazy_ok else materialize(tensor), target.shard)
             else:
                 if tuple(target.param.shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, "
                         f"expected {tuple(target.param.shape)}"
                     )
-                target.param.data.copy_(tensor)
+                target.param.data.copy_(materialize(tensor))
             loaded.add(name)
     if unexpected:
         raise UnusedCheckpointTensorsError(type(model).__name__, unexpected)
