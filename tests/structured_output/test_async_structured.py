@@ -19,10 +19,10 @@ import re
 from typing import Any
 
 import pytest
-from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom import LLM, SamplingParams, StructuredOutputsParams
 from kvloom.testing.json_schema import schema_errors
+from tests.helpers.model_fixtures import tiny_model_dir
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
