@@ -23,8 +23,9 @@ where finished requests thin the batch, are left out). The ratio is constrained 
 unconstrained median, per scheduling mode. Separately:
 
 * the bitmask fill: ``StructuredOutputManager.grammar_bitmask`` wrapped (host time to
-  advance the matchers to the output tokens and fill one row per request, in
-  ``schedule()``, so on the step's critical path), median over full-batch steps;
+  advance the matchers to the output tokens and fill one row per request: in
+  ``schedule()`` when synchronous; with async scheduling after step n's tokens are
+  applied, while the device runs the forward of step n+1), median over full-batch steps;
 * the bitmask apply: ``apply_grammar_bitmask`` in the model runner wrapped (host time
   of the call, and on CUDA the device time between CUDA events around it), median over
   full-batch steps;
@@ -34,10 +35,10 @@ unconstrained median, per scheduling mode. Separately:
 * ``--modes sync,async``: one engine per mode (``async_scheduling`` off / on). Their
   greedy constrained (and unconstrained) tokens are compared request by request, and the
   number of steps in flight between ``step()`` calls is recorded per run: with async
-  scheduling an unconstrained decode keeps one step in flight, a structured request
-  makes the core step synchronously (``Scheduler.can_schedule_ahead`` is false while one
-  runs, since the bitmask of step n+1 needs the token of step n), which the JSON states
-  under ``async_structured_overlaps``.
+  scheduling a decode keeps one step in flight, constrained or not (the forward of step
+  n+1 is launched before step n's tokens are back; its sampling waits for the bitmask
+  that follows them), which the JSON states under ``async_constrained_overlaps`` and
+  ``structured_requests_force_synchronous_steps`` (false when a step stays in flight).
 
 Every constrained output is checked against ``SCHEMA`` (``kvloom.testing.json_schema``).
 

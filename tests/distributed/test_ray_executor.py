@@ -75,6 +75,37 @@ def test_ray_tp2_greedy_tokens_match_tp1(ray_cluster: str, monkeypatch: pytest.M
     assert_nothing_left()
 
 
+def test_ray_structured_outputs_under_async_scheduling_match_sync(ray_cluster: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A step whose bitmask waits for the previous step's tokens: its forward and its
+    sampling are two calls to every actor; the tokens are the synchronous engine's."""
+    from kvloom.scheduler.scheduler import Scheduler
+    from tests.structured_output.test_async_structured import _check_constrained, _generate, _llm
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spy lives in this process
+    sync = _llm()
+    expected = _generate(sync)
+    sync.llm_engine.shutdown()
+    _check_constrained(expected)
+    rows: list[int] = []
+    fill = Scheduler.get_grammar_bitmask
+
+    def spy(self: Scheduler, so: object) -> object:
+        grammar = fill(self, so)
+        rows.append(0 if grammar is None else len(grammar.structured_output_request_ids))
+        return grammar
+
+    monkeypatch.setattr(Scheduler, "get_grammar_bitmask", spy)
+    llm = _llm(async_scheduling=True, tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert _generate(llm) == expected
+    finally:
+        llm.llm_engine.shutdown()
+    assert any(rows)
+    assert_nothing_left()
+
+
 def test_failed_or_killed_actor_raises_naming_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,

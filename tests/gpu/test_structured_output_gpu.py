@@ -63,3 +63,37 @@ def test_json_schema_requests_on_cuda_all_validate() -> None:
         assert schema_errors(json.loads(c.text), SCHEMA) == [], c.text
     assert len({c.text for c in completions}) > 1  # sampled, not one forced answer
     llm.llm_engine.shutdown()
+
+
+def test_async_scheduling_keeps_greedy_constrained_tokens_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (CUDA graphs, pinned copies): structured steps sampled after their forward
+    (async scheduling) give the synchronous engine's greedy tokens for a JSON schema, a
+    regex and a choice mixed with unconstrained requests, and bitmasks were filled late."""
+    from kvloom import LLM
+    from kvloom.scheduler.scheduler import Scheduler
+    from kvloom.testing.models import tiny_model_dir
+    from tests.structured_output.test_async_structured import PROMPTS, _check_constrained, _params
+
+    def run(**kwargs: object) -> list:
+        llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="1GiB", disable_log_stats=True,
+                  **kwargs)  # fmt: skip
+        assert llm.config.device.device_type == "cuda"
+        try:
+            outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+        return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+    expected = run()
+    _check_constrained(expected)
+    fills: list[int] = []
+    fill = Scheduler.get_grammar_bitmask
+
+    def spy(self: Scheduler, so: object) -> object:
+        fills.append(1)
+        return fill(self, so)
+
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spy lives in this process
+    monkeypatch.setattr(Scheduler, "get_grammar_bitmask", spy)
+    assert run(async_scheduling=True) == expected
+    assert fills

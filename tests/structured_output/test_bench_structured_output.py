@@ -45,9 +45,10 @@ def test_main_on_a_tiny_cpu_model(bench, tmp_path: Path) -> None:
         assert run["plain"]["fill_ms_median"] is None  # no structured request, no bitmask
         assert 0 < run["compile"]["cached_s"] < run["compile"]["cold_s"]
     assert written["constrained_tokens_identical_sync_async"] is True
-    # The overlap async scheduling gives a plain decode, and what a structured one gets.
+    # The overlap async scheduling gives a plain decode, a structured one keeps it too.
     assert written["async_plain_overlaps"] is True
-    assert written["structured_requests_force_synchronous_steps"] is True
+    assert written["async_constrained_overlaps"] is True
+    assert written["structured_requests_force_synchronous_steps"] is False
 
 
 def test_bad_modes_are_refused(bench, tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
 """Structured outputs under the engine's modes, on a tiny random Llama: async scheduling
-(structured requests make it step synchronously; greedy tokens identical to the
-synchronous engine), chunked prefill, prefix caching and preemption, and n > 1; the
-scheduler's ``can_schedule_ahead`` while a structured request runs."""
+(greedy tokens identical to the synchronous engine; more in ``test_async_structured``),
+chunked prefill, prefix caching and preemption, and n > 1."""
 
 from __future__ import annotations
 

@@ -179,20 +179,37 @@ def test_identical_grammars_compile_once_and_the_stats_say_so(tokenizer) -> None
     assert texts <= {"on", "off"} and tokenizer.decode(result["tokens"]["t"], skip_special_tokens=True).isdigit()
 
 
-def test_async_scheduling_steps_synchronously_while_a_structured_request_runs(tokenizer) -> None:
-    """Its next bitmask needs its last token: no step may be scheduled ahead of it."""
+def test_async_scheduling_defers_the_bitmask_of_a_step_behind_an_in_flight_token(tokenizer) -> None:
+    """Scheduled while its previous token is in flight, a structured request's step has no
+    bitmask yet; it is filled once that token is applied, from the advanced matcher. A
+    request that finished (here: aborted) meanwhile gets no row."""
     scheduler, manager = make(tokenizer)
-    scheduler.add_request(Request("p", [1, 2], SamplingParams(max_tokens=50)))
-    g = torch.Generator().manual_seed(0)
-    step(scheduler, len(tokenizer), g)
-    assert scheduler.can_schedule_ahead()
+    scheduler.async_scheduling = True
+    vocab = len(tokenizer)
     scheduler.add_request(Request("s", [1, 2], structured(regex="[a-z]{30}")))
-    while scheduler.requests["s"].status != RequestStatus.RUNNING:
-        manager.wait_for_compile(0.1)
-        step(scheduler, len(tokenizer), g)
-    assert not scheduler.can_schedule_ahead()
+    scheduler.add_request(Request("p", [1, 2], SamplingParams(max_tokens=50)))
+    manager.wait_for_compile(60)
+    assert manager._pending["s"].done()
+    first = scheduler.schedule()  # the prefills: every token known, the bitmask filled now
+    assert list(first.num_scheduled_tokens) == ["s", "p"]
+    assert not first.pending_structured_output_tokens and first.grammar_bitmask is not None
+    assert scheduler.can_schedule_ahead()  # structured requests no longer force synchronous steps
+    second = scheduler.schedule()  # behind the prefill's token, still in flight
+    assert second.pending_structured_output_tokens and second.grammar_bitmask is None
+    assert set(second.structured_output_request_ids) == {"s"}
+    allowed = allowed_mask(first.grammar_bitmask, vocab)[0].nonzero().flatten().tolist()
+    token = allowed[0]
+    scheduler.update_from_output(first, ModelRunnerOutput(req_ids=list(first.num_scheduled_tokens),
+                                                          sampled_token_ids=[[token], [7]]))  # fmt: skip
+    grammar = scheduler.get_grammar_bitmask(second)
+    assert grammar is not None and grammar.structured_output_request_ids == {"s": 0}
+    fresh = xgr.GrammarMatcher(manager.backend.compile(structured(regex="[a-z]{30}").structured_outputs))
+    assert fresh.accept_token(token)
+    expected = xgr.allocate_token_bitmask(1, vocab)
+    fresh.fill_next_token_bitmask(expected)
+    assert torch.equal(grammar.grammar_bitmask, expected)
     scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.can_schedule_ahead() and "s" not in manager.grammars
+    assert scheduler.get_grammar_bitmask(second) is None and "s" not in manager.grammars
 
 
 def test_a_structural_tag(tokenizer) -> None:

@@ -65,7 +65,9 @@ class EngineCore:
         # Pipeline parallelism: micro-batches in flight at most (vLLM's max_concurrent_batches).
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         # Async scheduling: steps launched on the device whose outputs are not applied yet.
-        self._in_flight: deque[tuple[SchedulerOutput, PendingModelRunnerOutput]] = deque()
+        # (Under async scheduling a step launched without sampling holds None until it is
+        # sampled within the same step() call.)
+        self._in_flight: deque[tuple[SchedulerOutput, PendingModelRunnerOutput | None]] = deque()
 
     @property
     def worker(self) -> WorkerBase:
@@ -180,20 +182,39 @@ class EngineCore:
     def _step_async(self) -> EngineCoreOutputs:
         """One step with up to two in flight: launch step n+1 behind step n, then wait
         for step n and apply its tokens. The host's scheduling and input preparation
-        then overlap the device's work instead of following it."""
+        then overlap the device's work instead of following it.
+
+        Structured outputs: when a structured request of step n+1 has its token of step n
+        still in flight (``pending_structured_output_tokens``), only the forward of n+1 is
+        launched; once step n's tokens are applied (advancing the grammar matchers), the
+        bitmask of n+1 is filled and n+1 sampled with it. The device runs the forward of
+        n+1 while the host waits for step n and fills the bitmask."""
         in_flight, scheduler = self._in_flight, self.scheduler
+        unsampled: SchedulerOutput | None = None
         if not in_flight or (
             len(in_flight) < 2 and scheduler.has_unfinished_requests() and scheduler.can_schedule_ahead()
         ):
             scheduler_output = scheduler.schedule()
             if scheduler_output.is_empty() and len(in_flight) == 0:
                 self.structured_output_manager.wait_for_compile(0.01)  # as in step()
-            in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+            pending = self.executor.execute_model_async(scheduler_output)
+            if pending is None:  # its sampling waits for the bitmask, below
+                if not in_flight:
+                    raise RuntimeError("a step's structured outputs wait for tokens, but no step is in flight")
+                unsampled = scheduler_output
+            in_flight.append((scheduler_output, pending))
             if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
                 # The pipeline was empty: keep this step running, schedule the next behind it.
                 return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output, pending = in_flight.popleft()
-        return scheduler.update_from_output(scheduler_output, pending.get_output())
+        assert pending is not None
+        outputs = scheduler.update_from_output(scheduler_output, pending.get_output())
+        if unsampled is not None:
+            # Step n's tokens are applied: the bitmask of step n+1 follows them. A request
+            # that finished with step n gets no row; its token of n+1 is dropped on arrival.
+            grammar_output = scheduler.get_grammar_bitmask(unsampled)
+            in_flight[0] = (unsampled, self.executor.sample_tokens_async(grammar_output))
+        return outputs
 
     def _step_pipelined(self) -> EngineCoreOutputs:
         """One step of the batch queue (pipeline parallelism): while fewer than
@@ -214,6 +235,7 @@ class EngineCore:
                 self.structured_output_manager.wait_for_compile(0.01)  # as in step()
                 return scheduler.update_from_output(scheduler_output, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         scheduler_output, pending = in_flight.popleft()
+        assert pending is not None  # steps are sampled at once without async scheduling
         return scheduler.update_from_output(scheduler_output, pending.get_output())
 
     # ------------------------------------------------------------------ LoRA

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.lora.request import LoRARequest
     from kvloom.outputs import ModelRunnerOutput
-    from kvloom.scheduler.output import SchedulerOutput
+    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 
 class Executor(ABC):
@@ -46,13 +46,26 @@ class Executor(ABC):
     def compile_or_warm_up_model(self) -> None:
         self.collective_rpc("compile_or_warm_up_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; the driver's output."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step on every rank; the driver's output. None for a step with
+        ``pending_structured_output_tokens``: the ranks ran its forward, ``sample_tokens``
+        samples it."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
-        """Launch one step (async scheduling). Default: run it to completion."""
-        return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
+        """Launch one step (async scheduling); None where ``execute_model`` returns None.
+        Default: run it to completion."""
+        output = self.execute_model(scheduler_output)
+        return None if output is None else PendingModelRunnerOutput.done(output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample, on every rank, the step launched without sampling, its structured
+        requests' logits masked with ``grammar_output``; the driver's output."""
+        return self.collective_rpc("sample_tokens", (grammar_output,))[0]
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+        """``sample_tokens`` without waiting for the results. Default: run it to completion."""
+        return PendingModelRunnerOutput.done(self.sample_tokens(grammar_output))
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.collective_rpc("add_lora", (lora_request,))[0]

@@ -50,7 +50,7 @@ from kvloom.processes import describe_exit, main_module_not_reimported
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.outputs import ModelRunnerOutput
-    from kvloom.scheduler.output import SchedulerOutput
+    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ DEFAULT_DIST_TIMEOUT_S = 600.0
 #: Seconds a rank gets to stop after the shutdown call, then after SIGTERM, before SIGKILL.
 SHUTDOWN_GRACE_S = 5.0
 #: Worker methods whose results only rank 0 sends back.
-DRIVER_ONLY_RESULTS = frozenset({"execute_model", "execute_model_async"})
+DRIVER_ONLY_RESULTS = frozenset({"execute_model", "execute_model_async", "sample_tokens"})
 
 
 class WorkerRankError(RuntimeError):
@@ -77,15 +77,22 @@ class _PendingStep(PendingModelRunnerOutput):
     """A step sent to every rank (``MultiprocExecutor.execute_model_async``): the output
     rank's result, collected on the first ``get_output()``."""
 
-    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+    def __init__(self, executor: MultiprocExecutor, seq: int, forward_seq: int | None = None) -> None:
         self._executor = executor
         self._seq = seq
+        # A step sampled by a second call (``sample_tokens``): the call that ran its forward,
+        # whose replies (None, or a rank's failure) are collected first.
+        self._forward_seq = forward_seq
         self._output: ModelRunnerOutput | None = None
 
     def get_output(self) -> ModelRunnerOutput:
         if self._output is None:
             executor = self._executor
-            self._output = executor._collect(self._seq, "execute_model")[executor.output_rank]
+            if self._forward_seq is None:
+                self._output = executor._collect(self._seq, "execute_model")[executor.output_rank]
+            else:
+                executor._collect(self._forward_seq, "execute_model")
+                self._output = executor._collect(self._seq, "sample_tokens")[executor.output_rank]
         return self._output
 
 
@@ -132,6 +139,8 @@ class MultiprocExecutor(Executor):
         # steps still in flight (``_awaited``): (rank, seq) -> (status, value).
         self._early: dict[tuple[int, int], tuple[str, Any]] = {}
         self._awaited: set[int] = set()
+        # The call that launched a step's forward whose sampling waits for sample_tokens.
+        self._unsampled_seq: int | None = None
         # A FileStore in a private directory: no port to pick, nothing left behind.
         self._store_dir = tempfile.mkdtemp(prefix="kvloom-tp-")
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
@@ -176,15 +185,33 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self._collect(self._send(method, args), method)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
-        """Send the step to every rank and return without waiting (the engine core's batch
-        queue under pipeline parallelism); ``get_output()`` collects the output rank's."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
+        """Send the step to every rank and return without waiting (async scheduling, and
+        the engine core's batch queue under pipeline parallelism); ``get_output()`` collects
+        the output rank's. A step with ``pending_structured_output_tokens`` returns None:
+        the ranks run its forward and wait for ``sample_tokens_async``, a second call."""
         seq = self._send("execute_model", (scheduler_output,))
         self._awaited.add(seq)
+        if scheduler_output.pending_structured_output_tokens:
+            self._unsampled_seq = seq
+            return None
         return _PendingStep(self, seq)
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+        """Send the bitmask of the step launched without sampling to every rank, which then
+        samples it; returns without waiting, like ``execute_model_async``."""
+        forward_seq, self._unsampled_seq = self._unsampled_seq, None
+        if forward_seq is None:
+            raise RuntimeError("sample_tokens_async() without a step launched with pending_structured_output_tokens")
+        seq = self._send("sample_tokens", (grammar_output,))
+        self._awaited.add(seq)
+        return _PendingStep(self, seq, forward_seq)
 
     def _send(self, method: str, args: tuple[Any, ...]) -> int:
         """Write call ``method(*args)`` to every rank; its sequence number."""

@@ -10,7 +10,7 @@ from kvloom.outputs import PendingModelRunnerOutput
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.outputs import ModelRunnerOutput
-    from kvloom.scheduler.output import SchedulerOutput
+    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 
 class UniProcExecutor(Executor):
@@ -26,11 +26,17 @@ class UniProcExecutor(Executor):
         return [getattr(self.driver_worker, method)(*args)]
 
     # The hot path calls the worker without building argument tuples and lists.
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.driver_worker.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
         return self.driver_worker.execute_model_async(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.driver_worker.sample_tokens(grammar_output)
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+        return self.driver_worker.sample_tokens_async(grammar_output)
 
     def shutdown(self) -> None:
         self.driver_worker.shutdown()

@@ -45,6 +45,16 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarOutput:
+    """The bitmask a step's sampling applies (``sample_tokens`` of a step whose
+    ``pending_structured_output_tokens`` deferred it): request id -> its row of
+    ``grammar_bitmask`` (int32 ``[rows, ceil(vocab_size / 32)]``, CPU)."""
+
+    structured_output_request_ids: dict[str, int]
+    grammar_bitmask: torch.Tensor
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -61,6 +71,12 @@ class SchedulerOutput:
     #: int32 ``[rows, ceil(vocab_size / 32)]`` on the CPU: bit ``t`` of a row set when
     #: token ``t`` may be sampled (``kvloom.structured_output.bitmask``).
     grammar_bitmask: torch.Tensor | None = None
+    #: Async scheduling: a structured request sampling in this step has a token of the step
+    #: still in flight, so its bitmask cannot be filled yet (``grammar_bitmask`` is None).
+    #: The worker runs the forward and keeps the logits; the engine core fills the bitmask
+    #: once that token is back (``Scheduler.get_grammar_bitmask``) and has the step sampled
+    #: with it (``sample_tokens``).
+    pending_structured_output_tokens: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -40,9 +40,12 @@ waits in ``WAITING_FOR_FSM`` (set aside, keeping its place in the queue, while t
 are scheduled) until its grammar has compiled; a grammar that fails to compile finishes
 its request alone with ``FinishReason.ERROR``. Each step carries a bitmask row for every
 structured request that samples in it; its tokens advance its matcher, and it finishes
-(``stop``) when the grammar terminates. The bitmask of step n+1 needs the token of step
-n, so structured requests are among those that need the host to know every token:
-while one runs, async scheduling steps synchronously.
+(``stop``) when the grammar terminates. With async scheduling the bitmask of step n+1
+needs the token of step n, which is still in flight when step n+1 is scheduled: such a
+step is marked ``pending_structured_output_tokens`` and carries no bitmask; the engine
+core launches its forward, applies step n's tokens (``update_from_output`` advances the
+matchers) and then fills the bitmask (``get_grammar_bitmask``) for the sampling of step
+n+1. Structured requests thus keep async scheduling's overlap.
 
 Pipeline parallelism (``pipeline_parallel_size`` P > 1): the engine core keeps up to P
 micro-batches in flight, one per stage. A request is in at most one of them: while its
@@ -66,7 +69,7 @@ from kvloom.kv_cache.manager import KVCacheManager
 from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestStatus
-from kvloom.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvloom.scheduler.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
 from kvloom.scheduler.utils import check_stop
 from kvloom.structured_output.manager import StructuredOutputManager
@@ -170,7 +173,6 @@ class Scheduler:
                 self.structured_output_manager.grammar_init(request)
                 request.status = RequestStatus.WAITING_FOR_FSM
                 self._structured.add(request.request_id)
-                self._needs_host_tokens.add(request.request_id)
         self.waiting.add(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
@@ -382,6 +384,7 @@ class Scheduler:
 
         bitmask_rows: dict[str, int] = {}
         bitmask = None
+        pending_tokens = False
         if self._structured:
             # Structured requests that sample this step (a prefill chunk short of the
             # prompt's end samples nothing).
@@ -390,7 +393,12 @@ class Scheduler:
                 for req_id in num_scheduled_tokens
                 if req_id in self._structured and (req := self.requests[req_id]).num_computed_tokens >= req.num_tokens
             ]
-            if sampling:
+            # Async scheduling: a sampling request counts this step's token as a placeholder;
+            # one more means a token of the step in flight, which its bitmask must follow.
+            if async_scheduling and any(req.num_output_placeholders > 1 for req in sampling):
+                pending_tokens = True
+                bitmask_rows = {req.request_id: i for i, req in enumerate(sampling)}
+            elif sampling:
                 assert self.structured_output_manager is not None
                 bitmask_rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
@@ -406,7 +414,27 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             structured_output_request_ids=bitmask_rows,
             grammar_bitmask=bitmask,
+            pending_structured_output_tokens=pending_tokens,
         )
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask of a step scheduled with ``pending_structured_output_tokens``, filled
+        now that the tokens of the step before it are applied (``update_from_output``
+        advanced the matchers): one row per structured request of the step still running.
+        A request that finished meanwhile (its grammar terminated, a stop token, a failure)
+        gets no row; its token from this step is dropped when it arrives. None when no row
+        is left."""
+        sampling = [
+            request
+            for req_id in scheduler_output.structured_output_request_ids
+            if req_id in self._structured and (request := self.requests[req_id]).status == _RUNNING
+        ]
+        if not sampling:
+            return None
+        assert self.structured_output_manager is not None
+        rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+        assert bitmask is not None
+        return GrammarOutput(rows, bitmask)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

@@ -56,6 +56,10 @@ def apply_grammar_bitmask(
         # The kernel masks logits[rows[i]] with bitmask[rows[i]]: give it rows aligned so.
         full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
         full[rows] = bitmask
+        # From pinned memory the copy is queued behind the forward without the host waiting
+        # for it (from pageable memory the driver may synchronise with the stream), so the
+        # host goes on while the forward runs (async scheduling samples a step after it).
+        full = full.pin_memory()
         xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
                                         vocab_size=min(logits.shape[-1], bitmask.shape[1] * 32), indices=rows)  # fmt: skip
         return

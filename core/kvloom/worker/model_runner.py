@@ -11,7 +11,10 @@ the sampled tokens in its own copy of each request.
 scheduling): the tokens are copied into pinned memory behind an event, and the runner's
 copy of each request holds a placeholder (-1) until the step's ``AsyncModelRunnerOutput``
 fills it (``get_output()``). A step launched meanwhile reads such a token as input
-straight from the previous step's sampled tensor on the device.
+straight from the previous step's sampled tensor on the device. A step whose structured
+requests' bitmask waits for such tokens (``pending_structured_output_tokens``) is split:
+``execute_model_async`` runs the forward and keeps the logits on the device, and
+``sample_tokens`` masks and samples them once the engine core has the bitmask.
 
 Platforms drive the runner through its methods: ``profile_peak_memory`` (KV-cache sizing)
 and ``capture_cudagraphs`` besides the setup and step calls of the generic worker.
@@ -56,7 +59,7 @@ from kvloom.pooling.pooler import pool_request
 from kvloom.sample.metadata import SamplingMetadata
 from kvloom.sample.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from kvloom.sampling_params import SamplingParams
-from kvloom.scheduler.output import SchedulerOutput
+from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 from kvloom.structured_output.bitmask import apply_grammar_bitmask
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
@@ -191,6 +194,9 @@ class ModelRunner:
         # Requests whose own work failed (id -> why), left out of every step until the
         # scheduler lists them in finished_req_ids.
         self._failed: dict[str, str] = {}
+        # A step launched without sampling (``pending_structured_output_tokens``): what
+        # ``sample_tokens`` samples, or its already complete output.
+        self._unsampled: _UnsampledStep | PendingModelRunnerOutput | None = None
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -599,13 +605,53 @@ class ModelRunner:
             self._inputs_copied = torch.cuda.Event()
             self._inputs_copied.record()
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and return its results."""
-        return self.execute_model_async(so).get_output()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step and return its results; None for a step whose sampling waits for
+        ``sample_tokens`` (``so.pending_structured_output_tokens``)."""
+        pending = self.execute_model_async(so)
+        return None if pending is None else pending.get_output()
 
     @torch.inference_mode()
-    def execute_model_async(self, so: SchedulerOutput) -> PendingModelRunnerOutput:
-        """Launch one step; its results are on the host once ``get_output()`` returns."""
+    def execute_model_async(self, so: SchedulerOutput) -> PendingModelRunnerOutput | None:
+        """Launch one step; its results are on the host once ``get_output()`` returns.
+
+        A step with ``pending_structured_output_tokens`` (async scheduling: the bitmask of
+        its structured requests follows tokens of the step before it, still in flight) runs
+        its forward only and returns None; the logits stay on the device until
+        ``sample_tokens`` masks them with the bitmask and samples."""
+        if self._unsampled is not None:
+            raise RuntimeError("a step was launched while the previous one still waits for sample_tokens()")
+        step = self._launch(so)
+        if so.pending_structured_output_tokens:
+            self._unsampled = step
+            return None
+        if isinstance(step, _UnsampledStep):
+            return self._sample_step(step, so.structured_output_request_ids, so.grammar_bitmask)
+        return step
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput | None) -> PendingModelRunnerOutput:
+        """Sample the step ``execute_model_async`` launched without sampling, its
+        structured requests' logits masked with ``grammar`` (None: no row, every structured
+        request of the step finished meanwhile)."""
+        step, self._unsampled = self._unsampled, None
+        if step is None:
+            raise RuntimeError("sample_tokens() without a step launched with pending_structured_output_tokens")
+        if not isinstance(step, _UnsampledStep):  # no logits (every request failed): already complete
+            return step
+        if grammar is None:
+            return self._sample_step(step, {}, None)
+        return self._sample_step(step, grammar.structured_output_request_ids, grammar.grammar_bitmask)
+
+    def _sample_step(
+        self, step: _UnsampledStep, rows: dict[str, int], bitmask: torch.Tensor | None
+    ) -> AsyncModelRunnerOutput:
+        if bitmask is not None and step.logits is not None:
+            apply_grammar_bitmask(step.logits, step.batch.req_ids, rows, bitmask)
+        return self._postprocess(step.batch, step.logits, step.hidden)
+
+    def _launch(self, so: SchedulerOutput) -> _UnsampledStep | PendingModelRunnerOutput:
+        """The step's forward up to the logits; a complete output where nothing samples."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return PendingModelRunnerOutput.done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
@@ -653,9 +699,7 @@ class ModelRunner:
         if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None and self.model is not None
             logits = self.model.compute_logits(hidden[self.logits_indices[:b]])
-        if so.grammar_bitmask is not None and logits is not None:
-            apply_grammar_bitmask(logits, batch.req_ids, so.structured_output_request_ids, so.grammar_bitmask)
-        return self._postprocess(batch, logits, hidden)
+        return _UnsampledStep(batch, logits, hidden)
 
     def _lora_extras(self, batch: StepBatch) -> dict[str, Any]:
         """The forward-context extras of a step: each token's LoRA adapter slot."""
@@ -840,6 +884,16 @@ class ModelRunner:
             query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
             seq_lens_cpu=self.seq_lens_cpu[:b],
         )
+
+
+@dataclass
+class _UnsampledStep:
+    """A step whose forward ran (on the device, maybe still running) and whose logits wait
+    to be masked and sampled (``ModelRunner.sample_tokens``)."""
+
+    batch: StepBatch
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from kvloom.distributed import parallel_state
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
 from kvloom.platforms.interface import Platform
-from kvloom.scheduler.output import SchedulerOutput
+from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 from kvloom.worker.model_runner import ModelRunner
 from kvloom.worker.worker_base import WorkerBase
 
@@ -81,11 +81,17 @@ class Worker(WorkerBase):
         # first request's timings.
         self.runner.dummy_forward(min(16, self.runner.max_num_tokens), 1)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
         return self.runner.execute_model_async(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(grammar_output).get_output()
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+        return self.runner.sample_tokens(grammar_output)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the runner's LoRA manager; ValueError without ``--enable-lora``."""

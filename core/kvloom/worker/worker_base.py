@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvloom.lora.request import LoRARequest
     from kvloom.outputs import ModelRunnerOutput
     from kvloom.platforms.interface import Platform
-    from kvloom.scheduler.output import SchedulerOutput
+    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 
 class WorkerBase(ABC):
@@ -47,17 +47,31 @@ class WorkerBase(ABC):
         """Warm up, and capture CUDA graphs where the platform supports them."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
-        """Run one step: forward the scheduled tokens and sample."""
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
+        """Run one step: forward the scheduled tokens and sample. A step with
+        ``scheduler_output.pending_structured_output_tokens`` (async scheduling) only runs
+        its forward, keeps the logits and returns None: ``sample_tokens`` samples it."""
 
-    def execute_model_async(self, scheduler_output: "SchedulerOutput") -> "PendingModelRunnerOutput":
-        """Launch one step and return without waiting for its results (async scheduling).
+    def execute_model_async(self, scheduler_output: "SchedulerOutput") -> "PendingModelRunnerOutput | None":
+        """Launch one step and return without waiting for its results (async scheduling);
+        None where ``execute_model`` returns None (the sampling waits for ``sample_tokens``).
 
         The default runs the step to completion; workers whose device runs asynchronously
         override it so that the engine core can schedule the next step meanwhile.
         """
+        output = self.execute_model(scheduler_output)
+        return None if output is None else PendingModelRunnerOutput.done(output)
 
-        return PendingModelRunnerOutput.done(self.execute_model(scheduler_output))
+    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> "ModelRunnerOutput":
+        """Sample the step whose ``execute_model`` returned None, the logits of its
+        structured requests masked with ``grammar_output`` (None: no row), and return its
+        results. Needed for structured outputs under async scheduling; default: unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sampling a step after its forward "
+                                  "(structured outputs with async scheduling)")  # fmt: skip
+
+    def sample_tokens_async(self, grammar_output: "GrammarOutput | None") -> "PendingModelRunnerOutput":
+        """``sample_tokens`` without waiting for the results. Default: runs to completion."""
+        return PendingModelRunnerOutput.done(self.sample_tokens(grammar_output))
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
         """Load an adapter (``--enable-lora``); True if it was added. Default: unsupported."""
