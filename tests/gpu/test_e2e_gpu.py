@@ -28,6 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
+from tests.helpers.hf_agreement import hf_greedy, top1_agreement
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,13 +98,7 @@ def _hf_model(model: str, dtype: torch.dtype):
 def _hf_greedy(model: str, prompts, n: int) -> list[list[int]]:
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = _hf_model(model, torch.float32)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+    outs = hf_greedy(hf, prompts, n)
     del hf
     torch.cuda.empty_cache()
     return outs
@@ -112,16 +107,10 @@ def _hf_greedy(model: str, prompts, n: int) -> list[list[int]]:
 def _top1_agreement(model: str, prompts, generated, dtype: torch.dtype) -> float:
     """Fraction of kvloom's generated tokens that HF (same dtype, teacher-forced) ranks first."""
     hf = _hf_model(model, dtype)
-    agree = total = 0
-    with torch.no_grad():
-        for p, g in zip(prompts, generated):
-            ids = torch.tensor([p + g], device="cuda")
-            pred = hf(ids).logits[0, len(p) - 1 : len(p) + len(g) - 1].argmax(-1).tolist()
-            agree += sum(a == b for a, b in zip(pred, g))
-            total += len(g)
+    agreement = top1_agreement(hf, prompts, generated)
     del hf
     torch.cuda.empty_cache()
-    return agree / total
+    return agreement
 
 
 def _random_prompts(vocab: int, lengths=(5, 16, 23, 41, 64), seed: int = 1234) -> list[list[int]]:

@@ -22,10 +22,14 @@ Run on the device with ``bash tests/gpu/run.sh mla``.
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
+from tests.helpers.hf_agreement import hf_greedy, top1_agreement
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,29 +63,17 @@ def _top1_agreement(model: Path, prompts: list[list[int]], generated: list[list[
     from kvloom.testing.models import load_hf_model
 
     hf = load_hf_model(model).to("cuda")
-    agree = total = 0
-    with torch.no_grad():
-        for p, g in zip(prompts, generated):
-            ids = torch.tensor([p + g], device="cuda")
-            pred = hf(ids).logits[0, len(p) - 1 : len(p) + len(g) - 1].argmax(-1).tolist()
-            agree += sum(a == b for a, b in zip(pred, g))
-            total += len(g)
+    agreement = top1_agreement(hf, prompts, generated)
     del hf
     torch.cuda.empty_cache()
-    return agree / total
+    return agreement
 
 
 def _hf_bf16_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     from kvloom.testing.models import load_hf_model
 
     hf = load_hf_model(model, torch.bfloat16).to("cuda")
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOKENS,
-                              min_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+    outs = hf_greedy(hf, prompts, N_TOKENS)
     del hf
     torch.cuda.empty_cache()
     return outs
