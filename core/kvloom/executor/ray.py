@@ -195,6 +195,7 @@ class _RayPendingStep(PendingModelRunnerOutput):
                 executor._gather("execute_model", self._forward_refs)
                 self._forward_refs = None
             self._output = executor._gather(self._method, self._refs)[executor.output_rank]
+            self._refs = []  # the results are read: Ray may free them
         return self._output
 
 
