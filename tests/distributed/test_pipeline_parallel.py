@@ -166,7 +166,7 @@ def test_killed_stage_raises_naming_it_and_leaves_no_process(victim: int) -> Non
          r"pipeline_parallel_size: 3 stages for the model's 2 layers \(allowed: 1..2"),
         ("llama", {"pipeline_parallel_size": 0}, r"pipeline_parallel_size"),
         ("llama", {"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"},
-         r"distributed_executor_backend: 'uni' runs one worker, but pipeline_parallel_size is 2 \(allowed .*: mp\)"),
+         r"distributed_executor_backend: 'uni' runs one worker, but pipeline_parallel_size is 2 \(allowed .*: mp, ray\)"),
         ("llama", {"pipeline_parallel_size": 2, "async_scheduling": True},
          r"async_scheduling: True is not supported with pipeline_parallel_size 2"),
         ("llama", {"pipeline_parallel_size": 2, "torch_compile": True}, r"pipeline_parallel_size: 2 runs eagerly"),

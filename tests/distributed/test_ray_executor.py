@@ -3,8 +3,10 @@ CPUs, started once for the module: two gloo ranks as Ray actors.
 
 * TP=2 through Ray generates the same greedy tokens as TP=1 on the fp32 tiny Llama, with
   the engine core in its own process connecting to the running cluster (``RAY_ADDRESS``);
-* an actor that raises or is killed makes the call raise ``WorkerRankError`` naming the
-  rank, at once (not after a collective timeout);
+* PP=2 through Ray (two stages, one actor each) generates the same greedy tokens as PP=1,
+  with two micro-batches in flight in the engine core's batch queue;
+* an actor that raises or is killed (a TP rank, or the second pipeline stage) makes the
+  call raise ``WorkerRankError`` naming the rank, at once (not after a collective timeout);
 * shutdown leaves no actor and no placement group: the cluster's resources are all free
   again and the actors' processes are gone;
 * without Ray installed, or on a platform that names no Ray resource, the error says so.
@@ -30,6 +32,7 @@ from kvloom.executor.multiproc import WorkerRankError  # noqa: E402
 from kvloom.executor.ray import RayDistributedExecutor  # noqa: E402
 from kvloom.testing import resolve_engine_config  # noqa: E402
 from kvloom.testing.models import tiny_model_dir  # noqa: E402
+from tests.distributed.test_pipeline_parallel import greedy_tokens as pipelined_greedy_tokens  # noqa: E402
 from tests.distributed.test_tensor_parallel import GREEDY, PROMPTS, greedy_tokens  # noqa: E402
 
 NUM_CPUS = 2
@@ -73,6 +76,56 @@ def test_ray_tp2_greedy_tokens_match_tp1(ray_cluster: str, monkeypatch: pytest.M
     assert len({tuple(t) for t in expected}) > 1
     assert greedy_tokens(path, tensor_parallel_size=2, distributed_executor_backend="ray") == expected
     assert_nothing_left()
+
+
+def test_ray_pp2_greedy_tokens_match_pp1_with_two_micro_batches_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output is the last stage's (rank 1); ``execute_model_async`` returns before the
+    step ran, so the batch queue holds two micro-batches (the spy counts them)."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spies live in this process
+    path = str(tiny_model_dir("llama"))
+    expected, _ = pipelined_greedy_tokens(path)
+    assert len({tuple(t) for t in expected}) > 1
+    # Whether a launched step was still running on the actors when the launch returned: a
+    # launch that waited for the step would find every call finished.
+    running: list[bool] = []
+    launch = RayDistributedExecutor.execute_model_async
+
+    def spy(self: RayDistributedExecutor, scheduler_output: object) -> object:
+        pending = launch(self, scheduler_output)  # type: ignore[arg-type]
+        refs = pending._refs  # type: ignore[union-attr]
+        running.append(len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs))
+        return pending
+
+    monkeypatch.setattr(RayDistributedExecutor, "execute_model_async", spy)
+    tokens, depth = pipelined_greedy_tokens(path, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert tokens == expected
+    assert depth == 2
+    assert any(running)
+    assert_nothing_left()
+
+
+def test_killed_actor_of_the_last_stage_raises_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 is stage 1 (the output rank): its death is reported by Ray while stage 0
+    has sent it a micro-batch."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              pipeline_parallel_size=2, distributed_executor_backend="ray")  # fmt: skip
+    executor = llm.llm_engine.engine_core.core.executor
+    assert isinstance(executor, RayDistributedExecutor)
+    assert executor.output_rank == 1
+    pids = executor.worker_pids
+    try:
+        first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0]
+        assert len(first.outputs[0].token_ids) == GREEDY.max_tokens
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerRankError, match=r"rank 1 \(Ray actor, pid \d+ on .*\) died during execute_model") as info:
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 30
+    finally:
+        llm.llm_engine.shutdown()
+    assert_nothing_left(pids)
 
 
 def test_ray_structured_outputs_under_async_scheduling_match_sync(ray_cluster: str,
@@ -138,6 +191,9 @@ def test_the_flag_parses() -> None:
     config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
                                    distributed_executor_backend="ray")  # fmt: skip
     assert config.parallel.distributed_executor_backend == "ray"
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=2,
+                                   pipeline_parallel_size=2, distributed_executor_backend="ray")  # fmt: skip
+    assert (config.parallel.distributed_executor_backend, config.parallel.world_size) == ("ray", 4)
 
 
 def test_without_ray_installed_the_error_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,13 +213,19 @@ def test_platform_without_a_ray_resource_is_refused(monkeypatch: pytest.MonkeyPa
         RayDistributedExecutor(config)
 
 
-def test_ranks_the_cluster_cannot_place_are_an_error_listing_its_resources(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "field"),
+    [(4, 1, r"tensor_parallel_size"), (2, 2, r"tensor_parallel_size x pipeline_parallel_size \(2 x 2\)")],
+)
+def test_ranks_the_cluster_cannot_place_are_an_error_listing_its_resources(
+    tp: int, pp: int, field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four ranks on a cluster of two CPUs: a clear error after the placement timeout, and
     the pending placement group is removed."""
     monkeypatch.setenv("KVLOOM_RAY_PLACEMENT_TIMEOUT_S", "1")
-    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=4,
-                                   distributed_executor_backend="ray")  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"tensor_parallel_size: 4 ranks need 4 x \{'CPU': 1\} .* within 1 s "
+    config = resolve_engine_config(model=str(tiny_model_dir("llama")), tensor_parallel_size=tp,
+                                   pipeline_parallel_size=pp, distributed_executor_backend="ray")  # fmt: skip
+    with pytest.raises(RuntimeError, match=field + r": 4 ranks need 4 x \{'CPU': 1\} .* within 1 s "
                                            r"\(KVLOOM_RAY_PLACEMENT_TIMEOUT_S\); available now: .*'CPU': 2\.0"):  # fmt: skip
         RayDistributedExecutor(config)
     assert_nothing_left()

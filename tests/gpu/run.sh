@@ -28,8 +28,8 @@
 #                dummy weights, .benchtok's vocabulary, batch 64: decode step with a JSON schema vs without, sync and
 #                async scheduling; grammar compile time; bitmask fill/apply) -> $OUT/so/structured_output.json;
 #                needs the carried folder .benchtok; SO_ARGS adds flags.
-#   tp           tests/gpu/test_tp_gpu.py (TP=2 vs TP=1 greedy tokens over NCCL, eager and CUDA graphs; a
-#                killed rank); needs a machine with two GPUs (kind nvidia-h100-x2).
+#   tp           tests/gpu/test_tp_gpu.py (TP=2 vs TP=1 greedy tokens over NCCL, eager and CUDA graphs; PP=2
+#                vs PP=1 under mp and through Ray; a killed rank); needs a machine with two GPUs (nvidia-h100-x2).
 #   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens) and
 #                benchmarks/bench_mixed_step.py (64 decodes + a 512-token chunk, Llama-3-8B shape);
 #                MIXED_ARGS replaces the benchmark's flags (default: --num-layers 16, to fit ~4 min).

@@ -3,8 +3,8 @@ tiny Llama, Qwen3 and the MoE models (Qwen3-MoE, Mixtral: experts sharded, the T
 fused_moe on each rank's slices), eager and with the platform's default CUDA graphs; the
 same through the Ray executor (a local Ray started by the executor, one GPU per actor;
 skipped without ray installed); pipeline parallelism PP=2 (NCCL send/recv between the
-stages, two micro-batches in flight) gives PP=1's on Llama and Qwen3-MoE; a killed rank
-raises naming it.
+stages, two micro-batches in flight) gives PP=1's on Llama and Qwen3-MoE, under ``mp``
+and through the Ray executor; a killed rank raises naming it.
 
 Run on a machine with two or more GPUs: ``bash tests/gpu/run.sh tp``.
 """
@@ -79,3 +79,14 @@ def test_tp2_through_ray_matches_tp1_on_gpus(monkeypatch: pytest.MonkeyPatch) ->
     expected = greedy_tokens(model, enforce_eager=True)
     assert greedy_tokens(model, tensor_parallel_size=2, distributed_executor_backend="ray",
                          enforce_eager=True) == expected  # fmt: skip
+
+
+def test_pp2_through_ray_matches_pp1_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stages as Ray actors of one GPU each, NCCL send/recv between them; the output is
+    the last stage's."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    model = str(tiny_model_dir("llama"))
+    batching = {"max_num_seqs": 4, "max_num_batched_tokens": 16}
+    expected = greedy_tokens(model, enforce_eager=True, **batching)
+    assert greedy_tokens(model, pipeline_parallel_size=2, distributed_executor_backend="ray", **batching) == expected

@@ -125,7 +125,7 @@ class EngineArgs(BaseModel):
     )
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = Field(
         None, description="How the workers run: uni (one worker in the engine core's process), mp (one process "
-        "per rank on this machine) or ray (one Ray actor per tensor-parallel rank, on the nodes of a Ray cluster; "
+        "per rank on this machine) or ray (one Ray actor per rank, on the nodes of a Ray cluster; "
         "needs pip install ray); default: mp when --tensor-parallel-size or --pipeline-parallel-size > 1, else uni."
     )
     data_parallel_size: int = Field(
@@ -295,16 +295,12 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni"
         from kvloom.executor.ray import import_ray
 
         import_ray()  # a clear error now, not when the engine core starts
-        if pp > 1:
-            raise ValueError(f"distributed_executor_backend: 'ray' runs tensor-parallel ranks only, but "
-                             f"pipeline_parallel_size is {pp} (allowed with pipeline_parallel_size > 1: mp)")  # fmt: skip
     if tp * pp == 1:
         return backend
     if backend == "uni":
         field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
-        allowed = "mp, ray" if pp == 1 else "mp"
         raise ValueError(f"distributed_executor_backend: 'uni' runs one worker, but {field} is {max(tp, pp)} "
-                         f"(allowed with {field} > 1: {allowed})")  # fmt: skip
+                         f"(allowed with {field} > 1: mp, ray)")  # fmt: skip
     model_cls = ModelRegistry.load_model_cls(model.architecture)
     if pp > 1:
         check_pipeline_parallel(args, model, model_cls)

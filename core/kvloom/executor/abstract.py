@@ -4,7 +4,8 @@ The engine core asks an executor, never a worker, to load the model, size and al
 the KV cache and run steps. ``UniProcExecutor`` holds one worker in the engine core's own
 process (tensor-parallel size 1, what kvloom always did); ``MultiprocExecutor`` runs one
 worker process per rank (``--distributed-executor-backend mp``; tensor-parallel size x
-pipeline-parallel size ranks). A step's output comes from the output rank: the last
+pipeline-parallel size ranks) and ``RayDistributedExecutor`` as many Ray actors
+(``--distributed-executor-backend ray``). A step's output comes from the output rank: the last
 pipeline stage's tensor-parallel rank 0 (rank 0 without pipeline parallelism).
 """
 
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class Executor(ABC):
-    """Runs ``WorkerBase`` methods on every rank; results come from the driver (rank 0)."""
+    """Runs ``WorkerBase`` methods on every rank; step results come from the output rank
+    (rank 0 here; distributed executors override the step methods with theirs)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -1,4 +1,4 @@
-"""``RayDistributedExecutor``: one Ray actor per tensor-parallel rank, on the nodes of a Ray cluster.
+"""``RayDistributedExecutor``: one Ray actor per rank (tensor- x pipeline-parallel), on the nodes of a Ray cluster.
 
 ``--distributed-executor-backend ray``. Ray places the ranks; torch.distributed still
 carries the collectives (the platform's ``dist_backend``: NCCL on CUDA, gloo on the CPU),
@@ -11,11 +11,13 @@ Start-up:
    caller), else the one ``RAY_ADDRESS`` names or the one running on this machine
    (``ray start --head``; ``address="auto"``), else a local instance this executor starts
    and stops with itself.
-2. A placement group of ``tensor_parallel_size`` bundles of one ``Platform.ray_device_key``
+2. A placement group of ``tensor_parallel_size x pipeline_parallel_size`` bundles of one ``Platform.ray_device_key``
    each ("GPU" on CUDA, "CPU" on the CPU; an out-of-tree platform names its own), packed
    onto as few nodes as possible. Not placeable within ``KVLOOM_RAY_PLACEMENT_TIMEOUT_S``
    seconds (default 300) is an error listing what the cluster has free.
-3. One actor per bundle; the actor of bundle ``r`` is rank ``r``. Ray makes only its
+3. One actor per bundle; the actor of bundle ``r`` is rank ``r``: pipeline stage
+   ``r // tensor_parallel_size``, tensor-parallel rank ``r % tensor_parallel_size`` (the
+   layout of ``mp``, ``kvloom.distributed.parallel_state``). Ray makes only its
    bundle's device visible to it, so every rank runs on device index 0 of its process
    (``parallel_state.set_device_index(0)``). It gets the engine process's ``KVLOOM_*``
    environment variables (Ray starts actors with its raylet's environment) and then the
@@ -29,7 +31,15 @@ Calls: ``collective_rpc`` stores the call's arguments in Ray's object store once
 and raises at the first failure: a rank that raised (``WorkerRankError`` with its
 traceback) or whose actor died (its node or process gone; Ray reports it at once, so the
 call never waits on the survivors, who may be blocked in a collective). Step outputs come
-from rank 0 only, as under ``mp``.
+from the output rank only (the last stage's tensor-parallel rank 0; rank 0 without
+pipeline parallelism), as under ``mp``.
+
+Steps: ``execute_model_async`` submits the step to every actor and returns at once with
+the calls' object refs; ``get_output()`` gathers them (so a failure of any rank surfaces,
+naming it) and returns the output rank's. Ray runs an actor's calls from one caller in
+the order they were submitted, so under pipeline parallelism the engine core's batch
+queue really has several micro-batches in flight: stage 0 runs micro-batch n+1 while
+stage 1 runs n. (Under async scheduling, step n+1 is likewise queued behind step n.)
 
 Shutdown: each rank is asked to leave its process group (a few seconds at most), then
 every actor is killed and the placement group removed, so no actor and no reserved
@@ -44,6 +54,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from kvloom.distributed.parallel_state import output_rank
 from kvloom.executor.abstract import Executor
 from kvloom.executor.multiproc import (
     DRIVER_ONLY_RESULTS,
@@ -52,12 +63,15 @@ from kvloom.executor.multiproc import (
     dist_timeout_s,
     seconds_from_env,
 )
+from kvloom.outputs import PendingModelRunnerOutput
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from kvloom.config import EngineConfig
+    from kvloom.outputs import ModelRunnerOutput
     from kvloom.platforms.interface import Platform
+    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +128,7 @@ class RankActor:
         if log_level is not None:
             setup_child_logging(log_level, log_format, f"(RayWorker rank={rank} pid={os.getpid()}) ")
         self.worker: Any = None
+        self.output_rank: int | None = None  # set by init_worker
 
     def where(self) -> tuple[str, int]:
         """This actor's node IP address and process id."""
@@ -128,22 +143,26 @@ class RankActor:
             return int(s.getsockname()[1])
 
     def init_worker(self, config: EngineConfig, backend: str, init_method: str, timeout_s: float) -> None:
-        """Join the process group, build the platform's worker and initialise its device."""
+        """Join the process group (and this stage's tensor-parallel subgroup), build the
+        platform's worker and initialise its device."""
         from kvloom import plugins
         from kvloom.distributed import parallel_state
 
         plugins.load_plugins()
         platform = config.device.platform
         parallel_state.set_device_index(0)  # Ray shows this actor its bundle's device only
-        world_size = config.parallel.tensor_parallel_size
-        parallel_state.init_tensor_parallel(self.rank, world_size, backend, init_method, timeout_s)
+        parallel = config.parallel
+        parallel_state.init_tensor_parallel(self.rank, parallel.world_size, backend, init_method, timeout_s,
+                                            parallel.tensor_parallel_size)  # fmt: skip
+        self.output_rank = parallel_state.output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.worker = platform.get_worker_cls()(config, platform)
         self.worker.init_device()
 
     def call(self, method: str, args: tuple[Any, ...]) -> Any:
         result = getattr(self.worker, method)(*args)
-        # A step's output leaves the driver only: the other ranks' are the same tokens.
-        return None if self.rank != 0 and method in DRIVER_ONLY_RESULTS else result
+        # A step's output leaves the output rank only: the other ranks' are the same tokens
+        # (tensor parallelism) or empty (earlier pipeline stages).
+        return None if self.rank != self.output_rank and method in DRIVER_ONLY_RESULTS else result
 
     def shutdown(self) -> None:
         from kvloom.distributed import parallel_state
@@ -155,9 +174,34 @@ class RankActor:
             parallel_state.destroy_tensor_parallel()
 
 
+class _RayPendingStep(PendingModelRunnerOutput):
+    """A step submitted to every actor (``RayDistributedExecutor.execute_model_async``):
+    the output rank's result, gathered on the first ``get_output()``."""
+
+    def __init__(self, executor: RayDistributedExecutor, method: str, refs: list[Any],
+                 forward_refs: list[Any] | None = None) -> None:  # fmt: skip
+        self._executor = executor
+        self._method = method
+        self._refs = refs
+        # A step sampled by a second call (``sample_tokens``): the calls that ran its
+        # forward, whose results (None, or a rank's failure) are gathered first.
+        self._forward_refs = forward_refs
+        self._output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            executor = self._executor
+            if self._forward_refs is not None:
+                executor._gather("execute_model", self._forward_refs)
+                self._forward_refs = None
+            self._output = executor._gather(self._method, self._refs)[executor.output_rank]
+            self._refs = []  # the results are read: Ray may free them
+        return self._output
+
+
 class RayDistributedExecutor(Executor):
-    """One Ray actor per tensor-parallel rank, placed with a placement group; results
-    from rank 0."""
+    """One Ray actor per rank (tensor-parallel size x pipeline-parallel size), placed with
+    a placement group; results from the output rank."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -172,20 +216,29 @@ class RayDistributedExecutor(Executor):
         if device_key is None:
             raise ValueError(f"distributed_executor_backend: 'ray' is not supported by the {platform.name} platform "
                              "(it names no Ray resource: Platform.ray_device_key); allowed: mp")  # fmt: skip
-        self.world_size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._closed = False
+        # The forward calls of a step launched without sampling (structured outputs under
+        # async scheduling), gathered when its sampling is.
+        self._unsampled_refs: list[Any] | None = None
         self._actors: list[Any] = []
         self._where: list[tuple[str, int]] = []
         self._pg: Any = None
         self._owns_ray = self._connect()
         try:
             bundles = [{device_key: 1.0} for _ in range(self.world_size)]
-            self._pg = placement_group(bundles, strategy="PACK", name=f"kvloom-tp-{os.getpid()}-{id(self)}")
+            # PACK: the ranks of one stage (adjacent bundles) share a node where they fit.
+            self._pg = placement_group(bundles, strategy="PACK", name=f"kvloom-ranks-{os.getpid()}-{id(self)}")
             timeout = placement_timeout_s()
             ready, _ = ray.wait([self._pg.ready()], timeout=timeout)
             if not ready:
+                field = "tensor_parallel_size" if parallel.pipeline_parallel_size == 1 else (
+                    f"tensor_parallel_size x pipeline_parallel_size ({parallel.tensor_parallel_size} x "
+                    f"{parallel.pipeline_parallel_size})")  # fmt: skip
                 raise RuntimeError(
-                    f"tensor_parallel_size: {self.world_size} ranks need {self.world_size} x {{'{device_key}': 1}} "
+                    f"{field}: {self.world_size} ranks need {self.world_size} x {{'{device_key}': 1}} "
                     f"on the Ray cluster, which could not be placed within {timeout:g} s ({PLACEMENT_TIMEOUT_ENV}); "
                     f"available now: {ray.available_resources()}"
                 )
@@ -207,8 +260,8 @@ class RayDistributedExecutor(Executor):
             init_method = f"tcp://{_host(master_ip)}:{port}"
             backend = platform.dist_backend
             logger.info(
-                "Started %d tensor-parallel Ray actors (%s), backend %s, rendezvous %s",
-                self.world_size, ", ".join(f"rank {r}: pid {pid} on {ip}" for r, (ip, pid) in enumerate(self._where)),
+                "Started %d Ray actors, %d stage(s) of %d tensor-parallel rank(s) (%s), backend %s, rendezvous %s",
+                self.world_size, parallel.pipeline_parallel_size, parallel.tensor_parallel_size, ", ".join(f"rank {r}: pid {pid} on {ip}" for r, (ip, pid) in enumerate(self._where)),
                 backend, init_method,
             )  # fmt: skip
             timeout_s = dist_timeout_s()
@@ -287,12 +340,42 @@ class RayDistributedExecutor(Executor):
             rank, f"{self._describe(rank)} died during {method}: {cause[0] if cause else type(exc).__name__}"
         )
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    def _submit(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """Call ``method(*args)`` on every actor without waiting; the calls' refs, rank order."""
         if self._closed:
-            raise RuntimeError(f"the tensor-parallel executor is shut down (called {method})")
+            raise RuntimeError(f"the Ray executor is shut down (called {method})")
         # One copy of the arguments in the object store, read by every rank.
         payload = self._ray.put(args) if args else ()
-        return self._gather(method, [a.call.remote(method, payload) for a in self._actors])
+        return [a.call.remote(method, payload) for a in self._actors]
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self._gather(method, self._submit(method, args))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
+        """Submit the step to every actor and return without waiting (the engine core's
+        batch queue under pipeline parallelism, and async scheduling); ``get_output()``
+        gathers every rank's result and returns the output rank's. A step with
+        ``pending_structured_output_tokens`` returns None: the ranks run its forward and
+        wait for ``sample_tokens_async``."""
+        refs = self._submit("execute_model", (scheduler_output,))
+        if scheduler_output.pending_structured_output_tokens:
+            self._unsampled_refs = refs
+            return None
+        return _RayPendingStep(self, "execute_model", refs)
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+        """Submit the bitmask of the step launched without sampling to every actor, which
+        then samples it; returns without waiting, like ``execute_model_async``."""
+        forward_refs, self._unsampled_refs = self._unsampled_refs, None
+        if forward_refs is None:
+            raise RuntimeError("sample_tokens_async() without a step launched with pending_structured_output_tokens")
+        return _RayPendingStep(self, "sample_tokens", self._submit("sample_tokens", (grammar_output,)), forward_refs)
 
     def shutdown(self) -> None:
         if self._closed:
