@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_N_CHUNKS = 8
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: Seconds a waiting side yields the core before it starts sleeping.
-DEFAULT_SPIN_S = 0.002
+DEFAULT_SPIN_S = 0.01
 MIN_SLEEP_S = 50e-6
 MAX_SLEEP_S = 1e-3
 #: Seconds between two calls of a waiting side's ``alive`` hook.
@@ -169,6 +169,8 @@ class ShmBroadcastWriter:
         self._spin_s = spin_s
         self._next = 0
         self._closed = False
+        #: Messages written, and of them those that went through the overflow path.
+        self.n_enqueued = 0
         self.n_overflowed = 0
 
     @property
@@ -208,9 +210,12 @@ class ShmBroadcastWriter:
             buf[start + _LENGTH.size : start + _LENGTH.size + size] = data
         else:
             if self._overflow is None:
-                raise ValueError(f"message of {size} bytes > chunk_bytes - 8 = {self.max_inline_bytes} and no overflow connections")
+                raise ValueError(
+                    f"message of {size} bytes > chunk_bytes - 8 = {self.max_inline_bytes} and no overflow connections"
+                )
             _LENGTH.pack_into(buf, start, OVERFLOW)
         buf[flags] = 1  # publish
+        self.n_enqueued += 1
         self._next = (chunk + 1) % self.handle.n_chunks
         if not inline:
             # After the marker: a reader takes the bytes from its connection when it
