@@ -216,6 +216,15 @@ def test_close_unlinks_the_segment() -> None:
         writer.enqueue(b"late")
 
 
+def test_a_reader_that_outlived_the_writer_unlinks() -> None:
+    writer = ShmBroadcastWriter(1, n_chunks=2, chunk_bytes=64)
+    reader = ShmBroadcastReader(writer.handle, 0)
+    name = writer.handle.name
+    reader.close(unlink=True)
+    assert not _segment_exists(name)
+    writer.close()  # the segment already gone is fine
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -139,6 +139,28 @@ def test_engine_core_process_shutdown_leaves_no_worker() -> None:
     assert _alive(workers) == []
 
 
+def test_killed_engine_core_leaves_no_worker_and_no_shared_memory() -> None:
+    """The engine core process killed without a shutdown: its ranks see it gone, stop and
+    unlink the broadcast ring's shared memory."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2)  # fmt: skip
+    this = os.getpid()
+    processes = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    core = next(p for p in processes if p.ppid() == this)
+    ranks = [p for p in processes if p.ppid() == core.pid]
+    assert len(ranks) == 2
+    segments = {m.path for m in ranks[0].memory_maps() if m.path.startswith("/dev/shm/")}
+    assert segments and all(os.path.exists(s) for s in segments)
+    core.kill()
+    pids = [p.pid for p in (core, *ranks)]
+    deadline = time.monotonic() + 20
+    while (_alive(pids) or any(os.path.exists(s) for s in segments)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
+    assert not any(os.path.exists(s) for s in segments)
+    llm.llm_engine.shutdown()
+
+
 def test_killed_rank_under_an_engine_core_process_kills_the_engine_naming_it() -> None:
     """The engine core in its own process (the default): a rank's death ends the engine
     core, the front end raises ``EngineDeadError`` naming the rank, nothing is left."""

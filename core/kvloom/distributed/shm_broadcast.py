@@ -32,8 +32,9 @@ after ``timeout`` seconds, if one is given.
 
 Lifetime. The writer creates the segment and unlinks it in ``close()``; readers attach
 by name (``BroadcastHandle``, picklable, passed to the spawned processes) and only
-close. If the writer's process is killed, multiprocessing's resource tracker unlinks
-the segment when it exits.
+close, unless the writer died first: a reader that sees it gone unlinks the segment
+(``close(unlink=True)``); failing that, multiprocessing's resource tracker unlinks it when
+the last process sharing the tracker exits.
 """
 
 from __future__ import annotations
@@ -303,10 +304,17 @@ class ShmBroadcastReader:
             self._next = (chunk + 1) % self.handle.n_chunks
         return value
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
+        """Detach; ``unlink``: also remove the segment, for a reader that outlived its
+        writer (the writer unlinks it otherwise; a segment already gone is fine)."""
         if self._closed:
             return
         self._closed = True
         shm = self._ring.shm
         del self._ring
         shm.close()
+        if unlink:
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass

@@ -352,6 +352,7 @@ def run_worker(
     worker: Any = None
     failure: str | None = None
     queue = ShmBroadcastReader(broadcast, rank, overflow=conn)
+    orphaned = False
     parent = multiprocessing.parent_process()
 
     def parent_alive() -> None:
@@ -370,6 +371,7 @@ def run_worker(
             seq, method, args = queue.dequeue(alive=parent_alive, decode=pickle.loads)
         except (EOFError, OSError):
             logger.warning("The engine core is gone; tensor-parallel rank %d stops", rank)
+            orphaned = True
             break
         if method == "shutdown":
             break
@@ -385,7 +387,8 @@ def run_worker(
         # (tensor parallelism) or empty (earlier pipeline stages).
         output = rank == parallel_state.output_rank(parallel_state.tp_world_size(), parallel_state.pp_world_size())
         conn.send((seq, "ok", None if not output and method in DRIVER_ONLY_RESULTS else result))
-    queue.close()
+    # Nobody else will unlink the ring if the engine core died without shutting down.
+    queue.close(unlink=orphaned)
     try:
         if worker is not None:
             worker.shutdown()
