@@ -25,6 +25,7 @@ import pytest
 from kvloom import LLM, SamplingParams
 from kvloom.engine.core_client import EngineDeadError
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+from kvloom.executor import multiproc
 from kvloom.executor.multiproc import MultiprocExecutor, WorkerRankError
 from kvloom.testing import resolve_engine_config
 from kvloom.testing.models import save_tiny_checkpoint, tiny_hf_config, tiny_model_dir
@@ -77,6 +78,8 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.
     assert isinstance(executor, MultiprocExecutor)
     pids = executor.worker_pids
     assert len(_alive(pids)) == 2
+    segment = f"/dev/shm/{executor._mq.handle.name}"
+    assert os.path.exists(segment)
     # A rank that raises answers with its traceback; the error names the rank.
     with pytest.raises(WorkerRankError, match=r"(?s)rank [01] \(pid \d+\) raised in no_such_method:.*AttributeError"):
         executor.collective_rpc("no_such_method")
@@ -90,6 +93,28 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.
     assert time.monotonic() - start < 30  # seen through the process sentinel, not a collective timeout
     llm.llm_engine.shutdown()
     assert _alive(pids) == []
+    assert not os.path.exists(segment)  # the broadcast queue's shared memory is unlinked
+
+
+def test_calls_longer_than_a_chunk_keep_their_order_through_the_pipes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With chunks of 512 bytes the prefill steps (and the initial calls) overflow to the
+    pipes and the decode steps stay in the ring: TP=2 still gives TP=1's tokens."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    monkeypatch.setattr(multiproc, "MQ_CHUNK_BYTES", 512)
+    path = str(tiny_model_dir("qwen3"))
+    expected = greedy_tokens(path)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True, tensor_parallel_size=2)
+    try:
+        queue = llm.llm_engine.engine_core.core.executor._mq
+        before, enqueued = queue.n_overflowed, queue.n_enqueued
+        outputs = llm.generate(
+            [{"prompt_token_ids": PROMPTS[0] * 45}] + [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False
+        )
+        # Both paths were taken: the prefill went through the pipes, decode steps the ring.
+        assert 0 < queue.n_overflowed - before < queue.n_enqueued - enqueued
+        assert [list(o.outputs[0].token_ids) for o in outputs[1:]] == expected
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_dummy_weights_load_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,6 +137,28 @@ def test_engine_core_process_shutdown_leaves_no_worker() -> None:
     while _alive(workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(workers) == []
+
+
+def test_killed_engine_core_leaves_no_worker_and_no_shared_memory() -> None:
+    """The engine core process killed without a shutdown: its ranks see it gone, stop and
+    unlink the broadcast ring's shared memory."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
+              tensor_parallel_size=2)  # fmt: skip
+    this = os.getpid()
+    processes = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    core = next(p for p in processes if p.ppid() == this)
+    ranks = [p for p in processes if p.ppid() == core.pid]
+    assert len(ranks) == 2
+    segments = {m.path for m in ranks[0].memory_maps() if m.path.startswith("/dev/shm/")}
+    assert segments and all(os.path.exists(s) for s in segments)
+    core.kill()
+    pids = [p.pid for p in (core, *ranks)]
+    deadline = time.monotonic() + 20
+    while (_alive(pids) or any(os.path.exists(s) for s in segments)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
+    assert not any(os.path.exists(s) for s in segments)
+    llm.llm_engine.shutdown()
 
 
 def test_killed_rank_under_an_engine_core_process_kills_the_engine_naming_it() -> None:

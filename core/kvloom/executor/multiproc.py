@@ -7,25 +7,28 @@ torch.distributed process group over the backend its platform names
 (``Platform.dist_backend``: gloo on the CPU, NCCL on CUDA) with a timeout on every
 collective, builds the platform's worker and waits for calls.
 
-Transport: one ``multiprocessing`` pipe per rank. Each call (a worker method and its
-arguments, e.g. ``execute_model`` with the step's ``SchedulerOutput``) is pickled once
-and the same bytes are written to every rank's pipe; every rank answers on its own
-pipe, the output rank (the last pipeline stage's tensor-parallel rank 0; rank 0 without
-pipeline parallelism) with a step's result and the others with ``None`` (their outputs
-are identical or, on earlier stages, empty, and never leave the process). With pipeline
-parallelism ``execute_model_async`` returns once the step is sent: the engine core sends
-the next micro-batch while this one moves down the stages, and collects the replies of
-each in order. A pipe per rank is the simplest correct broadcast: it needs
-no port, a rank sees its parent's death as end of file on it, and waiting on the pipes
-together with the processes' sentinels reports a rank that raised or died at once,
-naming it. (vLLM's shared-memory broadcast ring saves the per-rank copy; for the scheduler
-outputs of a few ranks the copy is small next to a step, and the ring can replace the
-pipes behind the same ``collective_rpc`` later.)
+Transport: calls go down through a shared-memory broadcast queue
+(``kvloom.distributed.shm_broadcast``: one writer, a reader per rank, a ring of
+``MQ_CHUNKS`` chunks of ``MQ_CHUNK_BYTES``). Each call (a worker method and its arguments,
+e.g. ``execute_model`` with the step's ``SchedulerOutput``) is pickled once and written
+once; every rank unpickles it from the ring in place. A call longer than a chunk leaves a
+marker in the ring and its bytes follow on each rank's pipe, so calls keep their order.
+Replies come up on the pipes: every rank answers on its own, the output rank (the last
+pipeline stage's tensor-parallel rank 0; rank 0 without pipeline parallelism) with a
+step's result and the others with ``None`` (their outputs are identical or, on earlier
+stages, empty, and never leave the process). With pipeline parallelism
+``execute_model_async`` returns once the step is written: the engine core sends the next
+micro-batch while this one moves down the stages, and collects the replies of each in
+order. Waiting on the pipes together with the processes' sentinels reports a rank that
+raised or died at once, naming it; a writer waiting for room in the ring checks the
+sentinels of the ranks that have not read yet, and a rank waiting for a call checks
+that its parent is alive.
 
 Failure and shutdown: a rank that raises answers with its traceback and the call raises
 ``WorkerRankError`` naming it; a rank that dies is seen through its sentinel and the call
 raises the same, with its exit status. ``shutdown`` asks every rank to stop, then
-terminates and finally kills any that did not, so no worker process outlives the executor.
+terminates and finally kills any that did not, so no worker process outlives the executor,
+and unlinks the shared memory.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvloom.distributed import parallel_state
+from kvloom.distributed.shm_broadcast import BroadcastHandle, ReaderGoneError, ShmBroadcastReader, ShmBroadcastWriter
 from kvloom.executor.abstract import Executor
 from kvloom.outputs import PendingModelRunnerOutput
 from kvloom.processes import describe_exit, main_module_not_reimported
@@ -62,6 +66,11 @@ DEFAULT_DIST_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 5.0
 #: Worker methods whose results only rank 0 sends back.
 DRIVER_ONLY_RESULTS = frozenset({"execute_model", "execute_model_async", "sample_tokens"})
+#: The broadcast ring: chunks, and bytes per chunk (a call longer than a chunk, less 8
+#: bytes, goes through the pipes). 8 chunks hold more calls than the engine core keeps in
+#: flight (pipeline parallelism's micro-batches, async scheduling's one step ahead).
+MQ_CHUNKS = 8
+MQ_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class WorkerRankError(RuntimeError):
@@ -134,6 +143,7 @@ class MultiprocExecutor(Executor):
         self.output_rank = parallel_state.output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._ranks: list[_Rank] = []
         self._closed = False
+        self._mq: ShmBroadcastWriter | None = None
         self._seq = 0
         # Replies that arrived for a call other than the one being collected, kept for the
         # steps still in flight (``_awaited``): (rank, seq) -> (status, value).
@@ -149,14 +159,19 @@ class MultiprocExecutor(Executor):
         level, fmt = parent_logging()
         spawn = multiprocessing.get_context("spawn")
         try:
-            for rank in range(self.world_size):
-                parent_end, child_end = spawn.Pipe(duplex=True)
+            pipes = [spawn.Pipe(duplex=True) for _ in range(self.world_size)]
+            # The ranks' pipes carry the calls too long for a chunk.
+            self._mq = ShmBroadcastWriter(
+                self.world_size, MQ_CHUNKS, MQ_CHUNK_BYTES, overflow=[parent_end for parent_end, _ in pipes]
+            )
+            for rank, (parent_end, child_end) in enumerate(pipes):
                 process = spawn.Process(
                     target=run_worker,
                     name=f"kvloom-tp-worker-{rank}",
                     kwargs={
                         "config": config, "rank": rank, "world_size": self.world_size, "backend": backend,
                         "init_method": init_method, "timeout_s": timeout_s, "conn": child_end,
+                        "broadcast": self._mq.handle,
                         "tensor_parallel_size": parallel.tensor_parallel_size,
                         "log_level": level, "log_format": fmt,
                         "env": config.device.platform.tensor_parallel_env(rank, self.world_size),
@@ -222,12 +237,20 @@ class MultiprocExecutor(Executor):
         self._seq += 1
         seq = self._seq
         payload = pickle.dumps((seq, method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for r in self._ranks:
-            try:
-                r.conn.send_bytes(payload)
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                raise self._dead(r, method) from None
+        assert self._mq is not None
+        try:
+            self._mq.enqueue(payload, alive=lambda lagging: self._check_alive(lagging, method))
+        except ReaderGoneError as e:
+            raise self._dead(self._ranks[e.reader], method) from None
         return seq
+
+    def _check_alive(self, ranks: list[int], method: str) -> None:
+        """Raise for the first of ``ranks`` whose process has ended (the ring is full and
+        waits for them)."""
+        for rank in ranks:
+            r = self._ranks[rank]
+            if r.process.exitcode is not None:
+                raise self._dead(r, method)
 
     def _collect(self, seq: int, method: str) -> list[Any]:
         """Every rank's reply to call ``seq``, in rank order; a rank that raised or died
@@ -268,16 +291,22 @@ class MultiprocExecutor(Executor):
         r.process.join(timeout=1.0)
         return WorkerRankError(r.rank, f"(pid {r.process.pid}) {describe_exit(r.process.exitcode)} during {method}")
 
+    def _all_dead_check(self, lagging: list[int]) -> None:
+        """Stop waiting to deliver the shutdown call once every rank it waits for has ended."""
+        if all(self._ranks[rank].process.exitcode is not None for rank in lagging):
+            raise WorkerRankError(lagging[0], "ended before the shutdown call")
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        payload = pickle.dumps((-1, "shutdown", ()))
-        for r in self._ranks:
+        if self._mq is not None and self._ranks:
+            payload = pickle.dumps((-1, "shutdown", ()))
             try:
-                r.conn.send_bytes(payload)
-            except OSError:
-                pass  # already gone
+                # Bounded: a rank stuck in a collective or dead is terminated below.
+                self._mq.enqueue(payload, timeout=SHUTDOWN_GRACE_S, alive=self._all_dead_check)
+            except (TimeoutError, ReaderGoneError, WorkerRankError) as e:
+                logger.debug("shutdown call not delivered to every rank: %s", e)
         for stop in (None, "terminate", "kill"):
             for r in self._ranks:
                 if stop is not None and r.process.is_alive():
@@ -288,6 +317,8 @@ class MultiprocExecutor(Executor):
                 break
         for r in self._ranks:
             r.conn.close()
+        if self._mq is not None:
+            self._mq.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
@@ -299,14 +330,17 @@ def run_worker(
     init_method: str,
     timeout_s: float,
     conn: multiprocessing.connection.Connection,
+    broadcast: BroadcastHandle,
     log_level: int | None = None,
     log_format: str | None = None,
     env: dict[str, str] | None = None,
     tensor_parallel_size: int | None = None,
 ) -> None:
     """A worker process's busy loop: join the process group, build the worker, then
-    answer calls until ``shutdown`` or the parent's end of the pipe closes. ``env``: the
-    platform's ``tensor_parallel_env`` for this rank, set before anything else."""
+    answer calls read from the broadcast queue ``broadcast`` (reader ``rank``; ``conn``
+    carries the calls too long for its chunks, and the replies) until ``shutdown`` or the
+    parent process ends. ``env``: the platform's ``tensor_parallel_env`` for this rank,
+    set before anything else."""
     from kvloom import plugins
     from kvloom.distributed import parallel_state
     from kvloom.logger import setup_child_logging
@@ -317,6 +351,14 @@ def run_worker(
         setup_child_logging(log_level, log_format, f"(TPWorker rank={rank} pid={os.getpid()}) ")
     worker: Any = None
     failure: str | None = None
+    queue = ShmBroadcastReader(broadcast, rank, overflow=conn)
+    orphaned = False
+    parent = multiprocessing.parent_process()
+
+    def parent_alive() -> None:
+        if parent is not None and not parent.is_alive():
+            raise EOFError("the parent process ended")
+
     try:
         plugins.load_plugins()
         platform = config.device.platform
@@ -326,9 +368,10 @@ def run_worker(
         failure = traceback.format_exc()
     while True:
         try:
-            seq, method, args = pickle.loads(conn.recv_bytes())
+            seq, method, args = queue.dequeue(alive=parent_alive, decode=pickle.loads)
         except (EOFError, OSError):
             logger.warning("The engine core is gone; tensor-parallel rank %d stops", rank)
+            orphaned = True
             break
         if method == "shutdown":
             break
@@ -344,6 +387,8 @@ def run_worker(
         # (tensor parallelism) or empty (earlier pipeline stages).
         output = rank == parallel_state.output_rank(parallel_state.tp_world_size(), parallel_state.pp_world_size())
         conn.send((seq, "ok", None if not output and method in DRIVER_ONLY_RESULTS else result))
+    # Nobody else will unlink the ring if the engine core died without shutting down.
+    queue.close(unlink=orphaned)
     try:
         if worker is not None:
             worker.shutdown()
