@@ -115,6 +115,17 @@ class _Ring:
     def data(self, chunk: int) -> int:
         return self.data_start + chunk * self.handle.chunk_bytes
 
+    def release(self, unlink: bool) -> None:
+        """Detach from the segment and, if ``unlink``, remove it (one already gone is fine)."""
+        shm = self.shm
+        del self.buf
+        shm.close()
+        if unlink:
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
 
 class _Waiter:
     """Spin, then sleep with backoff; call ``alive`` now and then; honour a timeout."""
@@ -237,13 +248,8 @@ class ShmBroadcastWriter:
         if self._closed:
             return
         self._closed = True
-        shm = self._ring.shm
+        self._ring.release(unlink=True)
         del self._ring
-        shm.close()
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class ShmBroadcastReader:
@@ -310,11 +316,5 @@ class ShmBroadcastReader:
         if self._closed:
             return
         self._closed = True
-        shm = self._ring.shm
+        self._ring.release(unlink)
         del self._ring
-        shm.close()
-        if unlink:
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
