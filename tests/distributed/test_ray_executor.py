@@ -88,14 +88,21 @@ def test_ray_pp2_greedy_tokens_match_pp1_with_two_micro_batches_in_flight(monkey
     # Whether a launched step was still running on the actors when the launch returned: a
     # launch that waited for the step would find every call finished.
     running: list[bool] = []
-    launch = RayDistributedExecutor.execute_model_async
+    submitted: list[list[object]] = []  # each call's object refs, as the actors were called
+    launch, submit = RayDistributedExecutor.execute_model_async, RayDistributedExecutor._submit
+
+    def spy_submit(self: RayDistributedExecutor, method: str, args: tuple) -> list[object]:
+        refs = submit(self, method, args)
+        submitted.append(refs)
+        return refs
 
     def spy(self: RayDistributedExecutor, scheduler_output: object) -> object:
         pending = launch(self, scheduler_output)  # type: ignore[arg-type]
-        refs = pending._refs  # type: ignore[union-attr]
+        refs = submitted[-1]  # the step's calls, submitted by this launch
         running.append(len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs))
         return pending
 
+    monkeypatch.setattr(RayDistributedExecutor, "_submit", spy_submit)
     monkeypatch.setattr(RayDistributedExecutor, "execute_model_async", spy)
     tokens, depth = pipelined_greedy_tokens(path, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert tokens == expected

@@ -12,8 +12,10 @@ pipeline stage's tensor-parallel rank 0 (rank 0 without pipeline parallelism).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvloom.distributed.parallel_state import output_rank
 from kvloom.outputs import PendingModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -24,8 +26,11 @@ if TYPE_CHECKING:
 
 
 class Executor(ABC):
-    """Runs ``WorkerBase`` methods on every rank; step results come from the output rank
-    (rank 0 here; distributed executors override the step methods with theirs)."""
+    """Runs ``WorkerBase`` methods on every rank; step results come from the output rank."""
+
+    output_rank: int = 0
+    """The rank whose step results the engine uses (``DistributedExecutor``: the last
+    pipeline stage's tensor-parallel rank 0)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -49,10 +54,10 @@ class Executor(ABC):
         self.collective_rpc("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """One step on every rank; the driver's output. None for a step with
+        """One step on every rank; the output rank's output. None for a step with
         ``pending_structured_output_tokens``: the ranks ran its forward, ``sample_tokens``
         samples it."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
         """Launch one step (async scheduling); None where ``execute_model`` returns None.
@@ -62,8 +67,8 @@ class Executor(ABC):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample, on every rank, the step launched without sampling, its structured
-        requests' logits masked with ``grammar_output``; the driver's output."""
-        return self.collective_rpc("sample_tokens", (grammar_output,))[0]
+        requests' logits masked with ``grammar_output``; the output rank's output."""
+        return self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
 
     def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
         """``sample_tokens`` without waiting for the results. Default: run it to completion."""
@@ -81,3 +86,69 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers (and their processes); idempotent."""
+
+
+#: Waits for one call's results on every rank (rank order); raises ``WorkerRankError``
+#: naming a rank that raised or died.
+Results = Callable[[], list[Any]]
+
+
+class DistributedExecutor(Executor):
+    """An executor of ``world_size`` ranks that sends every call to all of them
+    (``MultiprocExecutor``, ``RayDistributedExecutor``). A subclass supplies ``launch``;
+    the steps then run without blocking the engine core: ``execute_model_async`` launches a
+    step and returns, and the output rank's result is read on ``get_output()``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        # The forward of a step launched without sampling (structured outputs under async
+        # scheduling): its results are read when its sampling's are.
+        self._unsampled: Results | None = None
+
+    @abstractmethod
+    def launch(self, method: str, args: tuple[Any, ...]) -> Results:
+        """Send ``method(*args)`` to every rank without waiting; what waits for the results."""
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self.launch(method, args)()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
+        """Launch the step on every rank and return (async scheduling, and the engine core's
+        batch queue under pipeline parallelism). A step with
+        ``pending_structured_output_tokens`` returns None: the ranks run its forward and
+        wait for ``sample_tokens_async``, a second call."""
+        results = self.launch("execute_model", (scheduler_output,))
+        if scheduler_output.pending_structured_output_tokens:
+            self._unsampled = results
+            return None
+        return _LaunchedStep([results], self.output_rank)
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+        """Launch the sampling of the step launched without sampling, its structured
+        requests' logits masked with ``grammar_output``; returns like ``execute_model_async``."""
+        forward, self._unsampled = self._unsampled, None
+        if forward is None:
+            raise RuntimeError("sample_tokens_async() without a step launched with pending_structured_output_tokens")
+        return _LaunchedStep([forward, self.launch("sample_tokens", (grammar_output,))], self.output_rank)
+
+
+class _LaunchedStep(PendingModelRunnerOutput):
+    """A step launched on every rank: ``get_output()`` waits for each call's results in
+    order (a step sampled by a second call: its forward's first, so a rank that failed
+    there is reported) and returns the output rank's result of the last."""
+
+    def __init__(self, calls: list[Results], rank: int) -> None:
+        self._calls = calls
+        self._rank = rank
+        self._output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            for wait in self._calls:
+                results = wait()
+            self._calls = []  # read: what the calls hold (e.g. Ray object refs) may be freed
+            self._output = results[self._rank]
+        return self._output

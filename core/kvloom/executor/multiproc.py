@@ -45,16 +45,12 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvloom.distributed import parallel_state
 from kvloom.distributed.shm_broadcast import BroadcastHandle, ReaderGoneError, ShmBroadcastReader, ShmBroadcastWriter
-from kvloom.executor.abstract import Executor
-from kvloom.outputs import PendingModelRunnerOutput
+from kvloom.executor.abstract import DistributedExecutor, Results
 from kvloom.processes import describe_exit, main_module_not_reimported
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
-    from kvloom.outputs import ModelRunnerOutput
-    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -80,29 +76,6 @@ class WorkerRankError(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
         super().__init__(f"worker rank {rank} {message}")
-
-
-class _PendingStep(PendingModelRunnerOutput):
-    """A step sent to every rank (``MultiprocExecutor.execute_model_async``): the output
-    rank's result, collected on the first ``get_output()``."""
-
-    def __init__(self, executor: MultiprocExecutor, seq: int, forward_seq: int | None = None) -> None:
-        self._executor = executor
-        self._seq = seq
-        # A step sampled by a second call (``sample_tokens``): the call that ran its forward,
-        # whose replies (None, or a rank's failure) are collected first.
-        self._forward_seq = forward_seq
-        self._output: ModelRunnerOutput | None = None
-
-    def get_output(self) -> ModelRunnerOutput:
-        if self._output is None:
-            executor = self._executor
-            if self._forward_seq is None:
-                self._output = executor._collect(self._seq, "execute_model")[executor.output_rank]
-            else:
-                executor._collect(self._forward_seq, "execute_model")
-                self._output = executor._collect(self._seq, "sample_tokens")[executor.output_rank]
-        return self._output
 
 
 def seconds_from_env(name: str, default: float) -> float:
@@ -131,16 +104,14 @@ class _Rank:
     conn: multiprocessing.connection.Connection
 
 
-class MultiprocExecutor(Executor):
-    """One spawned worker process per rank; results from rank 0."""
+class MultiprocExecutor(DistributedExecutor):
+    """One spawned worker process per rank; step results from the output rank."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         from kvloom.logger import parent_logging
 
         parallel = config.parallel
-        self.world_size = parallel.world_size
-        self.output_rank = parallel_state.output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._ranks: list[_Rank] = []
         self._closed = False
         self._mq: ShmBroadcastWriter | None = None
@@ -149,8 +120,6 @@ class MultiprocExecutor(Executor):
         # steps still in flight (``_awaited``): (rank, seq) -> (status, value).
         self._early: dict[tuple[int, int], tuple[str, Any]] = {}
         self._awaited: set[int] = set()
-        # The call that launched a step's forward whose sampling waits for sample_tokens.
-        self._unsampled_seq: int | None = None
         # A FileStore in a private directory: no port to pick, nothing left behind.
         self._store_dir = tempfile.mkdtemp(prefix="kvloom-tp-")
         init_method = f"file://{os.path.join(self._store_dir, 'store')}"
@@ -200,33 +169,10 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self._collect(self._send(method, args), method)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
-        """Send the step to every rank and return without waiting (async scheduling, and
-        the engine core's batch queue under pipeline parallelism); ``get_output()`` collects
-        the output rank's. A step with ``pending_structured_output_tokens`` returns None:
-        the ranks run its forward and wait for ``sample_tokens_async``, a second call."""
-        seq = self._send("execute_model", (scheduler_output,))
-        self._awaited.add(seq)
-        if scheduler_output.pending_structured_output_tokens:
-            self._unsampled_seq = seq
-            return None
-        return _PendingStep(self, seq)
-
-    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
-        """Send the bitmask of the step launched without sampling to every rank, which then
-        samples it; returns without waiting, like ``execute_model_async``."""
-        forward_seq, self._unsampled_seq = self._unsampled_seq, None
-        if forward_seq is None:
-            raise RuntimeError("sample_tokens_async() without a step launched with pending_structured_output_tokens")
-        seq = self._send("sample_tokens", (grammar_output,))
-        self._awaited.add(seq)
-        return _PendingStep(self, seq, forward_seq)
+    def launch(self, method: str, args: tuple[Any, ...]) -> Results:
+        seq = self._send(method, args)
+        self._awaited.add(seq)  # its replies are kept if another call's collector reads them
+        return lambda: self._collect(seq, method)
 
     def _send(self, method: str, args: tuple[Any, ...]) -> int:
         """Write call ``method(*args)`` to every rank; its sequence number."""

@@ -54,8 +54,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from kvloom.distributed.parallel_state import output_rank
-from kvloom.executor.abstract import Executor
+from kvloom.executor.abstract import DistributedExecutor, Results
 from kvloom.executor.multiproc import (
     DRIVER_ONLY_RESULTS,
     SHUTDOWN_GRACE_S,
@@ -63,15 +62,12 @@ from kvloom.executor.multiproc import (
     dist_timeout_s,
     seconds_from_env,
 )
-from kvloom.outputs import PendingModelRunnerOutput
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from kvloom.config import EngineConfig
-    from kvloom.outputs import ModelRunnerOutput
     from kvloom.platforms.interface import Platform
-    from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -174,32 +170,7 @@ class RankActor:
             parallel_state.destroy_tensor_parallel()
 
 
-class _RayPendingStep(PendingModelRunnerOutput):
-    """A step submitted to every actor (``RayDistributedExecutor.execute_model_async``):
-    the output rank's result, gathered on the first ``get_output()``."""
-
-    def __init__(self, executor: RayDistributedExecutor, method: str, refs: list[Any],
-                 forward_refs: list[Any] | None = None) -> None:  # fmt: skip
-        self._executor = executor
-        self._method = method
-        self._refs = refs
-        # A step sampled by a second call (``sample_tokens``): the calls that ran its
-        # forward, whose results (None, or a rank's failure) are gathered first.
-        self._forward_refs = forward_refs
-        self._output: ModelRunnerOutput | None = None
-
-    def get_output(self) -> ModelRunnerOutput:
-        if self._output is None:
-            executor = self._executor
-            if self._forward_refs is not None:
-                executor._gather("execute_model", self._forward_refs)
-                self._forward_refs = None
-            self._output = executor._gather(self._method, self._refs)[executor.output_rank]
-            self._refs = []  # the results are read: Ray may free them
-        return self._output
-
-
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutor):
     """One Ray actor per rank (tensor-parallel size x pipeline-parallel size), placed with
     a placement group; results from the output rank."""
 
@@ -217,12 +188,7 @@ class RayDistributedExecutor(Executor):
             raise ValueError(f"distributed_executor_backend: 'ray' is not supported by the {platform.name} platform "
                              "(it names no Ray resource: Platform.ray_device_key); allowed: mp")  # fmt: skip
         parallel = config.parallel
-        self.world_size = parallel.world_size
-        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._closed = False
-        # The forward calls of a step launched without sampling (structured outputs under
-        # async scheduling), gathered when its sampling is.
-        self._unsampled_refs: list[Any] | None = None
         self._actors: list[Any] = []
         self._where: list[tuple[str, int]] = []
         self._pg: Any = None
@@ -348,34 +314,9 @@ class RayDistributedExecutor(Executor):
         payload = self._ray.put(args) if args else ()
         return [a.call.remote(method, payload) for a in self._actors]
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        return self._gather(method, self._submit(method, args))
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
-        """Submit the step to every actor and return without waiting (the engine core's
-        batch queue under pipeline parallelism, and async scheduling); ``get_output()``
-        gathers every rank's result and returns the output rank's. A step with
-        ``pending_structured_output_tokens`` returns None: the ranks run its forward and
-        wait for ``sample_tokens_async``."""
-        refs = self._submit("execute_model", (scheduler_output,))
-        if scheduler_output.pending_structured_output_tokens:
-            self._unsampled_refs = refs
-            return None
-        return _RayPendingStep(self, "execute_model", refs)
-
-    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
-        """Submit the bitmask of the step launched without sampling to every actor, which
-        then samples it; returns without waiting, like ``execute_model_async``."""
-        forward_refs, self._unsampled_refs = self._unsampled_refs, None
-        if forward_refs is None:
-            raise RuntimeError("sample_tokens_async() without a step launched with pending_structured_output_tokens")
-        return _RayPendingStep(self, "sample_tokens", self._submit("sample_tokens", (grammar_output,)), forward_refs)
+    def launch(self, method: str, args: tuple[Any, ...]) -> Results:
+        refs = self._submit(method, args)
+        return lambda: self._gather(method, refs)
 
     def shutdown(self) -> None:
         if self._closed:
