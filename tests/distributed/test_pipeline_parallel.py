@@ -19,7 +19,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from kvloom import LLM, SamplingParams
@@ -31,6 +30,7 @@ from kvloom.loader import weight_utils
 from kvloom.loader.model_loader import get_model
 from kvloom.testing import resolve_engine_config
 from kvloom.testing.models import random_prompts, tiny_model_dir
+from tests.helpers.engine_faults import running_pids
 from tests.helpers.model_fixtures import greedy_counting_preemptions
 
 # Five requests over max_num_seqs=4 and a 16-token step budget: prompts are chunked, and
@@ -137,9 +137,6 @@ def test_a_stage_builds_and_reads_only_its_part(model: str, tied: bool, monkeypa
     assert net.lm_head.weight.data_ptr() != 0
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_killed_stage_raises_naming_it_and_leaves_no_process(victim: int) -> None:
@@ -156,7 +153,7 @@ def test_killed_stage_raises_naming_it_and_leaves_no_process(victim: int) -> Non
     assert info.value.rank == victim
     assert time.monotonic() - start < 30  # seen through the process sentinel, not a collective timeout
     llm.llm_engine.shutdown()
-    assert _alive(pids) == []
+    assert running_pids(pids) == []
 
 
 @pytest.mark.parametrize(

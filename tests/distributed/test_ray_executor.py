@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Iterator
 
-import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -34,6 +33,7 @@ from kvloom.testing import resolve_engine_config  # noqa: E402
 from kvloom.testing.models import tiny_model_dir  # noqa: E402
 from tests.distributed.test_pipeline_parallel import greedy_tokens as pipelined_greedy_tokens  # noqa: E402
 from tests.distributed.test_tensor_parallel import GREEDY, PROMPTS, greedy_tokens  # noqa: E402
+from tests.helpers.engine_faults import running_pids  # noqa: E402
 
 NUM_CPUS = 2
 
@@ -48,9 +48,6 @@ def ray_cluster() -> Iterator[str]:
         ray.shutdown()
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
 
 def assert_nothing_left(pids: list[int] = ()) -> None:  # type: ignore[assignment]
     """No placement group of ours remains, every CPU is free again, the actors' processes
@@ -59,7 +56,7 @@ def assert_nothing_left(pids: list[int] = ()) -> None:  # type: ignore[assignmen
     while True:
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
         free = ray.available_resources().get("CPU", 0.0)
-        alive = _alive(list(pids))
+        alive = running_pids(list(pids))
         if (not groups and free == NUM_CPUS and not alive) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -173,7 +170,7 @@ def test_failed_or_killed_actor_raises_naming_the_rank(monkeypatch: pytest.Monke
     executor = llm.llm_engine.engine_core.core.executor
     assert isinstance(executor, RayDistributedExecutor)
     pids = executor.worker_pids
-    assert len(_alive(pids)) == 2 and os.getpid() not in pids
+    assert len(running_pids(pids)) == 2 and os.getpid() not in pids
     # A rank that raises: its traceback, naming the rank; the executor still works after.
     with pytest.raises(WorkerRankError, match=r"(?s)rank [01] \(Ray actor, pid \d+ on .*\) raised in no_such_method"
                                               r".*AttributeError"):  # fmt: skip

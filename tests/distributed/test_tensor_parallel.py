@@ -29,6 +29,7 @@ from kvloom.executor import multiproc
 from kvloom.executor.multiproc import MultiprocExecutor, WorkerRankError
 from kvloom.testing import resolve_engine_config
 from kvloom.testing.models import save_tiny_checkpoint, tiny_hf_config, tiny_model_dir
+from tests.helpers.engine_faults import running_pids
 
 PROMPTS = [[3, 17, 250, 9, 41], [5, 6, 7, 100, 200, 300, 11, 12, 13], [400, 2, 77]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -66,9 +67,6 @@ def test_tp2_greedy_tokens_match_tp1(
     assert greedy_tokens(path, tensor_parallel_size=2) == expected
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
 
 def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
@@ -77,7 +75,7 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.
     executor = llm.llm_engine.engine_core.core.executor
     assert isinstance(executor, MultiprocExecutor)
     pids = executor.worker_pids
-    assert len(_alive(pids)) == 2
+    assert len(running_pids(pids)) == 2
     segment = f"/dev/shm/{executor._mq.handle.name}"
     assert os.path.exists(segment)
     # A rank that raises answers with its traceback; the error names the rank.
@@ -92,7 +90,7 @@ def test_killed_rank_raises_naming_it_and_leaves_no_process(monkeypatch: pytest.
     assert info.value.rank == 1
     assert time.monotonic() - start < 30  # seen through the process sentinel, not a collective timeout
     llm.llm_engine.shutdown()
-    assert _alive(pids) == []
+    assert running_pids(pids) == []
     assert not os.path.exists(segment)  # the broadcast queue's shared memory is unlinked
 
 
@@ -134,9 +132,9 @@ def test_engine_core_process_shutdown_leaves_no_worker() -> None:
     assert len(workers) >= 3  # the engine core and its two ranks
     llm.llm_engine.shutdown()
     deadline = time.monotonic() + 20
-    while _alive(workers) and time.monotonic() < deadline:
+    while running_pids(workers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive(workers) == []
+    assert running_pids(workers) == []
 
 
 def test_killed_engine_core_leaves_no_worker_and_no_shared_memory() -> None:
@@ -154,9 +152,9 @@ def test_killed_engine_core_leaves_no_worker_and_no_shared_memory() -> None:
     core.kill()
     pids = [p.pid for p in (core, *ranks)]
     deadline = time.monotonic() + 20
-    while (_alive(pids) or any(os.path.exists(s) for s in segments)) and time.monotonic() < deadline:
+    while (running_pids(pids) or any(os.path.exists(s) for s in segments)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive(pids) == []
+    assert running_pids(pids) == []
     assert not any(os.path.exists(s) for s in segments)
     llm.llm_engine.shutdown()
 
@@ -178,9 +176,9 @@ def test_killed_rank_under_an_engine_core_process_kills_the_engine_naming_it() -
     llm.llm_engine.shutdown()
     pids = [p.pid for p in (core, *ranks)]
     deadline = time.monotonic() + 20
-    while _alive(pids) and time.monotonic() < deadline:
+    while running_pids(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _alive(pids) == []
+    assert running_pids(pids) == []
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

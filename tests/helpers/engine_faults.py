@@ -75,6 +75,11 @@ def is_running(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
+def running_pids(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are live processes."""
+    return [p for p in pids if is_running(p)]
+
+
 def child_pids(pid: int) -> list[int]:
     """The live children of ``pid``."""
     children = []
