@@ -63,10 +63,16 @@ def _engine_line(name: str, r: dict[str, Any]) -> str:
     return f"- {r['engine']} {r['version']} ({name}): {_flags(r.get('settings'))}; `{r['command']}`"
 
 
+def _runs(res: Results, workload: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Each engine's results of ``workload`` (None: not measured) and the workload's spec
+    (None: measured by neither)."""
+    runs = {e: res.get(f"{e}_{workload}") for e in ENGINES}
+    return runs, next((r["spec"] for r in runs.values() if r), None)
+
+
 def offline_section(res: Results) -> list[str]:
     lines = ["## 1. Offline: nano-vllm's workload", ""]
-    runs = {e: res.get(f"{e}_offline") for e in ENGINES}
-    spec = next((r["spec"] for r in runs.values() if r), None)
+    runs, spec = _runs(res, "offline")
     if spec is None:
         return lines + ["Not measured.", ""]
     lines += [(f"{spec['model']}, {spec['num_seqs']} sequences, {spec['prompt_tokens']:,} prompt tokens, "
@@ -88,9 +94,8 @@ def offline_section(res: Results) -> list[str]:
 
 def decode_section(res: Results) -> list[str]:
     lines = ["## 3. Decode latency: Llama-3-8B shape", ""]
-    runs = {e: res.get(f"{e}_decode") for e in ENGINES}
+    runs, spec = _runs(res, "decode")
     steps = res.get("kvloom_decode_steps")
-    spec = next((r["spec"] for r in runs.values() if r), None)
     if spec is None:
         return lines + ["Not measured.", ""]
     lines += [(f"{spec['model']}, prompts of {spec['context']} tokens, greedy. Step time = (T(max_tokens="
@@ -116,8 +121,7 @@ def decode_section(res: Results) -> list[str]:
 
 def serving_section(res: Results) -> list[str]:
     lines = ["## 2. Serving: each engine's OpenAI server, one client", ""]
-    runs = {e: res.get(f"{e}_serving") for e in ENGINES}
-    spec = next((r["spec"] for r in runs.values() if r), None)
+    runs, spec = _runs(res, "serving")
     if spec is None:
         return lines + ["Not measured.", ""]
     lines += [(f"{spec['model']}, tokenizer `{spec['tokenizer']}`, {spec['num_prompts']:,} requests of "
