@@ -124,6 +124,11 @@ def main() -> None:
         default=None,
         help="Replace the engine's own server flags (default: ENGINE_FLAGS[engine]); recorded.",
     )
+    parser.add_argument(
+        "--extra-flags",
+        default="",
+        help="Flags appended to the engine's own (a variant of it, e.g. kvloom's --torch-compile); recorded.",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=512)
@@ -136,6 +141,7 @@ def main() -> None:
     if (args.model is None) == (args.tokenizer is None):
         parser.error("give --tokenizer (the Qwen3-0.6B shape with that tokenizer) or --model, not both")
     engine_flags = ENGINE_FLAGS[args.engine] if args.engine_flags is None else shlex.split(args.engine_flags)
+    engine_flags = [*engine_flags, *shlex.split(args.extra_flags)]
     caps = [None if c.strip() == "inf" else int(c) for c in args.concurrency.split(",")]
     if any(c is not None and c < 1 for c in caps):
         parser.error(f"--concurrency: {args.concurrency} (allowed: inf or integers >= 1)")

@@ -42,6 +42,8 @@ def load(dirs: list[Path]) -> Results:
             path = d / f"{name}.json"
             if path.exists():
                 results[name] = json.loads(path.read_text())
+        for path in sorted(d.glob("kvloom-*_serving.json")):  # kvloom variants (PEERS_KVLOOM_EXTRA)
+            results[path.stem] = json.loads(path.read_text())
     return results
 
 
@@ -64,9 +66,11 @@ def _engine_line(name: str, r: dict[str, Any]) -> str:
 
 
 def _runs(res: Results, workload: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Each engine's results of ``workload`` (None: not measured) and the workload's spec
-    (None: measured by neither)."""
+    """Each engine's results of ``workload`` (None: not measured), then any kvloom variants (``kvloom-LABEL``), and
+    the workload's spec (None: measured by none)."""
     runs = {e: res.get(f"{e}_{workload}") for e in ENGINES}
+    suffix = f"_{workload}"
+    runs |= {k.removesuffix(suffix): r for k, r in sorted(res.items()) if k.startswith("kvloom-") and k.endswith(suffix)}
     return runs, next((r["spec"] for r in runs.values() if r), None)
 
 
@@ -141,7 +145,7 @@ def serving_section(res: Results) -> list[str]:
                     f"| {key} | {e} | {r['startup_s']:.0f} | failed: {run['error'][:120]!r} | – | – | – | – | – |"
                 )
             else:
-                ratio = _ratio(tput["kvloom"], tput["vllm"]) if e == "kvloom" else "1"
+                ratio = _ratio(tput[e], tput["vllm"]) if e != "vllm" else "1"
                 lines.append(f"| {key} | {e} | {r['startup_s']:.0f} | {run['completed']} ({run['failed']}) | "
                              f"{run['output_throughput']:,.0f} | {run['ttft_ms']['p50']:.1f} | "
                              f"{run['tpot_ms']['p50']:.2f} | {run['itl_ms']['p99']:.1f} | {ratio} |")  # fmt: skip
@@ -149,7 +153,7 @@ def serving_section(res: Results) -> list[str]:
     for e, r in runs.items():
         if r is None:
             continue
-        lines.append(f"- {e} {r['version']} server: `{r['server_command']}`")
+        lines.append(f"- {e} ({r['engine']} {r['version']}) server: `{r['server_command']}`")
         if "error" in r:
             lines.append(f"  - FAILED: `{r['error'][:300]}`")
     client = next((run["client_command"] for r in runs.values() if r for run in r["runs"].values()

@@ -124,6 +124,17 @@ def test_missing_and_failed_runs_are_reported_not_hidden(full: Path) -> None:
     assert _table_row(text, "| kvloom | 0.1.0 |")[-1] == "–"
 
 
+def test_a_kvloom_serving_variant_gets_its_own_rows_and_ratio(full: Path) -> None:
+    variant = _serving("kvloom", {"inf": _served(9_000.0), "64": _served(12_100.0)})
+    variant["server_command"] = "python3 -m kvloom serve M --torch-compile"
+    _write(full, "kvloom-compile_serving", variant)
+    text = report.render(report.load([full]))
+    assert _table_row(text, "| 64 | kvloom-compile |")[-1] == "**1.10x**"
+    assert _table_row(text, "| 64 | kvloom |")[-1] == "**0.50x**"
+    assert text.index("| 64 | kvloom |") < text.index("| 64 | kvloom-compile |")
+    assert "kvloom-compile (kvloom 0.1.0) server: `python3 -m kvloom serve M --torch-compile`" in text
+
+
 def test_results_from_two_machines_are_flagged(full: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     other = tmp_path_factory.mktemp("other")
     data = _offline("kvloom", [15_000.0])

@@ -16,6 +16,8 @@
 #                requests 512 in / 256 out, all at once and at --max-concurrency 64; needs .benchtok)
 #                -> $OUT/peers/ENGINE_WORKLOAD.json and $OUT/peers/peers_WORKLOADS.log. vLLM needs peers-stash
 #                done on this warm machine. vLLM's server takes ~4 min to start: one workload per call.
+#                PEERS_KVLOOM_EXTRA="FLAGS" (serving only) runs a second kvloom server with FLAGS added to its
+#                own, -> $OUT/peers/kvloom-LABEL_serving.json (LABEL: PEERS_KVLOOM_LABEL, default "variant").
 #                Tables: python benchmarks/peers/report.py DIR (on the CPU machine).
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
@@ -199,7 +201,11 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
       log "peers: $e $w"
       case $e/$w in
         vllm/serving|kvloom/serving)
-          python3 benchmarks/peers/bench_serving.py --engine $e --tokenizer .benchtok --out "$dir/${e}_serving.json" ;;
+          python3 benchmarks/peers/bench_serving.py --engine $e --tokenizer .benchtok --out "$dir/${e}_serving.json" \
+          && if [ $e = kvloom ] && [ -n "${PEERS_KVLOOM_EXTRA:-}" ]; then  # a second kvloom server: a variant
+            python3 benchmarks/peers/bench_serving.py --engine kvloom --tokenizer .benchtok \
+              --extra-flags "$PEERS_KVLOOM_EXTRA" --out "$dir/kvloom-${PEERS_KVLOOM_LABEL:-variant}_serving.json"
+          fi ;;
         vllm/*)  # vLLM's own modules alone on the path
           PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_$w.py --engine vllm \
             --out "$dir/vllm_$w.json" ;;
