@@ -204,7 +204,7 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
           python3 benchmarks/peers/bench_serving.py --engine $e --tokenizer .benchtok --out "$dir/${e}_serving.json" \
           && if [ $e = kvloom ] && [ -n "${PEERS_KVLOOM_EXTRA:-}" ]; then  # a second kvloom server: a variant
             python3 benchmarks/peers/bench_serving.py --engine kvloom --tokenizer .benchtok \
-              --extra-flags "$PEERS_KVLOOM_EXTRA" --out "$dir/kvloom-${PEERS_KVLOOM_LABEL:-variant}_serving.json"
+              --extra-flags="$PEERS_KVLOOM_EXTRA" --out "$dir/kvloom-${PEERS_KVLOOM_LABEL:-variant}_serving.json"
           fi ;;
         vllm/*)  # vLLM's own modules alone on the path
           PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_$w.py --engine vllm \
