@@ -5,7 +5,8 @@ Llama-3-8B shape with random (dummy) bf16 weights, context 1024, batch 1, 16, 64
 For each batch and mode (``graphs``: the default ``-O2``, i.e. torch.compile with full
 decode graphs; ``eager``; options appended with ``+``: ``+async`` for async scheduling,
 ``+noops`` for ``--custom-ops none``, i.e. plain torch layer math instead of the platform's
-fused kernels, ``+nocompile`` for ``--no-torch-compile``: an eager model in full graphs), B requests with 1024-token prompts are prefilled, then the
+fused kernels, ``+nocompile`` for ``--no-torch-compile``: an eager model in full graphs, ``+tpN`` for tensor
+parallelism over N GPUs, whose limit is per GPU: 1/N of the bytes), B requests with 1024-token prompts are prefilled, then the
 wall time of ``--steps`` consecutive full engine steps (schedule + forward + sampling +
 output processing) is taken while every request decodes; the step time is its mean (with
 async scheduling a step's host work overlaps the previous step's device work, so only a
@@ -27,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_limits import measure_copy_bandwidth, measure_read_bandwidth  # noqa: E402
+from device_limits import measure_copy_bandwidth, measure_read_bandwidth
 
 # Llama-3-8B
 V, H, I, L, NH, NKV, HD = 128256, 4096, 14336, 32, 32, 8, 128
@@ -156,8 +158,11 @@ def main() -> None:
         model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
         for mode in args.modes.split(","):
             base, *options = mode.split("+")
-            if base not in ("graphs", "eager") or set(options) - {"async", "noops", "nocompile"}:
-                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile")
+            tp = [o for o in options if re.fullmatch(r"tp[1-9][0-9]*", o)]
+            if base not in ("graphs", "eager") or set(options) - {"async", "noops", "nocompile", *tp} or len(tp) > 1:
+                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, "
+                                 "one +tpN")  # fmt: skip
+            tensor_parallel_size = int(tp[0][2:]) if tp else 1
             llm = LLM(
                 str(model_dir),
                 load_format="dummy",
@@ -172,17 +177,21 @@ def main() -> None:
                 custom_ops="none" if "noops" in options else None,
                 torch_compile=False if "nocompile" in options else None,
                 disable_log_stats=True,  # as recorded: LLM kept stats off by default then
+                tensor_parallel_size=tensor_parallel_size,
             )
             backend = llm.config.attention.backend.NAME
             for batch in batches:
                 m = measure(llm, batch, args.steps, seed=batch)
                 limit = bytes_per_step(batch, m["context"])
-                t_limit = limit["total_bytes"] / bw
-                t_read = limit["total_bytes"] / read_bw
+                # Under TP every GPU reads its 1/N of the weights and of the KV heads in parallel:
+                # the limit is per GPU (the norms, replicated, are a few KB).
+                t_limit = limit["total_bytes"] / tensor_parallel_size / bw
+                t_read = limit["total_bytes"] / tensor_parallel_size / read_bw
                 row = {
                     "mode": mode,
                     "backend": backend,
                     "batch": batch,
+                    "tensor_parallel_size": tensor_parallel_size,
                     **m,
                     **limit,
                     "limit_s": t_limit,

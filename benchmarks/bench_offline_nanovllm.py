@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_limits import measure_copy_bandwidth  # noqa: E402
+from device_limits import measure_copy_bandwidth
 
 # Qwen3-0.6B
 V, H, I, L, NH, NKV, HD = 151936, 1024, 3072, 28, 16, 8, 128
@@ -101,12 +102,14 @@ def timed_generate(llm: Any, prompts: list[list[int]], params: list[Any], expect
 
 def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: list[int], args: Any) -> dict[str, Any]:
     """``spec`` is a backend name with options: ``+async`` (async scheduling), ``+noops``
-    (``--custom-ops none``), e.g. ``TRITON_ATTN+async``."""
+    (``--custom-ops none``), ``+tpN`` (tensor parallelism over N GPUs), e.g. ``TRITON_ATTN+async+tp2``."""
     from kvloom import LLM, SamplingParams
 
     backend, *options = spec.split("+")
-    if set(options) - {"async", "noops"}:
-        raise ValueError(f"unknown run option in {spec!r} (allowed: +async, +noops)")
+    tp = [o for o in options if re.fullmatch(r"tp[1-9][0-9]*", o)]
+    if set(options) - {"async", "noops", *tp} or len(tp) > 1:
+        raise ValueError(f"unknown run option in {spec!r} (allowed: +async, +noops, one +tpN)")
+    tensor_parallel_size = int(tp[0][2:]) if tp else 1
 
     start = time.perf_counter()
     llm = LLM(
@@ -123,6 +126,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
         async_scheduling="async" in options,
         disable_log_stats=True,  # as recorded: LLM kept stats off by default then
         custom_ops="none" if "noops" in options else "all",
+        tensor_parallel_size=tensor_parallel_size,
     )
     init_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
@@ -134,6 +138,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
         "backend": spec,
         "async_scheduling": "async" in options,
         "custom_ops": "none" if "noops" in options else "all",
+        "tensor_parallel_size": tensor_parallel_size,
         "block_size": config.cache.block_size,
         "num_kv_blocks": config.cache.num_blocks,
         "cudagraph_mode": config.compilation.cudagraph_mode.value,

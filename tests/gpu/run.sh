@@ -2,7 +2,7 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, peers-stash, peers.
+# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, peers-stash, peers.
 #   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
 #                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
 #                (benchmarks/peers/vllm/stash_install.sh). Needs neither .whl nor setup: a call with only
@@ -32,6 +32,9 @@
 #                needs the carried folder .benchtok; SO_ARGS adds flags.
 #   tp           tests/gpu/test_tp_gpu.py (TP=2 vs TP=1 greedy tokens over NCCL, eager and CUDA graphs; PP=2
 #                vs PP=1 under mp and through Ray; a killed rank); needs a machine with two GPUs (nvidia-h100-x2).
+#   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
+#                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
+#                workload (benchmarks/bench_offline_nanovllm.py +tp2) -> $OUT/tp/*.json.
 #   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens) and
 #                benchmarks/bench_mixed_step.py (64 decodes + a 512-token chunk, Llama-3-8B shape);
 #                MIXED_ARGS replaces the benchmark's flags (default: --num-layers 16, to fit ~4 min).
@@ -264,6 +267,11 @@ for i in "${!stages[@]}"; do
       run_pytest so tests/gpu/test_structured_output_gpu.py
       python3 benchmarks/bench_structured_output.py --tokenizer .benchtok --out "$OUT/so" ${SO_ARGS:-} 2>&1 | tail -40 ;;
     tp) run_pytest tp tests/gpu/test_tp_gpu.py ;;
+    tp-bench)
+      python3 benchmarks/bench_decode_roofline.py --out "$OUT/tp" --backend TRITON_ATTN --batches 1,16,64 \
+        --modes graphs+async,graphs+async+tp2 2>&1 | tail -12
+      python3 benchmarks/bench_offline_nanovllm.py --out "$OUT/tp" --backends TRITON_ATTN+async,TRITON_ATTN+async+tp2 \
+        2>&1 | tail -6 ;;
     peers-stash) bash benchmarks/peers/vllm/stash_install.sh || log "peers-stash failed" ;;
     peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
