@@ -118,7 +118,7 @@ def main() -> None:
     os.environ.setdefault("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the runner is used in-process
 
     from kvloom import LLM
-    from kvloom.compilation.backend import PiecewiseBackend
+    from kvloom.compilation.backend import PiecewiseBackend, compile_forward
     from kvloom.compilation.cuda_graph import CUDAGraphWrapper
     from kvloom.config import CUDAGraphMode
     from kvloom.forward_context import BatchDescriptor, set_forward_context
@@ -182,7 +182,7 @@ def main() -> None:
 
             return call
 
-        replayed = torch.compile(runner.model.forward, backend=recording_backend, fullgraph=True)
+        replayed = compile_forward(runner.model.forward, recording_backend)
 
         def run_replayed(i: torch.Tensor, p: torch.Tensor) -> Any:
             torch._dynamo.mark_dynamic(i, 0)

@@ -63,8 +63,11 @@ def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
     split = backend.last_split
     num_layers = len(runner.attn_layers)
     assert len(split.splitting) == num_layers and len(split.pieces) == num_layers + 1
-    order = [n.target for n in split.module.graph.nodes if n.op == "call_module"]
-    assert order[1::2] == split.splitting  # attention between every two pieces
+    assert split.order[1::2] == split.splitting  # attention between every two pieces
+    # The split module calls them as functions, in that order (no nn.Module calls).
+    calls = [n.target.__name__ for n in split.module.graph.nodes if n.op == "call_function" and
+             n.target.__name__.startswith("submod_")]  # fmt: skip
+    assert calls == split.order and not any(n.op == "call_module" for n in split.module.graph.nodes)
     for name in split.splitting:
         calls = [n for n in split.module.get_submodule(name).graph.nodes if n.op == "call_function"]
         assert [op_name(n.target) for n in calls] == ["kvloom::unified_attention"]
