@@ -213,10 +213,12 @@ def main() -> None:
             parts: dict[str, float] = {}
             with attention_noop(attn), set_forward_context(metadata, **context):
                 parts["op_torch_ops_noop_backend"] = per_call_us(
-                    lambda: torch.ops.kvloom.unified_attention(q, k, v, out, layer.prefix), 2000, r)
+                    lambda: torch.ops.kvloom.unified_attention(q, k, v, out, layer.prefix), 2000, r
+                )
                 parts["run_backend_noop_backend"] = per_call_us(lambda: layer.run_backend(q, k, v, out), 2000, r)
                 parts["impl_forward_noop"] = per_call_us(
-                    lambda: layer.impl.forward(q, k, v, layer.kv_cache, metadata, out), 2000, r)
+                    lambda: layer.impl.forward(q, k, v, layer.kv_cache, metadata, out), 2000, r
+                )
             with set_forward_context(metadata, **context):
                 parts["run_backend_real"] = per_call_us(lambda: layer.run_backend(q, k, v, out), 200, r)
             # One replay of a middle piece with its captured arguments (same addresses).

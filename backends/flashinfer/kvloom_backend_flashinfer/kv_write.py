@@ -12,15 +12,12 @@ kernels and as many dispatches per layer; it remains for tensors off CUDA (the C
 from __future__ import annotations
 
 import torch
-
 from kvloom_backend_triton.ops import write_kv_cache
 
 from kvloom.interfaces import copy_rows_skipping_invalid
 
 
-def write_kv_triton(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv_triton(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """As ``write_kv_nhd_paired``, in one Triton kernel: slot ``-1`` writes nothing."""
     n = slot_mapping.shape[0]
     write_kv_cache(key[:n], value[:n], kv_cache[:, 0], kv_cache[:, 1], slot_mapping)

@@ -27,9 +27,7 @@ UNIFIED_ATTENTION = "kvloom::unified_attention"
 
 # Kept at module level: a Library deregisters its definitions when it is collected.
 _lib = torch.library.Library("kvloom", "FRAGMENT")
-_lib.define(
-    "unified_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name) -> ()"
-)
+_lib.define("unified_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name) -> ()")
 
 
 def unified_attention(
