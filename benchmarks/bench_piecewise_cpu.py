@@ -17,9 +17,10 @@ device. This script measures that host path on the CPU, where CUDA graphs do not
 - ``replay_noattn_no_dynamo``: the split module of ``replay_noattn`` called directly with
   the arguments Dynamo passes it: the difference is Dynamo's per-forward entry (guards).
 
-and, per call, the parts: the attention op through ``torch.ops`` vs the layer's
-``run_backend`` vs the impl's ``forward`` (no-op backend), and one wrapper replay with a
-real piece's arguments. A tiny Llama (hidden 64 by default, so the arithmetic is small and
+and, per call, the parts: the attention op through ``torch.ops`` vs its Python
+implementation called directly (as the split module does) vs the layer's ``run_backend``
+vs the impl's ``forward`` (no-op backend), and one wrapper replay with a real piece's
+arguments. A tiny Llama (hidden 64 by default, so the arithmetic is small and
 the host path dominates), fp32, a uniform decode batch of ``--batch`` requests.
 
     python benchmarks/bench_piecewise_cpu.py --out docs/benchmarks/data [--num-layers 32]
@@ -118,6 +119,7 @@ def main() -> None:
     os.environ.setdefault("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the runner is used in-process
 
     from kvloom import LLM
+    from kvloom.compilation import attention_op
     from kvloom.compilation.backend import PiecewiseBackend, compile_forward
     from kvloom.compilation.cuda_graph import CUDAGraphWrapper
     from kvloom.config import CUDAGraphMode
@@ -214,6 +216,10 @@ def main() -> None:
             with attention_noop(attn), set_forward_context(metadata, **context):
                 parts["op_torch_ops_noop_backend"] = per_call_us(
                     lambda: torch.ops.kvloom.unified_attention(q, k, v, out, layer.prefix), 2000, r
+                )
+                # What the split module calls between two pieces (no dispatcher).
+                parts["op_direct_noop_backend"] = per_call_us(
+                    lambda: attention_op.unified_attention(q, k, v, out, layer.prefix), 2000, r
                 )
                 parts["run_backend_noop_backend"] = per_call_us(lambda: layer.run_backend(q, k, v, out), 2000, r)
                 parts["impl_forward_noop"] = per_call_us(

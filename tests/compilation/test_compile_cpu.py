@@ -79,6 +79,20 @@ def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
     assert tokens == eager_tokens
 
 
+def test_split_module_calls_attention_without_the_dispatcher(eager_tokens, monkeypatch):
+    """Between two pieces the split module calls the attention op's Python implementation
+    directly (kvloom.compilation.backend._direct_attention), once per layer and step."""
+    import kvloom.compilation.backend as backend_module
+
+    direct = []
+    real = backend_module.unified_attention
+    monkeypatch.setattr(backend_module, "unified_attention", lambda *a: direct.append(a[-1]) or real(*a))
+    tokens, llm = _run(single=False, optimization_level=1, torch_compile=True, use_inductor=False)
+    names = [layer.prefix for layer in llm.llm_engine.engine_core.core.worker.runner.attn_layers]
+    assert tokens == eager_tokens[: len(PROMPTS)]
+    assert direct and len(direct) % len(names) == 0 and direct[: len(names)] == names
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_inductor_tokens_identical_to_eager(eager_tokens, level):
     tokens, llm = _run(single=False, optimization_level=level, torch_compile=True)

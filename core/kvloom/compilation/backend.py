@@ -15,9 +15,10 @@ the token dimension, so one graph serves every batch size). The backend
 The split module calls each piece's runnable and each splitting submodule's ``forward``
 as plain functions (``call_function`` nodes), not through ``nn.Module.__call__``: that
 code runs on the host between two pieces on every layer of every step, where the
-module-call machinery (hooks, ``GraphModule``'s call wrapper) is pure overhead. The
-submodules stay attributes of the split module (``SplitGraph.pieces``/``splitting``
-name them) for inspection.
+module-call machinery (hooks, ``GraphModule``'s call wrapper) is pure overhead. An
+attention submodule (one ``kvloom::unified_attention`` call) becomes a direct call of the
+op's Python implementation. The submodules stay attributes of the split module
+(``SplitGraph.pieces``/``splitting`` name them) for inspection.
 
 Compiling a piece needs example inputs of the piece's own shapes (symbolic in the token
 count): the split module is interpreted once under Dynamo's fake-tensor mode, and each
@@ -36,6 +37,8 @@ import torch
 from torch import fx, nn
 from torch._guards import detect_fake_mode
 from torch.fx.passes.split_module import split_module
+
+from kvloom.compilation.attention_op import UNIFIED_ATTENTION, unified_attention
 
 logger = logging.getLogger(__name__)
 
@@ -179,15 +182,42 @@ def _as_function(runnable: Callable[..., Any], name: str) -> Callable[..., Any]:
     return call
 
 
+def _direct_attention(sub: fx.GraphModule, name: str) -> Callable[..., Any] | None:
+    """For a splitting submodule that is one ``kvloom::unified_attention`` call and returns
+    nothing, a function calling the op's Python implementation with the submodule's
+    arguments, skipping the torch dispatcher (~2 us a layer on the CPU; the op exists for
+    Dynamo and the split, the eager call needs none of its dispatch). None otherwise."""
+    calls = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+    (output,) = [n for n in sub.graph.nodes if n.op == "output"]
+    if len(calls) != 1 or op_name(calls[0].target) != UNIFIED_ATTENTION or calls[0].kwargs or output.args != ((),):
+        return None
+    position = {n: i for i, n in enumerate(n for n in sub.graph.nodes if n.op == "placeholder")}
+    *tensors, layer_name = calls[0].args
+    if not isinstance(layer_name, str) or not all(t in position for t in tensors):
+        return None
+    q, k, v, out = (position[t] for t in tensors)
+
+    def call(*args: Any) -> tuple[()]:
+        unified_attention(args[q], args[k], args[v], args[out], layer_name)
+        return ()
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
 def _call_submodules_directly(module: fx.GraphModule) -> None:
     """Turn every ``call_module`` node of the split module into a ``call_function`` of the
-    piece's runnable (``_Piece``) or the submodule's ``forward`` (see the module docstring)."""
+    piece's runnable (``_Piece``), the attention op's implementation (``_direct_attention``)
+    or the submodule's ``forward`` (see the module docstring)."""
     graph = module.graph
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
         sub = module.get_submodule(node.target)
-        target = _as_function(sub.runnable if isinstance(sub, _Piece) else sub, node.target)
+        if isinstance(sub, _Piece):
+            target = _as_function(sub.runnable, node.target)
+        else:
+            target = _direct_attention(sub, node.target) or _as_function(sub, node.target)
         with graph.inserting_before(node):
             call = graph.call_function(target, node.args, node.kwargs)
         call.meta = node.meta
