@@ -19,9 +19,11 @@ same vocabulary (hidden 64, 2 layers, fp32, one torch thread), so the forward is
 what remains of a decode step is the scheduler, input preparation, sampling setup, the
 hand-off of tokens and output processing. It times ``--steps`` decode steps of
 ``engine.step()`` (every request decoding, prefill done) ``--repeats`` times and reports
-the best and the median per step of the wall time and of the host time (the wall time
-less the model runner's forward, LM head and sampler calls, timed around them), then a
-cProfile of one more stretch. Use a small ``--vocab-size``: on the CPU the LM head and
+the best and the median per step of the wall time, of the host time (the wall time less
+the model runner's forward, LM head and sampler calls, timed around them) and of the
+engine core's host time (the same within ``EngineCore.step``: without the output
+processing, which runs in another process unless ``KVLOOM_ENABLE_MULTIPROCESSING=0``),
+then a cProfile of one more stretch. Requests use FINAL_ONLY outputs, as ``LLM.generate``. Use a small ``--vocab-size``: on the CPU the LM head and
 the argmax over a real vocabulary cost tens of ms per step, and no host code depends on
 it for greedy decoding.
 
@@ -53,6 +55,7 @@ import torch  # noqa: E402
 from bench_offline_nanovllm import V, write_qwen3_config  # noqa: E402
 
 from kvloom import LLM, SamplingParams  # noqa: E402
+from kvloom.sampling_params import RequestOutputKind  # noqa: E402
 from kvloom.engine.arg_utils import EngineArgs  # noqa: E402
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace  # noqa: E402
 
@@ -77,23 +80,20 @@ def decode_steps(engine: object, batch: int, input_len: int, steps: int, tag: st
     on (no prefix-cache hits between them)."""
     for i in range(batch):
         prompt = {"prompt_token_ids": [1 + (131 * i + 7 * j) % (vocab_size - 1) for j in range(input_len)]}
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 64,  # type: ignore[attr-defined]
-                                                                ignore_eos=True))  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate: no output per step
+        engine.add_request(f"{tag}-{i}", prompt, params)  # type: ignore[attr-defined]
     for _ in range(16):  # prefill (chunked by the token budget) and the first decode steps
         engine.step()  # type: ignore[attr-defined]
 
 
-class ModelClock:
-    """Wraps the model runner's forward, LM head and sampler to add up their seconds: the
-    model's own work, which the step's wall time less this leaves as host work."""
+class Clock:
+    """Seconds spent in the wrapped calls (``wrap``), added up."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self) -> None:
         self.seconds = 0.0
-        runner.run_model = self._timed(runner.run_model)
-        runner.model.compute_logits = self._timed(runner.model.compute_logits)
-        runner.sampler = self._timed(runner.sampler)
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
@@ -102,6 +102,21 @@ class ModelClock:
                 self.seconds += time.perf_counter() - start
 
         return timed
+
+
+def clocks(engine: Any) -> tuple[Clock, Clock]:
+    """Clocks around (1) the model runner's forward, LM head and sampler (the model's own
+    work: the wall time less this is host work) and (2) the engine core's step (its host
+    work is this less (1); the rest, the output processing, runs in the front-end process
+    when the engine core has its own)."""
+    core = engine.engine_core.core
+    runner = core.executor.driver_worker.model_runner
+    model, core_step = Clock(), Clock()
+    runner.run_model = model.wrap(runner.run_model)
+    runner.model.compute_logits = model.wrap(runner.model.compute_logits)
+    runner.sampler = model.wrap(runner.sampler)
+    core.step = core_step.wrap(core.step)
+    return model, core_step
 
 
 def drain(engine: object) -> None:
@@ -117,17 +132,18 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
         model_dir = write_qwen3_config(Path(tmp) / "qwen3-tiny", vocab_size=args.vocab_size, **TINY_SHAPE)
         kwargs = engine_kwargs(args.engine_args, model_dir, dtype="float32") | {"max_num_seqs": max(256, args.batch)}
         engine = LLM(**kwargs).llm_engine
-        clock = ModelClock(engine.engine_core.core.executor.driver_worker.model_runner)
-        walls, hosts = [], []
+        model, core_step = clocks(engine)
+        walls, hosts, core_hosts = [], [], []
         for r in range(args.repeats):
             decode_steps(engine, args.batch, args.input_len, args.steps, f"t{r}", args.vocab_size)
-            clock.seconds = 0.0
+            model.seconds = core_step.seconds = 0.0
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             wall = time.perf_counter() - start
             walls.append(wall / args.steps)
-            hosts.append((wall - clock.seconds) / args.steps)
+            hosts.append((wall - model.seconds) / args.steps)
+            core_hosts.append((core_step.seconds - model.seconds) / args.steps)
             drain(engine)
             engine.reset_prefix_cache()
 
@@ -152,6 +168,8 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
         "wall_per_step_ms_median": 1000 * statistics.median(walls),
         "host_per_step_ms_best": 1000 * min(hosts),
         "host_per_step_ms_median": 1000 * statistics.median(hosts),
+        "core_host_per_step_ms_best": 1000 * min(core_hosts),
+        "core_host_per_step_ms_median": 1000 * statistics.median(core_hosts),
         "profiled_wall_per_step_ms": 1000 * profiled_s / args.steps,
     }  # fmt: skip
     (out / f"host_step_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + text.getvalue())
