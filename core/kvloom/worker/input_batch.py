@@ -53,6 +53,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        #: Changes whenever a request is added or removed: while it stays, every request
+        #: id still names the same state (what per-batch caches key on).
+        self.version = 0
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.requests
@@ -97,6 +100,7 @@ class InputBatch:
             eos_token_id=eos_token_id,
         )
         self.requests[req_id] = state
+        self.version += 1
         self.append_blocks(state, block_ids)
         return state
 
@@ -142,4 +146,5 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.version += 1
         return state

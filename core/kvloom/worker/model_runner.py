@@ -197,6 +197,9 @@ class ModelRunner:
         # A step launched without sampling (``pending_structured_output_tokens``): what
         # ``sample_tokens`` samples, or its already complete output.
         self._unsampled: _UnsampledStep | PendingModelRunnerOutput | None = None
+        # The last step's sampling tensors while they hold for the same rows: keyed by the
+        # input batch's version and the rows' request ids (``_sample_rows``).
+        self._sampling_metadata: tuple[tuple[int, tuple[str, ...]], SamplingMetadata] | None = None
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -775,15 +778,22 @@ class ModelRunner:
                 # The noise for output token k depends only on (seed, k): seeded requests
                 # give the same tokens whatever the batch and across preemptions.
                 s.generator.manual_seed(_step_seed(s.sampling_params.seed, len(s.output_token_ids)))  # type: ignore[union-attr,arg-type]
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
-            prompt_token_ids=[s.prompt_token_ids for s in gen_states],
-            output_token_ids=[s.output_token_ids for s in gen_states],
-            generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-            eos_token_ids=[s.eos_token_id for s in gen_states],
-        )
+        # The same requests in the same rows as the step before (a decode batch without
+        # arrivals or departures) sample with the same tensors, unless they count tokens.
+        key = (self.input_batch.version, tuple([s.req_id for s in gen_states]))
+        if self._sampling_metadata is not None and self._sampling_metadata[0] == key:
+            metadata = self._sampling_metadata[1]
+        else:
+            metadata = SamplingMetadata.build(
+                params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
+                prompt_token_ids=[s.prompt_token_ids for s in gen_states],
+                output_token_ids=[s.output_token_ids for s in gen_states],
+                generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
+                vocab_size=logits.shape[-1],
+                device=logits.device,
+                eos_token_ids=[s.eos_token_id for s in gen_states],
+            )
+            self._sampling_metadata = (key, metadata) if metadata.reusable else None
         gen_logits = logits if len(rows) == len(states) else logits[torch.as_tensor(rows, device=logits.device)]
         return self.sampler(gen_logits.float(), metadata)
 
