@@ -181,6 +181,10 @@ class ModelRunner:
         self.block_table_cpu = torch.zeros(b, self.max_blocks_per_req, dtype=torch.int32, pin_memory=self.pin_memory)
         self.block_table = dev(b, self.max_blocks_per_req, dtype=torch.int32)
         self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
+        # Input tokens still in flight (``_fill_placeholders``): their places in the input
+        # and their rows in the previous step's sampled tensor.
+        self.placeholder_index_cpu, self.placeholder_index = host(n, torch.int64), dev(n, dtype=torch.int64)
+        self.placeholder_src_cpu, self.placeholder_src = host(n, torch.int64), dev(n, dtype=torch.int64)
 
         # Async scheduling. The pinned staging buffers above are refilled only after the
         # previous step's copies out of them ran (this event); sampled tokens come back
@@ -538,15 +542,24 @@ class ModelRunner:
         return batch, common
 
     def _fill_placeholders(self, token_index: np.ndarray, req_of_token: np.ndarray, req_ids: list[str]) -> None:
-        """Input tokens sampled by the step still in flight: copy them on the device."""
+        """Input tokens sampled by the step still in flight: copy them on the device.
+
+        The indices go through the pinned staging buffers like the other inputs: a
+        blocking host->device copy (``torch.tensor(..., device=...)``) would wait for the
+        whole stream, i.e. for the step in flight, and undo async scheduling's overlap."""
         rows = self._prev_sampled_row
         try:
             src = [rows[req_ids[i]] for i in req_of_token[token_index]]
         except KeyError as e:
             raise RuntimeError(f"request {e.args[0]} has an input token that no step in flight samples") from None
         assert self._prev_sampled is not None
-        dst = torch.from_numpy(token_index).to(self.device, non_blocking=True)
-        self.input_ids[dst] = self._prev_sampled[torch.tensor(src, device=self.device)]
+        k, nb = len(src), self.pin_memory
+        self.placeholder_index_cpu.numpy()[:k] = token_index
+        self.placeholder_src_cpu.numpy()[:k] = src
+        dst = self.placeholder_index[:k]
+        dst.copy_(self.placeholder_index_cpu[:k], non_blocking=nb)
+        self.placeholder_src[:k].copy_(self.placeholder_src_cpu[:k], non_blocking=nb)
+        self.input_ids[dst] = self._prev_sampled[self.placeholder_src[:k]]
 
     # ------------------------------------------------------------------ forward
     def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor | None:
