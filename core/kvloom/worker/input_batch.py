@@ -42,6 +42,10 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
+def _wants_prompt_logprobs(state: CachedRequestState) -> bool:
+    return state.sampling_params is not None and state.sampling_params.prompt_logprobs is not None
+
+
 class InputBatch:
     """Row-indexed token ids and block tables of the running requests."""
 
@@ -56,6 +60,8 @@ class InputBatch:
         #: Changes whenever a request is added or removed: while it stays, every request
         #: id still names the same state (what per-batch caches key on).
         self.version = 0
+        #: How many requests in the batch want prompt logprobs (steps without any skip them).
+        self.num_prompt_logprobs = 0
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.requests
@@ -101,6 +107,7 @@ class InputBatch:
         )
         self.requests[req_id] = state
         self.version += 1
+        self.num_prompt_logprobs += _wants_prompt_logprobs(state)
         self.append_blocks(state, block_ids)
         return state
 
@@ -147,4 +154,5 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
             self.version += 1
+            self.num_prompt_logprobs -= _wants_prompt_logprobs(state)
         return state

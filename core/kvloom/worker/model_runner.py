@@ -96,6 +96,8 @@ class StepBatch:
     seq_lens: np.ndarray  # [B]
     logits_indices: np.ndarray  # [B]: index of each request's last scheduled token
     uniform_decode: bool
+    #: Whether some request of the step wants prompt logprobs.
+    any_prompt_logprobs: bool = False
     #: Scheduled requests left out of the step because their own work failed.
     failed_req_ids: list[str] = field(default_factory=list)
 
@@ -491,9 +493,14 @@ class ModelRunner:
         if self._inputs_copied is not None:  # the previous step's host->device copies
             self._inputs_copied.synchronize()
             self._inputs_copied = None
-        states = [self.input_batch[r] for r in req_ids]
+        requests = self.input_batch.requests
+        states = [requests[r] for r in req_ids]
         b = len(req_ids)
-        query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=b)
+        scheduled = so.num_scheduled_tokens
+        # req_ids is the scheduler's order less the failed requests: with none left out,
+        # the token counts are the dict's values as they stand.
+        counts = scheduled.values() if b == len(scheduled) else (scheduled[r] for r in req_ids)
+        query_lens = np.fromiter(counts, dtype=np.int64, count=b)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=b)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=b)
         seq_lens = starts + query_lens
@@ -538,6 +545,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             logits_indices=logits_indices,
             uniform_decode=max_query_len == 1,
+            any_prompt_logprobs=self.input_batch.num_prompt_logprobs > 0,
         )
         return batch, common
 
@@ -732,7 +740,7 @@ class ModelRunner:
 
         states = batch.states
         # A request still prefilling its prompt produces no token this step.
-        done_prefill = [int(batch.seq_lens[i]) >= s.num_tokens for i, s in enumerate(states)]
+        done_prefill = [seq_len >= s.num_tokens for seq_len, s in zip(batch.seq_lens.tolist(), states)]
         gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
         tokens: InFlightTokens | None = None
         self._prev_sampled, self._prev_sampled_row = None, {}
@@ -751,12 +759,13 @@ class ModelRunner:
                 copied.record()
             tokens = InFlightTokens(sampler_output=out, host=sampled_host, copied=copied, placeholders=[])
             self._prev_sampled = sampled
+            placeholders, prev_row, append_token = tokens.placeholders, self._prev_sampled_row, self.input_batch.append_token
             for j, i in enumerate(gen_idx):
                 if done_prefill[i]:
                     s = states[i]
-                    tokens.placeholders.append((i, j, len(s.output_token_ids)))
-                    self._prev_sampled_row[s.req_id] = j
-                    self.input_batch.append_token(s, -1)
+                    placeholders.append((i, j, len(s.output_token_ids)))
+                    prev_row[s.req_id] = j
+                    append_token(s, -1)
 
         return AsyncModelRunnerOutput(
             self, batch, hidden, done_prefill, tokens, has_pooling=any(s.pooling_params is not None for s in states)
@@ -979,20 +988,25 @@ class AsyncModelRunnerOutput(PendingModelRunnerOutput):
                 tokens.copied.synchronize()
             token_ids = tokens.host.tolist()
             batch_states = runner.input_batch.requests
+            set_token = runner.input_batch.set_token
             row_logprobs = tokens.sampler_output.logprobs_lists()
             for i, j, index in tokens.placeholders:
                 state = states[i]
+                token_id = token_ids[j]
                 # A request finished (and its row reused) meanwhile keeps no state here.
                 if batch_states.get(state.req_id) is state:
-                    runner.input_batch.set_token(state, index, token_ids[j])
-                sampled_lists[i] = [token_ids[j]]
+                    set_token(state, index, token_id)
+                sampled_lists[i] = [token_id]
                 if row_logprobs is not None:
                     logprobs[i] = row_logprobs[j]
-            runner._prompt_logprobs(batch, hidden, prompt_logprobs)
+            if batch.any_prompt_logprobs:
+                runner._prompt_logprobs(batch, hidden, prompt_logprobs)
         if self._has_pooling:
             pooler_output = runner._pool(batch, hidden, self._done_prefill)
         # Requests whose own work failed (before the step or in it) report no result.
-        failed = {r: runner._failed[r] for r in [*batch.req_ids, *batch.failed_req_ids] if r in runner._failed}
+        failed = {}
+        if runner._failed:
+            failed = {r: runner._failed[r] for r in [*batch.req_ids, *batch.failed_req_ids] if r in runner._failed}
         req_ids = batch.req_ids
         if batch.failed_req_ids:
             req_ids = [*req_ids, *batch.failed_req_ids]
