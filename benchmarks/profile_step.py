@@ -23,6 +23,7 @@ the best and the median per step of the wall time, of the host time (the wall ti
 the model runner's forward, LM head and sampler calls, timed around them) and of the
 engine core's host time (the same within ``EngineCore.step``: without the output
 processing, which runs in another process unless ``KVLOOM_ENABLE_MULTIPROCESSING=0``),
+and the attention backend's metadata build within them (the CPU backend's own host work),
 then a cProfile of one more stretch. Requests use FINAL_ONLY outputs, as ``LLM.generate``. Use a small ``--vocab-size``: on the CPU the LM head and
 the argmax over a real vocabulary cost tens of ms per step, and no host code depends on
 it for greedy decoding.
@@ -104,19 +105,21 @@ class Clock:
         return timed
 
 
-def clocks(engine: Any) -> tuple[Clock, Clock]:
+def clocks(engine: Any) -> tuple[Clock, Clock, Clock]:
     """Clocks around (1) the model runner's forward, LM head and sampler (the model's own
-    work: the wall time less this is host work) and (2) the engine core's step (its host
+    work: the wall time less this is host work), (2) the engine core's step (its host
     work is this less (1); the rest, the output processing, runs in the front-end process
-    when the engine core has its own)."""
+    when the engine core has its own) and (3) the attention backend's metadata build (host
+    work of the backend's own: the CPU backend's differs from the GPU backends')."""
     core = engine.engine_core.core
     runner = core.executor.driver_worker.model_runner
-    model, core_step = Clock(), Clock()
+    model, core_step, attn_build = Clock(), Clock(), Clock()
     runner.run_model = model.wrap(runner.run_model)
     runner.model.compute_logits = model.wrap(runner.model.compute_logits)
     runner.sampler = model.wrap(runner.sampler)
     core.step = core_step.wrap(core.step)
-    return model, core_step
+    runner.builder.build = attn_build.wrap(runner.builder.build)
+    return model, core_step, attn_build
 
 
 def drain(engine: object) -> None:
@@ -132,11 +135,11 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
         model_dir = write_qwen3_config(Path(tmp) / "qwen3-tiny", vocab_size=args.vocab_size, **TINY_SHAPE)
         kwargs = engine_kwargs(args.engine_args, model_dir, dtype="float32") | {"max_num_seqs": max(256, args.batch)}
         engine = LLM(**kwargs).llm_engine
-        model, core_step = clocks(engine)
-        walls, hosts, core_hosts = [], [], []
+        model, core_step, attn_build = clocks(engine)
+        walls, hosts, core_hosts, builds = [], [], [], []
         for r in range(args.repeats):
             decode_steps(engine, args.batch, args.input_len, args.steps, f"t{r}", args.vocab_size)
-            model.seconds = core_step.seconds = 0.0
+            model.seconds = core_step.seconds = attn_build.seconds = 0.0
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
@@ -144,6 +147,7 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
             walls.append(wall / args.steps)
             hosts.append((wall - model.seconds) / args.steps)
             core_hosts.append((core_step.seconds - model.seconds) / args.steps)
+            builds.append(attn_build.seconds / args.steps)
             drain(engine)
             engine.reset_prefix_cache()
 
@@ -170,6 +174,7 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
         "host_per_step_ms_median": 1000 * statistics.median(hosts),
         "core_host_per_step_ms_best": 1000 * min(core_hosts),
         "core_host_per_step_ms_median": 1000 * statistics.median(core_hosts),
+        "attention_build_per_step_ms_median": 1000 * statistics.median(builds),
         "profiled_wall_per_step_ms": 1000 * profiled_s / args.steps,
     }  # fmt: skip
     (out / f"host_step_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + text.getvalue())
