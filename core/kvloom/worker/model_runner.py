@@ -64,7 +64,7 @@ from kvloom.structured_output.bitmask import apply_grammar_bitmask
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
-from kvloom.worker.input_batch import CachedRequestState, InputBatch
+from kvloom.worker.input_batch import CachedRequestState, InputBatch, Placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class StepBatch:
     seq_lens: np.ndarray  # [B]
     logits_indices: np.ndarray  # [B]: index of each request's last scheduled token
     uniform_decode: bool
+    rows: np.ndarray  # [B]: each request's row in the input batch
     #: Whether some request of the step wants prompt logprobs.
     any_prompt_logprobs: bool = False
     #: Scheduled requests left out of the step because their own work failed.
@@ -194,9 +195,10 @@ class ModelRunner:
         self._inputs_copied: torch.cuda.Event | None = None
         self._sampled_host = [host(b, torch.int64) for _ in range(2)]
         self._sampled_slot = 0
-        # The last step's sampled tokens on the device, and each request's row in them.
+        # The last step's sampled tokens on the device, and the row in them of each
+        # input-batch row's request (-1: none).
         self._prev_sampled: torch.Tensor | None = None
-        self._prev_sampled_row: dict[str, int] = {}
+        self._prev_sampled_of_row = np.full(self.max_num_reqs, -1, dtype=np.int64)
         # Requests whose own work failed (id -> why), left out of every step until the
         # scheduler lists them in finished_req_ids.
         self._failed: dict[str, str] = {}
@@ -533,7 +535,7 @@ class ModelRunner:
         self.block_table[:b, :max_blocks].copy_(self.block_table_cpu[:b, :max_blocks], non_blocking=nb)
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
         if (placeholders := np.flatnonzero(input_ids < 0)).size:
-            self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids)
+            self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids, rows)
 
         max_query_len = int(query_lens.max())
         common = self.common_metadata(b, n, max_query_len, int(seq_lens.max()))
@@ -545,21 +547,26 @@ class ModelRunner:
             seq_lens=seq_lens,
             logits_indices=logits_indices,
             uniform_decode=max_query_len == 1,
+            rows=rows,
             any_prompt_logprobs=self.input_batch.num_prompt_logprobs > 0,
         )
         return batch, common
 
-    def _fill_placeholders(self, token_index: np.ndarray, req_of_token: np.ndarray, req_ids: list[str]) -> None:
+    def _fill_placeholders(
+        self, token_index: np.ndarray, req_of_token: np.ndarray, req_ids: list[str], rows: np.ndarray
+    ) -> None:
         """Input tokens sampled by the step still in flight: copy them on the device.
+        ``token_index``: their places in the input; ``req_of_token``: each input token's
+        request (an index into ``req_ids`` and their input-batch ``rows``).
 
         The indices go through the pinned staging buffers like the other inputs: a
         blocking host->device copy (``torch.tensor(..., device=...)``) would wait for the
         whole stream, i.e. for the step in flight, and undo async scheduling's overlap."""
-        rows = self._prev_sampled_row
-        try:
-            src = [rows[req_ids[i]] for i in req_of_token[token_index]]
-        except KeyError as e:
-            raise RuntimeError(f"request {e.args[0]} has an input token that no step in flight samples") from None
+        req_index = req_of_token[token_index]
+        src = self._prev_sampled_of_row[rows[req_index]]
+        if (missing := np.flatnonzero(src < 0)).size:
+            req_id = req_ids[int(req_index[missing[0]])]
+            raise RuntimeError(f"request {req_id} has an input token that no step in flight samples")
         assert self._prev_sampled is not None
         k, nb = len(src), self.pin_memory
         self.placeholder_index_cpu.numpy()[:k] = token_index
@@ -682,7 +689,8 @@ class ModelRunner:
         failed = self._failed
         req_ids = [r for r in so.num_scheduled_tokens if r not in failed] if failed else list(so.num_scheduled_tokens)
         if not req_ids:  # every scheduled request has failed
-            self._prev_sampled, self._prev_sampled_row = None, {}
+            self._prev_sampled = None
+            self._prev_sampled_of_row.fill(-1)
             ids = list(so.num_scheduled_tokens)
             return PendingModelRunnerOutput.done(ModelRunnerOutput(
                 req_ids=ids, sampled_token_ids=[[] for _ in ids], failed={r: failed[r] for r in ids}))  # fmt: skip
@@ -743,7 +751,8 @@ class ModelRunner:
         done_prefill = [seq_len >= s.num_tokens for seq_len, s in zip(batch.seq_lens.tolist(), states)]
         gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
         tokens: InFlightTokens | None = None
-        self._prev_sampled, self._prev_sampled_row = None, {}
+        self._prev_sampled = None
+        self._prev_sampled_of_row.fill(-1)
 
         if gen_idx:
             assert logits is not None
@@ -757,15 +766,14 @@ class ModelRunner:
             if self.pin_memory:
                 copied = torch.cuda.Event()
                 copied.record()
-            tokens = InFlightTokens(sampler_output=out, host=sampled_host, copied=copied, placeholders=[])
+            # The requests that produce a token (prefill done): their rows in ``sampled``
+            # and in the batch; each holds a placeholder until the token is on the host.
+            sample_rows = [j for j, i in enumerate(gen_idx) if done_prefill[i]]
+            batch_index = [gen_idx[j] for j in sample_rows]
+            placeholders = self.input_batch.append_placeholders([states[i] for i in batch_index])
             self._prev_sampled = sampled
-            placeholders, prev_row, append_token = tokens.placeholders, self._prev_sampled_row, self.input_batch.append_token
-            for j, i in enumerate(gen_idx):
-                if done_prefill[i]:
-                    s = states[i]
-                    placeholders.append((i, j, len(s.output_token_ids)))
-                    prev_row[s.req_id] = j
-                    append_token(s, -1)
+            self._prev_sampled_of_row[placeholders.rows] = sample_rows
+            tokens = InFlightTokens(out, sampled_host, copied, batch_index, sample_rows, placeholders)
 
         return AsyncModelRunnerOutput(
             self, batch, hidden, done_prefill, tokens, has_pooling=any(s.pooling_params is not None for s in states)
@@ -937,9 +945,11 @@ class InFlightTokens:
     host: torch.Tensor
     #: Recorded behind the copy on CUDA; None where the copy is synchronous.
     copied: torch.cuda.Event | None
-    #: Per request that produced a token: (index in the batch, row in ``host``, output
-    #: index of its placeholder).
-    placeholders: list[tuple[int, int, int]]
+    #: Per request that produced a token: its index in the batch, its row in ``host``,
+    #: and its placeholder.
+    batch_index: list[int]
+    sample_rows: list[int]
+    placeholders: Placeholders
 
 
 class AsyncModelRunnerOutput(PendingModelRunnerOutput):
@@ -986,18 +996,18 @@ class AsyncModelRunnerOutput(PendingModelRunnerOutput):
         if tokens is not None:
             if tokens.copied is not None:
                 tokens.copied.synchronize()
-            token_ids = tokens.host.tolist()
-            batch_states = runner.input_batch.requests
-            set_token = runner.input_batch.set_token
+            host = tokens.host.tolist()
+            # The rows of ``host`` that produced a token: all of them, or a subset in order.
+            token_ids = host if len(tokens.sample_rows) == len(host) else [host[j] for j in tokens.sample_rows]
+            runner.input_batch.set_tokens(tokens.placeholders, token_ids)
+            if len(tokens.batch_index) == len(states):  # every request produced one (a decode step)
+                sampled_lists = [[token_id] for token_id in token_ids]
+            else:
+                for i, token_id in zip(tokens.batch_index, token_ids):
+                    sampled_lists[i] = [token_id]
             row_logprobs = tokens.sampler_output.logprobs_lists()
-            for i, j, index in tokens.placeholders:
-                state = states[i]
-                token_id = token_ids[j]
-                # A request finished (and its row reused) meanwhile keeps no state here.
-                if batch_states.get(state.req_id) is state:
-                    set_token(state, index, token_id)
-                sampled_lists[i] = [token_id]
-                if row_logprobs is not None:
+            if row_logprobs is not None:
+                for i, j in zip(tokens.batch_index, tokens.sample_rows):
                     logprobs[i] = row_logprobs[j]
             if batch.any_prompt_logprobs:
                 runner._prompt_logprobs(batch, hidden, prompt_logprobs)

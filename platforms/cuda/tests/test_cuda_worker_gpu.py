@@ -116,12 +116,13 @@ def test_filling_in_flight_input_tokens_does_not_wait_for_the_stream(monkeypatch
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", attention_backend="TRITON_ATTN", kv_cache_memory="1GiB",
               enforce_eager=True, async_scheduling=True)  # fmt: skip
     runner = llm.llm_engine.engine_core.core.worker.runner
+    # Requests "a" and "b" in input-batch rows 3 and 5 sampled rows 2 and 0 of the step in flight.
     runner._prev_sampled = torch.tensor([7, 8, 9], device="cuda")
-    runner._prev_sampled_row = {"a": 2, "b": 0}
+    runner._prev_sampled_of_row[[3, 5]] = [2, 0]
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of device time: the step in flight
     start = time.perf_counter()
-    runner._fill_placeholders(np.array([0, 1]), np.array([0, 1]), ["a", "b"])
+    runner._fill_placeholders(np.array([0, 1]), np.array([0, 1]), ["a", "b"], np.array([3, 5]))
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     assert elapsed < 0.2, f"_fill_placeholders waited {elapsed:.2f} s for the stream"
