@@ -57,6 +57,7 @@ from bench_offline_nanovllm import V, write_qwen3_config  # noqa: E402
 
 from kvloom import LLM, SamplingParams  # noqa: E402
 from kvloom.sampling_params import RequestOutputKind  # noqa: E402
+from kvloom.utils import freeze_gc_heap  # noqa: E402
 from kvloom.engine.arg_utils import EngineArgs  # noqa: E402
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace  # noqa: E402
 
@@ -135,6 +136,7 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
         model_dir = write_qwen3_config(Path(tmp) / "qwen3-tiny", vocab_size=args.vocab_size, **TINY_SHAPE)
         kwargs = engine_kwargs(args.engine_args, model_dir, dtype="float32") | {"max_num_seqs": max(256, args.batch)}
         engine = LLM(**kwargs).llm_engine
+        freeze_gc_heap()  # as the engine core's own process does after start-up
         model, core_step, attn_build = clocks(engine)
         walls, hosts, core_hosts, builds = [], [], [], []
         for r in range(args.repeats):
@@ -204,6 +206,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
         llm = LLM(**engine_kwargs(args.engine_args, model_dir))
+        freeze_gc_heap()  # as the engine core's own process does after start-up
         prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 9000 for j in range(args.input_len)]}
                    for i in range(args.batch)]  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
