@@ -1014,7 +1014,7 @@ class AsyncModelRunnerOutput(PendingModelRunnerOutput):
         if self._has_pooling:
             pooler_output = runner._pool(batch, hidden, self._done_prefill)
         # Requests whose own work failed (before the step or in it) report no result.
-        failed = {}
+        failed: dict[str, str] = {}
         if runner._failed:
             failed = {r: runner._failed[r] for r in [*batch.req_ids, *batch.failed_req_ids] if r in runner._failed}
         req_ids = batch.req_ids
