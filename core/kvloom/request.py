@@ -186,10 +186,12 @@ class Request:
         return self.lora_request.lora_int_id if self.lora_request else 0
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+        if isinstance(token_ids, int):  # the scheduler's case, once per request per step
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -142,6 +142,9 @@ def test_a_sampling_failure_mid_batch_fails_that_request_alone(
         return build(params=params, output_token_ids=output_token_ids, **kwargs)
 
     monkeypatch.setattr(model_runner.SamplingMetadata, "build", staticmethod(failing_build))
+    # The failure follows the tokens out, so the runner must build the state every step
+    # instead of reusing the previous step's.
+    monkeypatch.setattr(model_runner.SamplingMetadata, "reusable", property(lambda self: False))
     core = _core(async_scheduling=async_scheduling)
     good = _good_requests()
     results = _run(core, [good[0], _request("bad", PROMPTS[4], _greedy(seed=BAD_SEED)), *good[1:]])
@@ -204,6 +207,7 @@ def test_async_llm_raises_the_failure_for_its_request_and_serves_on(monkeypatch:
         return build(params=params, output_token_ids=output_token_ids, **kwargs)
 
     monkeypatch.setattr(model_runner.SamplingMetadata, "build", staticmethod(failing_build))
+    monkeypatch.setattr(model_runner.SamplingMetadata, "reusable", property(lambda self: False))  # build every step
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched runner lives in this process
     engine = tiny_async_llm(tiny_model_dir("llama"))
 

@@ -36,6 +36,7 @@ end of a pipe whose read end is watched here: end of file = parent gone).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -70,6 +71,7 @@ from kvloom.logger import setup_child_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.profiling import cprofile_if_asked
 from kvloom.request import FinishReason
+from kvloom.utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ def core_state(core: Any) -> dict[str, Any]:
         "num_waiting_requests": len(scheduler.waiting),
         "kv_cache_usage": scheduler.kv_cache_manager.usage,
         "has_work": core.has_work(),
+        "gc_frozen_objects": gc.get_freeze_count(),  # freeze_gc_heap() ran (in the core's process)
     }
 
 
@@ -195,6 +198,9 @@ class EngineCoreProc:
                     sock.close()
                 self.ctx.term()  # after the FAILED frames went out (or their linger ran out)
             raise
+        # The engine core's start-up state lives as long as this process: out of the full
+        # garbage collections' way (they would walk it every ~100 steps).
+        freeze_gc_heap()
         ready = encoder.encode(EngineCoreReady(pid=os.getpid(), num_blocks=int(config.cache.num_blocks or 0)))
         for sock in self.input_sockets:
             sock.send_multipart((READY, ready))

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from kvloom.distributed.shm_broadcast import BroadcastHandle, ReaderGoneError, ShmBroadcastReader, ShmBroadcastWriter
 from kvloom.executor.abstract import DistributedExecutor, Results
 from kvloom.processes import describe_exit, main_module_not_reimported
+from kvloom.utils import freeze_gc_heap
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
@@ -329,6 +330,10 @@ def run_worker(
         except BaseException:
             conn.send((seq, "error", traceback.format_exc()))
             continue
+        if method == "compile_or_warm_up_model":
+            # Start-up is over (model, cache, graphs): as in the engine core's process,
+            # its state leaves the full garbage collections' way.
+            freeze_gc_heap()
         # A step's output leaves the output rank only: the other ranks' are the same tokens
         # (tensor parallelism) or empty (earlier pipeline stages).
         output = rank == parallel_state.output_rank(parallel_state.tp_world_size(), parallel_state.pp_world_size())

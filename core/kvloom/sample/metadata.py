@@ -3,7 +3,8 @@
 The model runner builds one ``SamplingMetadata`` per step from the per-request state of
 the rows it samples (row i = request i). Building is cheap when every row is greedy or
 plain temperature sampling: the penalty, min-tokens and top-k/top-p/min-p tensors are
-only made when some row needs them.
+only made when some row needs them. A ``reusable`` one serves the next steps of the
+same rows unchanged (the runner rebuilds it when its batch changes).
 """
 
 from __future__ import annotations
@@ -129,6 +130,14 @@ class SamplingMetadata:
     @property
     def no_penalties(self) -> bool:
         return self.output_token_counts is None
+
+    @property
+    def reusable(self) -> bool:
+        """Whether these tensors hold for the same rows' later steps too: nothing in them
+        depends on the tokens sampled so far (penalties count them; the min-tokens mask
+        holds while a row has fewer outputs than ``min_tokens``, and once no row does it
+        never comes back, as outputs only grow)."""
+        return self.no_penalties and self.min_tokens_mask is None
 
     @classmethod
     def build(

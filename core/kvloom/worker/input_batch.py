@@ -42,6 +42,25 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
+@dataclass
+class Placeholders:
+    """The placeholder tokens (-1) one step appended (``InputBatch.append_placeholders``):
+    one per request that samples a token the host learns later (``set_tokens``)."""
+
+    states: list[CachedRequestState]
+    #: Per request: the placeholder's index in its output tokens.
+    output_index: list[int]
+    #: Per request: its row, the placeholder's position in it, and the row's owner then
+    #: (``InputBatch.row_owner``: a request that left the batch no longer owns its row).
+    rows: np.ndarray
+    positions: np.ndarray
+    owners: np.ndarray
+
+
+def _wants_prompt_logprobs(state: CachedRequestState) -> bool:
+    return state.sampling_params is not None and state.sampling_params.prompt_logprobs is not None
+
+
 class InputBatch:
     """Row-indexed token ids and block tables of the running requests."""
 
@@ -51,8 +70,16 @@ class InputBatch:
         self.max_blocks_per_req = max_blocks_per_req
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        #: Per row, which ``add`` put its request there (the version it made): a request
+        #: that left and the one that took its row differ.
+        self.row_owner = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        #: Changes whenever a request is added or removed: while it stays, every request
+        #: id still names the same state (what per-batch caches key on).
+        self.version = 0
+        #: How many requests in the batch want prompt logprobs (steps without any skip them).
+        self.num_prompt_logprobs = 0
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.requests
@@ -97,6 +124,9 @@ class InputBatch:
             eos_token_id=eos_token_id,
         )
         self.requests[req_id] = state
+        self.version += 1
+        self.row_owner[row] = self.version
+        self.num_prompt_logprobs += _wants_prompt_logprobs(state)
         self.append_blocks(state, block_ids)
         return state
 
@@ -114,6 +144,49 @@ class InputBatch:
         if n < self.max_model_len:
             self.token_ids[state.row, n] = token_id
         state.output_token_ids.append(token_id)
+
+    def append_placeholders(self, states: list[CachedRequestState]) -> Placeholders:
+        """Append a placeholder (-1) to each request's tokens: the token this step samples
+        for it, still on its way to the host. Per request only its list grows here; the
+        rows are written in one numpy assignment."""
+        rows: list[int] = []
+        positions: list[int] = []
+        output_index: list[int] = []
+        for state in states:
+            out = state.output_token_ids
+            rows.append(state.row)
+            positions.append(len(state.prompt_token_ids) + len(out))
+            output_index.append(len(out))
+            out.append(-1)
+        placeholders = Placeholders(states, output_index, np.array(rows, dtype=np.int64),
+                                    np.array(positions, dtype=np.int64), self.row_owner[rows])  # fmt: skip
+        self._write(placeholders.rows, placeholders.positions, -1)
+        return placeholders
+
+    def set_tokens(self, placeholders: Placeholders, token_ids: list[int]) -> None:
+        """Replace each placeholder with its sampled token (``token_ids``, one per
+        request), skipping requests that left the batch since (their rows may be reused)."""
+        live = self.row_owner[placeholders.rows] == placeholders.owners
+        if live.all():
+            for state, index, token_id in zip(placeholders.states, placeholders.output_index, token_ids):
+                state.output_token_ids[index] = token_id
+            self._write(placeholders.rows, placeholders.positions, np.array(token_ids, dtype=np.int64))
+            return
+        for state, index, token_id, is_live in zip(placeholders.states, placeholders.output_index, token_ids,
+                                                   live.tolist()):  # fmt: skip
+            if is_live:
+                state.output_token_ids[index] = token_id
+        self._write(placeholders.rows[live], placeholders.positions[live], np.array(token_ids, dtype=np.int64)[live])
+
+    def _write(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray | int) -> None:
+        """``token_ids[rows, positions] = values`` where the position is inside the row
+        (a request's last sampled token may lie past ``max_model_len``)."""
+        inside = positions < self.max_model_len
+        if not inside.all():
+            rows, positions = rows[inside], positions[inside]
+            if isinstance(values, np.ndarray):
+                values = values[inside]
+        self.token_ids[rows, positions] = values
 
     def set_token(self, state: CachedRequestState, output_index: int, token_id: int) -> None:
         """Replace the placeholder at ``output_index`` with the token sampled there."""
@@ -142,4 +215,6 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.version += 1
+            self.num_prompt_logprobs -= _wants_prompt_logprobs(state)
         return state

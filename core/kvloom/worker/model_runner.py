@@ -64,7 +64,7 @@ from kvloom.structured_output.bitmask import apply_grammar_bitmask
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
-from kvloom.worker.input_batch import CachedRequestState, InputBatch
+from kvloom.worker.input_batch import CachedRequestState, InputBatch, Placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,9 @@ class StepBatch:
     seq_lens: np.ndarray  # [B]
     logits_indices: np.ndarray  # [B]: index of each request's last scheduled token
     uniform_decode: bool
+    rows: np.ndarray  # [B]: each request's row in the input batch
+    #: Whether some request of the step wants prompt logprobs.
+    any_prompt_logprobs: bool = False
     #: Scheduled requests left out of the step because their own work failed.
     failed_req_ids: list[str] = field(default_factory=list)
 
@@ -181,6 +184,10 @@ class ModelRunner:
         self.block_table_cpu = torch.zeros(b, self.max_blocks_per_req, dtype=torch.int32, pin_memory=self.pin_memory)
         self.block_table = dev(b, self.max_blocks_per_req, dtype=torch.int32)
         self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
+        # Input tokens still in flight (``_fill_placeholders``): their places in the input
+        # and their rows in the previous step's sampled tensor.
+        self.placeholder_index_cpu, self.placeholder_index = host(n, torch.int64), dev(n, dtype=torch.int64)
+        self.placeholder_src_cpu, self.placeholder_src = host(n, torch.int64), dev(n, dtype=torch.int64)
 
         # Async scheduling. The pinned staging buffers above are refilled only after the
         # previous step's copies out of them ran (this event); sampled tokens come back
@@ -188,15 +195,19 @@ class ModelRunner:
         self._inputs_copied: torch.cuda.Event | None = None
         self._sampled_host = [host(b, torch.int64) for _ in range(2)]
         self._sampled_slot = 0
-        # The last step's sampled tokens on the device, and each request's row in them.
+        # The last step's sampled tokens on the device, and the row in them of each
+        # input-batch row's request (-1: none).
         self._prev_sampled: torch.Tensor | None = None
-        self._prev_sampled_row: dict[str, int] = {}
+        self._prev_sampled_of_row = np.full(self.max_num_reqs, -1, dtype=np.int64)
         # Requests whose own work failed (id -> why), left out of every step until the
         # scheduler lists them in finished_req_ids.
         self._failed: dict[str, str] = {}
         # A step launched without sampling (``pending_structured_output_tokens``): what
         # ``sample_tokens`` samples, or its already complete output.
         self._unsampled: _UnsampledStep | PendingModelRunnerOutput | None = None
+        # The last step's sampling tensors while they hold for the same rows: keyed by the
+        # input batch's version and the rows' request ids (``_sample_rows``).
+        self._sampling_metadata: tuple[tuple[int, tuple[str, ...]], SamplingMetadata] | None = None
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -484,9 +495,14 @@ class ModelRunner:
         if self._inputs_copied is not None:  # the previous step's host->device copies
             self._inputs_copied.synchronize()
             self._inputs_copied = None
-        states = [self.input_batch[r] for r in req_ids]
+        requests = self.input_batch.requests
+        states = [requests[r] for r in req_ids]
         b = len(req_ids)
-        query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=b)
+        scheduled = so.num_scheduled_tokens
+        # req_ids is the scheduler's order less the failed requests: with none left out,
+        # the token counts are the dict's values as they stand.
+        counts = scheduled.values() if b == len(scheduled) else (scheduled[r] for r in req_ids)
+        query_lens = np.fromiter(counts, dtype=np.int64, count=b)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=b)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=b)
         seq_lens = starts + query_lens
@@ -519,7 +535,7 @@ class ModelRunner:
         self.block_table[:b, :max_blocks].copy_(self.block_table_cpu[:b, :max_blocks], non_blocking=nb)
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
         if (placeholders := np.flatnonzero(input_ids < 0)).size:
-            self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids)
+            self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids, rows)
 
         max_query_len = int(query_lens.max())
         common = self.common_metadata(b, n, max_query_len, int(seq_lens.max()))
@@ -531,19 +547,34 @@ class ModelRunner:
             seq_lens=seq_lens,
             logits_indices=logits_indices,
             uniform_decode=max_query_len == 1,
+            rows=rows,
+            any_prompt_logprobs=self.input_batch.num_prompt_logprobs > 0,
         )
         return batch, common
 
-    def _fill_placeholders(self, token_index: np.ndarray, req_of_token: np.ndarray, req_ids: list[str]) -> None:
-        """Input tokens sampled by the step still in flight: copy them on the device."""
-        rows = self._prev_sampled_row
-        try:
-            src = [rows[req_ids[i]] for i in req_of_token[token_index]]
-        except KeyError as e:
-            raise RuntimeError(f"request {e.args[0]} has an input token that no step in flight samples") from None
+    def _fill_placeholders(
+        self, token_index: np.ndarray, req_of_token: np.ndarray, req_ids: list[str], rows: np.ndarray
+    ) -> None:
+        """Input tokens sampled by the step still in flight: copy them on the device.
+        ``token_index``: their places in the input; ``req_of_token``: each input token's
+        request (an index into ``req_ids`` and their input-batch ``rows``).
+
+        The indices go through the pinned staging buffers like the other inputs: a
+        blocking host->device copy (``torch.tensor(..., device=...)``) would wait for the
+        whole stream, i.e. for the step in flight, and undo async scheduling's overlap."""
+        req_index = req_of_token[token_index]
+        src = self._prev_sampled_of_row[rows[req_index]]
+        if (missing := np.flatnonzero(src < 0)).size:
+            req_id = req_ids[int(req_index[missing[0]])]
+            raise RuntimeError(f"request {req_id} has an input token that no step in flight samples")
         assert self._prev_sampled is not None
-        dst = torch.from_numpy(token_index).to(self.device, non_blocking=True)
-        self.input_ids[dst] = self._prev_sampled[torch.tensor(src, device=self.device)]
+        k, nb = len(src), self.pin_memory
+        self.placeholder_index_cpu.numpy()[:k] = token_index
+        self.placeholder_src_cpu.numpy()[:k] = src
+        dst = self.placeholder_index[:k]
+        dst.copy_(self.placeholder_index_cpu[:k], non_blocking=nb)
+        self.placeholder_src[:k].copy_(self.placeholder_src_cpu[:k], non_blocking=nb)
+        self.input_ids[dst] = self._prev_sampled[self.placeholder_src[:k]]
 
     # ------------------------------------------------------------------ forward
     def _forward_eager(self, n: int, common: CommonAttentionMetadata) -> torch.Tensor | None:
@@ -658,7 +689,8 @@ class ModelRunner:
         failed = self._failed
         req_ids = [r for r in so.num_scheduled_tokens if r not in failed] if failed else list(so.num_scheduled_tokens)
         if not req_ids:  # every scheduled request has failed
-            self._prev_sampled, self._prev_sampled_row = None, {}
+            self._prev_sampled = None
+            self._prev_sampled_of_row.fill(-1)
             ids = list(so.num_scheduled_tokens)
             return PendingModelRunnerOutput.done(ModelRunnerOutput(
                 req_ids=ids, sampled_token_ids=[[] for _ in ids], failed={r: failed[r] for r in ids}))  # fmt: skip
@@ -716,10 +748,11 @@ class ModelRunner:
 
         states = batch.states
         # A request still prefilling its prompt produces no token this step.
-        done_prefill = [int(batch.seq_lens[i]) >= s.num_tokens for i, s in enumerate(states)]
+        done_prefill = [seq_len >= s.num_tokens for seq_len, s in zip(batch.seq_lens.tolist(), states)]
         gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
         tokens: InFlightTokens | None = None
-        self._prev_sampled, self._prev_sampled_row = None, {}
+        self._prev_sampled = None
+        self._prev_sampled_of_row.fill(-1)
 
         if gen_idx:
             assert logits is not None
@@ -733,14 +766,14 @@ class ModelRunner:
             if self.pin_memory:
                 copied = torch.cuda.Event()
                 copied.record()
-            tokens = InFlightTokens(sampler_output=out, host=sampled_host, copied=copied, placeholders=[])
+            # The requests that produce a token (prefill done): their rows in ``sampled``
+            # and in the batch; each holds a placeholder until the token is on the host.
+            sample_rows = [j for j, i in enumerate(gen_idx) if done_prefill[i]]
+            batch_index = [gen_idx[j] for j in sample_rows]
+            placeholders = self.input_batch.append_placeholders([states[i] for i in batch_index])
             self._prev_sampled = sampled
-            for j, i in enumerate(gen_idx):
-                if done_prefill[i]:
-                    s = states[i]
-                    tokens.placeholders.append((i, j, len(s.output_token_ids)))
-                    self._prev_sampled_row[s.req_id] = j
-                    self.input_batch.append_token(s, -1)
+            self._prev_sampled_of_row[placeholders.rows] = sample_rows
+            tokens = InFlightTokens(out, sampled_host, copied, batch_index, sample_rows, placeholders)
 
         return AsyncModelRunnerOutput(
             self, batch, hidden, done_prefill, tokens, has_pooling=any(s.pooling_params is not None for s in states)
@@ -775,15 +808,22 @@ class ModelRunner:
                 # The noise for output token k depends only on (seed, k): seeded requests
                 # give the same tokens whatever the batch and across preemptions.
                 s.generator.manual_seed(_step_seed(s.sampling_params.seed, len(s.output_token_ids)))  # type: ignore[union-attr,arg-type]
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
-            prompt_token_ids=[s.prompt_token_ids for s in gen_states],
-            output_token_ids=[s.output_token_ids for s in gen_states],
-            generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-            eos_token_ids=[s.eos_token_id for s in gen_states],
-        )
+        # The same requests in the same rows as the step before (a decode batch without
+        # arrivals or departures) sample with the same tensors, unless they count tokens.
+        key = (self.input_batch.version, tuple([s.req_id for s in gen_states]))
+        if self._sampling_metadata is not None and self._sampling_metadata[0] == key:
+            metadata = self._sampling_metadata[1]
+        else:
+            metadata = SamplingMetadata.build(
+                params=[s.sampling_params for s in gen_states],  # type: ignore[misc]
+                prompt_token_ids=[s.prompt_token_ids for s in gen_states],
+                output_token_ids=[s.output_token_ids for s in gen_states],
+                generators={j: s.generator for j, s in enumerate(gen_states) if s.generator is not None},
+                vocab_size=logits.shape[-1],
+                device=logits.device,
+                eos_token_ids=[s.eos_token_id for s in gen_states],
+            )
+            self._sampling_metadata = (key, metadata) if metadata.reusable else None
         gen_logits = logits if len(rows) == len(states) else logits[torch.as_tensor(rows, device=logits.device)]
         return self.sampler(gen_logits.float(), metadata)
 
@@ -905,9 +945,11 @@ class InFlightTokens:
     host: torch.Tensor
     #: Recorded behind the copy on CUDA; None where the copy is synchronous.
     copied: torch.cuda.Event | None
-    #: Per request that produced a token: (index in the batch, row in ``host``, output
-    #: index of its placeholder).
-    placeholders: list[tuple[int, int, int]]
+    #: Per request that produced a token: its index in the batch, its row in ``host``,
+    #: and its placeholder.
+    batch_index: list[int]
+    sample_rows: list[int]
+    placeholders: Placeholders
 
 
 class AsyncModelRunnerOutput(PendingModelRunnerOutput):
@@ -954,22 +996,27 @@ class AsyncModelRunnerOutput(PendingModelRunnerOutput):
         if tokens is not None:
             if tokens.copied is not None:
                 tokens.copied.synchronize()
-            token_ids = tokens.host.tolist()
-            batch_states = runner.input_batch.requests
+            host = tokens.host.tolist()
+            # The rows of ``host`` that produced a token: all of them, or a subset in order.
+            token_ids = host if len(tokens.sample_rows) == len(host) else [host[j] for j in tokens.sample_rows]
+            runner.input_batch.set_tokens(tokens.placeholders, token_ids)
+            if len(tokens.batch_index) == len(states):  # every request produced one (a decode step)
+                sampled_lists = [[token_id] for token_id in token_ids]
+            else:
+                for i, token_id in zip(tokens.batch_index, token_ids):
+                    sampled_lists[i] = [token_id]
             row_logprobs = tokens.sampler_output.logprobs_lists()
-            for i, j, index in tokens.placeholders:
-                state = states[i]
-                # A request finished (and its row reused) meanwhile keeps no state here.
-                if batch_states.get(state.req_id) is state:
-                    runner.input_batch.set_token(state, index, token_ids[j])
-                sampled_lists[i] = [token_ids[j]]
-                if row_logprobs is not None:
+            if row_logprobs is not None:
+                for i, j in zip(tokens.batch_index, tokens.sample_rows):
                     logprobs[i] = row_logprobs[j]
-            runner._prompt_logprobs(batch, hidden, prompt_logprobs)
+            if batch.any_prompt_logprobs:
+                runner._prompt_logprobs(batch, hidden, prompt_logprobs)
         if self._has_pooling:
             pooler_output = runner._pool(batch, hidden, self._done_prefill)
         # Requests whose own work failed (before the step or in it) report no result.
-        failed = {r: runner._failed[r] for r in [*batch.req_ids, *batch.failed_req_ids] if r in runner._failed}
+        failed: dict[str, str] = {}
+        if runner._failed:
+            failed = {r: runner._failed[r] for r in [*batch.req_ids, *batch.failed_req_ids] if r in runner._failed}
         req_ids = batch.req_ids
         if batch.failed_req_ids:
             req_ids = [*req_ids, *batch.failed_req_ids]

@@ -100,3 +100,31 @@ def test_lora_steps_run_the_triton_op_with_the_torch_codes_tokens(tmp_path, monk
         assert tokens["all"] == tokens["none"]
     # bf16: the kernel sums in another order than the GEMMs, and greedy runs of the tiny
     # random model part ways after a few tokens (measured on an H100: 23 of 48 agree).
+
+
+def test_filling_in_flight_input_tokens_does_not_wait_for_the_stream(monkeypatch):
+    """Async scheduling prepares step n+1 while step n runs: the copy of the tokens step n
+    samples into n+1's inputs (``_fill_placeholders``) must be queued behind it, not wait
+    for the stream (a blocking host->device copy synchronises it)."""
+    import time
+
+    import numpy as np
+
+    from kvloom import LLM
+
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the runner lives in this process
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", attention_backend="TRITON_ATTN", kv_cache_memory="1GiB",
+              enforce_eager=True, async_scheduling=True)  # fmt: skip
+    runner = llm.llm_engine.engine_core.core.worker.runner
+    # Requests "a" and "b" in input-batch rows 3 and 5 sampled rows 2 and 0 of the step in flight.
+    runner._prev_sampled = torch.tensor([7, 8, 9], device="cuda")
+    runner._prev_sampled_of_row[[3, 5]] = [2, 0]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time: the step in flight
+    start = time.perf_counter()
+    runner._fill_placeholders(np.array([0, 1]), np.array([0, 1]), ["a", "b"], np.array([3, 5]))
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert elapsed < 0.2, f"_fill_placeholders waited {elapsed:.2f} s for the stream"
+    assert runner.input_ids[:2].tolist() == [9, 7]
+    _free(llm)
