@@ -92,9 +92,12 @@ def measure(llm: Any, batch: int, steps: int, seed: int, vocab: int = V, context
     engine = llm.llm_engine
     scheduler = engine.engine_core.core.scheduler
     g = torch.Generator().manual_seed(seed)
+    # The first requests decode while the last ones still prefill (chunked prefill, one
+    # step budget): they must not reach max_tokens before every request runs.
+    prefill_steps = -(-batch * context // llm.config.scheduler.max_num_batched_tokens) + 1
     # FINAL_ONLY, as LLM.generate runs: the front end builds outputs only at the end.
     params = SamplingParams(
-        temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        temperature=0, max_tokens=steps + 8 + prefill_steps, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
     )
     ids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
     for request_id in ids:
@@ -102,7 +105,10 @@ def measure(llm: Any, batch: int, steps: int, seed: int, vocab: int = V, context
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
     # Step until every request has its prompt computed and decodes.
     while len(scheduler.running) < batch or any(r.num_output_tokens < 2 for r in scheduler.running):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"batch {batch}: the requests finished before all of them ran at once")
         engine.step()
+    start_context = statistics.mean(r.num_tokens for r in scheduler.running)
     times = []
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -120,7 +126,7 @@ def measure(llm: Any, batch: int, steps: int, seed: int, vocab: int = V, context
         "mean_s": total / steps,
         "median_s": statistics.median(times),
         "min_s": min(times),
-        "context": context + 2 + steps / 2,
+        "context": start_context + steps / 2,
     }
 
 
