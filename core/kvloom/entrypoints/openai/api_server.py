@@ -72,6 +72,7 @@ from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokeniza
 from kvloom.metrics.loggers import PrometheusStatLogger, multiprocess_metrics_dir
 from kvloom.pooling.io_processors import load_io_processor
 from kvloom.tool_parsers.registry import get_tool_parser_cls
+from kvloom.utils import freeze_gc_heap
 
 if TYPE_CHECKING:
     from kvloom.engine.arg_utils import EngineArgs
@@ -510,5 +511,9 @@ async def serve_engine(engine: AsyncLLM, config: uvicorn.Config, sock: socket.so
         loop.call_later(ENGINE_DEATH_GRACE_S, stop)
 
     engine.on_engine_dead(on_engine_dead)
+    # The app, the tokenizer and the engine client are built: keep them out of the cyclic
+    # GC's full collections, which the per-token allocations of many streams trigger (as the
+    # engine core process does, kvloom.utils.freeze_gc_heap).
+    freeze_gc_heap()
     await server.serve(sockets=None if sock is None else [sock])
     return 1 if engine_error else 0
