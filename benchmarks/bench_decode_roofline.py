@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import measure_copy_bandwidth, measure_read_bandwidth
+from run_spec import parse_run_spec
 
 # Llama-3-8B
 V, H, I, L, NH, NKV, HD = 128256, 4096, 14336, 32, 32, 8, 128
@@ -163,12 +163,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
         for mode in args.modes.split(","):
-            base, *options = mode.split("+")
-            tp = [o for o in options if re.fullmatch(r"tp[1-9][0-9]*", o)]
-            if base not in ("graphs", "eager") or set(options) - {"async", "noops", "nocompile", *tp} or len(tp) > 1:
-                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, "
-                                 "one +tpN")  # fmt: skip
-            tensor_parallel_size = int(tp[0][2:]) if tp else 1
+            try:
+                base, options, tensor_parallel_size = parse_run_spec(mode, ("async", "noops", "nocompile"))
+            except ValueError as e:
+                raise SystemExit(f"{e}; the mode is graphs or eager") from None
+            if base not in ("graphs", "eager"):
+                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, +tpN")
             llm = LLM(
                 str(model_dir),
                 load_format="dummy",

@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import measure_copy_bandwidth
+from run_spec import parse_run_spec
 
 # Qwen3-0.6B
 V, H, I, L, NH, NKV, HD = 151936, 1024, 3072, 28, 16, 8, 128
@@ -105,11 +105,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
     (``--custom-ops none``), ``+tpN`` (tensor parallelism over N GPUs), e.g. ``TRITON_ATTN+async+tp2``."""
     from kvloom import LLM, SamplingParams
 
-    backend, *options = spec.split("+")
-    tp = [o for o in options if re.fullmatch(r"tp[1-9][0-9]*", o)]
-    if set(options) - {"async", "noops", *tp} or len(tp) > 1:
-        raise ValueError(f"unknown run option in {spec!r} (allowed: +async, +noops, one +tpN)")
-    tensor_parallel_size = int(tp[0][2:]) if tp else 1
+    backend, options, tensor_parallel_size = parse_run_spec(spec, ("async", "noops"))
 
     start = time.perf_counter()
     llm = LLM(
