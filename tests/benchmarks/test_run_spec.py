@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("run_spec", Path(__file__).resolve().parents[2] / "benchmarks/run_spec.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "run_spec", Path(__file__).resolve().parents[2] / "benchmarks/run_spec.py"
+)
 run_spec = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(run_spec)
 
