@@ -167,11 +167,6 @@ class InputBatch:
         """Replace each placeholder with its sampled token (``token_ids``, one per
         request), skipping requests that left the batch since (their rows may be reused)."""
         live = self.row_owner[placeholders.rows] == placeholders.owners
-        if live.all():
-            for state, index, token_id in zip(placeholders.states, placeholders.output_index, token_ids):
-                state.output_token_ids[index] = token_id
-            self._write(placeholders.rows, placeholders.positions, np.array(token_ids, dtype=np.int64))
-            return
         for state, index, token_id, is_live in zip(placeholders.states, placeholders.output_index, token_ids,
                                                    live.tolist()):  # fmt: skip
             if is_live:
