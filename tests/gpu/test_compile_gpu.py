@@ -35,8 +35,9 @@ pytestmark = [
 MODES = {
     "eager": {"optimization_level": 0},
     "compiled": {"optimization_level": 2, "torch_compile": True, "cudagraph_mode": "NONE"},
-    "PIECEWISE": {"optimization_level": 1},
-    "FULL_AND_PIECEWISE": {"optimization_level": 2},
+    # compilation is opt-in on CUDA (Platform.compile_by_default is False): the graph modes name it
+    "PIECEWISE": {"optimization_level": 1, "torch_compile": True},
+    "FULL_AND_PIECEWISE": {"optimization_level": 2, "torch_compile": True},
 }
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64],
           "kv_cache_memory": "2GiB"}  # fmt: skip
