@@ -63,8 +63,11 @@ def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
     split = backend.last_split
     num_layers = len(runner.attn_layers)
     assert len(split.splitting) == num_layers and len(split.pieces) == num_layers + 1
-    order = [n.target for n in split.module.graph.nodes if n.op == "call_module"]
-    assert order[1::2] == split.splitting  # attention between every two pieces
+    assert split.order[1::2] == split.splitting  # attention between every two pieces
+    # The split module calls them as functions, in that order (no nn.Module calls).
+    calls = [n.target.__name__ for n in split.module.graph.nodes if n.op == "call_function" and
+             n.target.__name__.startswith("submod_")]  # fmt: skip
+    assert calls == split.order and not any(n.op == "call_module" for n in split.module.graph.nodes)
     for name in split.splitting:
         calls = [n for n in split.module.get_submodule(name).graph.nodes if n.op == "call_function"]
         assert [op_name(n.target) for n in calls] == ["kvloom::unified_attention"]
@@ -74,6 +77,20 @@ def test_split_at_attention_and_one_compile_for_all_sizes(eager_tokens):
     # Steps of many token counts ran: one graph for all of them, one more for one token.
     assert backend.stats.graphs <= 2, backend.stats
     assert tokens == eager_tokens
+
+
+def test_split_module_calls_attention_without_the_dispatcher(eager_tokens, monkeypatch):
+    """Between two pieces the split module calls the attention op's Python implementation
+    directly (kvloom.compilation.backend._direct_attention), once per layer and step."""
+    import kvloom.compilation.backend as backend_module
+
+    direct = []
+    real = backend_module.unified_attention
+    monkeypatch.setattr(backend_module, "unified_attention", lambda *a: direct.append(a[-1]) or real(*a))
+    tokens, llm = _run(single=False, optimization_level=1, torch_compile=True, use_inductor=False)
+    names = [layer.prefix for layer in llm.llm_engine.engine_core.core.worker.runner.attn_layers]
+    assert tokens == eager_tokens[: len(PROMPTS)]
+    assert direct and len(direct) % len(names) == 0 and direct[: len(names)] == names
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -35,7 +35,8 @@
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
 #                workload (benchmarks/bench_offline_nanovllm.py +tp2) -> $OUT/tp/*.json.
-#   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens) and
+#   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens), the FLASHINFER
+#                tests of tests/gpu/test_backends_fiflex.py (its per-layer KV write, graph replay) and
 #                benchmarks/bench_mixed_step.py (64 decodes + a 512-token chunk, Llama-3-8B shape);
 #                MIXED_ARGS replaces the benchmark's flags (default: --num-layers 16, to fit ~4 min).
 #   serving      benchmarks/bench_serving.py (offline vs kvloom serve, one workload, one run); needs the
@@ -261,7 +262,7 @@ for i in "${!stages[@]}"; do
       run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
       python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;
     compile)
-      run_pytest compile tests/gpu/test_compile_gpu.py
+      run_pytest compile tests/gpu/test_compile_gpu.py tests/gpu/test_backends_fiflex.py -k "not FLEX_ATTENTION"
       python3 benchmarks/bench_mixed_step.py --out "$OUT" ${MIXED_ARGS:---num-layers 16} 2>&1 | tail -20 ;;
     so)
       run_pytest so tests/gpu/test_structured_output_gpu.py

@@ -12,6 +12,14 @@ the token dimension, so one graph serves every batch size). The backend
    ``CUDAGraphWrapper`` on CUDA), and returns the split module, which runs the pieces in
    order.
 
+The split module calls each piece's runnable and each splitting submodule's ``forward``
+as plain functions (``call_function`` nodes), not through ``nn.Module.__call__``: that
+code runs on the host between two pieces on every layer of every step, where the
+module-call machinery (hooks, ``GraphModule``'s call wrapper) is pure overhead. An
+attention submodule (one ``kvloom::unified_attention`` call) becomes a direct call of the
+op's Python implementation. The submodules stay attributes of the split module
+(``SplitGraph.pieces``/``splitting`` name them) for inspection.
+
 Compiling a piece needs example inputs of the piece's own shapes (symbolic in the token
 count): the split module is interpreted once under Dynamo's fake-tensor mode, and each
 piece is compiled with the fake tensors that reach it.
@@ -29,6 +37,8 @@ import torch
 from torch import fx, nn
 from torch._guards import detect_fake_mode
 from torch.fx.passes.split_module import split_module
+
+from kvloom.compilation.attention_op import UNIFIED_ATTENTION, unified_attention
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +58,13 @@ def op_name(target: Any) -> str | None:
 @dataclass
 class SplitGraph:
     """A graph split at its splitting ops: ``module`` runs the pieces in order;
-    ``pieces`` names its compiled submodules, ``splitting`` those holding one splitting op."""
+    ``pieces`` names its compiled submodules, ``splitting`` those holding one splitting op,
+    ``order`` all of them in the order ``module`` calls them."""
 
     module: fx.GraphModule
     pieces: list[str]
     splitting: list[str]
+    order: list[str]
 
 
 def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
@@ -72,12 +84,13 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]) -> SplitGraph:
         else:
             partition_of[node] = current
     split = split_module(gm, None, lambda node: partition_of[node], keep_original_order=True)
-    pieces, splitting = [], []
+    pieces, splitting, order = [], [], []
     for node in split.graph.nodes:
         if node.op == "call_module":
             index = int(node.target.removeprefix("submod_"))
             (splitting if index in splitting_ids else pieces).append(node.target)
-    return SplitGraph(split, pieces, splitting)
+            order.append(node.target)
+    return SplitGraph(split, pieces, splitting, order)
 
 
 class _Piece(nn.Module):
@@ -131,6 +144,7 @@ class PiecewiseBackend:
             if self.wrap_piece is not None:
                 runnable = self.wrap_piece(runnable, i, len(split.pieces))
             setattr(split.module, name, _Piece(runnable, split.module.get_submodule(name)))
+        _call_submodules_directly(split.module)
         elapsed = time.perf_counter() - start
         self.stats.graphs += 1
         self.stats.pieces += len(split.pieces)
@@ -153,6 +167,81 @@ class PiecewiseBackend:
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(piece, list(args))
+
+
+def _as_function(runnable: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A plain function calling ``runnable`` (a module's ``forward``, bypassing
+    ``nn.Module.__call__``): FX names a ``call_function`` target by its module and name,
+    which a generated ``forward`` or a compiled piece does not have in importable form."""
+    fn = runnable.forward if isinstance(runnable, nn.Module) else runnable
+
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = name  # the name in the generated code
+    return call
+
+
+def _direct_attention(sub: fx.GraphModule, name: str) -> Callable[..., Any] | None:
+    """For a splitting submodule that is one ``kvloom::unified_attention`` call and returns
+    nothing, a function calling the op's Python implementation with the submodule's
+    arguments, skipping the torch dispatcher (~2 us a layer on the CPU; the op exists for
+    Dynamo and the split, the eager call needs none of its dispatch). None otherwise."""
+    calls = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+    (output,) = [n for n in sub.graph.nodes if n.op == "output"]
+    if len(calls) != 1 or op_name(calls[0].target) != UNIFIED_ATTENTION or calls[0].kwargs or output.args != ((),):
+        return None
+    position = {n: i for i, n in enumerate(n for n in sub.graph.nodes if n.op == "placeholder")}
+    *tensors, layer_name = calls[0].args
+    if not isinstance(layer_name, str) or not all(t in position for t in tensors):
+        return None
+    q, k, v, out = (position[t] for t in tensors)
+
+    def call(*args: Any) -> tuple[()]:
+        unified_attention(args[q], args[k], args[v], args[out], layer_name)
+        return ()
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _call_submodules_directly(module: fx.GraphModule) -> None:
+    """Turn every ``call_module`` node of the split module into a ``call_function`` of the
+    piece's runnable (``_Piece``), the attention op's implementation (``_direct_attention``)
+    or the submodule's ``forward`` (see the module docstring)."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = module.get_submodule(node.target)
+        if isinstance(sub, _Piece):
+            target = _as_function(sub.runnable, node.target)
+        else:
+            target = _direct_attention(sub, node.target) or _as_function(sub, node.target)
+        with graph.inserting_before(node):
+            call = graph.call_function(target, node.args, node.kwargs)
+        call.meta = node.meta
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    module.recompile()
+
+
+def compile_forward(
+    forward: Callable[..., Any], backend: Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
+) -> Callable[..., Any]:
+    """``torch.compile`` a model's ``forward`` through ``backend`` (a ``PiecewiseBackend``)
+    as the model runner does.
+
+    Dynamo checks its guards before every call of the compiled forward; for a model most
+    of them (5,458 for a 32-layer Llama) guard module attributes: hooks, parameter
+    identities and metadata. They are dropped (``skip_guard_on_all_nn_modules_unsafe``):
+    a kvloom model's modules do not change once loaded (weights are updated in place),
+    and one compiled forward serves one model, as Dynamo keys its cache entries by
+    backend and every model runner has its own. The guards on the inputs and on the
+    symbolic sizes (the 1-token specialisation) stay. On the CPU this cuts Dynamo's
+    entry from ~180 to ~35 us per forward (``benchmarks/bench_piecewise_cpu.py``)."""
+    return torch.compile(forward, backend=backend, fullgraph=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})  # fmt: skip
 
 
 class _CompilePieces(fx.Interpreter):

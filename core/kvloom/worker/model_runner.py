@@ -45,7 +45,7 @@ from torch import nn
 from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.attention.layer import Attention
 from kvloom.attention.mla import MLAAttention, MLAMetadataBuilder
-from kvloom.compilation.backend import PiecewiseBackend
+from kvloom.compilation.backend import PiecewiseBackend, compile_forward
 from kvloom.compilation.cache import use_compile_cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper
 from kvloom.config import CUDAGraphMode, EngineConfig
@@ -251,7 +251,7 @@ class ModelRunner:
         # and runs eagerly past it; each engine built in one process adds one (or two):
         # processes that build many engines (tests) call torch._dynamo.reset() between them.
         self.compile_backend = PiecewiseBackend(comp.splitting_ops, comp.use_inductor, wrap)
-        self._compiled_forward = torch.compile(self.model.forward, backend=self.compile_backend, fullgraph=True)
+        self._compiled_forward = compile_forward(self.model.forward, self.compile_backend)
 
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
