@@ -2,10 +2,11 @@
 """Decode step time against the physical limit (issue 6, benchmark 2).
 
 Llama-3-8B shape with random (dummy) bf16 weights, context 1024, batch 1, 16, 64, 256.
-For each batch and mode (``graphs``: the default ``-O2``, i.e. torch.compile with full
-decode graphs; ``eager``; options appended with ``+``: ``+async`` for async scheduling,
+For each batch and mode (``graphs``: the default ``-O2``, i.e. full decode graphs (of a compiled
+model where the platform compiles by default; on CUDA compilation is opt-in); ``eager``; options appended with ``+``: ``+async`` for async scheduling,
 ``+noops`` for ``--custom-ops none``, i.e. plain torch layer math instead of the platform's
-fused kernels, ``+nocompile`` for ``--no-torch-compile``: an eager model in full graphs, ``+tpN`` for tensor
+fused kernels, ``+nocompile`` for ``--no-torch-compile``: an eager model in full graphs, ``+compile`` for
+``--torch-compile``, ``+tpN`` for tensor
 parallelism over N GPUs, whose limit is per GPU: 1/N of the bytes), B requests with 1024-token prompts are prefilled, then the
 wall time of ``--steps`` consecutive full engine steps (schedule + forward + sampling +
 output processing) is taken while every request decodes; the step time is its mean (with
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
-        "--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs|eager[+async][+noops][+nocompile]"
+        "--modes", default="graphs,graphs+async,eager", help="comma-separated: graphs|eager[+async][+noops][+nocompile|+compile]"
     )
     args = parser.parse_args()
     # measure() reads the scheduler between steps: the engine core runs in this process.
@@ -164,11 +165,11 @@ def main() -> None:
         model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
         for mode in args.modes.split(","):
             try:
-                base, options, tensor_parallel_size = parse_run_spec(mode, ("async", "noops", "nocompile"))
+                base, options, tensor_parallel_size = parse_run_spec(mode, ("async", "noops", "nocompile", "compile"))
             except ValueError as e:
                 raise SystemExit(f"{e}; the mode is graphs or eager") from None
             if base not in ("graphs", "eager"):
-                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, +tpN")
+                raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, +compile, +tpN")
             llm = LLM(
                 str(model_dir),
                 load_format="dummy",
@@ -181,7 +182,7 @@ def main() -> None:
                 gpu_memory_utilization=0.9,
                 async_scheduling="async" in options,
                 custom_ops="none" if "noops" in options else None,
-                torch_compile=False if "nocompile" in options else None,
+                torch_compile=False if "nocompile" in options else (True if "compile" in options else None),
                 disable_log_stats=True,  # as recorded: LLM kept stats off by default then
                 tensor_parallel_size=tensor_parallel_size,
             )
