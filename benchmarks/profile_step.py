@@ -194,6 +194,8 @@ def main() -> int:
     parser.add_argument("--gpu-steps", type=int, default=20)
     parser.add_argument("--engine-args", default="--async-scheduling")
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the profiled requests (0: greedy; nano-vllm's workload uses 0.6)")
     parser.add_argument("--host-only", action="store_true", help="the host work on the CPU, tiny model (see above)")
     parser.add_argument("--steps", type=int, default=200, help="--host-only: decode steps per timed stretch")
     parser.add_argument("--repeats", type=int, default=3, help="--host-only: timed stretches")
@@ -209,7 +211,7 @@ def main() -> int:
         freeze_gc_heap()  # as the engine core's own process does after start-up
         prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 9000 for j in range(args.input_len)]}
                    for i in range(args.batch)]  # fmt: skip
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         llm.llm_engine.reset_prefix_cache()
 
@@ -229,10 +231,14 @@ def main() -> int:
 
         # Device time: profile a decode-only stretch (prefill done, every request decoding).
         engine = llm.llm_engine
+        # Enough steps for every prompt's prefill (its chunks) and a few decodes after it.
+        budget = llm.config.scheduler.max_num_batched_tokens
+        warm_steps = -(-args.batch * args.input_len // budget) + 5
         for i, p in enumerate(prompts):
-            engine.add_request(f"gpu-{i}", p, SamplingParams(temperature=0, max_tokens=args.gpu_steps + 40,
+            engine.add_request(f"gpu-{i}", p, SamplingParams(temperature=args.temperature,
+                                                             max_tokens=args.gpu_steps + warm_steps + 10,
                                                              ignore_eos=True))  # fmt: skip
-        for _ in range(10):
+        for _ in range(warm_steps):
             engine.step()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -242,6 +248,7 @@ def main() -> int:
             torch.cuda.synchronize()
             profiled_wall = time.perf_counter() - t0
         kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        kernels = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top)
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -257,8 +264,9 @@ def main() -> int:
         "profiled_wall_per_step_ms": 1000 * profiled_wall / args.gpu_steps,
         "device_busy_per_step_ms": kernel_us / 1000 / args.gpu_steps,
     }  # fmt: skip
-    (out / f"profile_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + text.getvalue())
+    (out / f"profile_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + kernels + "\n\n" + text.getvalue())
     print(json.dumps(result, indent=2))
+    print(kernels)
     print(text.getvalue()[:12000])
     return 0
 
