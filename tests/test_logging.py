@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -75,3 +76,23 @@ def test_first_gguf_conversion_shows_progress_and_duration(tmp_path):
     assert done.returncode == 0, done.stderr
     assert re.search(r"Dequantizing tiny\.gguf: 100%.*tensor", done.stderr), done.stderr
     assert re.search(r"Dequantized \d+ GGUF tensors of tiny\.gguf in \d+\.\d s", done.stderr), done.stderr
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signal")
+def test_sigusr1_dumps_stacks_and_process_goes_on() -> None:
+    """``dump_stacks_on_sigusr1``: SIGUSR1 prints the Python stacks to stderr, and the
+    process keeps running (the default action of SIGUSR1 would end it)."""
+    code = (
+        "import os, signal, time\n"
+        "from kvloom.logger import dump_stacks_on_sigusr1\n"
+        "def waiting_here():\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    time.sleep(0.2)\n"
+        "    print('still alive', flush=True)\n"
+        "dump_stacks_on_sigusr1()\n"
+        "waiting_here()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "still alive" in done.stdout
+    assert "waiting_here" in done.stderr  # the stack names the function the process was in

@@ -10,8 +10,10 @@ regardless (a command line tool always reports its progress).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 CONFIGURE_ENV = "KVLOOM_CONFIGURE_LOGGING"
@@ -100,3 +102,12 @@ def setup_child_logging(level: int | None, fmt: str | None, prefix: str) -> None
         configure_logging(level, prefix)
         fmt = FORMAT
     logging.basicConfig(level=level, format=prefix + fmt, datefmt=DATE_FORMAT, stream=sys.stderr)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` makes this process print every thread's Python stack to
+    stderr (``faulthandler``) and go on: how to see where a hung engine core or worker
+    waits, e.g. on a collective. The engine core and the distributed workers call this at
+    start-up; no-op where the signal does not exist (Windows)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)

@@ -67,7 +67,7 @@ from kvloom.engine.serial import (
     convert_args,
     input_decoders,
 )
-from kvloom.logger import setup_child_logging
+from kvloom.logger import dump_stacks_on_sigusr1, setup_child_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.profiling import cprofile_if_asked
 from kvloom.request import FinishReason
@@ -419,6 +419,7 @@ def run_engine_core(
     os.environ.update(env or {})
     _setup_logging(log_level, log_format, engine_index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    dump_stacks_on_sigusr1()
     terminated = False
 
     def on_sigterm(signum: int, frame: Any) -> None:

@@ -290,10 +290,11 @@ def run_worker(
     set before anything else."""
     from kvloom import plugins
     from kvloom.distributed import parallel_state
-    from kvloom.logger import setup_child_logging
+    from kvloom.logger import dump_stacks_on_sigusr1, setup_child_logging
 
     os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    dump_stacks_on_sigusr1()
     if log_level is not None:
         setup_child_logging(log_level, log_format, f"(TPWorker rank={rank} pid={os.getpid()}) ")
     worker: Any = None
