@@ -32,6 +32,8 @@
 #                needs the carried folder .benchtok; SO_ARGS adds flags.
 #   tp           tests/gpu/test_tp_gpu.py (TP=2 vs TP=1 greedy tokens over NCCL, eager and CUDA graphs; PP=2
 #                vs PP=1 under mp and through Ray; a killed rank); needs a machine with two GPUs (nvidia-h100-x2).
+#                Each case builds two engines (~60-70 s on two H200s): the 13 cases do not fit one call's
+#                600 s; TP_K="EXPR" passes -k EXPR to pytest, e.g. TP_K=tp2_matches_tp1 then TP_K="not tp2_matches_tp1".
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
 #                workload (benchmarks/bench_offline_nanovllm.py +tp2) -> $OUT/tp/*.json.
@@ -267,7 +269,7 @@ for i in "${!stages[@]}"; do
     so)
       run_pytest so tests/gpu/test_structured_output_gpu.py
       python3 benchmarks/bench_structured_output.py --tokenizer .benchtok --out "$OUT/so" ${SO_ARGS:-} 2>&1 | tail -40 ;;
-    tp) run_pytest tp tests/gpu/test_tp_gpu.py ;;
+    tp) run_pytest tp tests/gpu/test_tp_gpu.py ${TP_K:+-k "$TP_K"} ;;
     tp-bench)
       python3 benchmarks/bench_decode_roofline.py --out "$OUT/tp" --backend TRITON_ATTN --batches 1,16,64 \
         --modes graphs+async,graphs+async+tp2 2>&1 | tail -12
