@@ -31,8 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["KVLOOM_ENABLE_MULTIPROCESSING"] = "0"  # one process: the core's steps are observable here
 
-from bench_offline_nanovllm import workload, write_qwen3_config  # noqa: E402
-from run_spec import parse_run_spec  # noqa: E402
+from bench_offline_nanovllm import workload, write_qwen3_config
+from run_spec import parse_run_spec
 
 
 class StepTrace:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.helpers.model_fixtures import tiny_model_dir
 
 LINE = re.compile(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[<string>:3\] hello$", re.MULTILINE)
@@ -92,7 +93,7 @@ def test_sigusr1_dumps_stacks_and_process_goes_on() -> None:
         "dump_stacks_on_sigusr1()\n"
         "waiting_here()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert "still alive" in done.stdout
     assert "waiting_here" in done.stderr  # the stack names the function the process was in
