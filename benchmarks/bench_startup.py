@@ -13,7 +13,9 @@ FlashInfer's own JIT cache (``~/.cache/flashinfer``) is left alone: it is built 
 machine, not per start. Each row records the process wall time, the time to a ready
 ``LLM`` and the engine's own breakdown (the "Engine core ready" and torch.compile log lines).
 
-    python benchmarks/bench_startup.py --out $OUT [--shapes qwen3-0.6b,llama3-8b] [--levels 0,1,2,3]
+    python benchmarks/bench_startup.py --out $OUT [--shapes qwen3-0.6b,llama3-8b] [--levels 0,1,2,3] [--torch-compile]
+
+``--torch-compile``: -O1 and above compile the model (on CUDA compilation is opt-in).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ import json, sys, time
 t0 = time.perf_counter()
 from kvloom import LLM, SamplingParams
 t_import = time.perf_counter() - t0
-model, level, backend = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None
+model, level, backend, compile_flag = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None, sys.argv[4] == "1"
 llm = LLM(model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048,
-          max_num_seqs=256, optimization_level=level, attention_backend=backend, gpu_memory_utilization=0.85)
+          max_num_seqs=256, optimization_level=level, attention_backend=backend, gpu_memory_utilization=0.85,
+          torch_compile=True if compile_flag and level > 0 else None)
 t_ready = time.perf_counter() - t0
 llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
 t_first = time.perf_counter() - t0
@@ -68,11 +71,11 @@ def write_shape(name: str, path: Path) -> Path:
     raise SystemExit(f"--shapes: unknown shape {name!r}; allowed: qwen3-0.6b, llama3-8b")
 
 
-def start_once(model: Path, level: int, backend: str, cache: Path) -> dict[str, object]:
+def start_once(model: Path, level: int, backend: str, cache: Path, torch_compile: bool = False) -> dict[str, object]:
     env = dict(os.environ, KVLOOM_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton-o0"),
                KVLOOM_ENABLE_MULTIPROCESSING="0")  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(level), backend],
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(level), backend, "1" if torch_compile else "0"],
                           capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
     wall = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
@@ -92,6 +95,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen3-0.6b,llama3-8b")
     parser.add_argument("--levels", default="0,1,2,3")
     parser.add_argument("--backend", default="", help="Attention backend (default: selection by priority).")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="-O1 and above with --torch-compile (compilation is opt-in on CUDA); -O0 stays eager")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     out = Path(args.out)
@@ -111,7 +116,7 @@ def main() -> None:
                 cache = Path(tmp) / f"cache-{shape}-O{level}"
                 for kind in ("cold", "warm"):
                     row = {"shape": shape, "level": level, "start": kind,
-                           **start_once(model, level, args.backend, cache)}  # fmt: skip
+                           **start_once(model, level, args.backend, cache, args.torch_compile)}  # fmt: skip
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     (out / "startup.json").write_text(json.dumps(result, indent=1))
