@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_limits import bench, measure_read_bandwidth  # noqa: E402
+from device_limits import bench, measure_read_bandwidth
 
 logger = logging.getLogger("bench_sampler")
 
@@ -72,7 +72,9 @@ def check(vocab: int, dtype: torch.dtype, device: torch.device, draws: int) -> d
     return check_custom_op("random_sample", random_sample, logits, temperature, greedy, draws=draws)
 
 
-def measure(batch: int, vocab: int, dtype: torch.dtype, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    batch: int, vocab: int, dtype: torch.dtype, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
     from kvloom_platform_cuda.sampling import random_sample
 
     from kvloom.layers.custom_ops import set_custom_ops

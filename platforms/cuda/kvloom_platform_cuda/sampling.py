@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom_platform_cuda.fused_ops import _INTERPRET, _LAUNCH_OPTS, _check_device, _check_tensor, _rows
+from kvloom_platform_cuda.fused_ops import _LAUNCH_OPTS, _check_device, _check_tensor, _rows
 
 __all__ = ["random_sample"]
 

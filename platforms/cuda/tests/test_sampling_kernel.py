@@ -87,11 +87,12 @@ def test_bad_input_raises_value_error_naming_the_argument(change, argument: str)
 
 
 def test_cpu_tensors_rejected_outside_the_interpreter() -> None:
-    sampling = _sampling()
-    if sampling._INTERPRET:
+    from kvloom_platform_cuda.fused_ops import _INTERPRET
+
+    if _INTERPRET:
         pytest.skip("TRITON_INTERPRET is set in this process")
     with pytest.raises(ValueError, match=r"^logits must be a CUDA tensor"):
-        sampling.random_sample(*make_case("bfloat16", 40, [0.6], None))
+        _sampling().random_sample(*make_case("bfloat16", 40, [0.6], None))
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -136,8 +137,10 @@ def _special_values(sampling) -> dict:  # type: ignore[no-untyped-def]
 
 def _run_worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from kvloom_platform_cuda.fused_ops import _INTERPRET
+
+    assert _INTERPRET
     sampling = _sampling()
-    assert sampling._INTERPRET
     torch.set_num_threads(1)
     torch.manual_seed(0)
     results = {}
@@ -188,7 +191,9 @@ def test_interpreter_ties_infinities_nan_and_seed(interpreter_results: dict) -> 
 def test_benchmark_smoke_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """benchmarks/bench_sampler.py --device cpu: a small vocabulary, the op checked, both
     sampler paths and the op timed."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks", "bench_sampler.py")
+    script = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks", "bench_sampler.py"
+    )
     out = tmp_path / "sampler.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, script, "--device", "cpu", "--vocab", "300", "--batches", "1,3",
