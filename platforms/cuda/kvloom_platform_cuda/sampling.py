@@ -62,9 +62,10 @@ _CHUNK_SMALL = 4096
 _SMALL_BATCH = 64
 #: Columns per lane vector; a loop step covers four of them (one ``randint4x`` call).
 _BLOCK = 1024
-#: Odd constant that spreads row keys (2**32 / golden ratio); below 2**32 so that
-#: ``seed + row * _ROW_STRIDE`` stays below 2**63 for seeds below 2**62 and rows < 2**30.
-_ROW_STRIDE = 0x9E3779B1
+#: Odd constant that spreads row keys (2**32 / golden ratio squared): below 2**31, so that
+#: Triton types it int32 and ``seed + row * _ROW_STRIDE`` stays below 2**63 for seeds
+#: below 2**62 and rows below 2**30. (Philox streams of distinct keys are independent for practical purposes.)
+_ROW_STRIDE = 0x61C88647
 _SEED_BOUND = 2**62
 
 
@@ -175,12 +176,15 @@ def random_sample(
         chunk_size = max(chunk_size, 4 * block)
     if chunk_size < 4 * block or chunk_size % (4 * block):
         raise ValueError(f"chunk_size must be a positive multiple of 4 * block ({4 * block}), got {chunk_size}")
+    num_chunks = triton.cdiv(vocab, chunk_size)
+    if num_chunks > 65535:  # CUDA's limit on the grid's second dimension
+        raise ValueError(f"chunk_size {chunk_size} splits vocab {vocab} into {num_chunks} chunks "
+                         "(allowed: at most 65535)")  # fmt: skip
     _check_device(logits, "logits")
 
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     logits = _rows(logits)  # unit column stride; strided rows are read in place
-    num_chunks = triton.cdiv(vocab, chunk_size)
     seed = torch.randint(0, _SEED_BOUND, (1,), dtype=torch.int64, device=logits.device)
     best = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     cols = torch.empty((rows, num_chunks), dtype=torch.int64, device=logits.device)
