@@ -672,15 +672,15 @@ def _chi_square_bound(dof: int, z: float) -> float:
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tuple[float, int]:
     """(statistic, degrees of freedom) of a row's token ``counts`` against ``probs``
-    (float64, tokens of probability 0 excluded), with tokens pooled least likely first
+    (float64; tokens of probability 0, never drawn, add nothing), with tokens pooled least likely first
     into bins of at least ``RANDOM_SAMPLE_MIN_EXPECTED`` expected draws."""
     expected = probs * draws
-    order = torch.argsort(expected).tolist()
+    order = torch.argsort(expected)
     bins: list[tuple[float, float]] = []
     exp_sum = obs_sum = 0.0
-    for token in order:
-        exp_sum += float(expected[token])
-        obs_sum += float(counts[token])
+    for exp, obs in zip(expected[order].tolist(), counts[order].tolist()):  # lists: fast at 150K tokens
+        exp_sum += exp
+        obs_sum += obs
         if exp_sum >= RANDOM_SAMPLE_MIN_EXPECTED:
             bins.append((obs_sum, exp_sum))
             exp_sum = obs_sum = 0.0
