@@ -45,10 +45,14 @@ def test_an_op_without_an_opaque_form_is_refused():
         as_opaque_ops({"lora_delta": lambda *a: None})
 
 
+def _random_sample(logits, temperature, greedy):
+    return logits.argmax(dim=1)
+
+
 class _Platform:
     @staticmethod
     def custom_ops(config):
-        return {"rms_norm": rms_norm_torch, "fused_moe": lambda *a: None}
+        return {"rms_norm": rms_norm_torch, "fused_moe": lambda *a: None, "random_sample": _random_sample}
 
 
 def _config(custom_ops: str, compile_model: bool):
@@ -59,14 +63,19 @@ def _config(custom_ops: str, compile_model: bool):
 @pytest.mark.parametrize(
     ("custom_ops", "compile_model", "expected"),
     [
-        ("all", False, {"rms_norm", "fused_moe"}),
-        ("none", False, set()),
-        ("all", True, {"rms_norm", "fused_moe"}),
-        ("none", True, {"fused_moe"}),
+        ("all", False, {"rms_norm", "fused_moe", "random_sample"}),
+        ("none", False, set()),  # an uncompiled model under --custom-ops none: pure torch
+        ("all", True, {"rms_norm", "fused_moe", "random_sample"}),
+        # A compiled model's default (Inductor fuses the layer math): the MoE kernels and
+        # the sampler's op, which runs outside the compiled graph, stay.
+        ("none", True, {"fused_moe", "random_sample"}),
     ],  # fmt: skip
 )
 def test_which_platform_kernels_the_loader_activates(custom_ops, compile_model, expected):
     ops = _layer_ops(_config(custom_ops, compile_model))
     assert set(ops) == expected
-    if compile_model and ops:  # through the opaque torch ops
-        assert all(isinstance(op, torch._library.custom_ops.CustomOpDef) for op in ops.values())
+    for name, op in ops.items():
+        if name == "random_sample":  # the sampler calls it outside the model: never wrapped
+            assert op is _random_sample
+        elif compile_model:  # through the opaque torch ops
+            assert isinstance(op, torch._library.custom_ops.CustomOpDef)

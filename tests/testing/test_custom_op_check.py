@@ -3,7 +3,10 @@ torch code a platform's op replaces (what the layers run with ``--custom-ops non
 ``check_custom_op`` holds a replacement to the contract: silu_and_mul, rotary_qk and the
 residual sum of fused_add_rms_norm bit-identical; the norms within 2 ulp (16-bit) or 1e-5
 relative (float32); lora_delta within the dtype's tolerance of the float64 definition,
-rows without an adapter exact; fused_moe within the dtype's tolerance of its float64 definition; inputs untouched (lora_delta may update ``y`` in place)."""
+rows without an adapter exact; fused_moe within the dtype's tolerance of its float64 definition; inputs untouched (lora_delta may update ``y`` in place);
+random_sample, a random draw: greedy rows exact, the sampled rows' token frequencies those
+of softmax(logits / temperature) (ops that ignore the temperature, take the argmax,
+sample uniformly or reuse their noise fail)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def _args(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     if name == "rotary_qk":
         angles = torch.rand(7, 1, 16, generator=g) * 6
         return randn(7, 5, 32), angles.cos().to(dtype), angles.sin().to(dtype)
+    if name == "random_sample":  # 3 sampled rows (two temperatures far from 1) and a greedy one
+        logits = randn(4, 24, scale=2.0)
+        logits[1, 5] = float("-inf")  # a masked token: probability 0
+        temperature = torch.tensor([0.6, 1.0, 1.7, 1.0])
+        return logits, temperature, torch.tensor([False, False, False, True])
     if name == "fused_moe":  # 9 tokens, 6 experts (some without tokens), top-2
         ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(9)]).to(torch.int32)
         weights = torch.rand(9, 2, generator=g)
@@ -136,3 +144,92 @@ def test_lora_delta_may_add_in_place_but_not_touch_rows_without_an_adapter() -> 
 
     with pytest.raises(AssertionError, match="lora_delta: rows without an adapter must be y exactly"):
         check_custom_op("lora_delta", touches_base_rows, *_args("lora_delta", torch.float32))
+
+
+def _sample_ignoring_temperature(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    return custom_op_reference("random_sample")(logits, torch.ones_like(temperature), greedy)
+
+
+def _plain_argmax(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    return logits.float().argmax(dim=1)
+
+
+def _uniform(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    drawn = torch.randint(0, logits.shape[1], (logits.shape[0],))
+    return drawn if greedy is None else torch.where(greedy, logits.float().argmax(dim=1), drawn)
+
+
+def _same_noise_every_call(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return custom_op_reference("random_sample")(logits, temperature, greedy)
+
+
+def _one_noise_per_call(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    """The same noise for every row of a call (rows not independent)."""
+    noise = -torch.log(-torch.log(torch.rand(logits.shape[1]).clamp_min(1e-12)))
+    return custom_op_reference("random_sample")(logits, temperature, greedy).where(
+        greedy if greedy is not None else torch.zeros(len(logits), dtype=torch.bool),
+        (logits.float() / temperature.unsqueeze(1) + noise).argmax(dim=1),
+    )
+
+
+def _greedy_rows_sampled(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    return custom_op_reference("random_sample")(logits, temperature, None)
+
+
+def _out_of_range(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    out = custom_op_reference("random_sample")(logits, temperature, greedy)
+    out[0] = logits.shape[1]
+    return out
+
+
+def _int32(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+    return custom_op_reference("random_sample")(logits, temperature, greedy).to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("op", "message"),
+    [
+        (_sample_ignoring_temperature, r"row \d's token frequencies over 4000 draws do not follow softmax"),
+        (_plain_argmax, "two calls drew the same tokens|do not follow softmax"),
+        (_uniform, "do not follow softmax|tokens of probability 0"),
+        (_same_noise_every_call, "two calls drew the same tokens"),
+        (_one_noise_per_call, "do not follow softmax"),
+        (_greedy_rows_sampled, "greedy rows differ from the torch code's argmax"),
+        (_out_of_range, r"token ids outside 0\.\.23"),
+        (_int32, "out is .* torch.int32, expected .* torch.int64"),
+    ],
+    ids=lambda v: getattr(v, "__name__", "")[1:] if callable(v) else "",
+)
+def test_a_wrong_random_sample_fails(op, message: str) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError, match=message):
+        check_custom_op("random_sample", op, *_args("random_sample", torch.bfloat16))
+
+
+def test_random_sample_check_keeps_strided_rows_and_all_random_batches() -> None:
+    logits, temperature, _ = _args("random_sample", torch.float32)
+    wide = torch.full((4, 40), float("nan"))
+    wide[:, :24] = logits
+    strided = wide[:, :24]
+    seen: list[tuple[int, ...]] = []
+
+    def op(logits, temperature, greedy):  # type: ignore[no-untyped-def]
+        seen.append(logits.stride())
+        assert greedy is None
+        return custom_op_reference("random_sample")(logits, temperature, greedy)
+
+    report = check_custom_op("random_sample", op, strided, temperature, None, draws=800)
+    assert report["draws"] == 800 and 0 < report["max_chi2_ratio"] < 1
+    assert set(seen) == {(40, 1)}  # the first call and every repeated batch
+
+
+def test_random_sample_chi_square_bound_is_calibrated() -> None:
+    """The torch code passes with a wide margin on every dtype (statistic well under the
+    bound), so a correct op does not fail by chance."""
+    torch.manual_seed(1)
+    ratios = [check_custom_op("random_sample", custom_op_reference("random_sample"),
+                              *_args("random_sample", dtype, seed=s))["max_chi2_ratio"]
+              for dtype in DTYPES for s in range(3)]  # fmt: skip
+    assert max(ratios) < 0.7, ratios

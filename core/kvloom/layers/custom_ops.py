@@ -16,9 +16,13 @@ relative in float32. ``lora_delta`` and ``fused_moe`` are the exceptions: ``fuse
 tolerance, as its torch code does. ``lora_delta``: it may add the update to ``y`` in
 place (the layer's fresh output) and return it, and it sums in another order than the
 grouped torch GEMMs (fp32 accumulation, rounded once), so it matches the float64
-definition to the dtype's tolerance, not bit for bit. The torch code of each op is
+definition to the dtype's tolerance, not bit for bit.
+``random_sample`` (the sampler's, not a layer's) is a random draw, so its contract is
+distributional: greedy rows exactly the torch code's argmax, and over many calls each
+sampled row's token frequencies those of ``softmax(logits / temperature)``; its draws
+need not (and cannot) match the torch code's. The torch code of each op is
 ``kvloom.testing.custom_op_reference(name)`` and ``kvloom.testing.check_custom_op`` checks
-a replacement against this contract. Layers call
+a replacement against this contract. Layers (and the sampler) call
 ``get_custom_op(name)`` on every forward, so the active set is per process: one engine
 per process, as the engine core runs.
 """
@@ -41,6 +45,9 @@ OP_SIGNATURES: dict[str, str] = {
     "fused_moe": "(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int32) "
     "-> [T, H]: sum over each token's k experts of weight * w2[e] @ silu_and_mul(w13[e] @ x) "
     "(kvloom.layers.fused_moe)",
+    "random_sample": "(logits [B, V] float (any float dtype, rows may be strided), temperature [B] float32, "
+    "greedy [B] bool or None) -> [B] int64: per row argmax(logits) where greedy, else one draw from "
+    "softmax(logits / temperature) (kvloom.sample.sampler)",
 }
 
 _active: dict[str, Callable[..., object]] = {}

@@ -118,23 +118,35 @@ def _merged_without_stacked_params(model: nn.Module, stacked: Iterable[tuple[str
     return sorted(found - mapped)
 
 
-#: Platform ops a compiled model keeps under ``--custom-ops none``: their torch code is not
-#: layer math for Inductor to fuse but reads routing sizes on the host, which neither a
-#: traced graph nor a CUDA graph can hold.
-_KEPT_WHEN_COMPILED = ("fused_moe",)
+#: Platform ops a compiled model keeps under ``--custom-ops none``. ``custom_ops`` is
+#: "none" by default when Inductor compiles the model (arg_utils: ``args.custom_ops or
+#: ("none" if compile_model and use_inductor else "all")``) because Inductor fuses the
+#: layer math itself; these ops are not such math:
+#: - ``fused_moe``: its torch code reads routing sizes on the host, which neither a traced
+#:   graph nor a CUDA graph can hold;
+#: - ``random_sample``: the sampler runs outside the compiled graph, on the logits the
+#:   model returns, so Inductor never sees (or fuses) its torch code.
+#: An uncompiled model under ``--custom-ops none`` keeps none of them: the pure torch path.
+_KEPT_WHEN_COMPILED = ("fused_moe", "random_sample")
+#: Platform ops called outside the model's forward: never traced, so never wrapped as
+#: opaque torch ops (they have none).
+_OUTSIDE_THE_MODEL = ("random_sample",)
 
 
 def _layer_ops(config: EngineConfig) -> dict[str, Callable[..., object]]:
-    """The platform's fused layer kernels to activate: all of them, unless ``--custom-ops
-    none``; a compiled model calls them through opaque torch ops."""
+    """The platform's kernels to activate: all of them, unless ``--custom-ops none`` (then
+    only ``_KEPT_WHEN_COMPILED``, and only for a compiled model); a compiled model calls
+    the ones inside its forward through opaque torch ops."""
     comp = config.compilation
     ops = config.device.platform.custom_ops(config)
     if comp.custom_ops != "all":
         ops = {name: op for name, op in ops.items() if comp.compile_model and name in _KEPT_WHEN_COMPILED}
-    if comp.compile_model and ops:
-        from kvloom.compilation.opaque_ops import as_opaque_ops
+    if comp.compile_model:
+        traced = {name: op for name, op in ops.items() if name not in _OUTSIDE_THE_MODEL}
+        if traced:
+            from kvloom.compilation.opaque_ops import as_opaque_ops
 
-        ops = as_opaque_ops(ops)
+            ops = {**ops, **as_opaque_ops(traced)}
     return ops
 
 

@@ -133,16 +133,17 @@ class Platform(ABC):
 
     @classmethod
     def custom_ops(cls, config: "EngineConfig") -> dict[str, Callable[..., object]]:
-        """Fused kernels replacing layer math for this config: op name (a key of
-        ``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) -> a callable taking that op's
-        arguments. Each must match the torch code it replaces as
-        ``kvloom.testing.check_custom_op`` checks (bit-identical, or within 2 ulp for the
-        norms) for the dtypes it is returned for; return only the ops that hold for
-        ``config.model.dtype``. Called once when the model loads; ``--custom-ops none``
-        drops them all, except ``fused_moe`` for a compiled model (its torch code syncs with
-        the host). A compiled model calls them through opaque torch ops
-        (``kvloom.compilation.opaque_ops``), so Dynamo never traces into them. Default:
-        none, the torch code runs."""
+        """Fused kernels replacing layer math (and the sampler's ``random_sample``) for
+        this config: op name (a key of ``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) -> a
+        callable taking that op's arguments. Each must match the torch code it replaces as
+        ``kvloom.testing.check_custom_op`` checks (bit-identical, within 2 ulp for the
+        norms, or in distribution for ``random_sample``) for the dtypes it is returned
+        for; return only the ops that hold for ``config.model.dtype``. Called once when the
+        model loads; ``--custom-ops none`` drops them all, except for a compiled model
+        ``fused_moe`` (its torch code syncs with the host) and ``random_sample`` (the
+        sampler runs outside the compiled graph). A compiled model calls the layer ops
+        through opaque torch ops (``kvloom.compilation.opaque_ops``), so Dynamo never
+        traces into them. Default: none, the torch code runs."""
         return {}
 
     @classmethod

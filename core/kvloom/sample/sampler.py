@@ -16,6 +16,12 @@ generator (reproducible whatever else is in the batch).
 
 Logprobs are taken from the raw model logits (log_softmax before any processing, vLLM's
 default "raw_logprobs").
+
+Fast path: a batch of plain temperature sampling (no logprobs, logit_bias, penalties,
+min_tokens, top-k/top-p/min-p or seeds; not all greedy) goes to the platform's
+``random_sample`` custom op when one is active (``kvloom.layers.custom_ops``): one pass
+over the logits in the LM head's dtype instead of the seven float32 passes of the torch
+code (``random_sample_torch``), drawing from the same distribution.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.layers.custom_ops import get_custom_op
 from kvloom.outputs import TokenLogprobs
 from kvloom.sample.metadata import SamplingMetadata
 
@@ -196,12 +203,49 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return probs.div_(noise).argmax(dim=1)
 
 
+def random_sample_torch(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
+    """The torch code of the ``random_sample`` custom op: what ``Sampler`` computes for a
+    batch of plain temperature sampling. ``logits [B, V]`` (any float dtype), ``temperature
+    [B]`` float32 (greedy rows hold 1.0), ``greedy [B]`` bool or None (no greedy row) ->
+    ``[B]`` int64: ``argmax(logits)`` on greedy rows, else a draw from
+    ``softmax(logits / temperature)`` (exponential race, torch's default generator)."""
+    logits = logits.to(torch.float32)
+    sampled = exponential_race(torch.softmax(logits / temperature.unsqueeze(1), dim=1), {})
+    if greedy is None:
+        return sampled
+    return torch.where(greedy, logits.argmax(dim=1), sampled)
+
+
+def _plain_temperature_batch(metadata: SamplingMetadata) -> bool:
+    """Whether the batch is temperature sampling and nothing else (``random_sample``'s
+    contract): no logprobs, logit_bias, penalties, min_tokens or truncation, no seeded
+    row (its draws must follow its generator, as on the torch path), and some row not
+    greedy (an all-greedy batch is one argmax already)."""
+    return (
+        not metadata.all_greedy
+        and metadata.max_num_logprobs is None
+        and metadata.logit_bias is None
+        and metadata.no_penalties
+        and metadata.min_tokens_mask is None
+        and metadata.top_k is None
+        and metadata.top_p is None
+        and metadata.min_p is None
+        and not metadata.generators
+    )
+
+
 class Sampler:
     """Samples one token per row of a float logits batch [B, V] (see module docstring)."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        random_sample = get_custom_op("random_sample")
+        if random_sample is not None and _plain_temperature_batch(metadata):
+            # The op reads the logits in the LM head's dtype: no float32 copy first.
+            sampled = random_sample(logits, metadata.temperature, metadata.greedy_mask)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None,  # type: ignore[arg-type]
+                                 num_logprobs=list(metadata.num_logprobs))  # fmt: skip
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
 

@@ -31,6 +31,7 @@ custom op a platform may provide).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -595,6 +596,19 @@ LORA_DELTA_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.fl
 #: to the dtype (fp32 ~1e-6, fp16 ~1e-3, bf16 ~8e-3 on random experts).
 FUSED_MOE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
+#: ``random_sample``: draws per sampled row (default of ``check_custom_op``'s ``draws``),
+#: made in ``RANDOM_SAMPLE_CALLS`` calls of the op on the rows repeated
+#: ``draws / RANDOM_SAMPLE_CALLS`` times each.
+RANDOM_SAMPLE_DRAWS = 4000
+RANDOM_SAMPLE_CALLS = 4
+#: ``random_sample``: a sampled row fails when its chi-square statistic exceeds the
+#: chi-square quantile at this normal quantile (one-sided ~1e-9: a correct op fails a
+#: row about once in a billion; a wrong distribution at thousands of draws fails by far).
+RANDOM_SAMPLE_Z = 6.0
+#: ``random_sample``: tokens are pooled (least likely first) into bins of at least this
+#: many expected draws, where the chi-square approximation holds.
+RANDOM_SAMPLE_MIN_EXPECTED = 5.0
+
 #: The largest distance of a 16-bit norm from the torch code, in units in the last place.
 NORM_MAX_ULP = 2
 #: The largest relative distance (max |diff| / max |torch|) of a float32 norm.
@@ -608,7 +622,9 @@ def custom_op_reference(name: str) -> Any:
     ``fused_add_rms_norm`` are ``RMSNorm``'s, ``silu_and_mul`` is ``SiluAndMul``'s,
     ``rotary_qk`` is ``RotaryEmbedding.rotate_heads``', ``lora_delta`` the grouped LoRA
     GEMMs (its float64 definition is ``lora_delta_reference``) and ``fused_moe`` the
-    per-expert GEMMs of ``FusedMoE`` (float64 definition: ``fused_moe_reference``). Run it on the device and in
+    per-expert GEMMs of ``FusedMoE`` (float64 definition: ``fused_moe_reference``) and
+    ``random_sample`` the sampler's temperature sampling (``random_sample_torch``: a random
+    draw, whose distribution ``check_custom_op`` compares). Run it on the device and in
     the dtype your op runs in: ``check_custom_op`` compares the two."""
     from kvloom.layers.activation import silu_and_mul_torch
     from kvloom.layers.custom_ops import OP_SIGNATURES
@@ -616,6 +632,7 @@ def custom_op_reference(name: str) -> Any:
     from kvloom.layers.layernorm import fused_add_rms_norm_torch, rms_norm_torch
     from kvloom.layers.rotary import rotary_qk_torch
     from kvloom.lora.ops import lora_delta_torch
+    from kvloom.sample.sampler import random_sample_torch
 
     references = {
         "rms_norm": rms_norm_torch,
@@ -624,6 +641,7 @@ def custom_op_reference(name: str) -> Any:
         "rotary_qk": rotary_qk_torch,
         "lora_delta": lora_delta_torch,
         "fused_moe": fused_moe_torch,
+        "random_sample": random_sample_torch,
     }
     if name not in OP_SIGNATURES or name not in references:
         raise ValueError(f"unknown custom op {name!r} (known: {', '.join(sorted(OP_SIGNATURES))})")
@@ -645,7 +663,114 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
-def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
+def _chi_square_bound(dof: int, z: float) -> float:
+    """The chi-square(dof) quantile at the standard normal quantile ``z``
+    (Wilson-Hilferty; above the exact quantile for one degree of freedom)."""
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of a row's token ``counts`` against ``probs``
+    (float64; tokens of probability 0, never drawn, add nothing), with tokens pooled least likely first
+    into bins of at least ``RANDOM_SAMPLE_MIN_EXPECTED`` expected draws."""
+    expected = probs * draws
+    order = torch.argsort(expected)
+    bins: list[tuple[float, float]] = []
+    exp_sum = obs_sum = 0.0
+    for exp, obs in zip(expected[order].tolist(), counts[order].tolist()):  # lists: fast at 150K tokens
+        exp_sum += exp
+        obs_sum += obs
+        if exp_sum >= RANDOM_SAMPLE_MIN_EXPECTED:
+            bins.append((obs_sum, exp_sum))
+            exp_sum = obs_sum = 0.0
+    if exp_sum > 0 or obs_sum > 0:  # a remainder under the minimum joins the last bin
+        last_obs, last_exp = bins.pop() if bins else (0.0, 0.0)
+        bins.append((last_obs + obs_sum, last_exp + exp_sum))
+    statistic = sum((obs - exp) ** 2 / exp for obs, exp in bins)
+    return statistic, len(bins) - 1
+
+
+def _repeat_rows(t: torch.Tensor, times: int) -> torch.Tensor:
+    """``t.repeat(times, 1)`` (row i of copy c at row c * rows + i), keeping ``t``'s row
+    stride when its rows are strided: the padding between rows holds 1e4, a logit that
+    would win wherever an op reads past a row's end."""
+    rows, vocab = t.shape
+    repeated = t.repeat(times, 1)
+    if t.stride(1) != 1 or t.stride(0) <= vocab:
+        return repeated
+    padded = torch.full((rows * times, t.stride(0)), 1e4, dtype=t.dtype, device=t.device)
+    padded[:, :vocab] = repeated
+    return padded[:, :vocab]
+
+
+def _check_random_sample(op: Any, args: tuple[Any, ...], out: torch.Tensor, expected: torch.Tensor,
+                         draws: int) -> dict[str, Any]:  # fmt: skip
+    """The distributional part of ``random_sample``'s contract (see ``check_custom_op``)."""
+    logits, temperature, greedy = args
+    rows, vocab = logits.shape
+    assert out.device == logits.device, f"random_sample: out is on {out.device}, not the logits' ({logits.device})"
+    greedy_rows = greedy.cpu() if greedy is not None else torch.zeros(rows, dtype=torch.bool)
+    want = expected.cpu()
+
+    def check_call(got: torch.Tensor, copies: int) -> torch.Tensor:
+        got = got.cpu()
+        assert bool(((got >= 0) & (got < vocab)).all()), (
+            f"random_sample: token ids outside 0..{vocab - 1}: {got[(got < 0) | (got >= vocab)][:5].tolist()}"
+        )
+        mask = greedy_rows.repeat(copies)
+        assert torch.equal(got[mask], want.repeat(copies)[mask]), (
+            "random_sample: greedy rows differ from the torch code's argmax"
+        )
+        return got
+
+    check_call(out, 1)
+    sampled_rows = (~greedy_rows).nonzero().flatten().tolist()
+    report: dict[str, Any] = {"draws": 0, "max_chi2_ratio": 0.0}
+    if not sampled_rows:
+        return report
+    calls = RANDOM_SAMPLE_CALLS
+    copies = max(1, -(-draws // calls))
+    big_logits = _repeat_rows(logits, copies)
+    big_temperature = temperature.repeat(copies)
+    big_greedy = greedy.repeat(copies) if greedy is not None else None
+    outputs = []
+    for _ in range(calls):
+        got = op(big_logits, big_temperature, big_greedy)
+        assert isinstance(got, torch.Tensor) and got.shape == (rows * copies,) and got.dtype == torch.int64, (
+            f"random_sample: out on {rows * copies} rows is {getattr(got, 'shape', got)}, expected "
+            f"({rows * copies},) int64"
+        )
+        outputs.append(check_call(got, copies).view(copies, rows))
+    samples = torch.cat(outputs)  # [calls * copies, rows]
+    total = samples.shape[0]
+    scaled = (logits.float() / temperature.unsqueeze(1)).cpu().double()  # the torch code's float32 division
+    probs = torch.softmax(scaled, dim=1)
+    # Two independent calls repeat all their draws of rows with sum(p**2) < 0.5 with
+    # probability below 0.5**copies.
+    if copies >= 40 and any(float((probs[row] ** 2).sum()) < 0.5 for row in sampled_rows):
+        first, second = outputs[0][:, sampled_rows], outputs[1][:, sampled_rows]
+        assert not torch.equal(first, second), "random_sample: two calls drew the same tokens: fresh noise per call"
+    for row in sampled_rows:
+        counts = torch.bincount(samples[:, row], minlength=vocab).double()
+        impossible = (probs[row] == 0) & (counts > 0)
+        assert not bool(impossible.any()), (
+            f"random_sample: row {row} drew tokens of probability 0: {impossible.nonzero().flatten()[:5].tolist()}"
+        )
+        statistic, dof = _chi_square(counts, probs[row], total)
+        if dof == 0:
+            continue
+        bound = _chi_square_bound(dof, RANDOM_SAMPLE_Z)
+        report["max_chi2_ratio"] = max(report["max_chi2_ratio"], statistic / bound)
+        assert statistic <= bound, (
+            f"random_sample: row {row}'s token frequencies over {total} draws do not follow softmax(logits / "
+            f"temperature): chi-square {statistic:.1f} > {bound:.1f} ({dof} degrees of freedom)"
+        )
+    report["draws"] = total
+    return report
+
+
+def check_custom_op(name: str, op: Any, *args: Any, draws: int = RANDOM_SAMPLE_DRAWS) -> dict[str, Any]:
     """Run the custom op ``op`` (your platform's kernel for ``name``) and its torch code
     (``custom_op_reference(name)``) on ``args`` and hold ``op`` to kvloom's contract;
     raise ``AssertionError`` saying what differs, else return a report (``passed``,
@@ -665,7 +790,18 @@ def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
       value) of the float64 definition ``lora_delta_reference``; rows of tokens without
       an adapter (slot 0) are ``y`` exactly;
     - ``fused_moe``: within ``FUSED_MOE_TOLERANCES[dtype]`` (relative to the largest value)
-      of the float64 definition ``fused_moe_reference``.
+      of the float64 definition ``fused_moe_reference``;
+    - ``random_sample`` (``logits, temperature, greedy``), a random draw: output ``[B]``
+      int64 on the logits' device, token ids in ``0..V-1``, greedy rows equal to the
+      torch code's ``argmax`` exactly; and ``draws`` (default ``RANDOM_SAMPLE_DRAWS``)
+      draws per sampled row, from ``RANDOM_SAMPLE_CALLS`` calls on the rows repeated
+      (strided rows stay strided), follow ``softmax(logits.float() / temperature)``: no
+      token of probability 0, and each row's chi-square statistic (tokens pooled into bins
+      of >= 5 expected draws) within its quantile at ``RANDOM_SAMPLE_Z`` (6) standard
+      deviations; and two calls do not repeat all their draws. Use small vocabularies
+      (8-64 tokens), NaN-free logits, temperatures other than 1 and spread logits (so that
+      an op ignoring the temperature, or taking the argmax, fails); report ``draws`` and
+      ``max_chi2_ratio`` (largest statistic / bound).
 
     Use random inputs of your model's shapes, on your device, for every dtype you enable
     the op for."""
@@ -717,6 +853,10 @@ def check_custom_op(name: str, op: Any, *args: Any) -> dict[str, Any]:
             assert _same_bits(got_c[: len(base_rows)][base_rows], y.cpu()[: len(base_rows)][base_rows]), (
                 f"{name}: rows without an adapter must be y exactly"
             )
+        elif name == "random_sample":
+            # The original arguments (untouched, as checked above): clones of strided rows
+            # would be contiguous.
+            report.update(_check_random_sample(op, args, got, want, draws))
         elif name == "fused_moe":
             definition = fused_moe_reference(*[t.cpu() for t in before]).cpu()
             rel = ((got_c.double() - definition).abs().max() / definition.abs().max().clamp_min(1e-30)).item()

@@ -825,7 +825,9 @@ class ModelRunner:
             )
             self._sampling_metadata = (key, metadata) if metadata.reusable else None
         gen_logits = logits if len(rows) == len(states) else logits[torch.as_tensor(rows, device=logits.device)]
-        return self.sampler(gen_logits.float(), metadata)
+        # In the LM head's dtype: the sampler casts to float32 itself, except on its
+        # random_sample fast path, which reads the logits as they are.
+        return self.sampler(gen_logits, metadata)
 
     def _prompt_logprobs(
         self, batch: StepBatch, hidden: torch.Tensor | None, out: dict[str, list[TokenLogprobs]]

@@ -202,9 +202,9 @@ def _check_like(name: str, t: object, x: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_device(x: torch.Tensor) -> None:
+def _check_device(x: torch.Tensor, name: str = "x") -> None:
     if x.device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"x must be a CUDA tensor (got one on {x.device}); on the CPU the "
+        raise ValueError(f"{name} must be a CUDA tensor (got one on {x.device}); on the CPU the "
                          "kernels run only under TRITON_INTERPRET=1")
 
 

@@ -141,8 +141,12 @@ class CudaPlatform(Platform):
           group sizes on the host, so it cannot run inside a CUDA graph (fp32 through
           IEEE-precision dots, within 1e-5 of the float64 definition);
         - the batched LoRA update (``lora_delta``) when LoRA is enabled, for every model
-          dtype: one per-token gather kernel instead of two GEMMs per adapter."""
-        from kvloom_platform_cuda import fused_moe
+          dtype: one per-token gather kernel instead of two GEMMs per adapter;
+        - the sampler's temperature sampling (``random_sample``) for every model dtype
+          (the sampler always runs): one Gumbel-max pass over the logits in the LM
+          head's dtype instead of seven float32 passes; same distribution, greedy rows
+          the exact argmax."""
+        from kvloom_platform_cuda import fused_moe, sampling
 
         ops: dict[str, Callable[..., object]] = {}
         if config.model.dtype in (torch.float16, torch.bfloat16):
@@ -155,6 +159,7 @@ class CudaPlatform(Platform):
                 rotary_qk=fused_ops.rotary_qk,
             )
         ops["fused_moe"] = fused_moe.fused_moe
+        ops["random_sample"] = sampling.random_sample
         if config.lora.enable_lora:
             from kvloom_platform_cuda import lora_ops
 

@@ -1,12 +1,13 @@
 """What the CUDA platform offers as custom ops (``CudaPlatform.custom_ops``): the fused
-layer kernels for 16-bit models only, the MoE kernels (``fused_moe``) for every dtype, the Triton LoRA kernel (``lora_delta``) for every
+layer kernels for 16-bit models only, the MoE kernels (``fused_moe``) and the sampler's
+``random_sample`` for every dtype, the Triton LoRA kernel (``lora_delta``) for every
 dtype whenever LoRA is enabled. (The kernels themselves: test_fused_ops.py and
 test_lora_ops.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from kvloom_platform_cuda import fused_moe, fused_ops, lora_ops
+from kvloom_platform_cuda import fused_moe, fused_ops, lora_ops, sampling
 from kvloom_platform_cuda.platform import CudaPlatform
 
 from kvloom.interfaces import CUSTOM_OP_SIGNATURES
@@ -30,3 +31,5 @@ def test_lora_kernel_is_offered_for_every_dtype_when_lora_is_on(dtype, enable_lo
         assert ops["silu_and_mul"] is fused_ops.silu_and_mul
     # Every dtype: the torch MoE path reads group sizes on the host (no CUDA graphs).
     assert ops["fused_moe"] is fused_moe.fused_moe
+    # Every dtype: the sampler always runs.
+    assert ops["random_sample"] is sampling.random_sample
