@@ -50,6 +50,28 @@ def _runner() -> ModelRunner:
     return worker.runner
 
 
+def test_profile_warms_up_the_random_sample_op_for_every_variant(monkeypatch):
+    """The platform's ``random_sample`` (the sampler's fast path) runs during the profile at
+    one row and at the largest batch, with and without greedy rows, so no step pays its
+    kernel's first compile; without the op nothing extra runs."""
+    from kvloom.layers import custom_ops
+
+    runner = _runner()
+    calls = []
+
+    def stand_in(logits, temperature, greedy):
+        calls.append((logits.shape[0], temperature.shape[0], 0 if greedy is None else greedy.shape[0]))
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    with monkeypatch.context() as patch:
+        patch.setitem(custom_ops._active, "random_sample", stand_in)  # restored on leaving
+        runner.profile_peak_memory(RecordingMemory(runner, peak=1))
+    assert sorted(calls) == [(1, 1, 0), (1, 1, 1), (8, 8, 0), (8, 8, 8)]  # greedy None counted as 0
+    calls.clear()
+    runner.profile_peak_memory(RecordingMemory(runner, peak=1))
+    assert calls == []
+
+
 def test_profile_runs_the_largest_batch_on_a_one_block_cache_and_leaves_nothing(monkeypatch):
     runner = _runner()
     memory = RecordingMemory(runner, peak=12345)
