@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import bench, measure_copy_bandwidth  # noqa: E402
+from kernel_bench_cli import kernel_bench_device, kernel_bench_parser  # noqa: E402
 
 logger = logging.getLogger("bench_fused_moe")
 
@@ -92,22 +92,10 @@ def measure(batch: int, shape: dict[str, int], w13: torch.Tensor, w2: torch.Tens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--batches", default="1,16,64,256")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser = kernel_bench_parser(__doc__, batches="1,16,64,256")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (default on the CPU)")
-    parser.add_argument("--warmup-ms", type=int, default=25)
-    parser.add_argument("--rep-ms", type=int, default=200)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        # Before kvloom_platform_cuda.fused_moe defines its kernels: they run interpreted.
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu for the smoke test)")
+    device = kernel_bench_device(args)  # before kvloom_platform_cuda.fused_moe defines its kernels
     shape = TINY if (args.tiny or device.type == "cpu") else LITE
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import bench, measure_read_bandwidth
+from kernel_bench_cli import kernel_bench_device, kernel_bench_parser
 
 logger = logging.getLogger("bench_sampler")
 
@@ -107,23 +107,11 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--batches", default="1,64,256")
+    parser = kernel_bench_parser(__doc__, batches="1,64,256")
     parser.add_argument("--vocab", type=int, default=None, help=f"default {QWEN3_VOCAB} (1000 on the CPU)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--warmup-ms", type=int, default=25)
-    parser.add_argument("--rep-ms", type=int, default=200)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        # Before kvloom_platform_cuda.sampling defines its kernel: it runs interpreted.
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu for the smoke test)")
+    device = kernel_bench_device(args)  # before kvloom_platform_cuda.sampling defines its kernel
     vocab = args.vocab or (1000 if device.type == "cpu" else QWEN3_VOCAB)
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 if __name__ == "__main__" and "--worker" in sys.argv:
@@ -29,6 +28,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter_worker import interpreter_results as run_worker
 
 EPS = 1e-6
 FP32_TOL = 1e-5
@@ -215,13 +215,7 @@ def _run_worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker"], capture_output=True, text=True, timeout=600, env=env
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
+    return run_worker(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("dtype", INTERP_DTYPES)

@@ -28,6 +28,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 import pytest
 import torch
+from interpreter_worker import interpreter_results as run_worker
 
 from kvloom.testing import check_custom_op
 
@@ -162,13 +163,7 @@ def _run_worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker"], capture_output=True, text=True, timeout=900, env=env
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
+    return run_worker(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("case", list(INTERP_CASES))

@@ -1,0 +1,22 @@
+"""The Triton-interpreter run the CUDA kernel tests share: each test file runs its cases in
+one fresh process (``python <file> --worker``, which sets ``TRITON_INTERPRET=1`` before
+the kernels are defined and prints one ``RESULTS <json>`` line), so the interpreter never
+leaks into the test process, and the parent's tests read the results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def interpreter_results(test_file: str, timeout: float) -> dict:
+    """Run ``test_file --worker`` without the caller's ``TRITON_INTERPRET`` and return the
+    JSON of its last ``RESULTS`` line; a failed or silent worker fails with its output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.abspath(test_file), "--worker"], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1].removeprefix("RESULTS "))
