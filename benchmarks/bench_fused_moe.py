@@ -22,7 +22,6 @@ Example (GPU)::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import bench, measure_copy_bandwidth  # noqa: E402
-from kernel_bench_cli import kernel_bench_device, kernel_bench_parser  # noqa: E402
+from kernel_bench_cli import kernel_bench_device, kernel_bench_parser, write_result  # noqa: E402
 
 logger = logging.getLogger("bench_fused_moe")
 
@@ -120,10 +119,7 @@ def main() -> None:
         logger.info("device copy bandwidth %.0f GB/s (read + write)", bw)
         for row in result["rows"]:
             row["graph_fraction_of_copy_bw"] = row["triton_graph_GBps"] / bw
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    logger.info("wrote %s", out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

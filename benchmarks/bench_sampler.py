@@ -27,7 +27,6 @@ Example (GPU)::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import bench, measure_read_bandwidth
-from kernel_bench_cli import kernel_bench_device, kernel_bench_parser
+from kernel_bench_cli import kernel_bench_device, kernel_bench_parser, write_result
 
 logger = logging.getLogger("bench_sampler")
 
@@ -134,10 +133,7 @@ def main() -> None:
                     f"{row.get('graph_GBps', float('nan')):.0f}")  # fmt: skip
     if "read" in result:
         logger.info("device read bandwidth %.0f GB/s", result["read"]["read_GBps"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    logger.info("wrote %s", out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

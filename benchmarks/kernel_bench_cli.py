@@ -5,8 +5,10 @@ kernels in Triton's interpreter."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -34,3 +36,11 @@ def kernel_bench_device(args: argparse.Namespace) -> torch.device:
     elif not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu for the smoke test)")
     return device
+
+
+def write_result(out: str, result: dict) -> None:
+    """``result`` as indented JSON at ``out`` (its folder made), logged."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    logging.getLogger(__name__).info("wrote %s", path)
