@@ -2,8 +2,8 @@
 """Where the nano-vllm workload's time goes, step by step (issue 19: offline vs its byte floor).
 
 Runs ``benchmarks/bench_offline_nanovllm.py``'s workload (Qwen3-0.6B shape, dummy bf16
-weights, 256 sequences) once through ``LLM.generate`` with the engine core in this process
-(``KVLOOM_ENABLE_MULTIPROCESSING=0``) and times, for every engine step: scheduling, the
+weights, 256 sequences) once, timed as that benchmark times it (its ``timed_generate``),
+with the engine core in this process (``KVLOOM_ENABLE_MULTIPROCESSING=0``), and times, for every engine step: scheduling, the
 launch of the model step (input preparation and the forward's launch), the wait for its
 tokens (``get_output``: the device still busy), applying them (``update_from_output``),
 and the front end's work between two ``EngineCore.step`` calls (output processing). Steps
@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["KVLOOM_ENABLE_MULTIPROCESSING"] = "0"  # one process: the core's steps are observable here
 
-from bench_offline_nanovllm import workload, write_qwen3_config
+from bench_offline_nanovllm import timed_generate, workload, write_qwen3_config
 from run_spec import parse_run_spec
 
 
@@ -141,7 +141,6 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
-    import torch
 
     from kvloom import LLM, SamplingParams
 
@@ -157,12 +156,7 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:8]], warm, use_tqdm=False)
         trace = StepTrace(llm.llm_engine.engine_core.core)
         params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        wall, tokens = timed_generate(llm, prompts, params, sum(out_lens), args.backend)
     table = summarize(trace.records, wall)
     result = {"backend": args.backend, "wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
               "steps": len(trace.records), "front_end_s": trace.front_s, "groups": table, "records": trace.records}  # fmt: skip
