@@ -1,7 +1,8 @@
 """The Triton-interpreter run the CUDA kernel tests share: each test file runs its cases in
 one fresh process (``python <file> --worker``, which sets ``TRITON_INTERPRET=1`` before
-the kernels are defined and prints one ``RESULTS <json>`` line), so the interpreter never
-leaks into the test process, and the parent's tests read the results."""
+the kernels are defined, records each case with ``record_case`` and ends with
+``print_results``), so the interpreter never leaks into the test process, and the
+parent's tests read the results (``interpreter_results``), one test per case."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+
+RESULTS_PREFIX = "RESULTS "
 
 
 def interpreter_results(test_file: str, timeout: float) -> dict:
@@ -17,6 +21,21 @@ def interpreter_results(test_file: str, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.abspath(test_file), "--worker"], capture_output=True, text=True,
                           timeout=timeout, env=env, check=False)  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULTS_PREFIX)]
     assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
+    return json.loads(lines[-1].removeprefix(RESULTS_PREFIX))
+
+
+def record_case(results: dict, name: str, case: Callable[[], dict]) -> None:
+    """In the worker: ``results[name] = case()``, or ``{"error": "<type>: <message>"}`` when
+    it raises, so one failing case does not hide the others (the parent fails that case's
+    test with the message)."""
+    try:
+        results[name] = case()
+    except Exception as exc:  # reported per case by the parent
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def print_results(results: dict) -> None:
+    """In the worker, last: the line ``interpreter_results`` reads."""
+    print(RESULTS_PREFIX + json.dumps(results), flush=True)

@@ -15,6 +15,7 @@ alignment at up to 4096 tokens, and a CUDA graph capture replayed on new routing
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 import pytest
 import torch
 from interpreter_worker import interpreter_results as run_worker
+from interpreter_worker import print_results, record_case
 
 from kvloom.interfaces.models import select_experts
 from kvloom.testing import check_custom_op, custom_op_reference
@@ -159,30 +161,23 @@ def _run_worker() -> None:
     fm = _fm()
     assert fm._INTERPRET
     torch.set_num_threads(1)
-    results = {}
-    for tokens, experts, top_k in ALIGN_CASES:
-        for block_m in (16, 32):
-            key = f"align-{tokens}-{experts}-{top_k}-{block_m}"
-            try:
-                ids = random_ids(tokens, experts, top_k)
-                check_alignment(fm.moe_align(ids, experts, block_m), ids, experts, block_m)
-                results[key] = {}
-            except Exception as exc:  # reported per case by the parent
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    for index, (name, shape) in enumerate(INTERP_CASES.items()):
-        for dtype in INTERP_DTYPES:
-            key = f"{name}-{dtype}"
-            try:
-                args = make_case(*shape, getattr(torch, dtype), seed=200 + index, strided=name == "strided-hidden")
-                report = check_custom_op("fused_moe", fm.fused_moe, *args)
-                torch_report = check_custom_op("fused_moe", fused_moe_torch, *args)
-                results[key] = {"max_rel": report["max_rel"], "torch_max_rel": torch_report["max_rel"]}
-            except Exception as exc:  # reported per case by the parent
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    # The kernels take the sharded weights as given (intermediate size from their shape):
-    # each rank's output meets the contract and the ranks' sum (the all-reduce) is the
-    # whole layer's within the float32 tolerance.
-    try:
+    results: dict = {}
+
+    def align_case(tokens: int, experts: int, top_k: int, block_m: int) -> dict:
+        ids = random_ids(tokens, experts, top_k)
+        check_alignment(fm.moe_align(ids, experts, block_m), ids, experts, block_m)
+        return {}
+
+    def contract_case(index: int, name: str, shape: tuple, dtype: str) -> dict:
+        args = make_case(*shape, getattr(torch, dtype), seed=200 + index, strided=name == "strided-hidden")
+        report = check_custom_op("fused_moe", fm.fused_moe, *args)
+        torch_report = check_custom_op("fused_moe", fused_moe_torch, *args)
+        return {"max_rel": report["max_rel"], "torch_max_rel": torch_report["max_rel"]}
+
+    def tp_shards_case() -> dict:
+        # The kernels take the sharded weights as given (intermediate size from their shape):
+        # each rank's output meets the contract and the ranks' sum (the all-reduce) is the
+        # whole layer's within the float32 tolerance.
         *shape, ranks = TP_SHARD_CASE
         x, w13, w2, weights, ids = make_case(*shape, torch.float32, seed=300)
         parts = []
@@ -191,10 +186,17 @@ def _run_worker() -> None:
             check_custom_op("fused_moe", fm.fused_moe, x, w13_r.contiguous(), w2_r.contiguous(), weights, ids)
             parts.append(fm.fused_moe(x, w13_r.contiguous(), w2_r.contiguous(), weights, ids).double())
         whole = fused_moe_torch(x.double(), w13.double(), w2.double(), weights.double(), ids)
-        results["tp-shards"] = {"max_abs": float((sum(parts) - whole).abs().max())}
-    except Exception as exc:  # reported by the parent
-        results["tp-shards"] = {"error": f"{type(exc).__name__}: {exc}"}
-    print("RESULTS " + json.dumps(results))
+        return {"max_abs": float((sum(parts) - whole).abs().max())}
+
+    for tokens, experts, top_k in ALIGN_CASES:
+        for block_m in (16, 32):
+            key = f"align-{tokens}-{experts}-{top_k}-{block_m}"
+            record_case(results, key, functools.partial(align_case, tokens, experts, top_k, block_m))
+    for index, (name, shape) in enumerate(INTERP_CASES.items()):
+        for dtype in INTERP_DTYPES:
+            record_case(results, f"{name}-{dtype}", functools.partial(contract_case, index, name, shape, dtype))
+    record_case(results, "tp-shards", tp_shards_case)
+    print_results(results)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ ulps of the product before it is rounded).
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import sys
 
@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpreter_worker import interpreter_results as run_worker
+from interpreter_worker import print_results, record_case
 
 EPS = 1e-6
 FP32_TOL = 1e-5
@@ -202,15 +203,12 @@ def _run_worker() -> None:
 
     assert fo._INTERPRET
     torch.set_num_threads(1)
-    results = {}
+    results: dict = {}
     for index, (op, variant) in enumerate(INTERP_CASES):
         for dtype in INTERP_DTYPES:
-            name = f"{op}-{variant}-{dtype}"
-            try:
-                results[name] = _interp_case(fo, op, variant, getattr(torch, dtype), seed=100 + index)
-            except Exception as exc:  # reported per case by the parent
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    print("RESULTS " + json.dumps(results))
+            case = functools.partial(_interp_case, fo, op, variant, getattr(torch, dtype), seed=100 + index)
+            record_case(results, f"{op}-{variant}-{dtype}", case)
+    print_results(results)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 import pytest
 import torch
 from interpreter_worker import interpreter_results as run_worker
+from interpreter_worker import print_results, record_case
 
 from kvloom.testing import check_custom_op
 
@@ -144,21 +145,20 @@ def _run_worker() -> None:
     sampling = _sampling()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    results = {}
-    for index, (name, (dtype, vocab, temps, greedy, chunk, block, pad)) in enumerate(INTERP_CASES.items()):
-        try:
-            args = make_case(dtype, vocab, temps, greedy, pad=pad, seed=100 + index)
-            assert pad == 0 or args[0].stride(0) == vocab + pad
-            op = functools.partial(sampling.random_sample, chunk_size=chunk, block=block)
-            report = check_custom_op("random_sample", op, *args, draws=INTERP_DRAWS)
-            results[name] = {"draws": report["draws"], "max_chi2_ratio": report["max_chi2_ratio"]}
-        except Exception as exc:  # reported per case by the parent
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        results["special-values"] = _special_values(sampling)
-    except Exception as exc:  # reported by the parent
-        results["special-values"] = {"error": f"{type(exc).__name__}: {exc}"}
-    print("RESULTS " + json.dumps(results))
+    results: dict = {}
+
+    def contract_case(index: int, dtype: str, vocab: int, temps: list, greedy: list | None, chunk: int, block: int,
+                      pad: int) -> dict:  # fmt: skip
+        args = make_case(dtype, vocab, temps, greedy, pad=pad, seed=100 + index)
+        assert pad == 0 or args[0].stride(0) == vocab + pad
+        op = functools.partial(sampling.random_sample, chunk_size=chunk, block=block)
+        report = check_custom_op("random_sample", op, *args, draws=INTERP_DRAWS)
+        return {"draws": report["draws"], "max_chi2_ratio": report["max_chi2_ratio"]}
+
+    for index, (name, case) in enumerate(INTERP_CASES.items()):
+        record_case(results, name, functools.partial(contract_case, index, *case))
+    record_case(results, "special-values", functools.partial(_special_values, sampling))
+    print_results(results)
 
 
 @pytest.fixture(scope="module")
