@@ -170,6 +170,8 @@ def main() -> None:
                 raise SystemExit(f"{e}; the mode is graphs or eager") from None
             if base not in ("graphs", "eager"):
                 raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, +compile, +tpN")
+            if {"compile", "nocompile"} <= options:
+                raise SystemExit(f"mode {mode!r}: +compile and +nocompile contradict each other (allowed: one of them)")
             llm = LLM(
                 str(model_dir),
                 load_format="dummy",
