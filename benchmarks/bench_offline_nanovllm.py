@@ -102,11 +102,14 @@ def timed_generate(llm: Any, prompts: list[list[int]], params: list[Any], expect
 
 def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: list[int], args: Any) -> dict[str, Any]:
     """``spec`` is a backend name with options: ``+async`` (async scheduling), ``+noops``
-    (``--custom-ops none``), ``+compile`` (``--torch-compile``: piecewise CUDA graphs for the mixed
-    steps, opt-in on CUDA), ``+tpN`` (tensor parallelism over N GPUs), e.g. ``TRITON_ATTN+async+tp2``."""
+    (``--custom-ops none``), ``+compile`` / ``+nocompile`` (``--torch-compile`` / ``--no-torch-compile``;
+    neither: the platform's default, compiled on CUDA), ``+tpN`` (tensor parallelism over N GPUs),
+    e.g. ``TRITON_ATTN+async+tp2``."""
     from kvloom import LLM, SamplingParams
 
-    backend, options, tensor_parallel_size = parse_run_spec(spec, ("async", "noops", "compile"))
+    backend, options, tensor_parallel_size = parse_run_spec(spec, ("async", "noops", "compile", "nocompile"))
+    if {"compile", "nocompile"} <= options:
+        raise ValueError(f"{spec!r}: +compile and +nocompile contradict each other; give one")
 
     start = time.perf_counter()
     llm = LLM(
@@ -124,7 +127,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
         disable_log_stats=True,  # as recorded: LLM kept stats off by default then
         custom_ops="none" if "noops" in options else "all",
         tensor_parallel_size=tensor_parallel_size,
-        torch_compile=True if "compile" in options else None,
+        torch_compile=True if "compile" in options else False if "nocompile" in options else None,
     )
     init_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
@@ -158,7 +161,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="TRITON_ATTN",
-                        help="comma-separated backend names; NAME+async: async scheduling; NAME+noops: --custom-ops none; NAME+compile: --torch-compile")
+                        help="comma-separated backend names; NAME+async: async scheduling; NAME+noops: --custom-ops none; NAME+compile / NAME+nocompile: --torch-compile / --no-torch-compile")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)

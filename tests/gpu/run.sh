@@ -34,6 +34,7 @@
 #                vs PP=1 under mp and through Ray; a killed rank); needs a machine with two GPUs (nvidia-h100-x2).
 #                Each case builds two engines (~60-70 s on two H200s): the 13 cases do not fit one call's
 #                600 s; TP_K="EXPR" passes -k EXPR to pytest, e.g. TP_K=tp2_matches_tp1 then TP_K="not tp2_matches_tp1".
+#   e2e          tests/gpu/test_e2e_gpu.py (needs the SmolLM2 GGUF parts: stage gguf); E2E_K="EXPR" passes -k EXPR.
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
 #                workload (benchmarks/bench_offline_nanovllm.py +tp2) -> $OUT/tp/*.json.
@@ -237,7 +238,7 @@ for i in "${!stages[@]}"; do
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
     tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn" ;;
-    e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ;;
+    e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
     fa-export)

@@ -35,7 +35,7 @@ pytestmark = [
 MODES = {
     "eager": {"optimization_level": 0},
     "compiled": {"optimization_level": 2, "torch_compile": True, "cudagraph_mode": "NONE"},
-    # compilation is opt-in on CUDA (Platform.compile_by_default is False): the graph modes name it
+    # the graph modes name torch_compile, whatever the platform's default
     "PIECEWISE": {"optimization_level": 1, "torch_compile": True},
     "FULL_AND_PIECEWISE": {"optimization_level": 2, "torch_compile": True},
 }

@@ -236,7 +236,9 @@ def test_cuda_graphs_match_eager(smollm2, smollm2_prompts, backend):
     _need(backend)
     # 5 requests: the decode batch is padded to the capture size 8.
     prompts = smollm2_prompts[:5]
-    graphs = _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend)
+    # The eager model in CUDA graphs (compilation rounds bf16 differently: its tokens are
+    # held to the agreement criterion above, and to eager's in fp32 by test_compile_gpu).
+    graphs = _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend, torch_compile=False)
     eager = _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend, enforce_eager=True)
     assert graphs == eager
 

@@ -216,6 +216,17 @@ def random_sample_torch(logits: torch.Tensor, temperature: torch.Tensor, greedy:
     return torch.where(greedy, logits.argmax(dim=1), sampled)
 
 
+def _no_logit_processing(metadata: SamplingMetadata) -> bool:
+    """Whether the batch asks for no logprobs and changes no logit (no logit_bias,
+    penalties or min_tokens): the raw logits decide alone."""
+    return (
+        metadata.max_num_logprobs is None
+        and metadata.logit_bias is None
+        and metadata.no_penalties
+        and metadata.min_tokens_mask is None
+    )
+
+
 def _plain_temperature_batch(metadata: SamplingMetadata) -> bool:
     """Whether the batch is temperature sampling and nothing else (``random_sample``'s
     contract): no logprobs, logit_bias, penalties, min_tokens or truncation, no seeded
@@ -223,10 +234,7 @@ def _plain_temperature_batch(metadata: SamplingMetadata) -> bool:
     greedy (an all-greedy batch is one argmax already)."""
     return (
         not metadata.all_greedy
-        and metadata.max_num_logprobs is None
-        and metadata.logit_bias is None
-        and metadata.no_penalties
-        and metadata.min_tokens_mask is None
+        and _no_logit_processing(metadata)
         and metadata.top_k is None
         and metadata.top_p is None
         and metadata.min_p is None
@@ -245,6 +253,11 @@ class Sampler:
             # The op reads the logits in the LM head's dtype: no float32 copy first.
             sampled = random_sample(logits, metadata.temperature, metadata.greedy_mask)
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None,  # type: ignore[arg-type]
+                                 num_logprobs=list(metadata.num_logprobs))  # fmt: skip
+        if metadata.all_greedy and _no_logit_processing(metadata):
+            # The argmax of the logits as they are: casting to float32 first changes no
+            # value's order, it only costs a pass over [batch, vocab].
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1), logprobs_tensors=None,
                                  num_logprobs=list(metadata.num_logprobs))  # fmt: skip
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None

@@ -184,6 +184,11 @@ class ModelRunner:
         self.seq_lens_cpu, self.seq_lens = host(b, torch.int32), dev(b, dtype=torch.int32)
         self.block_table_cpu = torch.zeros(b, self.max_blocks_per_req, dtype=torch.int32, pin_memory=self.pin_memory)
         self.block_table = dev(b, self.max_blocks_per_req, dtype=torch.int32)
+        # A step's block table is its first rows' first columns: not contiguous in either
+        # table. It goes packed (contiguous, from the front of ``block_table_cpu``) into
+        # this staging buffer and is spread into ``block_table`` on the device: copied
+        # strided from the host, torch would stage it in pageable memory first.
+        self.block_table_staging = dev(b * self.max_blocks_per_req, dtype=torch.int32)
         self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
         # Input tokens still in flight (``_fill_placeholders``): their places in the input
         # and their rows in the previous step's sampled tensor.
@@ -539,7 +544,8 @@ class ModelRunner:
         self.query_start_loc_cpu.numpy()[: b + 1] = cu
         self.seq_lens_cpu.numpy()[:b] = seq_lens
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        self.block_table_cpu.numpy()[:b, :max_blocks] = self.input_batch.block_table[rows, :max_blocks]
+        packed = self.block_table_cpu.view(-1)[: b * max_blocks].view(b, max_blocks)
+        packed.numpy()[:] = self.input_batch.block_table[rows, :max_blocks]
         logits_indices = cu[1:] - 1
         self.logits_indices_cpu.numpy()[:b] = logits_indices
 
@@ -550,7 +556,9 @@ class ModelRunner:
         self.slot_mapping[:n].copy_(self.slot_mapping_cpu[:n], non_blocking=nb)
         self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1], non_blocking=nb)
         self.seq_lens[:b].copy_(self.seq_lens_cpu[:b], non_blocking=nb)
-        self.block_table[:b, :max_blocks].copy_(self.block_table_cpu[:b, :max_blocks], non_blocking=nb)
+        staged = self.block_table_staging[: b * max_blocks].view(b, max_blocks)
+        staged.copy_(packed, non_blocking=nb)
+        self.block_table[:b, :max_blocks].copy_(staged)
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
         if (placeholders := np.flatnonzero(input_ids < 0)).size:
             self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids, rows)

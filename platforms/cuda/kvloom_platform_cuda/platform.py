@@ -69,12 +69,11 @@ class CudaPlatform(Platform):
     supports_cuda_graphs = True
     dist_backend = "nccl"
     ray_device_key = "GPU"
-    # torch.compile with piecewise CUDA graphs is correct on the H100 (tests/gpu/run.sh
-    # compile: identical tokens across modes) but opt-in (--torch-compile): measured there it
-    # gained no throughput on the nano-vllm workload or at decode, and costs ~70 s of cold
-    # start-up (docs/benchmarks/compile_h100.md). -O levels keep full decode graphs with an
-    # eager model.
-    compile_by_default = False
+    # -O1..-O3 compile the model, as vLLM's levels do: piecewise CUDA graphs for the steps
+    # that carry a prefill chunk are what serving needs (docs/benchmarks/compile_h100.md,
+    # serving_h100.md); the price is start-up (~25-40 s more, half of it cached on disk).
+    # --no-torch-compile or -O0 keeps the eager model.
+    compile_by_default = True
 
     @classmethod
     def is_available(cls) -> bool:
