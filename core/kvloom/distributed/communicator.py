@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,9 @@ class TPCommunicator:
     that is not a plain torch call hides behind a torch custom op (see the CUDA
     platform's ``symm_mem_allreduce``)."""
 
-    #: Shown in the startup log (which all-reduce a TP run uses).
-    name = "torch.distributed"
+    name: ClassVar[str] = "torch.distributed"
+    """What this all-reduce is, for the startup log (``"symm_mem"``: the platform's
+    symmetric-memory all-reduce, what ``KVLOOM_ALLREDUCE=symm_mem`` requires)."""
 
     def __init__(self, group: Any, device: torch.device | None = None) -> None:
         #: The tensor-parallel process group (None: the default group).

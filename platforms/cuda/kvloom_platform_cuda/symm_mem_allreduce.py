@@ -115,8 +115,9 @@ class SymmMemCommunicator(TPCommunicator):
     def close(self) -> None:
         if _BY_GROUP.get(self.group_name) is self:
             del _BY_GROUP[self.group_name]
-        # The mapping goes with the last reference to the buffer.
-        del self.handle, self.buffer
+        # The mapping goes with the last reference to the buffer (idempotent).
+        vars(self).pop("handle", None)
+        vars(self).pop("buffer", None)
 
 
 @torch.library.custom_op("kvloom_cuda::symm_mem_all_reduce", mutates_args=())
