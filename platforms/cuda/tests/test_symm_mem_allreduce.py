@@ -6,7 +6,10 @@
 * on two gloo ranks whose device is not a CUDA GPU, ``make_tp_communicator`` agrees on
   torch.distributed's all-reduce and logs one warning naming the reason and the rank
   (``KVLOOM_ALLREDUCE=auto``), or raises naming it on every rank (``symm_mem``);
-* the opaque op for compiled models is registered with a fake implementation.
+* the opaque op for compiled models is registered with a fake implementation, and a
+  compiled function (Dynamo, fullgraph; AOT autograd) calls it as one node whose message
+  routes when it runs: here a communicator without a buffer (``max_bytes`` 0) on gloo
+  ranks, so to torch.distributed, the input left untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from kvloom_platform_cuda import symm_mem_allreduce
 from kvloom_platform_cuda.platform import CudaPlatform
 from kvloom_platform_cuda.symm_mem_allreduce import DEFAULT_MAX_BYTES, MAX_BYTES_ENV, max_bytes_from_env
 
@@ -104,3 +108,47 @@ def test_ranks_without_cuda_agree_on_torch_distributed_and_say_why(mode: str, tm
             assert "error" in seen, seen
             expected = f"KVLOOM_ALLREDUCE=symm_mem: the symmetric-memory all-reduce cannot be used: {reason}"
             assert expected in seen["error"]
+
+
+def _compiled_rank_main(rank: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    seen: dict[str, object] = {}
+    try:
+        # The communicator as make_communicator builds it, without the symmetric buffer
+        # (no GPU here): max_bytes 0 sends every message to torch.distributed.
+        comm = symm_mem_allreduce.SymmMemCommunicator.__new__(symm_mem_allreduce.SymmMemCommunicator)
+        TPCommunicator.__init__(comm, dist.group.WORLD, torch.device("cpu"))
+        comm.group_name = dist.group.WORLD.group_name
+        comm.max_bytes = 0
+        symm_mem_allreduce._BY_GROUP[comm.group_name] = comm
+        targets: list[str] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+            targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return gm
+
+        x = torch.full((2, 8), float(rank + 1))
+        compiled = torch.compile(lambda t: comm.all_reduce(t * 2) + 1, backend=backend, fullgraph=True)
+        seen["compiled"] = compiled(x).tolist()
+        seen["input"] = x.tolist()
+        seen["targets"] = targets
+        seen["aot"] = torch.compile(lambda t: comm.all_reduce(t * 2) + 1, backend="aot_eager", fullgraph=True)(
+            x
+        ).tolist()
+        seen["eager"] = comm.all_reduce(x).tolist()
+        comm.close()
+        seen["unregistered"] = comm.group_name not in symm_mem_allreduce._BY_GROUP
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(seen))
+
+
+def test_a_compiled_call_is_one_opaque_node_that_routes_when_it_runs(tmp_path: Path) -> None:
+    mp.spawn(_compiled_rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["compiled"] == seen["aot"] == [[7.0] * 8] * 2  # (1*2 + 2*2) + 1
+        assert seen["input"] == [[float(rank + 1)] * 8] * 2
+        assert [t for t in seen["targets"] if "all_reduce" in t] == ["kvloom_cuda.symm_mem_all_reduce"]
+        assert seen["eager"] == [[3.0] * 8] * 2
+        assert seen["unregistered"] is True
