@@ -2,7 +2,8 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, peers-stash, peers.
+# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
+# peers-stash, peers.
 #   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
 #                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
 #                (benchmarks/peers/vllm/stash_install.sh). Needs neither .whl nor setup: a call with only
@@ -38,6 +39,13 @@
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
 #                workload (benchmarks/bench_offline_nanovllm.py +tp2) -> $OUT/tp/*.json.
+#   allreduce    tests/gpu/test_allreduce_gpu.py (the CUDA platform's symmetric-memory one-shot all-reduce equals
+#                NCCL's for bf16/fp32 messages of 1..512 x 4096, above its buffer through NCCL, in a replayed CUDA
+#                graph and under torch.compile; TP=2 compiled with it gives TP=1's tokens), then
+#                benchmarks/bench_allreduce.py (per-message latency, NCCL vs symm-mem, eager and 64 calls in one CUDA
+#                graph) -> $OUT/allreduce/allreduce.json; needs two GPUs (nvidia-h100-x2); ALLREDUCE_ARGS adds flags.
+#   allreduce-decode  the Llama-3-8B decode step at TP=2 (benchmarks/bench_decode_roofline.py graphs+async+tp2,
+#                batch 1/16/64) with KVLOOM_ALLREDUCE=nccl, then auto (symm-mem) -> $OUT/allreduce/decode_{nccl,auto}/.
 #   compile      tests/gpu/test_compile_gpu.py (eager / PIECEWISE / FULL_AND_PIECEWISE tokens), the FLASHINFER
 #                tests of tests/gpu/test_backends_fiflex.py (its per-layer KV write, graph replay) and
 #                benchmarks/bench_mixed_step.py (64 decodes + a 512-token chunk, Llama-3-8B shape);
@@ -276,6 +284,15 @@ for i in "${!stages[@]}"; do
         --modes graphs+async,graphs+async+tp2 2>&1 | tail -12
       python3 benchmarks/bench_offline_nanovllm.py --out "$OUT/tp" --backends TRITON_ATTN+async,TRITON_ATTN+async+tp2 \
         2>&1 | tail -6 ;;
+    allreduce)
+      run_pytest allreduce tests/gpu/test_allreduce_gpu.py
+      python3 benchmarks/bench_allreduce.py --out "$OUT/allreduce/allreduce.json" ${ALLREDUCE_ARGS:-} 2>&1 | tail -12 ;;
+    allreduce-decode)
+      for mode in nccl auto; do
+        log "allreduce-decode: KVLOOM_ALLREDUCE=$mode"
+        KVLOOM_ALLREDUCE=$mode python3 benchmarks/bench_decode_roofline.py --out "$OUT/allreduce/decode_$mode" \
+          --backend TRITON_ATTN --batches 1,16,64 --modes graphs+async+tp2 2>&1 | tail -8
+      done ;;
     peers-stash) bash benchmarks/peers/vllm/stash_install.sh || log "peers-stash failed" ;;
     peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;

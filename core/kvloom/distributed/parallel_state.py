@@ -15,7 +15,10 @@ Each stage has its own tensor-parallel subgroup; ``send`` / ``recv`` go from a r
 rank of the same tensor-parallel index in the next stage, over the default group.
 
 The collectives are torch.distributed's, with the backend the platform names
-(``Platform.dist_backend``: gloo on the CPU, NCCL on CUDA).
+(``Platform.dist_backend``: gloo on the CPU, NCCL on CUDA), except the all-reduce, which
+goes through a ``TPCommunicator`` (``kvloom.distributed.communicator``): torch.distributed's
+from ``init_tensor_parallel`` on, the platform's choice once the worker has set its device
+and called ``init_tp_communicator`` (the generic worker does, in ``init_device``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from kvloom.distributed.communicator import ALLREDUCE_ENV, TPCommunicator, allreduce_mode
+
+if TYPE_CHECKING:
+    from kvloom.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,8 @@ class _ParallelState:
 
 
 _STATE = _ParallelState(rank=0, world_size=1, tp_size=1)
+#: The all-reduce of this stage's tensor-parallel group (None without tensor parallelism).
+_COMMUNICATOR: TPCommunicator | None = None
 
 
 def rank() -> int:
@@ -149,24 +159,62 @@ def init_tensor_parallel(
                 if stage == rank // tp:
                     tp_group = group
     _STATE = _ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_group=tp_group)
+    _set_communicator(TPCommunicator(tp_group) if tp > 1 else None)
     logger.info("rank %d of %d: pipeline stage %d of %d, tensor-parallel rank %d of %d (backend %s)",
                 rank, world_size, _STATE.pp_rank, _STATE.pp_size, _STATE.tp_rank, tp, backend)  # fmt: skip
+
+
+def init_tp_communicator(platform: type[Platform], device: torch.device) -> None:
+    """Use the platform's all-reduce for this stage's tensor-parallel group from now on
+    (``Platform.make_tp_communicator``; ``KVLOOM_ALLREDUCE=nccl``: torch.distributed's).
+    Collective: every rank of the group calls it, once its device is set (``device`` is
+    the one its worker runs on). Nothing to do without tensor parallelism."""
+    if _STATE.tp_size == 1:
+        return
+    mode = allreduce_mode()
+    group = _STATE.tp_group if _STATE.tp_group is not None else dist.group.WORLD
+    if mode == "nccl":
+        communicator = TPCommunicator(_STATE.tp_group, device)
+    else:
+        communicator = platform.make_tp_communicator(group, device)
+        if mode == "symm_mem" and communicator.name != "symm_mem":
+            raise RuntimeError(f"{ALLREDUCE_ENV}=symm_mem: the {platform.name} platform gave the "
+                               f"{communicator.name!r} all-reduce (it has no symmetric-memory one); "
+                               f"use {ALLREDUCE_ENV}=auto or nccl")  # fmt: skip
+    _set_communicator(communicator)
+    logger.info("tensor-parallel rank %d: all-reduce through %s (%s=%s)", _STATE.tp_rank, communicator.name,
+                ALLREDUCE_ENV, mode)  # fmt: skip
+
+
+def tp_communicator() -> TPCommunicator | None:
+    """The communicator ``all_reduce`` uses (None without tensor parallelism)."""
+    return _COMMUNICATOR
+
+
+def _set_communicator(communicator: TPCommunicator | None) -> None:
+    global _COMMUNICATOR
+    if _COMMUNICATOR is not None and _COMMUNICATOR is not communicator:
+        _COMMUNICATOR.close()
+    _COMMUNICATOR = communicator
 
 
 def destroy_tensor_parallel() -> None:
     """Leave the process group (idempotent)."""
     global _STATE
+    _set_communicator(None)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _STATE = _ParallelState(rank=0, world_size=1, tp_size=1)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over this stage's tensor-parallel ranks (in place); ``x`` itself at size 1."""
+    """Sum ``x`` over this stage's tensor-parallel ranks through the communicator: the
+    sum may be ``x`` (in place) or a new tensor, use the returned one. ``x`` itself at
+    size 1."""
     if _STATE.tp_size == 1:
         return x
-    dist.all_reduce(x, group=_STATE.tp_group)
-    return x
+    assert _COMMUNICATOR is not None, "init_tensor_parallel installs a communicator with the group"
+    return _COMMUNICATOR.all_reduce(x)
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvloom.distributed.communicator import allreduce_mode
 from kvloom.distributed.parallel_state import output_rank
 from kvloom.outputs import PendingModelRunnerOutput
 
@@ -102,6 +103,8 @@ class DistributedExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         parallel = config.parallel
+        if parallel.tensor_parallel_size > 1:
+            allreduce_mode()  # a bad KVLOOM_ALLREDUCE fails here, before any rank starts
         self.world_size = parallel.world_size
         self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         # The forward of a step launched without sampling (structured outputs under async

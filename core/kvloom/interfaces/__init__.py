@@ -19,7 +19,9 @@ example packages):
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
   ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
   dataclass (``NAME=INT,...``): ``parse_kernel_overrides``;
-- platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; workers:
+- platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
+  all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
+  and the ``KVLOOM_ALLREDUCE`` switch, ``allreduce_mode``; workers:
   ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
   subclass), which drives a ``ModelRunner`` (``self.runner``: a platform's worker calls
   its ``profile_peak_memory`` to size the KV cache and ``capture_cudagraphs``);
@@ -90,6 +92,7 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
@@ -171,9 +174,11 @@ __all__ = [
     "StructuredOutputBackend",
     "StructuredOutputGrammar",
     "StructuredOutputsParams",
+    "TPCommunicator",
     "ToolParser",
     "Worker",
     "WorkerBase",
+    "allreduce_mode",
     "copy_rows_skipping_invalid",
     "effective_decode_graphs",
     "hookimpl",

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 import torch
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from kvloom.config import EngineConfig
+    from kvloom.distributed.communicator import TPCommunicator
     from kvloom.worker.worker_base import WorkerBase
 
 
@@ -164,6 +167,21 @@ class Platform(ABC):
         these before its worker is built (e.g. its share of the CPU threads). Rank ``r``'s
         worker runs on ``device(r)``. Default: none."""
         return {}
+
+    @classmethod
+    def make_tp_communicator(cls, group: ProcessGroup, device: torch.device) -> TPCommunicator:
+        """The all-reduce of one tensor-parallel group (``group``: its torch.distributed
+        process group, over ``dist_backend``), for the rank whose worker runs on
+        ``device`` (already set up). Called once per rank, by every rank of the group
+        together, after the worker set its device (the generic worker's ``init_device``),
+        unless ``KVLOOM_ALLREDUCE=nccl``. A platform with a faster path for some messages
+        returns a ``kvloom.distributed.communicator.TPCommunicator`` subclass; one that
+        cannot use it here logs why (once, naming the reason) and returns the default;
+        with ``KVLOOM_ALLREDUCE=symm_mem`` it raises instead. Default: torch.distributed's
+        all-reduce (``TPCommunicator``)."""
+        from kvloom.distributed.communicator import TPCommunicator
+
+        return TPCommunicator(group, device)
 
     @classmethod
     def device(cls, device_id: int = 0) -> torch.device:

@@ -48,9 +48,12 @@ class Worker(WorkerBase):
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
-        """Seed torch with ``config.model.seed`` and build the model runner on
-        ``self.device``; torch's thread count is left as it is."""
+        """Seed torch with ``config.model.seed``, take the platform's tensor-parallel
+        all-reduce (``parallel_state.init_tp_communicator``: collective, with TP > 1 only)
+        and build the model runner on ``self.device``; torch's thread count is left as it
+        is. A subclass sets its device up before calling it."""
         torch.manual_seed(self.config.model.seed)
+        parallel_state.init_tp_communicator(self.platform, self.device)
         self.model_runner = ModelRunner(self.config, self.device)
 
     @property

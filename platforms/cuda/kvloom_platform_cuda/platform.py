@@ -24,8 +24,9 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch.distributed import ProcessGroup
 
-from kvloom.interfaces import BackendCandidate, DeviceCapability, EngineConfig, Platform, WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, EngineConfig, Platform, TPCommunicator, WorkerBase
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -127,6 +128,23 @@ class CudaPlatform(Platform):
         from kvloom_platform_cuda.worker import CUDAWorker
 
         return CUDAWorker
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size > 1:
+            from kvloom_platform_cuda.symm_mem_allreduce import max_bytes_from_env
+
+            max_bytes_from_env()  # a bad KVLOOM_SYMM_MEM_MAX_BYTES fails here, before any rank starts
+
+    @classmethod
+    def make_tp_communicator(cls, group: ProcessGroup, device: torch.device) -> TPCommunicator:
+        """PyTorch symmetric memory's one-shot all-reduce for the small messages (decode)
+        when the ranks' GPUs can map each other's memory, NCCL for the rest; NCCL for
+        everything, with a warning naming why, when they cannot
+        (``kvloom_platform_cuda.symm_mem_allreduce``)."""
+        from kvloom_platform_cuda.symm_mem_allreduce import make_communicator
+
+        return make_communicator(group, device)
 
     @classmethod
     def custom_ops(cls, config: EngineConfig) -> dict[str, Callable[..., object]]:
