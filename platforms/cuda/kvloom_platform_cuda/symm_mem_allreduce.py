@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -81,6 +82,14 @@ class SymmMemCommunicator(TPCommunicator):
 
         self.group_name: str = group.group_name
         self.max_bytes = max_bytes
+        # torch's default allocation backend (no set_backend: torch 2.11 registers its CUDA
+        # allocator under no name set_backend accepts). Older torch needs the group
+        # enabled first; newer ones deprecate the call and need nothing.
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(self.group_name):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # its deprecation notice
+                enable(self.group_name)
         # One buffer for every dtype: messages view its first bytes as their dtype.
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
@@ -196,9 +205,6 @@ def make_communicator(group: Any, device: torch.device) -> TPCommunicator:
         os.environ.setdefault(_DISABLE_MULTICAST_ENV, "1")
         failure = None
         try:
-            from torch.distributed import _symmetric_memory as symm_mem
-
-            symm_mem.set_backend("CUDA")
             communicator = SymmMemCommunicator(group, device, max_bytes)
         except Exception as e:  # noqa: BLE001 (torch's C++ setup raises RuntimeError and others; all are reasons)
             failure = f"symmetric-memory rendezvous failed: {type(e).__name__}: {e}"
