@@ -10,7 +10,8 @@ runner and the output processing). Three measurements of the same run:
 2. ``cProfile`` of the whole run: the host functions by their own time (``tottime``) and
    by cumulative time, per step;
 3. ``torch.profiler`` over ``--gpu-steps`` steps: the device's busy time per step (sum of
-   the kernels), i.e. what the step would take if the host were free.
+   the kernels), i.e. what the step would take if the host were free and the kernels ran
+   back to back, and the kernels and copies per step (each adds a launch gap).
 
     python benchmarks/profile_step.py --out $OUT [--batch 64] [--engine-args "--attention-backend TRITON_ATTN"]
 
@@ -247,7 +248,11 @@ def main() -> int:
                 engine.step()
             torch.cuda.synchronize()
             profiled_wall = time.perf_counter() - t0
-        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        device_ops = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        kernel_us = sum(e.self_device_time_total for e in device_ops)
+        # Kernels and copies the device ran (graph nodes count one each): at small batches
+        # each costs ~1 us of launch gap on top of its own time, which "busy" omits.
+        device_launches = sum(e.count for e in device_ops)
         kernels = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top)
         while engine.has_unfinished_requests():
             engine.step()
@@ -263,6 +268,7 @@ def main() -> int:
         "wall_per_step_ms": 1000 * wall / steps,
         "profiled_wall_per_step_ms": 1000 * profiled_wall / args.gpu_steps,
         "device_busy_per_step_ms": kernel_us / 1000 / args.gpu_steps,
+        "device_ops_per_step": device_launches / args.gpu_steps,
     }  # fmt: skip
     (out / f"profile_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + kernels + "\n\n" + text.getvalue())
     print(json.dumps(result, indent=2))

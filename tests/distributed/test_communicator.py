@@ -170,6 +170,7 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
         os.environ["KVLOOM_ALLREDUCE"] = "auto"
         parallel_state.init_tp_communicator(_RecordingPlatform, torch.device("cpu"))
         last = parallel_state.tp_communicator()
+        dist.barrier()  # both ranks done before either tears the group down (gloo can abort the other)
     finally:
         parallel_state.destroy_tensor_parallel()
     seen["closed_on_destroy"] = isinstance(last, _RecordingCommunicator) and last.closed

@@ -72,6 +72,14 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _leave() -> None:
+    """Leave the gloo group once both ranks got here: a rank that tears its group down
+    while the other still talks to it can abort the other (seen once in CI: SIGABRT,
+    "terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _rank_main(rank: int, store: str, out_dir: str, mode: str) -> None:
     os.environ["KVLOOM_ALLREDUCE"] = mode
     records = _Records()
@@ -87,7 +95,7 @@ def _rank_main(rank: int, store: str, out_dir: str, mode: str) -> None:
     except RuntimeError as e:
         seen["error"] = str(e)
     finally:
-        dist.destroy_process_group()
+        _leave()
     seen["warnings"] = records.messages
     Path(out_dir, f"{rank}.json").write_text(json.dumps(seen))
 
@@ -139,7 +147,7 @@ def _compiled_rank_main(rank: int, store: str, out_dir: str) -> None:
         comm.close()
         seen["unregistered"] = comm.group_name not in symm_mem_allreduce._BY_GROUP
     finally:
-        dist.destroy_process_group()
+        _leave()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(seen))
 
 
