@@ -3,7 +3,7 @@
 
 Llama-3-8B shape with random (dummy) bf16 weights, context 1024, batch 1, 16, 64, 256.
 For each batch and mode (``graphs``: the default ``-O2``, i.e. full decode graphs (of a compiled
-model where the platform compiles by default; on CUDA compilation is opt-in); ``eager``; options appended with ``+``: ``+async`` for async scheduling,
+model where the platform compiles by default, as CUDA does); ``eager``; options appended with ``+``: ``+async`` for async scheduling,
 ``+noops`` for ``--custom-ops none``, i.e. plain torch layer math instead of the platform's
 fused kernels, ``+nocompile`` for ``--no-torch-compile``: an eager model in full graphs, ``+compile`` for
 ``--torch-compile``, ``+tpN`` for tensor
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import measure_copy_bandwidth, measure_read_bandwidth
-from run_spec import parse_run_spec
+from run_spec import parse_run_spec, torch_compile_option
 
 # Llama-3-8B
 V, H, I, L, NH, NKV, HD = 128256, 4096, 14336, 32, 32, 8, 128
@@ -170,8 +170,10 @@ def main() -> None:
                 raise SystemExit(f"{e}; the mode is graphs or eager") from None
             if base not in ("graphs", "eager"):
                 raise SystemExit(f"unknown mode {mode!r}: graphs or eager, optionally +async, +noops, +nocompile, +compile, +tpN")
-            if {"compile", "nocompile"} <= options:
-                raise SystemExit(f"mode {mode!r}: +compile and +nocompile contradict each other (allowed: one of them)")
+            try:
+                torch_compile = torch_compile_option(mode, options)
+            except ValueError as e:
+                raise SystemExit(f"mode {e}") from None
             llm = LLM(
                 str(model_dir),
                 load_format="dummy",
@@ -184,7 +186,7 @@ def main() -> None:
                 gpu_memory_utilization=0.9,
                 async_scheduling="async" in options,
                 custom_ops="none" if "noops" in options else None,
-                torch_compile=False if "nocompile" in options else (True if "compile" in options else None),
+                torch_compile=torch_compile,
                 disable_log_stats=True,  # as recorded: LLM kept stats off by default then
                 tensor_parallel_size=tensor_parallel_size,
             )

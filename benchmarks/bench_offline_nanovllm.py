@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_limits import measure_copy_bandwidth
-from run_spec import parse_run_spec
+from run_spec import parse_run_spec, torch_compile_option
 
 # Qwen3-0.6B
 V, H, I, L, NH, NKV, HD = 151936, 1024, 3072, 28, 16, 8, 128
@@ -108,8 +108,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
     from kvloom import LLM, SamplingParams
 
     backend, options, tensor_parallel_size = parse_run_spec(spec, ("async", "noops", "compile", "nocompile"))
-    if {"compile", "nocompile"} <= options:
-        raise ValueError(f"{spec!r}: +compile and +nocompile contradict each other; give one")
+    torch_compile = torch_compile_option(spec, options)
 
     start = time.perf_counter()
     llm = LLM(
@@ -127,7 +126,7 @@ def run_kvloom(model_dir: Path, spec: str, prompts: list[list[int]], out_lens: l
         disable_log_stats=True,  # as recorded: LLM kept stats off by default then
         custom_ops="none" if "noops" in options else "all",
         tensor_parallel_size=tensor_parallel_size,
-        torch_compile=True if "compile" in options else False if "nocompile" in options else None,
+        torch_compile=torch_compile,
     )
     init_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)

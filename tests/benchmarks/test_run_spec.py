@@ -23,3 +23,13 @@ def test_name_options_and_tensor_parallel_size() -> None:
 def test_unknown_options_name_the_allowed_ones(spec: str) -> None:
     with pytest.raises(ValueError, match=r"allowed: \+async, \+noops, one \+tpN"):
         run_spec.parse_run_spec(spec, ("async", "noops"))
+
+
+@pytest.mark.parametrize(("options", "expected"), [({"compile"}, True), ({"nocompile"}, False), ({"async"}, None)])
+def test_the_compile_options_set_torch_compile(options: set[str], expected: bool | None) -> None:
+    assert run_spec.torch_compile_option("X", options) is expected
+
+
+def test_compile_and_nocompile_together_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"'X\+compile\+nocompile': \+compile and \+nocompile contradict"):
+        run_spec.torch_compile_option("X+compile+nocompile", {"compile", "nocompile"})
