@@ -386,7 +386,7 @@ class ModelRunner:
             device=logits.device,
             eos_token_ids=[None] * num_reqs,
         )
-        self.sampler(logits.float(), metadata)
+        self.sampler(logits, metadata)  # it casts to float32 itself, as on every step
 
     @staticmethod
     def _warm_up_random_sample(logits: torch.Tensor, num_reqs: int) -> None:
