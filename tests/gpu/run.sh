@@ -290,8 +290,10 @@ for i in "${!stages[@]}"; do
     allreduce-decode)
       for mode in nccl auto; do
         log "allreduce-decode: KVLOOM_ALLREDUCE=$mode"
+        mkdir -p "$OUT/allreduce/decode_$mode"  # the whole log kept: its workers name the all-reduce they use
         KVLOOM_ALLREDUCE=$mode python3 benchmarks/bench_decode_roofline.py --out "$OUT/allreduce/decode_$mode" \
-          --backend TRITON_ATTN --batches 1,16,64 --modes graphs+async+tp2 2>&1 | tail -8
+          --backend TRITON_ATTN --batches 1,16,64 --modes graphs+async+tp2 2>&1 \
+          | tee "$OUT/allreduce/decode_$mode/log.txt" | grep -E "all-reduce through|graphs\+|step ms" | tail -8
       done ;;
     peers-stash) bash benchmarks/peers/vllm/stash_install.sh || log "peers-stash failed" ;;
     peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
