@@ -112,6 +112,46 @@ def test_threads_wrap_around_with_decode_in_place() -> None:
     writer.close()
 
 
+class _WriterTakesBackOnFirstLook:
+    """The ring's buffer as one reader sees it, with the writer taking chunk 0 back (its
+    first two stores: the written byte, then the read bytes) right after the reader first
+    loads chunk 0's written byte: the interleaving that let a reader read data still
+    being written (seen in CI as a corrupted message)."""
+
+    def __init__(self, buf: memoryview, written: int, n_readers: int) -> None:
+        self.buf, self.written, self.n_readers, self.fired = buf, written, n_readers, False
+
+    def __getitem__(self, index: object) -> object:
+        value = self.buf[index]
+        if index == self.written and not self.fired:
+            self.fired = True
+            self.buf[self.written] = 0
+            self.buf[self.written + 1 : self.written + 1 + self.n_readers] = bytes(self.n_readers)
+        return value
+
+    def __setitem__(self, index: object, value: object) -> None:
+        self.buf[index] = value
+
+
+def test_a_reader_back_at_a_chunk_waits_for_the_new_round_to_be_published() -> None:
+    writer = ShmBroadcastWriter(1, n_chunks=2, chunk_bytes=64)
+    reader = ShmBroadcastReader(writer.handle, 0)
+    try:
+        for i in range(2):  # a full round: both chunks written and read
+            writer.enqueue(bytes([i]))
+            assert reader.dequeue(timeout=5) == bytes([i])
+        # Back at chunk 0: written and read a round ago. The writer starts the next round
+        # there; its data are not published (written byte 0) when the reader looks again.
+        ring = reader._ring
+        ring.buf = _WriterTakesBackOnFirstLook(ring.buf, ring.flags(0), 1)  # type: ignore[assignment]
+        with pytest.raises(TimeoutError, match="broadcast reader 0: no message"):
+            reader.dequeue(timeout=0.2)
+    finally:
+        reader._ring.buf = reader._ring.shm.buf
+        reader.close()
+        writer.close()
+
+
 def test_full_ring_waits_reports_the_lagging_reader_and_times_out() -> None:
     writer = ShmBroadcastWriter(2, n_chunks=2, chunk_bytes=64)
     readers = [ShmBroadcastReader(writer.handle, r) for r in range(2)]

@@ -17,7 +17,8 @@ length (8 bytes, little endian) and then the message. A message longer than
 Protocol. The writer fills chunk ``w`` once it is free (never written, or read by every
 reader): it clears the written byte, clears the read bytes, writes the data and then sets
 the written byte. Reader ``r`` waits at its chunk until the written byte is set and its
-own read byte is not, reads the data, sets its read byte and moves to the next chunk.
+own read byte is not (it loads its read byte first: see ``dequeue``), reads the data,
+sets its read byte and moves to the next chunk.
 Each flag has one writer at a time, so no lock is needed; the data are stored before
 the flag that publishes them (x86 keeps stores in order; like vLLM's ring this relies
 on it, and on CPython not reordering the byte stores).
@@ -291,7 +292,11 @@ class ShmBroadcastReader:
         flags = ring.flags(chunk)
         mine = flags + 1 + self.reader
         waiter = _Waiter(self._spin_s, timeout, f"broadcast reader {self.reader}: no message")
-        while not buf[flags] or buf[mine]:
+        # Own read byte first, then the written byte: the writer takes a chunk back by
+        # clearing the written byte and then the read bytes. Read the other way round, a
+        # reader back at a chunk it read a round ago could see the old round's written
+        # byte, then its read byte just cleared, and read data still being written.
+        while buf[mine] or not buf[flags]:
             waiter.wait(alive)
         start = ring.data(chunk)
         (size,) = _LENGTH.unpack_from(buf, start)
