@@ -294,7 +294,7 @@ class PagedRunner:
                 torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
             )
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden).float()
         return {req: logits[query_start[i] : query_start[i + 1]] for i, req in enumerate(scheduled)}
 
 

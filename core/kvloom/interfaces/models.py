@@ -5,7 +5,8 @@ A model class is registered by a general plugin (``ModelRegistry.register_model`
 ``register()`` function or a ``kvloom_register_models`` hook) and built as
 ``Model(config: EngineConfig, prefix: str = "")`` on the target device in the run dtype.
 It implements ``forward(input_ids [N], positions [N]) -> hidden [N, hidden_size]``,
-``compute_logits(hidden [M, hidden_size]) -> logits [M, vocab]`` and
+``compute_logits(hidden [M, hidden_size]) -> logits [M, vocab]`` (any float dtype: the
+sampler computes in float32 where it needs to) and
 ``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]`` (the HF names it
 loaded); ``docs/plugins.md`` says what each layer expects. Its attention layers are
 ``Attention`` modules built with ``config.attention.backend``, the backend the engine

@@ -270,7 +270,7 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 class LlamaForCausalLM(nn.Module):
     """kvloom's model contract: ``forward(input_ids [N], positions [N]) -> hidden [N, H]``,
-    ``compute_logits(hidden [M, H]) -> float32 [M, vocab]``, ``load_weights`` by HF names."""
+    ``compute_logits(hidden [M, H]) -> [M, vocab]`` (model dtype), ``load_weights`` by HF names."""
 
     stacked_params = LLAMA_STACKED_PARAMS
     """(merged parameter, HF name, shard) for the fused q/k/v and gate/up projections."""
@@ -317,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[M, vocab]`` of the hidden states the sampler needs."""
+        """Logits ``[M, vocab]`` (model dtype) of the hidden states the sampler needs."""
         return self.lm_head(hidden_states)
 
     def checkpoint_tensor_elsewhere(self, name: str) -> bool:

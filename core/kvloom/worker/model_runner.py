@@ -704,6 +704,9 @@ class ModelRunner:
         self, step: _UnsampledStep, rows: dict[str, int], bitmask: torch.Tensor | None
     ) -> AsyncModelRunnerOutput:
         if bitmask is not None and step.logits is not None:
+            # Masked in float32, the dtype every grammar kernel takes (the LM head gives the
+            # model dtype); only steps with structured requests pay for the copy.
+            step.logits = step.logits.float()
             apply_grammar_bitmask(step.logits, step.batch.req_ids, rows, bitmask)
         return self._postprocess(step.batch, step.logits, step.hidden)
 

@@ -114,7 +114,7 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(nn.Module):
     """kvloom's model contract: ``forward(input_ids, positions) -> hidden``,
-    ``compute_logits(hidden) -> float32 logits``, ``load_weights`` by HF names."""
+    ``compute_logits(hidden) -> logits`` (model dtype), ``load_weights`` by HF names."""
 
     stacked_params = LLAMA_STACKED_PARAMS
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)
