@@ -166,7 +166,9 @@ class PiecewiseBackend:
             return piece
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(piece, list(args))
+        from kvloom.compilation.inductor_passes import inductor_config_patches
+
+        return compile_fx(piece, list(args), config_patches=inductor_config_patches())
 
 
 def _as_function(runnable: Callable[..., Any], name: str) -> Callable[..., Any]:
