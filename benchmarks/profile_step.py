@@ -30,6 +30,13 @@ the argmax over a real vocabulary cost tens of ms per step, and no host code dep
 it for greedy decoding.
 
     python benchmarks/profile_step.py --host-only --batch 64 --input-len 128 --vocab-size 1024 --out DIR
+
+``--prefill`` profiles prefill steps instead: ``--batch`` prompts of ``--input-len`` tokens
+with one output token each (16 x 1024 fills the nano-vllm workload's 16,384-token budget in one
+step), timed three times (wall per ``generate``) and then profiled once, with the step's
+projection FLOPs at the GEMM rate as its yardstick.
+
+    python benchmarks/profile_step.py --prefill --batch 16 --input-len 1024 --out DIR
 """
 
 from __future__ import annotations
@@ -186,6 +193,46 @@ def host_only(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def prefill_only(args: argparse.Namespace, out: Path) -> int:
+    """The ``--prefill`` measurement (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
+        llm = LLM(**engine_kwargs(args.engine_args, model_dir) | {"max_num_batched_tokens": 16384})
+        freeze_gc_heap()
+        prompts = [{"prompt_token_ids": [100 + (7 * i + 3 * j) % 9000 for j in range(args.input_len)]}
+                   for i in range(args.batch)]  # fmt: skip
+        params = SamplingParams(temperature=args.temperature, max_tokens=1, ignore_eos=True)
+        walls = []
+        for _ in range(4):  # the first is a warm-up (new shapes: autotuning, Inductor's kernels)
+            llm.llm_engine.reset_prefix_cache()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+        llm.llm_engine.reset_prefix_cache()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        device_ops = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        busy_ms = sum(e.self_device_time_total for e in device_ops) / 1000
+        kernels = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top)
+    tokens = args.batch * args.input_len
+    from bench_offline_nanovllm import H, HD, I, L, NH, NKV
+
+    projection_flops = 2 * tokens * L * (H * (NH + 2 * NKV) * HD + NH * HD * H + 3 * H * I)
+    result = {
+        "prefill_tokens": tokens, "batch": args.batch, "input_len": args.input_len, "engine_args": args.engine_args,
+        "gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "wall_ms": [1000 * w for w in walls[1:]], "warmup_wall_ms": 1000 * walls[0], "device_busy_ms": busy_ms,
+        "device_ops": sum(e.count for e in device_ops), "projection_tflop": projection_flops / 1e12,
+    }  # fmt: skip
+    (out / f"prefill_{args.batch}x{args.input_len}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + kernels)
+    print(json.dumps(result, indent=2))
+    print(kernels)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
@@ -197,6 +244,7 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of the profiled requests (0: greedy; nano-vllm's workload uses 0.6)")
+    parser.add_argument("--prefill", action="store_true", help="profile prefill steps instead (see above)")
     parser.add_argument("--host-only", action="store_true", help="the host work on the CPU, tiny model (see above)")
     parser.add_argument("--steps", type=int, default=200, help="--host-only: decode steps per timed stretch")
     parser.add_argument("--repeats", type=int, default=3, help="--host-only: timed stretches")
@@ -206,6 +254,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.host_only:
         return host_only(args, out)
+    if args.prefill:
+        return prefill_only(args, out)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
         llm = LLM(**engine_kwargs(args.engine_args, model_dir))

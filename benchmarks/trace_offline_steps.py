@@ -137,21 +137,23 @@ def summarize(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/kvloom-bench"))
-    parser.add_argument("--backend", default="TRITON_ATTN+async", help="NAME[+async][+compile]")
+    parser.add_argument("--backend", default="TRITON_ATTN+async",
+                        help="NAME[+async][+compile][+ops|+noops] (+ops / +noops: --custom-ops all / none; neither: the default)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
 
     from kvloom import LLM, SamplingParams
 
-    backend, options, _ = parse_run_spec(args.backend, ("async", "compile"))
+    backend, options, _ = parse_run_spec(args.backend, ("async", "compile", "ops", "noops"))
+    custom_ops = {"all"} if "ops" in options else {"none"} if "noops" in options else set()
     prompts, out_lens = workload(args.num_seqs)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
         llm = LLM(str(model), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=4096,
                   attention_backend=backend, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling="async" in options, torch_compile=True if "compile" in options else None,
-                  disable_log_stats=True)  # fmt: skip
+                  disable_log_stats=True, **({"custom_ops": custom_ops.pop()} if custom_ops else {}))  # fmt: skip
         warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:8]], warm, use_tqdm=False)
         trace = StepTrace(llm.llm_engine.engine_core.core)
