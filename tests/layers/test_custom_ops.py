@@ -75,3 +75,33 @@ def test_loader_activates_the_platforms_ops_unless_none(monkeypatch, setting):
     assert len(out[0].outputs[0].token_ids) == 4
     assert bool(seen) == (setting == "all")
     assert SiluAndMul.forward is native
+
+
+def test_qwen3_attention_calls_qk_norm_rotary_once_a_layer(monkeypatch):
+    """With the platform's ``qk_norm_rotary`` active, Qwen3's attention hands it the query
+    and key heads of the fused projection (a strided view), both norm weights and eps; an
+    op computing the torch code gives the torch path's tokens."""
+    from kvloom.layers.rotary import qk_norm_rotary_torch
+
+    platform = _platform_cls()
+    calls = []
+
+    def qk_norm_rotary(x, q_weight, k_weight, num_q_heads, eps, cos, sin):
+        calls.append((tuple(x.shape), x.is_contiguous(), num_q_heads, eps))
+        return qk_norm_rotary_torch(x, q_weight, k_weight, num_q_heads, eps, cos, sin)
+
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched platform lives in this process
+    prompt, params = {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=6)
+    model = str(tiny_model_dir("qwen3"))
+    native = LLM(model, dtype="float32", kv_cache_memory="32MiB", custom_ops="none").generate(prompt, params,
+                                                                                           use_tqdm=False)  # fmt: skip
+    monkeypatch.setattr(platform, "custom_ops", classmethod(lambda cls, config: {"qk_norm_rotary": qk_norm_rotary}))
+    llm = LLM(model, dtype="float32", kv_cache_memory="32MiB", custom_ops="all")
+    out = llm.generate(prompt, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == native[0].outputs[0].token_ids
+    hf = llm.config.model.hf_config
+    layers = hf.num_hidden_layers
+    assert len(calls) >= layers and len(calls) % layers == 0
+    shape, contiguous, num_q_heads, eps = calls[0]
+    assert shape[1:] == (hf.num_attention_heads + hf.num_key_value_heads, hf.head_dim) and not contiguous
+    assert (num_q_heads, eps) == (hf.num_attention_heads, hf.rms_norm_eps)

@@ -36,6 +36,12 @@ def _args(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     if name == "rotary_qk":
         angles = torch.rand(7, 1, 16, generator=g) * 6
         return randn(7, 5, 32), angles.cos().to(dtype), angles.sin().to(dtype)
+    if name == "qk_norm_rotary":  # 3 query heads then 2 key heads, a view of a fused qkv output
+        angles = torch.rand(7, 1, 16, generator=g) * 6
+        qkv = randn(7, 6 * 32, scale=3.0)
+        heads = qkv[:, : 5 * 32].view(7, 5, 32)
+        return heads, 1 + randn(32, scale=0.1), 1 + randn(32, scale=0.1), 3, 1e-6, angles.cos().to(dtype), \
+            angles.sin().to(dtype)
     if name == "random_sample":  # 3 sampled rows (two temperatures far from 1) and a greedy one
         logits = randn(4, 24, scale=2.0)
         logits[1, 5] = float("-inf")  # a masked token: probability 0
@@ -70,6 +76,39 @@ def test_the_references_are_what_the_layers_run() -> None:
     assert torch.equal(SiluAndMul()(gate_up), custom_op_reference("silu_and_mul")(gate_up))
     heads, cos, sin = _args("rotary_qk", torch.bfloat16)
     assert torch.equal(RotaryEmbedding.rotate_heads(heads, cos, sin), custom_op_reference("rotary_qk")(heads, cos, sin))
+
+
+def test_qk_norm_rotary_is_what_qwen3_attention_runs() -> None:
+    """The layer's own path (q_norm, k_norm, cat, rotation) equals the op's torch code."""
+    x, q_weight, k_weight, num_q, eps, cos, sin = _args("qk_norm_rotary", torch.bfloat16)
+    q_norm, k_norm = RMSNorm(32, eps=eps).to(torch.bfloat16), RMSNorm(32, eps=eps).to(torch.bfloat16)
+    q_norm.weight.data.copy_(q_weight)
+    k_norm.weight.data.copy_(k_weight)
+    layer_path = RotaryEmbedding.rotate_heads(torch.cat((q_norm(x[:, :num_q]), k_norm(x[:, num_q:])), dim=1), cos, sin)
+    assert torch.equal(layer_path, custom_op_reference("qk_norm_rotary")(x, q_weight, k_weight, num_q, eps, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_qk_norm_rotary_with_a_norm_summed_in_another_order_passes(dtype: torch.dtype) -> None:
+    from kvloom.layers.rotary import rotary_qk_torch
+
+    def qk_norm_rotary(x, q_weight, k_weight, num_q, eps, cos, sin):  # type: ignore[no-untyped-def]
+        def norm(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            h64 = h.double()
+            return w * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)).float().to(h.dtype)
+
+        return rotary_qk_torch(torch.cat((norm(x[:, :num_q], q_weight), norm(x[:, num_q:], k_weight)), dim=1), cos, sin)
+
+    report = check_custom_op("qk_norm_rotary", qk_norm_rotary, *_args("qk_norm_rotary", dtype))
+    assert report["passed"] and report["max_rel"] <= 2.5e-2
+
+
+def test_qk_norm_rotary_with_the_weights_swapped_fails() -> None:
+    def swapped(x, q_weight, k_weight, num_q, eps, cos, sin):  # type: ignore[no-untyped-def]
+        return custom_op_reference("qk_norm_rotary")(x, k_weight, q_weight, num_q, eps, cos, sin)
+
+    with pytest.raises(AssertionError, match=r"qk_norm_rotary: .* \(relative\) from the torch code; allowed"):
+        check_custom_op("qk_norm_rotary", swapped, *_args("qk_norm_rotary", torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

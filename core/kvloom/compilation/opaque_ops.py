@@ -69,6 +69,22 @@ def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+@torch.library.custom_op("kvloom_layer::qk_norm_rotary", mutates_args=())
+def qk_norm_rotary(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    return _call("qk_norm_rotary", x, q_weight, k_weight, num_q_heads, eps, cos, sin)  # type: ignore[return-value]
+
+
+@qk_norm_rotary.register_fake
+def _(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 @torch.library.custom_op("kvloom_layer::fused_moe", mutates_args=())
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -90,6 +106,7 @@ OPAQUE_OPS: dict[str, Callable[..., object]] = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "silu_and_mul": silu_and_mul,
     "rotary_qk": rotary_qk,
+    "qk_norm_rotary": qk_norm_rotary,
     "fused_moe": fused_moe,
 }
 

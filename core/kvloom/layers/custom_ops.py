@@ -11,7 +11,10 @@ Contract for a replacement: same signature, new output tensors (inputs untouched
 the torch code's results for the dtypes the platform enables it for: bit-identical for
 ``silu_and_mul``, ``rotary_qk`` and the residual sum of ``fused_add_rms_norm``; the norms
 within 2 ulp in float16/bfloat16 (the squares may be summed in another order) and 1e-5
-relative in float32. ``lora_delta`` and ``fused_moe`` are the exceptions: ``fused_moe``
+relative in float32; ``qk_norm_rotary``, a norm and a rotation, within
+``QK_NORM_ROTARY_TOLERANCES`` (``kvloom.testing.reference``) of its torch code, relative to the
+largest value (the norm's ulps carried through the rotation). ``lora_delta`` and
+``fused_moe`` are the exceptions: ``fused_moe``
 (grouped GEMMs over the experts) matches its float64 definition to the dtype's
 tolerance, as its torch code does. ``lora_delta``: it may add the update to ``y`` in
 place (the layer's fresh output) and return it, and it sums in another order than the
@@ -40,6 +43,9 @@ OP_SIGNATURES: dict[str, str] = {
     "fused_add_rms_norm": "(x, residual, weight, eps) -> (normed, x + residual)",
     "silu_and_mul": "(x [.., 2d]) -> silu(x[.., :d]) * x[.., d:]",
     "rotary_qk": "(x [N, heads, D], cos [N, 1, D/2], sin [N, 1, D/2]) -> rotated contiguous copy",
+    "qk_norm_rotary": "(x [N, heads, D], q_weight [D], k_weight [D], num_q_heads, eps, cos [N, 1, D/2], "
+    "sin [N, 1, D/2]) -> contiguous [N, heads, D]: each head RMS-normalised (q_weight on the first num_q_heads, "
+    "k_weight on the rest), then rotated as rotary_qk (Qwen3's q_norm / k_norm before RoPE)",
     "lora_delta": "(x [T, in], y [T, out], lora_a [S, R, in], lora_b [S, out, R], mapping: LoRAMapping) -> y plus "
     "each token's (x @ A[slot].T) @ B[slot].T (kvloom.lora.ops; may update y in place)",
     "fused_moe": "(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int32) "

@@ -43,6 +43,21 @@ def rotary_qk_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def qk_norm_rotary_torch(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    """The torch code of the ``qk_norm_rotary`` op (Qwen3's attention input): ``x [N,
+    heads, D]`` holds the query heads, then the key heads; each group is RMS-normalised per
+    head (``q_weight`` / ``k_weight``, HF's ``q_norm`` / ``k_norm``), then both are rotated
+    as ``rotary_qk``. Returns a new contiguous ``[N, heads, D]``."""
+    from kvloom.layers.layernorm import rms_norm_torch
+
+    q = rms_norm_torch(x[:, :num_q_heads], q_weight, eps)
+    k = rms_norm_torch(x[:, num_q_heads:], k_weight, eps)
+    return rotary_qk_torch(torch.cat((q, k), dim=1), cos, sin)
+
+
 def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The model's RoPE parameters as one flat dict with ``rope_type`` and ``rope_theta``.
 

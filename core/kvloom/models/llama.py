@@ -36,6 +36,7 @@ from kvloom.config import EngineConfig
 from kvloom.distributed import parallel_state
 from kvloom.distributed.pipeline import IntermediateTensors, PPMissingLayer, stage_layer_range
 from kvloom.layers.activation import get_gated_activation
+from kvloom.layers.custom_ops import get_custom_op
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
@@ -120,14 +121,18 @@ class LlamaAttention(nn.Module):
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
+        # Query and key heads are adjacent in the fused output: rotate them in one pass.
+        heads = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None or self.k_norm is None:
+            qk = RotaryEmbedding.rotate_heads(heads, *cos_sin)
+        elif self.q_norm.fused and self.k_norm.fused and (op := get_custom_op("qk_norm_rotary")) is not None:
+            # Norms and rotation in one kernel (qk_norm_rotary_torch is the code below; a
+            # norm subclass with its own formula, fused = False, keeps that code).
+            qk = op(heads, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps, *cos_sin)
+        else:
             q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-            qk = torch.cat((q, k), dim=1)
-        else:
-            # Query and key heads are adjacent in the fused output: rotate them in one pass.
-            qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.rotate_heads(qk, *cos_sin)
+            qk = RotaryEmbedding.rotate_heads(torch.cat((q, k), dim=1), *cos_sin)
         # q and k are strided views of qk, v of qkv: backends must honour strides.
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v)

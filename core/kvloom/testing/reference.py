@@ -594,6 +594,11 @@ LORA_DELTA_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.fl
 #: Relative tolerance (max |op - float64 definition| / max |float64 definition|) of the
 #: ``fused_moe`` op, by dtype; the torch code rounds every GEMM output and the SiLU product
 #: to the dtype (fp32 ~1e-6, fp16 ~1e-3, bf16 ~8e-3 on random experts).
+#: ``qk_norm_rotary``'s largest distance from its torch code, relative to the largest
+#: value: the norm's two ulp (see ``NORM_MAX_ULP``) of both rotated halves plus the
+#: rotation's own rounding.
+QK_NORM_ROTARY_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 3e-3,
+                                                       torch.bfloat16: 2.5e-2}  # fmt: skip
 FUSED_MOE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 #: ``random_sample``: draws per sampled row (default of ``check_custom_op``'s ``draws``),
@@ -620,7 +625,8 @@ def custom_op_reference(name: str) -> Any:
     ``kvloom.interfaces.CUSTOM_OP_SIGNATURES``) replaces: what the layers compute with
     ``--custom-ops none``, with the op's own signature. ``rms_norm`` and
     ``fused_add_rms_norm`` are ``RMSNorm``'s, ``silu_and_mul`` is ``SiluAndMul``'s,
-    ``rotary_qk`` is ``RotaryEmbedding.rotate_heads``', ``lora_delta`` the grouped LoRA
+    ``rotary_qk`` is ``RotaryEmbedding.rotate_heads``', ``qk_norm_rotary`` Qwen3's
+    ``q_norm``/``k_norm`` and rotation (``LlamaAttention``), ``lora_delta`` the grouped LoRA
     GEMMs (its float64 definition is ``lora_delta_reference``) and ``fused_moe`` the
     per-expert GEMMs of ``FusedMoE`` (float64 definition: ``fused_moe_reference``) and
     ``random_sample`` the sampler's temperature sampling (``random_sample_torch``: a random
@@ -630,7 +636,7 @@ def custom_op_reference(name: str) -> Any:
     from kvloom.layers.custom_ops import OP_SIGNATURES
     from kvloom.layers.fused_moe import fused_moe_torch
     from kvloom.layers.layernorm import fused_add_rms_norm_torch, rms_norm_torch
-    from kvloom.layers.rotary import rotary_qk_torch
+    from kvloom.layers.rotary import qk_norm_rotary_torch, rotary_qk_torch
     from kvloom.lora.ops import lora_delta_torch
     from kvloom.sample.sampler import random_sample_torch
 
@@ -639,6 +645,7 @@ def custom_op_reference(name: str) -> Any:
         "fused_add_rms_norm": fused_add_rms_norm_torch,
         "silu_and_mul": silu_and_mul_torch,
         "rotary_qk": rotary_qk_torch,
+        "qk_norm_rotary": qk_norm_rotary_torch,
         "lora_delta": lora_delta_torch,
         "fused_moe": fused_moe_torch,
         "random_sample": random_sample_torch,
@@ -786,6 +793,8 @@ def check_custom_op(name: str, op: Any, *args: Any, draws: int = RANDOM_SAMPLE_D
       the squares in another order: the fp32 variance then differs in its last bit, the
       normalised value by one ulp, the product with the weight by up to two; kvloom's CUDA
       kernels do), at most ``NORM_FP32_MAX_REL`` (1e-5) relative in float32;
+    - ``qk_norm_rotary``: within ``QK_NORM_ROTARY_TOLERANCES[dtype]`` (relative to the
+      largest value) of the torch code (a norm, as above, then ``rotary_qk``);
     - ``lora_delta``: within ``LORA_DELTA_TOLERANCES[dtype]`` (relative to the largest
       value) of the float64 definition ``lora_delta_reference``; rows of tokens without
       an adapter (slot 0) are ``y`` exactly;
@@ -842,6 +851,11 @@ def check_custom_op(name: str, op: Any, *args: Any, draws: int = RANDOM_SAMPLE_D
                 assert ulp <= NORM_MAX_ULP, (
                     f"{name}: {label} is {ulp} ulp from the torch code; {got_c.dtype} allows at most {NORM_MAX_ULP}"
                 )
+        elif name == "qk_norm_rotary":
+            rel = ((got_c.double() - want_c.double()).abs().max() / want_c.double().abs().max().clamp_min(1e-30)).item()
+            report["max_rel"] = rel
+            tolerance = QK_NORM_ROTARY_TOLERANCES.get(got_c.dtype, 1e-5)
+            assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from the torch code; allowed {tolerance}"
         elif name == "lora_delta":
             x, y, lora_a, lora_b, mapping = before
             definition = lora_delta_reference(x, y, lora_a, lora_b, mapping.token_slots.cpu()).cpu()

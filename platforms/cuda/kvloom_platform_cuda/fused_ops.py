@@ -13,6 +13,8 @@ arithmetic as torch's CUDA kernels (IEEE division, CUDA's ``expf``/``rsqrtf`` th
 libdevice with denormals kept, no FMA contraction). Hence
 
 * ``silu_and_mul`` and ``rotary_qk`` are bit-identical to the native torch ops on CUDA;
+* ``qk_norm_rotary`` normalises each head as the norms below do (within two ulp) and
+  rotates the normalised values exactly as ``rotary_qk``;
 * ``rms_norm`` and ``fused_add_rms_norm`` sum the squares in another order than torch's
   reduction kernel, so the fp32 variance may differ in its last bit. After rounding to
   the 16-bit dtype the normalised value ``(x * rsqrt(var + eps)).to(dtype)`` is within one
@@ -38,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_qk", "silu_and_mul"]
+__all__ = ["fused_add_rms_norm", "qk_norm_rotary", "rms_norm", "rotary_qk", "silu_and_mul"]
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # One program holds a whole row for the norms; past this the block would not fit in registers.
@@ -155,13 +157,16 @@ def _silu_and_mul_kernel(
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    x_ptr, cos_ptr, sin_ptr, out_ptr, qw_ptr, kw_ptr,
     x_tok_stride, x_head_stride, cos_tok_stride, cos_col_stride, sin_tok_stride, sin_col_stride,
-    num_heads, HALF,
-    DTYPE: tl.constexpr, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    num_heads, num_q_heads, HALF, inv_q, inv_k, eps,
+    NORM: tl.constexpr, DTYPE: tl.constexpr, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Grid (tokens, cdiv(heads, HEADS_BLOCK)): rotate a [HEADS_BLOCK, D] tile of one token
-    ("rotate half" layout) into the contiguous output [tokens, heads, 2 * HALF]."""
+    ("rotate half" layout) into the contiguous output [tokens, heads, 2 * HALF]. With NORM,
+    each head is first RMS-normalised over its D values (weight qw_ptr on the first
+    num_q_heads heads, kw_ptr on the rest), as ``rms_norm`` does a row."""
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)[:, None]
     cols = tl.arange(0, HALF_BLOCK)[None, :]
@@ -172,6 +177,19 @@ def _rotary_kernel(
     src = x_ptr + tok * x_tok_stride + heads * x_head_stride + cols
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        # rms_norm per head, in torch's roundings (see _rms_norm_kernel): the fp32 sum of
+        # squares times the host's mean factor, rsqrt, the normalised value rounded to
+        # the model dtype, then the product with the weight rounded again.
+        is_q = heads < num_q_heads
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] * tl.where(is_q, inv_q, inv_k)
+        r_std = _rsqrt(var + eps, INTERPRET)
+        qw1 = tl.load(qw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        qw2 = tl.load(qw_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)
+        kw1 = tl.load(kw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        kw2 = tl.load(kw_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x1 = _round(tl.where(is_q, qw1, kw1) * _round(x1 * r_std, DTYPE), DTYPE)
+        x2 = _round(tl.where(is_q, qw2, kw2) * _round(x2 * r_std, DTYPE), DTYPE)
     # torch: every product is its own op stored in the model dtype, then the sum/difference
     # is computed in fp32 and rounded once more: out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin.
     out1 = _round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE)
@@ -331,6 +349,57 @@ def _check_cos_sin(name: str, t: object, x: torch.Tensor, half: int) -> torch.Te
     return t
 
 
+def _rotary_impl(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, int, float] | None,
+) -> torch.Tensor:
+    """``rotary_qk`` (``norm`` None) or ``qk_norm_rotary`` (``norm`` = q_weight, k_weight,
+    num_q_heads, eps): validation and one launch of ``_rotary_kernel``."""
+    _check_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    n, heads, dim = x.shape
+    if dim == 0 or dim % 2:
+        raise ValueError(f"x's head_dim must be even and non-zero, got {dim}")
+    half = dim // 2
+    _check_cos_sin("cos", cos, x, half)
+    _check_cos_sin("sin", sin, x, half)
+    num_q_heads, inv_q, inv_k, eps = heads, 1.0, 1.0, 0.0
+    q_weight = k_weight = cos  # unused without the norm
+    if norm is not None:
+        q_weight, k_weight, num_q_heads, eps = norm
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            _check_like(name, w, x)
+            if w.shape != (dim,):
+                raise ValueError(f"{name} must have shape ({dim},) (x's head_dim), got {tuple(w.shape)}")
+        if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or not 0 <= num_q_heads <= heads:
+            raise ValueError(f"num_q_heads must be an int in 0..{heads} (x's heads), got {num_q_heads!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        q_weight = q_weight if q_weight.stride(0) == 1 else q_weight.contiguous()
+        k_weight = k_weight if k_weight.stride(0) == 1 else k_weight.contiguous()
+        # The torch code normalises the query heads and the key heads as two tensors:
+        # each has its own mean factor (rows / numel).
+        inv_q = _mean_factor(max(n * num_q_heads, 1), dim)
+        inv_k = _mean_factor(max(n * (heads - num_q_heads), 1), dim)
+    _check_device(x)
+    out = torch.empty((n, heads, dim), dtype=x.dtype, device=x.device)
+    if n == 0 or heads == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    half_block = triton.next_power_of_2(half)
+    heads_block = max(1, min(triton.next_power_of_2(heads), _ROTARY_TILE // half_block))
+    _rotary_kernel[(n, triton.cdiv(heads, heads_block))](
+        x, cos, sin, out, q_weight, k_weight,
+        x.stride(0), x.stride(1), cos.stride(0), cos.stride(-1), sin.stride(0), sin.stride(-1),
+        heads, num_q_heads, half, inv_q, inv_k, float(eps),
+        NORM=norm is not None, DTYPE=_TL_DTYPES[x.dtype], HEADS_BLOCK=heads_block, HALF_BLOCK=half_block,
+        INTERPRET=_INTERPRET, num_warps=4, **_LAUNCH_OPTS,
+    )  # fmt: skip
+    return out
+
+
 def rotary_qk(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding ("rotate half" layout, as HF) of ``x [N, heads, D]`` with per-token
     ``cos``/``sin`` ``[N, 1, D // 2]`` (or ``[N, D // 2]``) in x's dtype::
@@ -343,27 +412,18 @@ def rotary_qk(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     they rotate the same way. Returns a new contiguous ``[N, heads, D]``, bit-identical to
     torch on CUDA for 16-bit dtypes.
     """
-    _check_tensor("x", x)
-    if x.dim() != 3:
-        raise ValueError(f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
-    n, heads, dim = x.shape
-    if dim == 0 or dim % 2:
-        raise ValueError(f"x's head_dim must be even and non-zero, got {dim}")
-    half = dim // 2
-    _check_cos_sin("cos", cos, x, half)
-    _check_cos_sin("sin", sin, x, half)
-    _check_device(x)
-    out = torch.empty((n, heads, dim), dtype=x.dtype, device=x.device)
-    if n == 0 or heads == 0:
-        return out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    half_block = triton.next_power_of_2(half)
-    heads_block = max(1, min(triton.next_power_of_2(heads), _ROTARY_TILE // half_block))
-    _rotary_kernel[(n, triton.cdiv(heads, heads_block))](
-        x, cos, sin, out,
-        x.stride(0), x.stride(1), cos.stride(0), cos.stride(-1), sin.stride(0), sin.stride(-1),
-        heads, half,
-        DTYPE=_TL_DTYPES[x.dtype], HEADS_BLOCK=heads_block, HALF_BLOCK=half_block, num_warps=4, **_LAUNCH_OPTS,
-    )
-    return out
+    return _rotary_impl(x, cos, sin, None)
+
+
+def qk_norm_rotary(
+    x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen3-style attention input in one kernel: ``x [N, heads, D]`` holds the query heads
+    (the first ``num_q_heads``) and then the key heads (e.g. a view of a fused qkv
+    projection); each head is RMS-normalised over D (``q_weight`` or ``k_weight``, as
+    :func:`rms_norm` would, row = head) and then rotated as :func:`rotary_qk`. Returns a
+    new contiguous ``[N, heads, D]``. The norm matches torch's within two ulp (its squares
+    are summed in another order); the rotation of the normalised values is torch's exactly.
+    """
+    return _rotary_impl(x, cos, sin, (q_weight, k_weight, num_q_heads, eps))

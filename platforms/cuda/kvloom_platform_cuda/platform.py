@@ -174,6 +174,7 @@ class CudaPlatform(Platform):
                 fused_add_rms_norm=fused_ops.fused_add_rms_norm,
                 silu_and_mul=fused_ops.silu_and_mul,
                 rotary_qk=fused_ops.rotary_qk,
+                qk_norm_rotary=fused_ops.qk_norm_rotary,
             )
         ops["fused_moe"] = fused_moe.fused_moe
         ops["random_sample"] = sampling.random_sample

@@ -14,7 +14,7 @@ from kvloom.interfaces import CUSTOM_OP_SIGNATURES
 from kvloom.testing import resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
-FUSED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk"}
+FUSED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk", "qk_norm_rotary"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

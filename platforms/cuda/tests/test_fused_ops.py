@@ -119,6 +119,8 @@ INTERP_CASES = [
     ("rotary_qk", "d64_q3_k1_from_qkv"),
     ("rotary_qk", "d80_qk4_from_qkv"),
     ("rotary_qk", "d64_strided_cos_sin"),
+    ("qk_norm_rotary", "d64_q3_k1_from_qkv"),
+    ("qk_norm_rotary", "d80_q2_k2_from_qkv"),
 ]
 INTERP_DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -157,7 +159,7 @@ def _interp_case(fo, op: str, variant: str, dtype: torch.dtype, seed: int) -> di
         return {"out": compare(fo.silu_and_mul(x), ref_silu_and_mul(x))}
     # rotary_qk: heads sliced out of a fused qkv projection output [N, (q + k + v) * D].
     dim = 80 if variant.startswith("d80") else 64
-    q_heads, k_heads = 3, 1
+    q_heads, k_heads = (2, 2) if "q2_k2" in variant else (3, 1)
     qkv = randn(n, (q_heads + 2 * k_heads) * dim, scale=2.0).view(n, q_heads + 2 * k_heads, dim)
     positions = torch.randint(0, 64, (n,), generator=gen)
     if variant == "d64_strided_cos_sin":  # one [max_pos, D] cache: cos and sin are column slices
@@ -167,6 +169,15 @@ def _interp_case(fo, op: str, variant: str, dtype: torch.dtype, seed: int) -> di
     else:
         cos_t, sin_t = rope_tables(64, dim, dtype)
         cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+    if op == "qk_norm_rotary":  # kvloom's contract for it (kvloom.testing.check_custom_op)
+        from kvloom.testing import check_custom_op
+
+        weights = [(1.0 + 0.1 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2)]
+        qk = qkv[:, : q_heads + k_heads]
+        report = check_custom_op(op, fo.qk_norm_rotary, qk, *weights, q_heads, EPS, cos, sin)
+        # 16-bit: only a norm's last bit may differ, rarely; float32 sums round differently often.
+        return {"passed": bool(report["passed"]),
+                "exact_99": dtype == torch.float32 or report["exact"] >= INTERP_MIN_EXACT}
     if variant == "d80_qk4_from_qkv":
         qk = qkv[:, : q_heads + k_heads]
         return {"qk": compare(fo.rotary_qk(qk, cos, sin), ref_rotary(qk, cos, sin))}
@@ -257,6 +268,14 @@ def _fo():  # type: ignore[no-untyped-def]
         (lambda fo: fo.rotary_qk(torch.ones(2, 3, 64), torch.ones(3, 1, 32), torch.ones(2, 1, 32)), "cos"),
         (lambda fo: fo.rotary_qk(torch.ones(2, 3, 64), torch.ones(2, 1, 32), torch.ones(2, 1, 32, dtype=torch.half)),
          "sin"),
+        (lambda fo: fo.qk_norm_rotary(torch.ones(2, 3, 64), torch.ones(32), torch.ones(64), 2, EPS,
+                                      torch.ones(2, 1, 32), torch.ones(2, 1, 32)), "q_weight"),
+        (lambda fo: fo.qk_norm_rotary(torch.ones(2, 3, 64), torch.ones(64), torch.ones(64, dtype=torch.half), 2, EPS,
+                                      torch.ones(2, 1, 32), torch.ones(2, 1, 32)), "k_weight"),
+        (lambda fo: fo.qk_norm_rotary(torch.ones(2, 3, 64), torch.ones(64), torch.ones(64), 4, EPS,
+                                      torch.ones(2, 1, 32), torch.ones(2, 1, 32)), "num_q_heads"),
+        (lambda fo: fo.qk_norm_rotary(torch.ones(2, 3, 64), torch.ones(64), torch.ones(64), 2, -1.0,
+                                      torch.ones(2, 1, 32), torch.ones(2, 1, 32)), "eps"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(call, argument: str) -> None:  # type: ignore[no-untyped-def]
@@ -384,6 +403,29 @@ def test_gpu_rotary_bit_identical(dtype: torch.dtype, tokens: int, q_heads: int,
     cos_s, sin_s = cache[..., : dim // 2], cache[..., dim // 2:]
     out, ref = fo.rotary_qk(qk, cos_s, sin_s), ref_rotary(qk, cos_s, sin_s)
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), compare(out, ref)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 16, 257, 4096])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(16, 8, 128), (32, 8, 128), (14, 2, 64)])
+def test_gpu_qk_norm_rotary_holds_the_contract(dtype: torch.dtype, tokens: int, q_heads: int, kv_heads: int,
+                                               dim: int) -> None:  # fmt: skip
+    """Qwen3's q/k norms and rotation in one kernel, against the torch code on CUDA: within
+    the contract's tolerance, and nearly all elements bit-identical (only a norm's last
+    bit may differ)."""
+    from kvloom.testing import check_custom_op
+
+    fo = _fo()
+    qkv = _cuda_randn(tokens, (q_heads + 2 * kv_heads) * dim, dtype=dtype, seed=16, scale=3.0)
+    heads = qkv.view(tokens, q_heads + 2 * kv_heads, dim)[:, : q_heads + kv_heads]
+    q_weight, k_weight = ((1.0 + _cuda_randn(dim, dtype=torch.float32, seed=s, scale=0.2)).to(dtype) for s in (17, 18))
+    cos_t, sin_t = rope_tables(8192, dim, dtype, device="cuda")
+    positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=torch.Generator("cuda").manual_seed(19))
+    cos, sin = cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+    report = check_custom_op("qk_norm_rotary", fo.qk_norm_rotary, heads, q_weight, k_weight, q_heads, 1e-6, cos, sin)
+    assert report["passed"] and report["exact"] >= 0.99, report
 
 
 @gpu
