@@ -40,6 +40,27 @@ def test_fake_shapes_match_the_kernels():
     assert a.shape == (3, 4) and b.shape == (3, 8)
 
 
+def test_qk_norm_rotary_runs_as_one_node_with_its_int_and_float_arguments():
+    from kvloom.layers.rotary import qk_norm_rotary_torch
+
+    calls: list[tuple[int, float]] = []
+
+    def kernel(x, q_weight, k_weight, num_q_heads, eps, cos, sin):  # type: ignore[no-untyped-def]
+        calls.append((num_q_heads, eps))
+        return qk_norm_rotary_torch(x, q_weight, k_weight, num_q_heads, eps, cos, sin)
+
+    op = as_opaque_ops({"qk_norm_rotary": kernel})["qk_norm_rotary"]
+    q_weight, k_weight = torch.rand(8), torch.rand(8)
+    compiled = torch.compile(lambda x, cos, sin: op(x[:, :5], q_weight, k_weight, 3, 1e-6, cos, sin),
+                             backend="eager", fullgraph=True, dynamic=True)  # fmt: skip
+    for tokens in (2, 4):
+        x, cos, sin = torch.randn(tokens, 6, 8), torch.rand(tokens, 1, 4), torch.rand(tokens, 1, 4)
+        got = compiled(x, cos, sin)
+        assert got.shape == (tokens, 5, 8)
+        assert torch.equal(got, qk_norm_rotary_torch(x[:, :5], q_weight, k_weight, 3, 1e-6, cos, sin))
+    assert calls == [(3, 1e-6), (3, 1e-6)]
+
+
 def test_an_op_without_an_opaque_form_is_refused():
     with pytest.raises(ValueError, match="lora_delta"):
         as_opaque_ops({"lora_delta": lambda *a: None})
@@ -52,7 +73,8 @@ def _random_sample(logits, temperature, greedy):
 class _Platform:
     @staticmethod
     def custom_ops(config):
-        return {"rms_norm": rms_norm_torch, "fused_moe": lambda *a: None, "random_sample": _random_sample}
+        return {"rms_norm": rms_norm_torch, "fused_moe": lambda *a: None, "random_sample": _random_sample,
+                "qk_norm_rotary": lambda *a: None}
 
 
 def _config(custom_ops: str, compile_model: bool):
@@ -63,12 +85,13 @@ def _config(custom_ops: str, compile_model: bool):
 @pytest.mark.parametrize(
     ("custom_ops", "compile_model", "expected"),
     [
-        ("all", False, {"rms_norm", "fused_moe", "random_sample"}),
+        ("all", False, {"rms_norm", "fused_moe", "random_sample", "qk_norm_rotary"}),
         ("none", False, set()),  # an uncompiled model under --custom-ops none: pure torch
-        ("all", True, {"rms_norm", "fused_moe", "random_sample"}),
-        # A compiled model's default (Inductor fuses the layer math): the MoE kernels and
-        # the sampler's op, which runs outside the compiled graph, stay.
-        ("none", True, {"fused_moe", "random_sample"}),
+        ("all", True, {"rms_norm", "fused_moe", "random_sample", "qk_norm_rotary"}),
+        # A compiled model's default (Inductor fuses the layer math): the MoE kernels, the
+        # sampler's op, which runs outside the compiled graph, and the q/k norm + rotation,
+        # which Inductor compiles into four slow kernels, stay.
+        ("none", True, {"fused_moe", "random_sample", "qk_norm_rotary"}),
     ],  # fmt: skip
 )
 def test_which_platform_kernels_the_loader_activates(custom_ops, compile_model, expected):

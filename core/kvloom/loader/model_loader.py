@@ -127,9 +127,10 @@ def _merged_without_stacked_params(model: nn.Module, stacked: Iterable[tuple[str
 #: - ``random_sample``: the sampler runs outside the compiled graph, on the logits the
 #:   model returns, so Inductor never sees (or fuses) its torch code;
 #: - ``qk_norm_rotary``: Inductor splits Qwen3's per-head q/k norms and the rotation into
-#:   four kernels (two looped reductions at under a third of the memory bandwidth; H200:
-#:   8.6 us a layer at batch-256 decode, 283 us at a 16,384-token prefill), where the
-#:   platform's one kernel reads the heads once (docs/benchmarks/compile_h100.md).
+#:   four kernels (two looped reductions; in the model on an H200 8.6 us a layer at
+#:   batch-256 decode, 283 us at a 16,384-token prefill); the platform's one kernel reads
+#:   the heads once (H100, benchmarks/bench_qk_norm_rotary.py: 2.6 against 15.3 us at
+#:   256 tokens, 76 against 579 at 16,384; docs/benchmarks/compile_h100.md).
 #: An uncompiled model under ``--custom-ops none`` keeps none of them: the pure torch path.
 _KEPT_WHEN_COMPILED = ("fused_moe", "random_sample", "qk_norm_rotary")
 #: Platform ops called outside the model's forward: never traced, so never wrapped as
