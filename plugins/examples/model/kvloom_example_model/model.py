@@ -123,7 +123,7 @@ class GraniteForCausalLM(nn.Module):
         return self.model(input_ids, positions)  # [N] token ids, [N] positions -> [N, hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states) / self.logits_scaling  # float32 [M, vocab]
+        return self.lm_head(hidden_states) / self.logits_scaling  # [M, vocab], model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = ("lm_head.weight",) if self.tied else ()
