@@ -594,12 +594,13 @@ LORA_DELTA_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.fl
 #: Relative tolerance (max |op - float64 definition| / max |float64 definition|) of the
 #: ``fused_moe`` op, by dtype; the torch code rounds every GEMM output and the SiLU product
 #: to the dtype (fp32 ~1e-6, fp16 ~1e-3, bf16 ~8e-3 on random experts).
+FUSED_MOE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
 #: ``qk_norm_rotary``'s largest distance from its torch code, relative to the largest
 #: value: the norm's two ulp (see ``NORM_MAX_ULP``) of both rotated halves plus the
 #: rotation's own rounding.
 QK_NORM_ROTARY_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 3e-3,
                                                        torch.bfloat16: 2.5e-2}  # fmt: skip
-FUSED_MOE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 #: ``random_sample``: draws per sampled row (default of ``check_custom_op``'s ``draws``),
 #: made in ``RANDOM_SAMPLE_CALLS`` calls of the op on the rows repeated
@@ -664,6 +665,19 @@ def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+def _assert_relative(
+    report: dict[str, Any], name: str, got: torch.Tensor, reference: torch.Tensor,
+    tolerances: dict[torch.dtype, float], what: str,
+) -> None:  # fmt: skip
+    """``max |got - reference| / max |reference|`` (into ``report["max_rel"]``) is within
+    ``tolerances[got.dtype]`` (1e-5 for a dtype it does not name); ``what`` names the
+    reference in the error."""
+    rel = ((got.double() - reference.double()).abs().max() / reference.double().abs().max().clamp_min(1e-30)).item()
+    report["max_rel"] = rel
+    tolerance = tolerances.get(got.dtype, 1e-5)
+    assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from {what}; allowed {tolerance}"
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -852,17 +866,11 @@ def check_custom_op(name: str, op: Any, *args: Any, draws: int = RANDOM_SAMPLE_D
                     f"{name}: {label} is {ulp} ulp from the torch code; {got_c.dtype} allows at most {NORM_MAX_ULP}"
                 )
         elif name == "qk_norm_rotary":
-            rel = ((got_c.double() - want_c.double()).abs().max() / want_c.double().abs().max().clamp_min(1e-30)).item()
-            report["max_rel"] = rel
-            tolerance = QK_NORM_ROTARY_TOLERANCES.get(got_c.dtype, 1e-5)
-            assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from the torch code; allowed {tolerance}"
+            _assert_relative(report, name, got_c, want_c, QK_NORM_ROTARY_TOLERANCES, "the torch code")
         elif name == "lora_delta":
             x, y, lora_a, lora_b, mapping = before
             definition = lora_delta_reference(x, y, lora_a, lora_b, mapping.token_slots.cpu()).cpu()
-            rel = ((got_c.double() - definition).abs().max() / definition.abs().max().clamp_min(1e-30)).item()
-            report["max_rel"] = rel
-            tolerance = LORA_DELTA_TOLERANCES.get(got_c.dtype, 1e-5)
-            assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from the float64 definition; allowed {tolerance}"
+            _assert_relative(report, name, got_c, definition, LORA_DELTA_TOLERANCES, "the float64 definition")
             base_rows = mapping.token_slots.cpu() == 0
             assert _same_bits(got_c[: len(base_rows)][base_rows], y.cpu()[: len(base_rows)][base_rows]), (
                 f"{name}: rows without an adapter must be y exactly"
@@ -873,10 +881,7 @@ def check_custom_op(name: str, op: Any, *args: Any, draws: int = RANDOM_SAMPLE_D
             report.update(_check_random_sample(op, args, got, want, draws))
         elif name == "fused_moe":
             definition = fused_moe_reference(*[t.cpu() for t in before]).cpu()
-            rel = ((got_c.double() - definition).abs().max() / definition.abs().max().clamp_min(1e-30)).item()
-            report["max_rel"] = rel
-            tolerance = FUSED_MOE_TOLERANCES.get(got_c.dtype, 1e-5)
-            assert rel <= tolerance, f"{name}: {rel:.3g} (relative) from the float64 definition; allowed {tolerance}"
+            _assert_relative(report, name, got_c, definition, FUSED_MOE_TOLERANCES, "the float64 definition")
         else:
             assert exact == 1.0, (
                 f"{name}: {label} differs from the torch code in {1 - exact:.2%} of its elements; it must be "
