@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["KVLOOM_ENABLE_MULTIPROCESSING"] = "0"  # one process: one profile
 
 import torch  # noqa: E402
-from bench_offline_nanovllm import V, write_qwen3_config  # noqa: E402
+from bench_offline_nanovllm import HD, NH, NKV, H, I, L, V, write_qwen3_config  # noqa: E402
 
 from kvloom import LLM, SamplingParams  # noqa: E402
 from kvloom.sampling_params import RequestOutputKind  # noqa: E402
@@ -218,8 +218,6 @@ def prefill_only(args: argparse.Namespace, out: Path) -> int:
         busy_ms = sum(e.self_device_time_total for e in device_ops) / 1000
         kernels = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top)
     tokens = args.batch * args.input_len
-    from bench_offline_nanovllm import H, HD, I, L, NH, NKV
-
     projection_flops = 2 * tokens * L * (H * (NH + 2 * NKV) * HD + NH * HD * H + 3 * H * I)
     result = {
         "prefill_tokens": tokens, "batch": args.batch, "input_len": args.input_len, "engine_args": args.engine_args,

@@ -12,14 +12,13 @@ the torch code's results for the dtypes the platform enables it for: bit-identic
 ``silu_and_mul``, ``rotary_qk`` and the residual sum of ``fused_add_rms_norm``; the norms
 within 2 ulp in float16/bfloat16 (the squares may be summed in another order) and 1e-5
 relative in float32; ``qk_norm_rotary``, a norm and a rotation, within
-``QK_NORM_ROTARY_TOLERANCES`` (``kvloom.testing.reference``) of its torch code, relative to the
-largest value (the norm's ulps carried through the rotation). ``lora_delta`` and
-``fused_moe`` are the exceptions: ``fused_moe``
-(grouped GEMMs over the experts) matches its float64 definition to the dtype's
-tolerance, as its torch code does. ``lora_delta``: it may add the update to ``y`` in
-place (the layer's fresh output) and return it, and it sums in another order than the
-grouped torch GEMMs (fp32 accumulation, rounded once), so it matches the float64
-definition to the dtype's tolerance, not bit for bit.
+``QK_NORM_ROTARY_TOLERANCES`` (``kvloom.testing.reference``) of its torch code, relative
+to the largest value (the norm's ulps carried through the rotation). ``lora_delta`` and
+``fused_moe`` are the exceptions: ``fused_moe`` (grouped GEMMs over the experts) matches
+its float64 definition to the dtype's tolerance, as its torch code does. ``lora_delta``:
+it may add the update to ``y`` in place (the layer's fresh output) and return it, and it
+sums in another order than the grouped torch GEMMs (fp32 accumulation, rounded once), so
+it matches the float64 definition to the dtype's tolerance, not bit for bit.
 ``random_sample`` (the sampler's, not a layer's) is a random draw, so its contract is
 distributional: greedy rows exactly the torch code's argmax, and over many calls each
 sampled row's token frequencies those of ``softmax(logits / temperature)``; its draws

@@ -120,9 +120,9 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Query and key heads are adjacent in the fused output: rotate them in one pass.
         heads = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size]
         if self.q_norm is None or self.k_norm is None:
             qk = RotaryEmbedding.rotate_heads(heads, *cos_sin)
         elif self.q_norm.fused and self.k_norm.fused and (op := get_custom_op("qk_norm_rotary")) is not None:
@@ -130,8 +130,7 @@ class LlamaAttention(nn.Module):
             # norm subclass with its own formula, fused = False, keeps that code).
             qk = op(heads, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps, *cos_sin)
         else:
-            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+            q, k = self.q_norm(heads[:, : self.num_heads]), self.k_norm(heads[:, self.num_heads :])
             qk = RotaryEmbedding.rotate_heads(torch.cat((q, k), dim=1), *cos_sin)
         # q and k are strided views of qk, v of qkv: backends must honour strides.
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
