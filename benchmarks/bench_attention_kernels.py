@@ -180,21 +180,41 @@ def make_timing_batch(
                  {"copies": copies, "num_blocks": num_blocks})
 
 
-def time_forward(backend: type, batch: Batch, warmup_ms: int, rep_ms: int) -> float:
+def time_forward(
+    backend: type, batch: Batch, warmup_ms: int, rep_ms: int, for_cudagraph: bool = False, cuda_graph: bool = False
+) -> float:
+    """Median ms of one forward. ``for_cudagraph``: with the plan a CUDA graph would get
+    (``build_for_cudagraph_capture``). ``cuda_graph`` (CUDA only): the forwards of every
+    input copy captured in one graph, its replay timed and divided by the copies, so the
+    host's kernel launches (tens of us for a small layer) stay out of the figure."""
     device = batch.queries[0].device
     builder = backend.get_builder_cls()(batch.spec, device, batch.common.block_table.shape[1])
     impl = backend.get_impl_cls()(
         num_heads=batch.spec.num_heads, head_size=batch.spec.head_size, scale=batch.spec.scale,
         num_kv_heads=batch.spec.num_kv_heads,
     )
-    metadata = builder.build(batch.common)
+    metadata = builder.build_for_cudagraph_capture(batch.common) if for_cudagraph else builder.build(batch.common)
     outputs = [torch.empty_like(q) for q in batch.queries]
+
+    def forward(i: int) -> None:
+        impl.forward(batch.queries[i], batch.keys[i], batch.values[i], batch.kv_caches[i], metadata, outputs[i])
+
+    copies = len(batch.queries)
+    if cuda_graph and device.type == "cuda":
+        for i in range(copies):  # JIT and autotuning outside the capture
+            forward(i)
+        synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(copies):
+                forward(i)
+        return bench(graph.replay, warmup_ms, rep_ms, device) / copies
+
     step = [0]
 
     def run() -> None:
-        i = step[0] % len(batch.queries)
+        forward(step[0] % copies)
         step[0] += 1
-        impl.forward(batch.queries[i], batch.keys[i], batch.values[i], batch.kv_caches[i], metadata, outputs[i])
 
     run()
     synchronize(device)

@@ -28,16 +28,16 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         md = attn_metadata
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         ops.write_kv_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        if md.decode_only:
+        if md.decode_only or md.split_single:
             ops.decode_attention(
                 query, key_cache, value_cache, output,
                 md.query_start_loc, md.seq_lens, md.block_table, md.num_reqs, self.scale,
-                md.num_splits, md.split_size, md.partial_out, md.partial_lse, md.config,
+                md.num_splits, md.partial_out, md.partial_lse, md.config,
             )
-        else:
+        if not md.decode_only:
             ops.mixed_batch_attention(
                 query, key_cache, value_cache, output,
                 md.query_start_loc, md.seq_lens, md.block_table, md.num_reqs, md.max_query_len,
-                self.scale, md.config,
+                self.scale, md.config, skip_single=md.split_single,
             )
         return output

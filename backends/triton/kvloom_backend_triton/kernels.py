@@ -163,6 +163,7 @@ def mixed_batch_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
 ):
     """Causal attention for any mix of prefill chunks and decodes.
 
@@ -172,7 +173,8 @@ def mixed_batch_attention_kernel(
     Tiles past a request's last query token exit at once. A tile holds ``BLOCK_Q``
     query tokens x ``GROUP`` query heads (rows padded to ``BLOCK_M``); it reads the
     cached positions ``0 .. context + last token of the tile``, the fully visible ones
-    without masks.
+    without masks. With SKIP_SINGLE, requests of one query token are left to
+    ``decode_attention_kernel``: their tiles exit at once.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -192,7 +194,10 @@ def mixed_batch_attention_kernel(
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
     q_first = (tile - (q_begin // BLOCK_Q + req)) * BLOCK_Q
-    if q_first < q_len:
+    run = q_first < q_len
+    if SKIP_SINGLE:
+        run = run & (q_len > 1)
+    if run:
         seq_len = tl.load(seq_lens_ptr + req)
         context_len = seq_len - q_len
 
@@ -234,7 +239,7 @@ def mixed_batch_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["split_size"])
+@triton.jit
 def decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -246,7 +251,6 @@ def decode_attention_kernel(
     seq_lens_ptr,
     block_table_ptr,
     qk_scale,
-    split_size,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -267,60 +271,66 @@ def decode_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One query token per request. Grid ``(num_reqs, num_kv_heads, num_splits)``.
+    """Requests of one query token. Grid ``(num_reqs, num_kv_heads, num_splits)``.
 
     Program (r, h, s) attends the ``GROUP`` query heads of KV head h (rows padded to
-    ``BLOCK_G`` >= 16 for ``tl.dot``) to positions ``s*split_size ..`` of request r.
+    ``BLOCK_G`` >= 16 for ``tl.dot``) to the s-th of ``num_splits`` equal runs of request
+    r's positions (whole ``BLOCK_N`` tiles, the last run shorter), sized here from the
+    request's own length: every request's work is spread over all its splits whatever the
+    host planned for (a CUDA graph plans for ``max_model_len``). Requests of more than one
+    query token are skipped (a mixed batch runs them through the mixed-batch kernel).
     With SPLIT=False (one split) it writes the output directly; otherwise it writes the
     normalised partial output and its log2-sum-exp for ``decode_reduce_kernel``. A split
-    that starts past the sequence (short requests, CUDA-graph padding) writes lse -inf.
+    past the sequence's end writes lse -inf.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     token = tl.load(query_start_loc_ptr + req)
-    seq_len = tl.load(seq_lens_ptr + req)
-    kv_start = split * split_size
-    kv_stop = tl.minimum(seq_len, kv_start + split_size)
-    full_stop = kv_start + (tl.maximum(kv_stop - kv_start, 0) // BLOCK_N) * BLOCK_N
+    if tl.load(query_start_loc_ptr + req + 1) - token == 1:
+        seq_len = tl.load(seq_lens_ptr + req)
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tl.num_programs(2))
+        kv_start = split * tiles_per_split * BLOCK_N
+        kv_stop = tl.minimum(seq_len, kv_start + tiles_per_split * BLOCK_N)
+        full_stop = kv_start + (tl.maximum(kv_stop - kv_start, 0) // BLOCK_N) * BLOCK_N
 
-    rows = tl.arange(0, BLOCK_G)
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, BLOCK_D)
-    io_mask = (rows < GROUP)[:, None] & (dims < HEAD_SIZE)[None, :]
-    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-                mask=io_mask, other=0.0)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        rows = tl.arange(0, BLOCK_G)
+        heads = kv_head * GROUP + rows
+        dims = tl.arange(0, BLOCK_D)
+        io_mask = (rows < GROUP)[:, None] & (dims < HEAD_SIZE)[None, :]
+        q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+                    mask=io_mask, other=0.0)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
 
-    block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    kv_head_offset = kv_head * stride_cache_head
-    for start in range(kv_start, full_stop, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
-            start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
-            PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION,
-        )
-    for start in range(full_stop, kv_stop, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
-            start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
-            PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION,
-        )
+        block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
+        kv_head_offset = kv_head * stride_cache_head
+        for start in range(kv_start, full_stop, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
+                start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
+                PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION,
+            )
+        for start in range(full_stop, kv_stop, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
+                start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
+                PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION,
+            )
 
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if SPLIT:
-        row = req * tl.num_programs(2) + split
-        tl.store(partial_out_ptr + row * stride_part_row + heads[:, None] * stride_part_head + dims[None, :],
-                 out, mask=io_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + row * stride_lse_row + heads, lse, mask=rows < GROUP)
-    else:
-        tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        has_keys = l_i > 0.0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        if SPLIT:
+            row = req * tl.num_programs(2) + split
+            tl.store(partial_out_ptr + row * stride_part_row + heads[:, None] * stride_part_head + dims[None, :],
+                     out, mask=io_mask)
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            tl.store(partial_lse_ptr + row * stride_lse_row + heads, lse, mask=rows < GROUP)
+        else:
+            tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -344,21 +354,23 @@ def decode_reduce_kernel(
     Each split holds a normalised output o_s and lse_s = log2(sum of its exp2 scores);
     the result is sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s. Empty
     splits carry lse -inf and weigh 0 (split 0 always holds position 0, so M is finite).
+    Requests of more than one query token are skipped, as in ``decode_attention_kernel``.
     """
     req = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    rows = req * num_splits + splits
-    split_valid = splits < num_splits
-    lse = tl.load(partial_lse_ptr + rows * stride_lse_row + head, mask=split_valid, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    parts = tl.load(
-        partial_out_ptr + rows[:, None] * stride_part_row + head * stride_part_head + dims[None, :],
-        mask=(split_valid & (lse > float("-inf")))[:, None] & (dims < HEAD_SIZE)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
     token = tl.load(query_start_loc_ptr + req)
-    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_SIZE)
+    if tl.load(query_start_loc_ptr + req + 1) - token == 1:
+        splits = tl.arange(0, BLOCK_S)
+        dims = tl.arange(0, BLOCK_D)
+        rows = req * num_splits + splits
+        split_valid = splits < num_splits
+        lse = tl.load(partial_lse_ptr + rows * stride_lse_row + head, mask=split_valid, other=float("-inf"))
+        weights = tl.exp2(lse - tl.max(lse, 0))
+        parts = tl.load(
+            partial_out_ptr + rows[:, None] * stride_part_row + head * stride_part_head + dims[None, :],
+            mask=(split_valid & (lse > float("-inf")))[:, None] & (dims < HEAD_SIZE)[None, :],
+            other=0.0,
+        )
+        out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+        tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_SIZE)

@@ -4,15 +4,21 @@ The builder runs once per step on the host, shared by all layers: it picks the k
 (single-token decode or mixed batch) and the decode split plan, and hands the layers the
 runner's device tensors unchanged (no copies, no host syncs).
 
+A mixed batch (some request has more than one query token) runs its single-token
+requests through the split-KV decode kernel too, and the rest through the mixed-batch
+kernel, which skips them: a decode then costs what it costs in a pure decode step, instead
+of a prefill-sized tile of rows (mostly padding) that reads its whole context unsplit.
+
 CUDA graphs (declared ``UNIFORM_BATCH``): a captured graph bakes every kernel argument and
 grid. The kernels read all per-request numbers (query offsets, sequence lengths, block
 tables, slots) from the runner's persistent device tensors, which the runner refills in
 place before each replay, so only host numbers need care. ``build_for_cudagraph_capture``
 plans the decode splits from the padded batch size and ``max_model_len`` instead of the
-step's longest sequence: for a fixed padded batch size the grids, the split size and the
-workspace are then the same at capture and at every replay, whatever the lengths, and a
-split that lies past a request's end contributes nothing. Mixed-batch grids depend only on
-the padded token and request counts and on ``max_query_len``, which a uniform batch fixes.
+step's longest sequence: for a fixed padded batch size the grids, the split count and the
+workspace are then the same at capture and at every replay, whatever the lengths (the
+kernel sizes each request's splits from its own length). Mixed-batch grids depend only on
+the padded token and request counts and on ``max_query_len``, which a uniform batch fixes;
+a uniform batch has either no single-token request or nothing else.
 """
 
 from __future__ import annotations
@@ -47,10 +53,13 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # int32 [B], device
     block_table: torch.Tensor  # int32 [B, max_blocks], device
     slot_mapping: torch.Tensor  # int64 [N], device
-    #: Every request has exactly one query token: use the split-KV decode kernel.
+    #: Every request has exactly one query token: the split-KV decode kernel alone.
     decode_only: bool
+    #: Requests of one query token in a mixed batch: the decode kernel runs them and the
+    #: mixed-batch kernel skips them. Always False when ``decode_only``.
+    split_single: bool
+    #: Splits of each single-token request's positions (1: no split, no reduction).
     num_splits: int
-    split_size: int
     #: Decode workspace (float32), at least ``num_reqs * num_splits`` rows when splitting.
     partial_out: torch.Tensor  # [rows, num_heads, head_size]
     partial_lse: torch.Tensor  # [rows, num_heads]
@@ -98,12 +107,16 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         if not common.causal:
             raise ValueError("TRITON_ATTN computes causal (decoder) attention only; got causal=False")
         decode_only = common.max_query_len == 1
-        num_splits, split_size = 1, 0
-        if decode_only:
+        # Both kernels check each request's query length on the device, so a graph may
+        # plan for every request being single-token (its grids then hold for any lengths).
+        if decode_only or for_cudagraph:
+            num_single = common.num_reqs
+        else:
+            num_single = int((common.query_lens_cpu == 1).sum())
+        num_splits = 1
+        if num_single:
             longest = self.spec.max_model_len if for_cudagraph else common.max_seq_len
-            num_splits, split_size = plan_decode_splits(
-                common.num_reqs, self.spec.num_kv_heads, longest, self.num_sms, self.config
-            )
+            num_splits = plan_decode_splits(num_single, self.spec.num_kv_heads, longest, self.num_sms, self.config)
             rows = common.num_reqs * num_splits
             if num_splits > 1 and rows > self.partial_out.shape[0]:
                 if for_cudagraph:
@@ -111,8 +124,13 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                         f"CUDA-graph batch of {common.num_reqs} requests exceeds max_num_seqs "
                         f"({self.spec.max_num_seqs}) the decode workspace was sized for"
                     )
-                logger.info("TRITON_ATTN: growing the decode workspace to %d rows", rows)
-                self._allocate_workspace(rows)
+                if decode_only:
+                    logger.info("TRITON_ATTN: growing the decode workspace to %d rows", rows)
+                    self._allocate_workspace(rows)
+                else:
+                    # The workspace has a row per (request, split), prefills' rows unused:
+                    # fewer splits rather than a workspace for rows nobody writes.
+                    num_splits = max(1, self.partial_out.shape[0] // common.num_reqs)
         return TritonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -122,8 +140,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
             decode_only=decode_only,
+            split_single=not decode_only and num_single > 0,
             num_splits=num_splits,
-            split_size=split_size,
             partial_out=self.partial_out,
             partial_lse=self.partial_lse,
             config=self.config,

@@ -104,9 +104,12 @@ def mixed_batch_attention(
     max_query_len: int,
     scale: float,
     cfg: KernelConfig,
+    skip_single: bool = False,
 ) -> None:
     """Causal paged attention for requests laid out by ``query_start_loc`` (any mix of
-    prefill chunks with cached context and decodes). Writes ``output[:query_start_loc[-1]]``."""
+    prefill chunks with cached context and decodes). Writes ``output[:query_start_loc[-1]]``,
+    except, with ``skip_single``, the rows of requests of one query token (which
+    ``decode_attention`` computes)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
@@ -125,7 +128,7 @@ def mixed_batch_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         GROUP=group, PAGE_SIZE=key_cache.shape[1], HEAD_SIZE=head_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
-        BLOCK_D=next_power_of_2(head_size), DOT_PRECISION=_dot_precision(query.dtype),
+        BLOCK_D=next_power_of_2(head_size), DOT_PRECISION=_dot_precision(query.dtype), SKIP_SINGLE=skip_single,
         num_warps=cfg.prefill_num_warps,
         num_stages=cfg.prefill_num_stages,
     )
@@ -133,15 +136,16 @@ def mixed_batch_attention(
 
 def plan_decode_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, cfg: KernelConfig
-) -> tuple[int, int]:
-    """``(num_splits, split_size)`` for the decode kernel.
+) -> int:
+    """How many splits the decode kernel cuts each request's positions into.
 
     Enough (request, KV head, split) programs to give every SM ``programs_per_sm`` of
     them, but no split shorter than ``min_split_tokens`` (the reduction and the partial
-    writes must stay small next to the KV reads) and at most ``max_splits``. The split
-    size is a multiple of the decode tile so only a sequence's last tile is masked.
-    ``max_seq_len`` is the longest sequence the launch may meet: the step's longest in
-    eager mode, ``max_model_len`` for a CUDA graph.
+    writes must stay small next to the KV reads) and at most ``max_splits``. The kernel
+    sizes each request's splits from its own length, so a short request in a plan made
+    for ``max_seq_len`` still spreads its positions over all the splits. ``max_seq_len``
+    is the longest sequence the launch may meet: the step's longest in eager mode,
+    ``max_model_len`` for a CUDA graph.
     """
     max_seq_len = max(1, max_seq_len)
     if cfg.force_num_splits is not None:
@@ -149,10 +153,8 @@ def plan_decode_splits(
     else:
         wanted = cdiv(cfg.programs_per_sm * num_sms, max(1, num_reqs * num_kv_heads))
         splits = min(wanted, cdiv(max_seq_len, cfg.min_split_tokens), cfg.max_splits)
-    splits = max(1, splits)
-    block_n = cfg.decode_block_n
-    split_size = cdiv(cdiv(max_seq_len, splits), block_n) * block_n
-    return cdiv(max_seq_len, split_size), split_size
+    # No more splits than tiles: a split holds whole tiles.
+    return max(1, min(splits, cdiv(max_seq_len, cfg.decode_block_n)))
 
 
 def decode_attention(
@@ -166,14 +168,14 @@ def decode_attention(
     num_reqs: int,
     scale: float,
     num_splits: int,
-    split_size: int,
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     cfg: KernelConfig,
 ) -> None:
-    """Paged attention for requests of exactly one query token each (flash-decoding).
+    """Paged attention for the requests of exactly one query token (flash-decoding); the
+    others, if any, are skipped (see ``mixed_batch_attention(skip_single=True)``).
 
-    With ``num_splits > 1`` each request's positions are cut into ``split_size`` chunks
+    With ``num_splits > 1`` each request's positions are cut into ``num_splits`` runs
     processed by separate programs, whose partial results land in ``partial_out``
     ``[>= num_reqs*num_splits, num_heads, head_size]`` and ``partial_lse``
     ``[>= num_reqs*num_splits, num_heads]`` (float32) and are merged by a second kernel.
@@ -195,7 +197,7 @@ def decode_attention(
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, output, partial_out, partial_lse,
         query_start_loc, seq_lens, block_table,
-        scale * LOG2_E, split_size,
+        scale * LOG2_E,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_lse.stride(0),

@@ -157,24 +157,24 @@ def test_split_plan_fills_the_gpu_for_the_benchmark_shape() -> None:
     from kvloom_backend_triton.ops import plan_decode_splits
 
     cfg = default_config(128, torch.bfloat16)
-    splits, size = plan_decode_splits(64, 8, 4096, 132, cfg)
+    splits = plan_decode_splits(64, 8, 4096, 132, cfg)
     assert 64 * 8 * splits >= 132 * cfg.programs_per_sm * 0.9
-    assert splits * size >= 4096 and size % cfg.decode_block_n == 0
     # One long request: split up to the minimum split length.
-    splits, size = plan_decode_splits(1, 8, 32768, 132, cfg)
-    assert splits >= 32 and size >= cfg.min_split_tokens
+    splits = plan_decode_splits(1, 8, 32768, 132, cfg)
+    assert splits >= 32 and 32768 / splits >= cfg.min_split_tokens
     # Short contexts are never split below min_split_tokens.
-    assert plan_decode_splits(1, 8, 100, 132, cfg)[0] == 1
+    assert plan_decode_splits(1, 8, 100, 132, cfg) == 1
 
 
 def test_split_plan_respects_max_splits_and_force() -> None:
     from kvloom_backend_triton.ops import plan_decode_splits
 
     cfg = KernelConfig(max_splits=4, min_split_tokens=16)
-    assert plan_decode_splits(1, 1, 100_000, 132, cfg)[0] <= 4
+    assert plan_decode_splits(1, 1, 100_000, 132, cfg) <= 4
     forced = KernelConfig(force_num_splits=5, decode_block_n=16)
-    splits, size = plan_decode_splits(64, 8, 160, 132, forced)
-    assert (splits, size) == (5, 32)
+    assert plan_decode_splits(64, 8, 160, 132, forced) == 5
+    # A split holds whole tiles: never more splits than tiles.
+    assert plan_decode_splits(64, 8, 40, 132, forced) == 3
 
 
 def _common(seq_lens: list[int], query_lens: list[int]) -> CommonAttentionMetadata:
@@ -203,16 +203,35 @@ def test_cudagraph_plan_depends_only_on_batch_size_and_limits() -> None:
     plans = set()
     for lens in ([1] * 8, [5000, 20, 7, 1, 1, 300, 8191, 2], [100] * 8):
         md = builder.build_for_cudagraph_capture(_common(lens, [1] * 8))
-        plans.add((md.num_splits, md.split_size, md.partial_out.data_ptr()))
-        assert md.for_cudagraph and md.decode_only
+        plans.add((md.num_splits, md.partial_out.data_ptr()))
+        assert md.for_cudagraph and md.decode_only and not md.split_single
     assert len(plans) == 1
-    (splits, size, _), = plans
-    assert splits * size >= 8192  # covers any sequence up to max_model_len
-    # Eager plans follow the step's longest sequence instead.
+    # Eager plans follow the step's longest sequence instead: short ones split less.
     short = builder.build(_common([100] * 8, [1] * 8))
     long = builder.build(_common([8000] * 8, [1] * 8))
-    assert 100 <= short.num_splits * short.split_size < 1000
-    assert long.num_splits * long.split_size >= 8000
+    assert short.num_splits == 1 < long.num_splits
+
+
+def test_mixed_batch_plans_splits_for_its_single_token_requests() -> None:
+    builder = _builder(max_num_seqs=64)
+    md = builder.build(_common([4000] * 4 + [600], [1] * 4 + [512]))
+    assert md.split_single and not md.decode_only
+    # Four decodes x 8 KV heads: splits fill the GPU as a 4-request decode step's would.
+    assert md.num_splits == builder.build(_common([4000] * 4, [1] * 4)).num_splits > 1
+    assert md.num_reqs * md.num_splits <= md.partial_out.shape[0]
+    # Prefills only: nothing for the decode kernel.
+    md = builder.build(_common([600, 700], [512, 300]))
+    assert not md.split_single and not md.decode_only
+
+
+def test_mixed_batch_splits_stay_within_the_workspace() -> None:
+    builder = _builder(max_num_seqs=64)
+    rows = builder.partial_out.shape[0]
+    # One long decode among 63 prefills: its plan wants many splits, the workspace (a row
+    # per request and split) caps them rather than growing for rows nobody writes.
+    md = builder.build(_common([8000] + [40] * 63, [1] + [20] * 63))
+    assert md.split_single and 1 <= md.num_splits and 64 * md.num_splits <= rows
+    assert builder.partial_out.shape[0] == rows
 
 
 def test_workspace_covers_every_batch_up_to_max_num_seqs() -> None:
@@ -229,7 +248,7 @@ def test_mixed_batch_metadata_passes_runner_tensors_through() -> None:
     builder = _builder()
     common = _common([40, 7, 300], [10, 7, 1])
     md = builder.build(common)
-    assert not md.decode_only and md.num_splits == 1
+    assert not md.decode_only and md.split_single  # the 300-token request decodes
     assert md.query_start_loc is common.query_start_loc and md.block_table is common.block_table
     assert md.seq_lens is common.seq_lens and md.slot_mapping is common.slot_mapping
 

@@ -92,6 +92,8 @@ CASES = [
     Case("mixed_gqa4", (1, 14, 1, 6), (40, 14, 9, 26), 8, 2, pad_tokens=2),
     Case("mixed_gqa8_block32", (3, 1, 21), (35, 66, 21), 8, 1, block_size=32, pad_tokens=5, config=SMALL_TILES),
     Case("mixed_fp16_d80", (9, 1, 5), (30, 21, 5), 8, 2, head_size=80, dtype="float16", pad_tokens=2),
+    # Its decodes split (the decode kernel and its reduction inside a mixed batch).
+    Case("mixed_split_decodes", (1, 12, 1, 1), (70, 30, 100, 9), 8, 2, pad_tokens=2, config={**SPLIT, **SMALL_TILES}),
     # Uniform multi-token batch (spec-decode shape) through the CUDA-graph builder path.
     Case("graph_uniform_q3", (3, 3, 3), (10, 35, 3), 8, 2, pad_reqs=1, for_cudagraph=True, max_model_len=64),
 ]
@@ -121,7 +123,8 @@ def _run_worker() -> None:
             run = run_paged_case(paged, for_cudagraph=case.for_cudagraph)
             check = check_paged_case(paged, run)
             results[case.name] = {"rel_error": check.rel_error, "problems": check.problems,
-                                  "num_splits": run.metadata.num_splits, "decode_only": run.metadata.decode_only}
+                                  "num_splits": run.metadata.num_splits, "decode_only": run.metadata.decode_only,
+                                  "split_single": run.metadata.split_single}
         except Exception as exc:  # reported per case by the parent
             results[case.name] = {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -156,11 +159,15 @@ def test_kernel_matches_float64_reference(interpreter_results: dict, case: Case)
     assert not result["problems"], result["problems"]  # cache write, unwritten output rows, return value
     assert result["rel_error"] < case.tolerance, f"{case.name}: rel error {result['rel_error']:.3e}"
     assert result["decode_only"] == (max(case.query_lens) == 1)
+    # A mixed batch's single-token requests run through the decode kernel (a graph's plan
+    # assumes any request may be one).
+    mixed = max(case.query_lens) > 1 and (1 in case.query_lens or case.for_cudagraph)
+    assert result["split_single"] == mixed
 
 
 def test_split_cases_really_split(interpreter_results: dict) -> None:
     for case in CASES:
-        if case.name.startswith(("split_decode", "graph_decode")):
+        if case.name.startswith(("split_decode", "graph_decode", "mixed_split")):
             assert interpreter_results[case.name]["num_splits"] > 1, case.name
 
 
@@ -194,3 +201,24 @@ def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _run_worker()
+
+
+def test_step_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_attention_steps.py at tiny shapes on the CPU (interpreter): every
+    case of every variant is timed and the mixed rows carry their decomposition."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    script = os.path.join(repo, "benchmarks", "bench_attention_steps.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
+         "--head-size", "32", "--context", "40", "--max-model-len", "64", "--decode-batches", "2", "--decodes", "3",
+         "--chunk", "16", "--prefixes", "0,20", "--copy-gib", "0.001", "--gemm-n", "64", "--warmup-ms", "1",
+         "--rep-ms", "1", "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = json.loads((tmp_path / "attention_steps.json").read_text())["rows"]
+    cases = ["decode 2", "decodes 3 alone", "chunk alone P=0", "mixed P=0", "chunk alone P=20", "mixed P=20"]
+    assert [r["case"] for r in rows] == cases * 2
+    assert all(r["ms"] > 0 for r in rows)
+    assert all({"decodes_alone_ms", "chunk_alone_ms", "extra_us"} <= set(r) for r in rows if r["kind"] == "mixed")
