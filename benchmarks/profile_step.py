@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes, on a small model (where the host work shows).
 
-The Qwen3-0.6B shape with dummy bf16 weights, ``--batch`` requests of ``--input-len``
+The Qwen3-0.6B shape (``--shape llama3-8b``: the Llama-3-8B shape of
+``bench_decode_roofline.py``) with dummy bf16 weights, ``--batch`` requests of ``--input-len``
 tokens generating ``--output-len`` each, with the engine core in this process
 (``KVLOOM_ENABLE_MULTIPROCESSING=0``, so one profile sees the scheduler, the model
 runner and the output processing). Three measurements of the same run:
@@ -61,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["KVLOOM_ENABLE_MULTIPROCESSING"] = "0"  # one process: one profile
 
 import torch  # noqa: E402
+from bench_decode_roofline import write_llama3_config  # noqa: E402
 from bench_offline_nanovllm import HD, NH, NKV, H, I, L, V, write_qwen3_config  # noqa: E402
 
 from kvloom import LLM, SamplingParams  # noqa: E402
@@ -242,6 +244,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of the profiled requests (0: greedy; nano-vllm's workload uses 0.6)")
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "llama3-8b"],
+                        help="the decode profile's model shape (dummy bf16 weights)")
     parser.add_argument("--prefill", action="store_true", help="profile prefill steps instead (see above)")
     parser.add_argument("--host-only", action="store_true", help="the host work on the CPU, tiny model (see above)")
     parser.add_argument("--steps", type=int, default=200, help="--host-only: decode steps per timed stretch")
@@ -255,8 +259,13 @@ def main() -> int:
     if args.prefill:
         return prefill_only(args, out)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
-        llm = LLM(**engine_kwargs(args.engine_args, model_dir))
+        extra = {}
+        if args.shape == "llama3-8b":  # as bench_decode_roofline.py runs it
+            model_dir = write_llama3_config(Path(tmp) / "llama3-8b-shape")
+            extra = {"max_num_seqs": args.batch}
+        else:
+            model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
+        llm = LLM(**engine_kwargs(args.engine_args, model_dir) | extra)
         freeze_gc_heap()  # as the engine core's own process does after start-up
         prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 9000 for j in range(args.input_len)]}
                    for i in range(args.batch)]  # fmt: skip
@@ -311,14 +320,14 @@ def main() -> int:
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
     result = {
-        "batch": args.batch, "engine_args": args.engine_args, "gpu": torch.cuda.get_device_name(0),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "batch": args.batch, "shape": args.shape, "engine_args": args.engine_args,
+        "gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d %H:%M"),
         "wall_per_step_ms": 1000 * wall / steps,
         "profiled_wall_per_step_ms": 1000 * profiled_wall / args.gpu_steps,
         "device_busy_per_step_ms": kernel_us / 1000 / args.gpu_steps,
         "device_ops_per_step": device_launches / args.gpu_steps,
     }  # fmt: skip
-    (out / f"profile_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + kernels + "\n\n" + text.getvalue())
+    (out / f"profile_{args.shape}_b{args.batch}.txt").write_text(json.dumps(result, indent=2) + "\n\n" + kernels + "\n\n" + text.getvalue())
     print(json.dumps(result, indent=2))
     print(kernels)
     print(text.getvalue()[:12000])

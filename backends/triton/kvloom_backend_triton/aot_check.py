@@ -134,7 +134,7 @@ def check_configuration(
     max_query_len: int = 2048,
 ) -> list[CompileReport]:
     """Compile every kernel one model shape uses (decode with and without splits)."""
-    cfg = cfg or default_config(head_size, dtype)
+    cfg = cfg or default_config(head_size, dtype, arch)
     t = _TRITON_TYPES[dtype]
     group = num_heads // num_kv_heads
     block_d = next_power_of_2(head_size)
@@ -165,7 +165,7 @@ def check_configuration(
     block_m, block_q = mixed_batch_tiles(group, max_query_len, cfg)
     rep = compile_kernel(
         kernels.mixed_batch_attention_kernel, io,
-        {**common, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_N": cfg.prefill_block_n},
+        {**common, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_N": cfg.prefill_block_n, "SKIP_SINGLE": True},
         arch, cfg.prefill_num_warps, cfg.prefill_num_stages, divisible=_STRIDES,
     )
     rep.variant = f"{label} M={block_m} N={cfg.prefill_block_n}"

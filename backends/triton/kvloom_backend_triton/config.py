@@ -74,8 +74,10 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def default_config(head_size: int, dtype: torch.dtype) -> KernelConfig:
-    """The heuristic table (sized for Hopper, sane on Ampere and newer).
+def default_config(head_size: int, dtype: torch.dtype, arch: int | None = None) -> KernelConfig:
+    """The heuristic table (sized for Hopper, sane on Ampere and newer); ``arch``: the
+    device's compute capability as ``10 * major + minor`` (None: not known, the tiles that
+    fit every supported GPU).
 
     Register pressure grows with rows x padded head size (the fp32 accumulator) and shared
     memory with tokens x head size x stages (K and V tiles in flight), so larger heads and
@@ -89,8 +91,12 @@ def default_config(head_size: int, dtype: torch.dtype) -> KernelConfig:
         cfg = KernelConfig(prefill_block_m=128, prefill_block_n=64, prefill_num_warps=4,
                            decode_block_n=64, decode_num_warps=4)
     elif padded <= 128:
-        cfg = KernelConfig(prefill_block_m=128, prefill_block_n=64, prefill_num_warps=8,
-                           decode_block_n=64, decode_num_warps=4)
+        # Hopper: prefill_block_n 128 over 64: a 512-token chunk after 3,584 cached tokens
+        # took 99 instead of 115 us, 8 x 2048 prompts 303 instead of 295 TFLOP/s (H100,
+        # 2026-11-26, bench_attention_steps.py / bench_attention_kernels.py). Before Hopper
+        # (mma.sync, no wgmma) that tile spills registers.
+        cfg = KernelConfig(prefill_block_m=128, prefill_block_n=128 if (arch or 0) >= 90 else 64,
+                           prefill_num_warps=8, decode_block_n=64, decode_num_warps=4)
     else:  # 256
         cfg = KernelConfig(prefill_block_m=64, prefill_block_n=32, prefill_num_warps=8,
                            prefill_num_stages=2, decode_block_n=32, decode_num_warps=4)
@@ -116,12 +122,15 @@ def parse_overrides(text: str) -> dict[str, int | None]:
 
 
 def resolve_config(
-    head_size: int, dtype: torch.dtype, override: KernelConfig | dict[str, int | None] | None = None
+    head_size: int,
+    dtype: torch.dtype,
+    override: KernelConfig | dict[str, int | None] | None = None,
+    arch: int | None = None,
 ) -> KernelConfig:
     """The table's entry, then ``KVLOOM_TRITON_ATTN_CONFIG``, then ``override``."""
     if isinstance(override, KernelConfig):
         return override
-    cfg = default_config(head_size, dtype)
+    cfg = default_config(head_size, dtype, arch)
     env = os.environ.get(ENV_VAR, "")
     if env:
         cfg = cfg.with_overrides(parse_overrides(env))

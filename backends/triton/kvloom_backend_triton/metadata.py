@@ -77,12 +77,15 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
                 f"num_heads ({spec.num_heads}) must be a multiple of num_kv_heads ({spec.num_kv_heads})"
             )
         self._retired_workspaces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.config = resolve_config(spec.head_size, spec.dtype, spec.extra.get(CONFIG_EXTRA_KEY))
         device = torch.device(device)
+        arch = None
         if device.type == "cuda":
-            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            props = torch.cuda.get_device_properties(device)
+            self.num_sms = props.multi_processor_count
+            arch = 10 * props.major + props.minor
         else:
             self.num_sms = int(spec.extra.get(NUM_SMS_EXTRA_KEY, _DEFAULT_NUM_SMS_OFF_CUDA))
+        self.config = resolve_config(spec.head_size, spec.dtype, spec.extra.get(CONFIG_EXTRA_KEY), arch)
         # The split plan never asks for more rows than this (see plan_decode_splits:
         # splits <= cdiv(target, B * Hkv), so B * splits < target / Hkv + B).
         if self.config.force_num_splits is not None:

@@ -122,6 +122,14 @@ def test_heuristic_table_shrinks_tiles_for_large_heads_and_fp32() -> None:
     assert default_config(80, torch.float16) == mid  # padded to 128
 
 
+def test_hopper_gets_the_wider_prefill_tile() -> None:
+    # Before sm_90 (mma.sync, no wgmma) a 128 x 128 tile of a 128-dim head spills registers.
+    assert default_config(128, torch.bfloat16, arch=90).prefill_block_n == 128
+    assert default_config(128, torch.bfloat16, arch=80).prefill_block_n == 64
+    assert default_config(128, torch.bfloat16) == default_config(128, torch.bfloat16, arch=80)
+    assert resolve_config(128, torch.bfloat16, arch=90).prefill_block_n == 128
+
+
 def test_env_and_explicit_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "decode_block_n=32, decode_num_warps=8,force_num_splits=none")
     cfg = resolve_config(128, torch.bfloat16, {"prefill_num_stages": 2})
