@@ -136,6 +136,48 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
+@triton.jit
+def _attend_range(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row_ptr,
+    kv_head_offset,
+    kv_start,
+    full_stop,
+    kv_stop,
+    stride_cache_block,
+    stride_cache_slot,
+    dims,
+    qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Cached positions ``kv_start .. kv_stop``: the tiles before ``full_stop`` (every row
+    sees them in full) without masks, the rest masked."""
+    for start in range(kv_start, full_stop, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
+            start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
+            PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION,
+        )
+    for start in range(full_stop, kv_stop, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
+            start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
+            PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION,
+        )
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def mixed_batch_attention_kernel(
     q_ptr,
@@ -221,18 +263,11 @@ def mixed_batch_attention_kernel(
         # Positions < context_len + q_first + 1 are visible to every row of the tile.
         full_stop = ((context_len + q_first + 1) // BLOCK_N) * BLOCK_N
         kv_stop = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
-        for start in range(0, full_stop, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
-                start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
-                PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, False, True, DOT_PRECISION,
-            )
-        for start in range(full_stop, kv_stop, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
-                start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
-                PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, True, True, DOT_PRECISION,
-            )
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
+            0, full_stop, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
+            PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, True, DOT_PRECISION,
+        )
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_o_tok + row_head[:, None] * stride_o_head + dims[None, :],
@@ -307,18 +342,11 @@ def decode_attention_kernel(
 
         block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
         kv_head_offset = kv_head * stride_cache_head
-        for start in range(kv_start, full_stop, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
-                start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
-                PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION,
-            )
-        for start in range(full_stop, kv_stop, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
-                start, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
-                PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION,
-            )
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, rows, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head_offset,
+            kv_start, full_stop, kv_stop, stride_cache_block, stride_cache_slot, dims, qk_scale,
+            PAGE_SIZE, HEAD_SIZE, BLOCK_N, BLOCK_D, False, DOT_PRECISION,
+        )
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
