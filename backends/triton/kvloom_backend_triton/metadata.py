@@ -17,8 +17,9 @@ plans the decode splits from the padded batch size and ``max_model_len`` instead
 step's longest sequence: for a fixed padded batch size the grids, the split count and the
 workspace are then the same at capture and at every replay, whatever the lengths (the
 kernel sizes each request's splits from its own length). Mixed-batch grids depend only on
-the padded token and request counts and on ``max_query_len``, which a uniform batch fixes;
-a uniform batch has either no single-token request or nothing else.
+the padded token and request counts and on ``max_query_len``, which a uniform batch fixes.
+Such a graph runs the decode kernel for every request, whatever their query lengths: both
+kernels read each request's query length on the device, so the launches hold for any mix.
 """
 
 from __future__ import annotations
