@@ -100,6 +100,8 @@ def main() -> None:
                         help="time eager launches (host launch cost included) instead of CUDA-graph replays")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: smoke-test at tiny shapes under TRITON_INTERPRET=1 (no real timing)")
+    # backend_variants reads it: FLASH_ATTN's decode through flash_attn_with_kvcache, one variant.
+    parser.set_defaults(flash_attn_decode_kernels="kvcache")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -124,8 +126,7 @@ def main() -> None:
              "block_size": block_size}  # fmt: skip
     cases = step_cases(args)
     rows: list[dict[str, Any]] = []
-    for label, extra in backend_variants(args.backend, argparse.Namespace(variants=args.variants,
-                                                                           flash_attn_decode_kernels="kvcache")):
+    for label, extra in backend_variants(args.backend, args):
         times: dict[str, float] = {}
         for case in cases:
             batch = make_timing_batch(

@@ -175,20 +175,26 @@ def test_bf16_cache_write_exact(interpreter_results: dict) -> None:
     assert not interpreter_results["bf16_cache_write"]["problems"]
 
 
-def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """benchmarks/bench_attention_kernels.py at tiny shapes on the CPU (interpreter), so
-    the GPU run cannot fail on a script error: correctness slice, timing, variants, output."""
+def _run_benchmark(script: str, *args: str) -> None:
+    """Run ``benchmarks/<script>`` on the CPU (``--device cpu``, the Triton interpreter)."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    script = os.path.join(repo, "benchmarks", "bench_attention_kernels.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, script, "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
-         "--head-size", "32", "--decode-batch", "2", "--decode-context", "40", "--prefill-batch", "1",
-         "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64",
-         "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path)],
+        [sys.executable, os.path.join(repo, "benchmarks", script), "--device", "cpu", *args],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_attention_kernels.py at tiny shapes on the CPU (interpreter), so
+    the GPU run cannot fail on a script error: correctness slice, timing, variants, output."""
+    _run_benchmark(
+        "bench_attention_kernels.py", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
+        "--head-size", "32", "--decode-batch", "2", "--decode-context", "40", "--prefill-batch", "1",
+        "--prefill-len", "32", "--copy-gib", "0.001", "--gemm-n", "64",
+        "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path),
+    )
     result = json.loads((tmp_path / "attention_kernels.json").read_text())
     assert [r["variant"] for r in result["rows"]] == ["default", "force_num_splits=2,decode_block_n=16"]
     for row in result["rows"]:
@@ -199,26 +205,21 @@ def test_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-
     assert "| TRITON_ATTN | default |" in (tmp_path / "attention_kernels.md").read_text()
 
 
-if __name__ == "__main__" and "--worker" in sys.argv:
-    _run_worker()
-
-
 def test_step_benchmark_script_runs_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """benchmarks/bench_attention_steps.py at tiny shapes on the CPU (interpreter): every
     case of every variant is timed and the mixed rows carry their decomposition."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    script = os.path.join(repo, "benchmarks", "bench_attention_steps.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, script, "--device", "cpu", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
-         "--head-size", "32", "--context", "40", "--max-model-len", "64", "--decode-batches", "2", "--decodes", "3",
-         "--chunk", "16", "--prefixes", "0,20", "--copy-gib", "0.001", "--gemm-n", "64", "--warmup-ms", "1",
-         "--rep-ms", "1", "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env,
+    _run_benchmark(
+        "bench_attention_steps.py", "--dtype", "float16", "--num-heads", "4", "--num-kv-heads", "2",
+        "--head-size", "32", "--context", "40", "--max-model-len", "64", "--decode-batches", "2", "--decodes", "3",
+        "--chunk", "16", "--prefixes", "0,20", "--copy-gib", "0.001", "--gemm-n", "64", "--warmup-ms", "1",
+        "--rep-ms", "1", "--variants", "default;force_num_splits=2,decode_block_n=16", "--out", str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stderr[-5000:]
     rows = json.loads((tmp_path / "attention_steps.json").read_text())["rows"]
     cases = ["decode 2", "decodes 3 alone", "chunk alone P=0", "mixed P=0", "chunk alone P=20", "mixed P=20"]
     assert [r["case"] for r in rows] == cases * 2
     assert all(r["ms"] > 0 for r in rows)
     assert all({"decodes_alone_ms", "chunk_alone_ms", "extra_us"} <= set(r) for r in rows if r["kind"] == "mixed")
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _run_worker()
