@@ -13,10 +13,13 @@ the same ``c_kv`` tile for the scores and for the value product.
 
 Split-KV: program ``(request, head tile, split)`` covers one slice of the request's
 positions. The slice length is derived *in the kernel* from the request's own ``seq_len``
-(``cdiv(seq_len, NUM_SPLITS)`` rounded up to the tile), so the host picks only the split
-count: grids then depend on the batch size and a fixed split count, never on this step's
-lengths, which keeps the launch valid for CUDA-graph replays. Each split writes its
-normalised partial output and its log2-sum-exp; ``mla_decode_reduce_kernel`` merges them.
+(``cdiv(seq_len, NUM_SPLITS)`` rounded up to the tile, and never below ``MIN_SPLIT_TILES``
+tiles), so the host picks only the split count: grids then depend on the batch size and a
+fixed split count, never on this step's lengths, which keeps the launch valid for
+CUDA-graph replays. Each split writes its normalised partial output and its log2-sum-exp;
+``mla_decode_reduce_kernel`` merges them. The floor keeps a short request in a plan made
+for ``max_model_len`` (a CUDA graph's) in one slice: it then merges with weight 1 and
+comes out bit for bit as in an eager, unsplit launch.
 
 Scores are kept in the log2 domain (``qk_scale = softmax_scale * log2(e)``, ``exp2``).
 """
@@ -62,6 +65,7 @@ def mla_decode_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_reqs, cdiv(num_heads, BLOCK_H), NUM_SPLITS)``.
@@ -82,7 +86,7 @@ def mla_decode_kernel(
     r_ok = dr < ROPE_DIM
 
     seq_len = tl.load(seq_lens_ptr + req)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N), MIN_SPLIT_TILES) * BLOCK_N
     kv_start = split * per_split
     kv_stop = tl.minimum(seq_len, kv_start + per_split)
 

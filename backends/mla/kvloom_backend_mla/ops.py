@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.attention.split_kv import min_split_tiles
 from kvloom.interfaces import parse_kernel_overrides
 
 LOG2_E = 1.4426950408889634
@@ -123,7 +124,8 @@ def plan_num_kv_splits(
     reduce must stay small next to the latent reads), at most ``max_splits``, at least 1.
     ``max_seq_len`` is the longest sequence the launch may meet: the step's longest
     eagerly, ``max_model_len`` for a CUDA graph (the kernel cuts each request's own
-    length into that many splits).
+    length into that many splits, none shorter than ``min_split_tokens``:
+    ``kvloom.attention.split_kv``).
     """
     if cfg.force_num_splits is not None:
         return cfg.force_num_splits
@@ -214,6 +216,7 @@ def mla_decode(
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, PAGE_SIZE=kv_cache.shape[1], NUM_SPLITS=num_kv_splits,
         BLOCK_H=block_h, BLOCK_N=cfg.decode_block_n, BLOCK_L=block_l, BLOCK_R=block_r,
         SPLIT=split, DOT_PRECISION=_dot_precision(q_nope.dtype),
+        MIN_SPLIT_TILES=min_split_tiles(cfg.min_split_tokens, cfg.decode_block_n, cfg.force_num_splits),
         num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     if split:

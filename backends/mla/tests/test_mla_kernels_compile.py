@@ -19,6 +19,8 @@ aot = pytest.importorskip("kvloom_backend_triton.aot_check")
 
 from kvloom_backend_mla import decode_kernels, ops, prefill_kernels  # noqa: E402
 
+from kvloom.attention.split_kv import min_split_tiles
+
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton's bundled ptxas is not installed")
 
@@ -43,6 +45,7 @@ def test_decode_compiles_for_sm90(dtype: torch.dtype, split: bool) -> None:
           "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "qk_scale": "fp32"}
     constexprs = dict(KV_LORA_RANK=512, ROPE_DIM=64, PAGE_SIZE=64, NUM_SPLITS=8 if split else 1,
                       BLOCK_H=cfg.decode_block_h, BLOCK_N=cfg.decode_block_n, BLOCK_L=512, BLOCK_R=64, SPLIT=split,
+                      MIN_SPLIT_TILES=min_split_tiles(cfg.min_split_tokens, cfg.decode_block_n, None),
                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
     rep = aot.compile_kernel(decode_kernels.mla_decode_kernel, io, constexprs, 90, cfg.decode_num_warps,
                              cfg.decode_num_stages, divisible=_strides(decode_kernels.mla_decode_kernel))

@@ -245,6 +245,24 @@ def _backend_cases() -> dict[str, dict]:
                              "vs_cpu_mla": relative_error(outs["TRITON_MLA"], outs["CPU_MLA"]), "num_splits": splits}
         except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:  # requests within min_split_tokens: one split eagerly, several planned in a CUDA graph
+        spec, dims, _ = _mla_spec("decode", torch.float32, **{
+            CONFIG_EXTRA_KEY: {"decode_block_n": 16, "min_split_tokens": 64}, NUM_SMS_EXTRA_KEY: 8})
+        case = make_decode_case([20, 45, 64], num_heads=4, kv_lora_rank=32, rope_dim=16, block_size=16,
+                                dtype=torch.float32, seed=3)
+        common = _common([1, 1, 1], [20, 45, 64], case.block_table)
+        builder = TritonMLABackend.get_builder_cls()(spec, torch.device("cpu"), case.block_table.shape[1])
+        impl = TritonMLABackend.get_impl_cls()(dims, spec.scale)
+        outs, splits = [], []
+        for md in (builder.build(common), builder.build_for_cudagraph_capture(common)):
+            out = torch.full((3, 4, 32), float("nan"))
+            impl.forward_decode(case.q, case.kv_cache, md, out)
+            outs.append(out)
+            splits.append(md.num_kv_splits)
+        results["backend_graph_plan_same_bits"] = {"splits": splits, "same_bits": torch.equal(*outs),
+                                                   "finite": bool(outs[0].isfinite().all())}
+    except Exception as exc:
+        results["backend_graph_plan_same_bits"] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
         spec, dims, _ = _mla_spec("prefill", torch.float32, **extra)
         gen = torch.Generator().manual_seed(5)
@@ -303,6 +321,18 @@ def test_backend_matches_reference_and_cpu_mla(interpreter_results: dict, name: 
     assert result["vs_cpu_mla"] < TOLERANCE["float32"], f"{name}: differs from CPU_MLA by {result['vs_cpu_mla']:.3e}"
     if "decode" in name:
         assert result["num_splits"] > 1  # the split path and its reduce ran
+
+
+def test_short_requests_same_bits_in_eager_and_graph_plans(interpreter_results: dict) -> None:
+    """A CUDA graph plans the decode splits for ``max_model_len``, an eager step for its
+    longest sequence; requests within ``min_split_tokens`` still come out bit for bit the
+    same (the kernel keeps each in one slice), so CUDA graphs do not change the tokens."""
+    result = interpreter_results["backend_graph_plan_same_bits"]
+    assert "error" not in result, result.get("error")
+    eager_splits, graph_splits = result["splits"]
+    assert eager_splits == 1 and graph_splits > 1  # the plans do differ
+    assert result["finite"]
+    assert result["same_bits"]
 
 
 @pytest.mark.parametrize("scenario,dtype,block_size", _conformance_specs(), ids=lambda v: str(v))

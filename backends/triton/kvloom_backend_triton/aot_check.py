@@ -22,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kvloom.attention.split_kv import min_split_tiles
 from kvloom_backend_triton import kernels
 from kvloom_backend_triton.config import KernelConfig, default_config, next_power_of_2
 from kvloom_backend_triton.ops import MIN_DOT_ROWS, mixed_batch_tiles
@@ -151,7 +152,8 @@ def check_configuration(
         rep = compile_kernel(
             kernels.decode_attention_kernel, io,
             {**common, "BLOCK_G": max(MIN_DOT_ROWS, next_power_of_2(group)), "BLOCK_N": cfg.decode_block_n,
-             "SPLIT": split},
+             "SPLIT": split,
+             "MIN_SPLIT_TILES": min_split_tiles(cfg.min_split_tokens, cfg.decode_block_n, cfg.force_num_splits)},
             arch, cfg.decode_num_warps, cfg.decode_num_stages, divisible=_STRIDES,
         )
         rep.variant = f"{label} N={cfg.decode_block_n} split={split}"

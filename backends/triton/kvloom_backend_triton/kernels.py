@@ -304,6 +304,7 @@ def decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Requests of one query token. Grid ``(num_reqs, num_kv_heads, num_splits)``.
@@ -311,8 +312,12 @@ def decode_attention_kernel(
     Program (r, h, s) attends the ``GROUP`` query heads of KV head h (rows padded to
     ``BLOCK_G`` >= 16 for ``tl.dot``) to the s-th of ``num_splits`` equal runs of request
     r's positions (whole ``BLOCK_N`` tiles, the last run shorter), sized here from the
-    request's own length: every request's work is spread over all its splits whatever the
-    host planned for (a CUDA graph plans for ``max_model_len``). Requests of more than one
+    request's own length: a request's work is spread over the splits whatever the host
+    planned for (a CUDA graph plans for ``max_model_len``), but no run is shorter than
+    ``MIN_SPLIT_TILES`` tiles, so a short request keeps fewer splits (the rest stay
+    empty). That floor also makes a request that fits in one run come out bit for bit as
+    in an unsplit launch (its one partial merges with weight 1): eager steps and CUDA
+    graphs, planned differently, then give the same output. Requests of more than one
     query token are skipped (a mixed batch runs them through the mixed-batch kernel).
     With SPLIT=False (one split) it writes the output directly; otherwise it writes the
     normalised partial output and its log2-sum-exp for ``decode_reduce_kernel``. A split
@@ -325,7 +330,7 @@ def decode_attention_kernel(
     token = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - token == 1:
         seq_len = tl.load(seq_lens_ptr + req)
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tl.num_programs(2))
+        tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tl.num_programs(2)), MIN_SPLIT_TILES)
         kv_start = split * tiles_per_split * BLOCK_N
         kv_stop = tl.minimum(seq_len, kv_start + tiles_per_split * BLOCK_N)
         full_stop = kv_start + (tl.maximum(kv_stop - kv_start, 0) // BLOCK_N) * BLOCK_N

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.attention.split_kv import min_split_tiles
 from kvloom_backend_triton.config import KernelConfig, next_power_of_2
 from kvloom_backend_triton.kernels import (
     decode_attention_kernel,
@@ -142,8 +143,10 @@ def plan_decode_splits(
     Enough (request, KV head, split) programs to give every SM ``programs_per_sm`` of
     them, but no split shorter than ``min_split_tokens`` (the reduction and the partial
     writes must stay small next to the KV reads) and at most ``max_splits``. The kernel
-    sizes each request's splits from its own length, so a short request in a plan made
-    for ``max_seq_len`` still spreads its positions over all the splits. ``max_seq_len``
+    sizes each request's splits from its own length, so a request shorter than
+    ``max_seq_len`` still spreads its positions over the splits, in runs of at least
+    ``min_split_tokens`` (``kvloom.attention.split_kv``: a request that short is not
+    split, whatever the plan). ``max_seq_len``
     is the longest sequence the launch may meet: the step's longest in eager mode,
     ``max_model_len`` for a CUDA graph.
     """
@@ -204,6 +207,7 @@ def decode_attention(
         GROUP=group, PAGE_SIZE=key_cache.shape[1], HEAD_SIZE=head_size,
         BLOCK_G=max(MIN_DOT_ROWS, next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, BLOCK_D=block_d,
         SPLIT=split, DOT_PRECISION=_dot_precision(query.dtype),
+        MIN_SPLIT_TILES=min_split_tiles(cfg.min_split_tokens, cfg.decode_block_n, cfg.force_num_splits),
         num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     if split:

@@ -128,6 +128,21 @@ def _run_worker() -> None:
         except Exception as exc:  # reported per case by the parent
             results[case.name] = {"error": f"{type(exc).__name__}: {exc}"}
 
+    # Requests no longer than min_split_tokens: unsplit in an eager step (planned from the
+    # step's longest), in several planned splits in a CUDA graph (planned from
+    # max_model_len). The kernel keeps each in one run, so both outputs are the same bits.
+    paged = make_paged_case(
+        TritonAttentionBackend, (1, 1, 1), (20, 45, 64), num_heads=4, num_kv_heads=2, head_size=32,
+        block_size=16, dtype=torch.float32, seed=11, max_model_len=1024,
+        extra={CONFIG_EXTRA_KEY: {"min_split_tokens": 64, "decode_block_n": 16}, NUM_SMS_EXTRA_KEY: 8},
+    )
+    eager, graph = run_paged_case(paged), run_paged_case(paged, for_cudagraph=True)
+    results["graph_plan_same_bits"] = {
+        "eager_splits": eager.metadata.num_splits, "graph_splits": graph.metadata.num_splits,
+        "same_bits": torch.equal(eager.output, graph.output),
+        "problems": check_paged_case(paged, graph).problems,
+    }
+
     # bf16 through the cache-write kernel alone (a copy: exact, no tl.dot involved).
     from kvloom_backend_triton import ops
 
@@ -169,6 +184,17 @@ def test_split_cases_really_split(interpreter_results: dict) -> None:
     for case in CASES:
         if case.name.startswith(("split_decode", "graph_decode", "mixed_split")):
             assert interpreter_results[case.name]["num_splits"] > 1, case.name
+
+
+def test_short_requests_same_bits_in_eager_and_graph_plans(interpreter_results: dict) -> None:
+    """A CUDA graph plans the decode splits for ``max_model_len``, an eager step for its
+    longest sequence; requests within ``min_split_tokens`` still come out bit for bit the
+    same, so CUDA graphs do not change greedy tokens (tests/gpu/test_e2e_gpu.py, bf16)."""
+    result = interpreter_results["graph_plan_same_bits"]
+    assert "error" not in result, result.get("error")
+    assert result["eager_splits"] == 1 and result["graph_splits"] > 1  # the plans do differ
+    assert not result["problems"], result["problems"]
+    assert result["same_bits"]
 
 
 def test_bf16_cache_write_exact(interpreter_results: dict) -> None:
