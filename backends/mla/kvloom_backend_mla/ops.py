@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.attention.split_kv import min_split_tiles
-from kvloom.interfaces import parse_kernel_overrides
+from kvloom.interfaces import min_split_tiles, parse_kernel_overrides
 
 LOG2_E = 1.4426950408889634
 #: Smallest M, N and K of a ``tl.dot`` operand: head tiles, position tiles and head dims
@@ -125,7 +124,7 @@ def plan_num_kv_splits(
     ``max_seq_len`` is the longest sequence the launch may meet: the step's longest
     eagerly, ``max_model_len`` for a CUDA graph (the kernel cuts each request's own
     length into that many splits, none shorter than ``min_split_tokens``:
-    ``kvloom.attention.split_kv``).
+    ``kvloom.interfaces.min_split_tiles``).
     """
     if cfg.force_num_splits is not None:
         return cfg.force_num_splits

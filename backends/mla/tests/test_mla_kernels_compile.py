@@ -19,7 +19,7 @@ aot = pytest.importorskip("kvloom_backend_triton.aot_check")
 
 from kvloom_backend_mla import decode_kernels, ops, prefill_kernels  # noqa: E402
 
-from kvloom.attention.split_kv import min_split_tiles
+from kvloom.interfaces import min_split_tiles
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton's bundled ptxas is not installed")

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvloom.attention.split_kv import min_split_tiles
+from kvloom.interfaces import min_split_tiles
 from kvloom_backend_triton import kernels
 from kvloom_backend_triton.config import KernelConfig, default_config, next_power_of_2
 from kvloom_backend_triton.ops import MIN_DOT_ROWS, mixed_batch_tiles

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.attention.split_kv import min_split_tiles
+from kvloom.interfaces import min_split_tiles
 from kvloom_backend_triton.config import KernelConfig, next_power_of_2
 from kvloom_backend_triton.kernels import (
     decode_attention_kernel,
@@ -145,7 +145,7 @@ def plan_decode_splits(
     writes must stay small next to the KV reads) and at most ``max_splits``. The kernel
     sizes each request's splits from its own length, so a request shorter than
     ``max_seq_len`` still spreads its positions over the splits, in runs of at least
-    ``min_split_tokens`` (``kvloom.attention.split_kv``: a request that short is not
+    ``min_split_tokens`` (``kvloom.interfaces.min_split_tiles``: a request that short is not
     split, whatever the plan). ``max_seq_len``
     is the longest sequence the launch may meet: the step's longest in eager mode,
     ``max_model_len`` for a CUDA graph.

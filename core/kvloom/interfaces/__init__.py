@@ -18,7 +18,8 @@ example packages):
   ``BlockSizeSpec``;
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
   ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
-  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``;
+  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``; the shortest run a split-KV
+  decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
   and the ``KVLOOM_ALLREDUCE`` switch, ``allreduce_mode``; workers:
@@ -69,6 +70,7 @@ from kvloom.attention.backend import (
 )
 from kvloom.attention.kernel_overrides import parse_kernel_overrides
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
+from kvloom.attention.split_kv import min_split_tiles
 from kvloom.attention.mla import (
     MLA_DECODE,
     MLA_PREFILL,
@@ -182,6 +184,7 @@ __all__ = [
     "copy_rows_skipping_invalid",
     "effective_decode_graphs",
     "hookimpl",
+    "min_split_tiles",
     "parse_kernel_overrides",
     "read_adapter_config",
     "validate_adapter_config",
