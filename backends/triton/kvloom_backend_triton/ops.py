@@ -145,10 +145,9 @@ def plan_decode_splits(
     writes must stay small next to the KV reads) and at most ``max_splits``. The kernel
     sizes each request's splits from its own length, so a request shorter than
     ``max_seq_len`` still spreads its positions over the splits, in runs of at least
-    ``min_split_tokens`` (``kvloom.interfaces.min_split_tiles``: a request that short is not
-    split, whatever the plan). ``max_seq_len``
-    is the longest sequence the launch may meet: the step's longest in eager mode,
-    ``max_model_len`` for a CUDA graph.
+    ``min_split_tokens`` (``kvloom.interfaces.min_split_tiles``: a request that short is
+    not split, whatever the plan). ``max_seq_len`` is the longest sequence the launch may
+    meet: the step's longest in eager mode, ``max_model_len`` for a CUDA graph.
     """
     max_seq_len = max(1, max_seq_len)
     if cfg.force_num_splits is not None:

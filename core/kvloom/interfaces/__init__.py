@@ -70,7 +70,6 @@ from kvloom.attention.backend import (
 )
 from kvloom.attention.kernel_overrides import parse_kernel_overrides
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
-from kvloom.attention.split_kv import min_split_tiles
 from kvloom.attention.mla import (
     MLA_DECODE,
     MLA_PREFILL,
@@ -80,6 +79,7 @@ from kvloom.attention.mla import (
     split_latent_cache,
     write_latent_torch,
 )
+from kvloom.attention.split_kv import min_split_tiles
 from kvloom.config import (
     AttentionConfig,
     CacheConfig,
