@@ -135,9 +135,9 @@ def main() -> None:
     runner = llm.llm_engine.engine_core.core.worker.runner
     assert runner.compile_backend is not None and runner.model is not None
     attn = runner.attn_layers
-    common = runner.dummy_metadata(np.ones(b, dtype=np.int64))  # b decode requests, no KV writes
+    common = runner.inputs.dummy_metadata(np.ones(b, dtype=np.int64))  # b decode requests, no KV writes
     metadata = runner.builder.build(common)
-    ids, pos = runner.input_ids[:b], runner.positions[:b]
+    ids, pos = runner.inputs.input_ids[:b], runner.inputs.positions[:b]
     context = {"attn_layers": runner._attn_by_name, "num_actual_tokens": b}
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "label": args.label,

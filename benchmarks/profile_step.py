@@ -127,7 +127,7 @@ def clocks(engine: Any) -> tuple[Clock, Clock, Clock]:
     model, core_step, attn_build = Clock(), Clock(), Clock()
     runner.run_model = model.wrap(runner.run_model)
     runner.model.compute_logits = model.wrap(runner.model.compute_logits)
-    runner.sampler = model.wrap(runner.sampler)
+    runner.sampler.sampler = model.wrap(runner.sampler.sampler)
     core.step = core_step.wrap(core.step)
     runner.builder.build = attn_build.wrap(runner.builder.build)
     return model, core_step, attn_build

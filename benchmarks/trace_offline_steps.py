@@ -46,7 +46,6 @@ class StepTrace:
         self._core_left: float | None = None
         sched, ex = core.scheduler, core.executor
         self._wrap(sched, "schedule", self._on_schedule)
-        self._wrap(ex, "execute_model_async", self._on_launch)
         self._wrap(ex, "execute_model", self._on_launch)
         self._wrap(sched, "update_from_output", self._on_update)
         self._wrap(core, "step", self._on_core_step)

@@ -309,7 +309,7 @@ def test_the_reader_sees_every_kind_of_import(tmp_path: Path) -> None:
         "if TYPE_CHECKING:\n"
         "    from kvloom.config import EngineConfig\n"
         "def f():\n"
-        "    from kvloom.worker.worker import Worker\n"
+        "    from kvloom.worker.model_runner import ModelRunner\n"
         "    importlib.import_module('kvloom.lora.ops')\n"
         "    code = f'from kvloom.engine.arg_utils import EngineArgs; x = {1}'\n"
         "    cmd = [sys.executable, '-m', 'kvloom.entrypoints.cli.main']\n"
@@ -322,7 +322,7 @@ def test_the_reader_sees_every_kind_of_import(tmp_path: Path) -> None:
     found = [(u.line, u.module) for u in kvloom_uses(source)]
     assert found == [
         (3, "kvloom.plugins"), (4, "kvloom"), (4, "kvloom.plugins"), (5, "kvloom.attention.selector"),
-        (6, "kvloom.interfaces"), (8, "kvloom.config"), (10, "kvloom.worker.worker"), (11, "kvloom.lora.ops"),
+        (6, "kvloom.interfaces"), (8, "kvloom.config"), (10, "kvloom.worker.model_runner"), (11, "kvloom.lora.ops"),
         (12, "kvloom.engine.arg_utils"), (13, "kvloom.entrypoints.cli.main"), (15, "kvloom.models.llama"),
         (16, "kvloom.plugins"), (17, "kvloom.interfaces.models"), (18, "kvloom"),
     ]  # fmt: skip

@@ -45,14 +45,14 @@ def greedy_tokens(model: str, **engine_args: object) -> tuple[list[list[int]], i
               max_num_batched_tokens=16, **engine_args)  # fmt: skip
     core: EngineCore = llm.llm_engine.engine_core.core
     depth = [0]
-    launch = core.executor.execute_model_async
+    launch = core.executor.execute_model
 
     def spy(scheduler_output: object) -> object:
         pending = launch(scheduler_output)
         depth[0] = max(depth[0], len(core._in_flight) + 1)
         return pending
 
-    core.executor.execute_model_async = spy  # type: ignore[method-assign]
+    core.executor.execute_model = spy  # type: ignore[method-assign]
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs], depth[0]

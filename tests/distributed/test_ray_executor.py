@@ -76,7 +76,7 @@ def test_ray_tp2_greedy_tokens_match_tp1(ray_cluster: str, monkeypatch: pytest.M
 
 
 def test_ray_pp2_greedy_tokens_match_pp1_with_two_micro_batches_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The output is the last stage's (rank 1); ``execute_model_async`` returns before the
+    """The output is the last stage's (rank 1); ``execute_model`` returns before the
     step ran, so the batch queue holds two micro-batches (the spy counts them)."""
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spies live in this process
     path = str(tiny_model_dir("llama"))
@@ -86,7 +86,7 @@ def test_ray_pp2_greedy_tokens_match_pp1_with_two_micro_batches_in_flight(monkey
     # launch that waited for the step would find every call finished.
     running: list[bool] = []
     submitted: list[list[object]] = []  # each call's object refs, as the actors were called
-    launch, submit = RayDistributedExecutor.execute_model_async, RayDistributedExecutor._submit
+    launch, submit = RayDistributedExecutor.execute_model, RayDistributedExecutor._submit
 
     def spy_submit(self: RayDistributedExecutor, method: str, args: tuple) -> list[object]:
         refs = submit(self, method, args)
@@ -100,7 +100,7 @@ def test_ray_pp2_greedy_tokens_match_pp1_with_two_micro_batches_in_flight(monkey
         return pending
 
     monkeypatch.setattr(RayDistributedExecutor, "_submit", spy_submit)
-    monkeypatch.setattr(RayDistributedExecutor, "execute_model_async", spy)
+    monkeypatch.setattr(RayDistributedExecutor, "execute_model", spy)
     tokens, depth = pipelined_greedy_tokens(path, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert tokens == expected
     assert depth == 2

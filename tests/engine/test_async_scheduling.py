@@ -58,21 +58,21 @@ def test_two_steps_are_in_flight_and_inputs_come_from_the_device(monkeypatch):
     core = llm.llm_engine.engine_core.core
     runner = core.worker.runner
     depths, filled = [], []
-    launch = core.worker.execute_model_async
+    launch = core.worker.execute_model
 
     def spy_launch(so):
         pending = launch(so)
         depths.append(len(core._in_flight) + 1)
         return pending
 
-    fill = runner._fill_placeholders
+    fill = runner.inputs._fill_placeholders
 
     def spy_fill(token_index, *args):
         filled.append(len(token_index))
         return fill(token_index, *args)
 
-    monkeypatch.setattr(core.worker, "execute_model_async", spy_launch)
-    monkeypatch.setattr(runner, "_fill_placeholders", spy_fill)
+    monkeypatch.setattr(core.worker, "execute_model", spy_launch)
+    monkeypatch.setattr(runner.inputs, "_fill_placeholders", spy_fill)
     _run(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert max(depths) == 2
     # Decode steps read every request's newest token from the device.

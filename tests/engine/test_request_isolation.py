@@ -24,7 +24,7 @@ from kvloom.engine.errors import RequestFailedError
 from kvloom.outputs import EngineCoreOutput
 from kvloom.request import EngineCoreRequest, FinishReason
 from kvloom.sampling_params import PoolingParams
-from kvloom.worker import model_runner
+from kvloom.worker import step_output, step_sampler
 from tests.helpers.model_fixtures import random_prompts, tiny_async_llm, tiny_model_dir
 
 VOCAB = 512  # the tiny Llama's
@@ -134,17 +134,17 @@ def test_a_sampling_failure_mid_batch_fails_that_request_alone(
 ) -> None:
     """The batch's sampling state fails whenever the request seeded BAD_SEED is in it with
     two tokens out: it fails after them, the in-flight others complete as without it."""
-    build = model_runner.SamplingMetadata.build
+    build = step_sampler.SamplingMetadata.build
 
     def failing_build(*, params, output_token_ids, **kwargs):
         if any(p.seed == BAD_SEED and len(out) >= 2 for p, out in zip(params, output_token_ids)):
             raise RuntimeError("injected sampling failure")
         return build(params=params, output_token_ids=output_token_ids, **kwargs)
 
-    monkeypatch.setattr(model_runner.SamplingMetadata, "build", staticmethod(failing_build))
+    monkeypatch.setattr(step_sampler.SamplingMetadata, "build", staticmethod(failing_build))
     # The failure follows the tokens out, so the runner must build the state every step
     # instead of reusing the previous step's.
-    monkeypatch.setattr(model_runner.SamplingMetadata, "reusable", property(lambda self: False))
+    monkeypatch.setattr(step_sampler.SamplingMetadata, "reusable", property(lambda self: False))
     core = _core(async_scheduling=async_scheduling)
     good = _good_requests()
     results = _run(core, [good[0], _request("bad", PROMPTS[4], _greedy(seed=BAD_SEED)), *good[1:]])
@@ -155,14 +155,14 @@ def test_a_sampling_failure_mid_batch_fails_that_request_alone(
     assert "sampling failed (RuntimeError: injected sampling failure)" in final.error
     # The engine serves on, the failed request left nothing behind in the runner.
     _assert_good_requests_unharmed(_run(core, _good_requests()), baseline)
-    assert not core.worker.runner._failed and not core.worker.runner.input_batch.requests
+    assert not core.worker.runner.failures and not core.worker.runner.input_batch.requests
 
 
 def test_a_prompt_logprobs_failure_fails_that_request_alone(monkeypatch: pytest.MonkeyPatch, baseline: dict) -> None:
     def failing(*args: Any) -> Any:
         raise FloatingPointError("injected prompt logprobs failure")
 
-    monkeypatch.setattr(model_runner, "compute_prompt_logprobs", failing)
+    monkeypatch.setattr(step_output, "compute_prompt_logprobs", failing)
     core = _core()
     results = _run(core, [*_good_requests(), _request("bad", PROMPTS[4], _greedy(prompt_logprobs=2))])
     _assert_good_requests_unharmed(results, baseline)
@@ -172,14 +172,14 @@ def test_a_prompt_logprobs_failure_fails_that_request_alone(monkeypatch: pytest.
 
 
 def test_a_pooling_failure_fails_that_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool = model_runner.pool_request
+    pool = step_output.pool_request
 
     def failing(config, state, chunk, prompt_done):
         if state.req_id == "bad":
             raise ValueError("injected pooling failure")
         return pool(config, state, chunk, prompt_done)
 
-    monkeypatch.setattr(model_runner, "pool_request", failing)
+    monkeypatch.setattr(step_output, "pool_request", failing)
     core = _core(runner="pooling")
     results = _run(core, [_request(rid, p, pooling=PoolingParams()) for rid, p in zip(["a", "bad", "b"], PROMPTS)])
     assert results["a"][1].pooling_output is not None and results["b"][1].pooling_output is not None
@@ -199,15 +199,15 @@ async def _collect(engine: Any, prompt: list[int], params: SamplingParams, reque
 
 def test_async_llm_raises_the_failure_for_its_request_and_serves_on(monkeypatch: pytest.MonkeyPatch,
                                                                    baseline: dict) -> None:  # fmt: skip
-    build = model_runner.SamplingMetadata.build
+    build = step_sampler.SamplingMetadata.build
 
     def failing_build(*, params, output_token_ids, **kwargs):
         if any(p.seed is not None and len(out) >= 1 for p, out in zip(params, output_token_ids)):
             raise RuntimeError("injected sampling failure")  # after the first token of a seeded request
         return build(params=params, output_token_ids=output_token_ids, **kwargs)
 
-    monkeypatch.setattr(model_runner.SamplingMetadata, "build", staticmethod(failing_build))
-    monkeypatch.setattr(model_runner.SamplingMetadata, "reusable", property(lambda self: False))  # build every step
+    monkeypatch.setattr(step_sampler.SamplingMetadata, "build", staticmethod(failing_build))
+    monkeypatch.setattr(step_sampler.SamplingMetadata, "reusable", property(lambda self: False))  # build every step
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched runner lives in this process
     engine = tiny_async_llm(tiny_model_dir("llama"))
 

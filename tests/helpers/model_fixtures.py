@@ -57,7 +57,7 @@ from kvloom.testing.models import (
     tiny_model_dir,
 )
 from kvloom.testing.models import tiny_hf_config as make_hf_config
-from kvloom.worker.worker import Worker
+from kvloom.platforms.worker import Worker
 from tests.helpers.reference_backend import ReferenceBackend
 
 ARCHITECTURES = TINY_ARCHITECTURES

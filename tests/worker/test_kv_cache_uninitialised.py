@@ -10,7 +10,7 @@ import torch
 from tests.helpers.model_fixtures import hf_greedy_tokens, random_prompts, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
-from kvloom.worker import model_runner
+from kvloom.worker import kv_cache_memory
 
 NEW_TOKENS = 12
 
@@ -22,7 +22,7 @@ def _nan_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 def test_host_kv_cache_is_not_zero_filled(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "empty", lambda *a, **k: calls.append(a) or torch.ones(*a, **k))
-    model_runner.allocate_kv_cache((2, 3), torch.float32, torch.device("cpu"))
+    kv_cache_memory.allocate_kv_cache((2, 3), torch.float32, torch.device("cpu"))
     assert calls == [((2, 3),)]
 
 
@@ -36,7 +36,7 @@ def test_host_kv_cache_is_not_zero_filled(monkeypatch):
 )
 def test_greedy_parity_with_nan_filled_kv_cache(engine_kwargs, monkeypatch):
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the patched allocator runs in this process
-    monkeypatch.setattr(model_runner, "allocate_kv_cache", _nan_cache)
+    monkeypatch.setattr(kv_cache_memory, "allocate_kv_cache", _nan_cache)
     model_dir = tiny_model_dir("llama")
     from transformers import AutoConfig
 

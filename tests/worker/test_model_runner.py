@@ -15,7 +15,10 @@ from kvloom.worker import model_runner
 from kvloom.config import CUDAGraphMode
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher
 from kvloom.worker.model_runner import ModelRunner
-from kvloom.worker.worker import Worker
+from kvloom.platforms.worker import ModelRunnerProtocol, Worker
+
+#: What platform code may call on a runner.
+PROTOCOL_METHODS = {name for name in vars(ModelRunnerProtocol) if not name.startswith("_")}
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +47,7 @@ class RecordingMemory:
 def _runner() -> ModelRunner:
     config = create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8,
                                              max_num_batched_tokens=64))  # fmt: skip
-    worker = Worker(config, config.device.platform)
+    worker = Worker(config, config.device.platform, model_runner_cls=ModelRunner)
     worker.init_device()
     worker.load_model()
     return worker.runner
@@ -76,7 +79,7 @@ def test_profile_runs_the_largest_batch_on_a_one_block_cache_and_leaves_nothing(
     runner = _runner()
     memory = RecordingMemory(runner, peak=12345)
     seen = {}
-    forward, sampler = runner.dummy_forward, runner.sampler
+    forward, sampler = runner.dummy_forward, runner.sampler.sampler
 
     def spy_forward(num_tokens, num_reqs=None):
         one_block = [tuple(runner.backend.get_kv_cache_shape(1, runner.block_size, a.num_kv_heads, a.head_size))
@@ -91,7 +94,7 @@ def test_profile_runs_the_largest_batch_on_a_one_block_cache_and_leaves_nothing(
         return sampler(logits, metadata)
 
     monkeypatch.setattr(runner, "dummy_forward", spy_forward)
-    monkeypatch.setattr(runner, "sampler", spy_sampler)
+    monkeypatch.setattr(runner.sampler, "sampler", spy_sampler)
     assert runner.profile_peak_memory(memory) == 12345
     # max_num_batched_tokens tokens over max_num_seqs requests, one block per layer, a builder
     assert seen["forward"] == (64, 8, True, True)
@@ -110,10 +113,10 @@ def test_capture_cudagraphs_installs_the_captured_graphs(monkeypatch):
     captured = []
 
     class FakeGraphs:
-        def __init__(self, runner, sizes, pool):
-            self.runner, self.sizes, self.pool = runner, sizes, pool
+        def __init__(self, inputs, run_decode, sizes, pool):
+            self.inputs, self.sizes, self.pool = inputs, sizes, pool
 
-        def capture(self):
+        def capture(self, builder):
             captured.append(self.sizes)
 
     runner = _runner()
@@ -126,7 +129,7 @@ def test_capture_cudagraphs_installs_the_captured_graphs(monkeypatch):
                                             runner.max_num_tokens)  # fmt: skip
     runner.capture_cudagraphs()
     assert captured == [[1, 2, 4]] and runner.dispatcher.enabled
-    assert isinstance(runner.cudagraphs, FakeGraphs) and runner.cudagraphs.runner is runner
+    assert isinstance(runner.cudagraphs, FakeGraphs) and runner.cudagraphs.inputs is runner.inputs
     assert runner.cudagraphs.pool == "pool"
 
 
@@ -144,9 +147,12 @@ def _runner_uses(path: Path) -> list[tuple[int, str]]:
 
 
 def test_platforms_call_runner_methods_and_touch_no_runner_field():
+    """Platform code calls the runner through ``ModelRunnerProtocol`` only (kvloom's runner
+    implements it)."""
+    assert isinstance(_runner(), ModelRunnerProtocol)
     sources = [p for d in ("platforms", "plugins") for p in (REPO / d).rglob("*.py") if "tests" not in p.parts]
     uses = {f"{p.relative_to(REPO)}:{line}": attr for p in sources for line, attr in _runner_uses(p)}
     assert any(attr == "profile_peak_memory" for attr in uses.values())  # the scan finds the CUDA worker's calls
     bad = {where: attr for where, attr in uses.items()
-           if attr.startswith("_") or not callable(getattr(ModelRunner, attr, None))}  # fmt: skip
+           if attr.startswith("_") or attr not in PROTOCOL_METHODS}  # fmt: skip
     assert not bad, f"platform code reaches into the model runner: {bad}"

@@ -9,7 +9,7 @@ from tests.helpers.model_fixtures import random_prompts, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
 from kvloom.sample.metadata import SamplingMetadata
-from kvloom.worker import model_runner
+from kvloom.worker import step_sampler
 
 PROMPTS = random_prompts(4)
 
@@ -26,7 +26,7 @@ class CountingMetadata(SamplingMetadata):
 @pytest.fixture
 def llm(monkeypatch):
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spy lives in this process
-    monkeypatch.setattr(model_runner, "SamplingMetadata", CountingMetadata)
+    monkeypatch.setattr(step_sampler, "SamplingMetadata", CountingMetadata)
     CountingMetadata.builds = 0
     return LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="32MiB", disable_log_stats=True)
 

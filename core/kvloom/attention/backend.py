@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.platforms.interface import DeviceCapability
 
 
@@ -69,6 +70,13 @@ class AttentionCGSupport(enum.IntEnum):
     """Batches where every request has the same ``query_len``."""
     ALWAYS = 3
     """Any batch, including mixed prefill and decode."""
+
+
+def effective_decode_graphs(mode: CUDAGraphMode, support: AttentionCGSupport) -> bool:
+    """Whether uniform decode batches run as full graphs for this mode and backend."""
+    if mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        return False
+    return support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 @dataclass(frozen=True)

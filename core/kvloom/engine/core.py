@@ -28,7 +28,7 @@ from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
 from kvloom.structured_output.manager import StructuredOutputManager
 from kvloom.utils import cdiv
-from kvloom.worker.worker_base import WorkerBase
+from kvloom.platforms.worker import WorkerBase
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +176,9 @@ class EngineCore:
         if scheduler_output.is_empty():
             # Nothing runs but grammars compile: wait for one instead of spinning.
             self.structured_output_manager.wait_for_compile(0.01)
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        pending = self.executor.execute_model(scheduler_output)
+        assert pending is not None  # only async scheduling defers a step's sampling
+        return self.scheduler.update_from_output(scheduler_output, pending.get_output())
 
     def _step_async(self) -> EngineCoreOutputs:
         """One step with up to two in flight: launch step n+1 behind step n, then wait
@@ -197,7 +198,7 @@ class EngineCore:
             scheduler_output = scheduler.schedule()
             if scheduler_output.is_empty() and len(in_flight) == 0:
                 self.structured_output_manager.wait_for_compile(0.01)  # as in step()
-            pending = self.executor.execute_model_async(scheduler_output)
+            pending = self.executor.execute_model(scheduler_output)
             if pending is None:  # its sampling waits for the bitmask, below
                 if not in_flight:
                     raise RuntimeError("a step's structured outputs wait for tokens, but no step is in flight")
@@ -213,7 +214,7 @@ class EngineCore:
             # Step n's tokens are applied: the bitmask of step n+1 follows them. A request
             # that finished with step n gets no row; its token of n+1 is dropped on arrival.
             grammar_output = scheduler.get_grammar_bitmask(unsampled)
-            in_flight[0] = (unsampled, self.executor.sample_tokens_async(grammar_output))
+            in_flight[0] = (unsampled, self.executor.sample_tokens(grammar_output))
         return outputs
 
     def _step_pipelined(self) -> EngineCoreOutputs:
@@ -228,7 +229,7 @@ class EngineCore:
             if not scheduler_output.is_empty() or scheduler_output.finished_req_ids:
                 # A step that only drops finished requests goes out too: every stage must
                 # forget them, in order with the steps around it.
-                in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+                in_flight.append((scheduler_output, self.executor.execute_model(scheduler_output)))
                 if not scheduler_output.is_empty() and len(in_flight) < self.max_concurrent_batches:
                     return EngineCoreOutputs(timestamp=time.monotonic())
             elif not in_flight:

@@ -11,18 +11,21 @@ pipeline stage's tensor-parallel rank 0 (rank 0 without pipeline parallelism).
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvloom.deprecation import warn_deprecated
 from kvloom.distributed.communicator import allreduce_mode
 from kvloom.distributed.parallel_state import output_rank
-from kvloom.outputs import PendingModelRunnerOutput
+from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
+from kvloom.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
     from kvloom.lora.request import LoRARequest
-    from kvloom.outputs import ModelRunnerOutput
+    from kvloom.platforms.worker import WorkerBase
     from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 
 
@@ -54,26 +57,17 @@ class Executor(ABC):
     def compile_or_warm_up_model(self) -> None:
         self.collective_rpc("compile_or_warm_up_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """One step on every rank; the output rank's output. None for a step with
-        ``pending_structured_output_tokens``: the ranks ran its forward, ``sample_tokens``
-        samples it."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
-        """Launch one step (async scheduling); None where ``execute_model`` returns None.
-        Default: run it to completion."""
-        output = self.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
+        """Launch one step on every rank; the output rank's pending output. None for a
+        step with ``pending_structured_output_tokens``: the ranks run its forward,
+        ``sample_tokens`` samples it. Default: run it to completion."""
+        output = self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
         return None if output is None else PendingModelRunnerOutput.done(output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
         """Sample, on every rank, the step launched without sampling, its structured
-        requests' logits masked with ``grammar_output``; the output rank's output."""
-        return self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank]
-
-    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
-        """``sample_tokens`` without waiting for the results. Default: run it to completion."""
-        return PendingModelRunnerOutput.done(self.sample_tokens(grammar_output))
+        requests' logits masked with ``grammar_output``. Default: run it to completion."""
+        return PendingModelRunnerOutput.done(self.collective_rpc("sample_tokens", (grammar_output,))[self.output_rank])
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.collective_rpc("add_lora", (lora_request,))[0]
@@ -97,7 +91,7 @@ Results = Callable[[], list[Any]]
 class DistributedExecutor(Executor):
     """An executor of ``world_size`` ranks that sends every call to all of them
     (``MultiprocExecutor``, ``RayDistributedExecutor``). A subclass supplies ``launch``;
-    the steps then run without blocking the engine core: ``execute_model_async`` launches a
+    the steps then run without blocking the engine core: ``execute_model`` launches a
     step and returns, and the output rank's result is read on ``get_output()``."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -118,23 +112,23 @@ class DistributedExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self.launch(method, args)()
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
         """Launch the step on every rank and return (async scheduling, and the engine core's
         batch queue under pipeline parallelism). A step with
         ``pending_structured_output_tokens`` returns None: the ranks run its forward and
-        wait for ``sample_tokens_async``, a second call."""
+        wait for ``sample_tokens``, a second call."""
         results = self.launch("execute_model", (scheduler_output,))
         if scheduler_output.pending_structured_output_tokens:
             self._unsampled = results
             return None
         return _LaunchedStep([results], self.output_rank)
 
-    def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
         """Launch the sampling of the step launched without sampling, its structured
-        requests' logits masked with ``grammar_output``; returns like ``execute_model_async``."""
+        requests' logits masked with ``grammar_output``; returns like ``execute_model``."""
         forward, self._unsampled = self._unsampled, None
         if forward is None:
-            raise RuntimeError("sample_tokens_async() without a step launched with pending_structured_output_tokens")
+            raise RuntimeError("sample_tokens() without a step launched with pending_structured_output_tokens")
         return _LaunchedStep([forward, self.launch("sample_tokens", (grammar_output,))], self.output_rank)
 
 
@@ -155,3 +149,45 @@ class _LaunchedStep(PendingModelRunnerOutput):
             self._calls = []  # read: what the calls hold (e.g. Ray object refs) may be freed
             self._output = results[self._rank]
         return self._output
+
+
+#: Worker methods that return a step (a ``PendingModelRunnerOutput``); only the output
+#: rank's result goes back to the engine core.
+STEP_METHODS = frozenset({"execute_model", "sample_tokens"})
+
+
+def make_worker(config: EngineConfig) -> WorkerBase:
+    """The platform's worker for ``config``, handed kvloom's model runner class. A worker
+    class written for plugin API 1.0 whose ``__init__`` takes no ``model_runner_cls`` gets
+    it as an attribute instead (deprecated: goes in 2.0)."""
+    platform = config.device.platform
+    worker_cls = platform.get_worker_cls()
+    params = inspect.signature(worker_cls.__init__).parameters
+    if "model_runner_cls" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return worker_cls(config, platform, model_runner_cls=ModelRunner)
+    warn_deprecated(f"{worker_cls.__qualname__}.__init__ without model_runner_cls",
+                    "__init__(config, platform, *, model_runner_cls=None)", "1.1", "2.0")  # fmt: skip
+    worker = worker_cls(config, platform)
+    worker.model_runner_cls = ModelRunner
+    return worker
+
+
+def call_worker(worker: WorkerBase, method: str, args: tuple[Any, ...]) -> Any:
+    """Run ``worker.method(*args)`` for a caller in another process: a step's pending
+    output is waited for here (the result crosses the process boundary). A worker
+    written for plugin API 1.0 may still return a finished ``ModelRunnerOutput``."""
+    result = getattr(worker, method)(*args)
+    if isinstance(result, PendingModelRunnerOutput):
+        return result.get_output()
+    return result
+
+
+def as_pending(result: PendingModelRunnerOutput | ModelRunnerOutput | None) -> PendingModelRunnerOutput | None:
+    """A step from a worker in this process. Plugin API 1.0's workers returned a finished
+    ``ModelRunnerOutput`` from ``execute_model`` / ``sample_tokens``: still accepted,
+    with a deprecation warning, until 2.0."""
+    if result is None or isinstance(result, PendingModelRunnerOutput):
+        return result
+    warn_deprecated("a worker step returning ModelRunnerOutput", "return a PendingModelRunnerOutput "
+                    "(PendingModelRunnerOutput.done(output) for a finished step)", "1.1", "2.0")  # fmt: skip
+    return PendingModelRunnerOutput.done(result)

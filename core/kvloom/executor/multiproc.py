@@ -17,7 +17,7 @@ Replies come up on the pipes: every rank answers on its own, the output rank (th
 pipeline stage's tensor-parallel rank 0; rank 0 without pipeline parallelism) with a
 step's result and the others with ``None`` (their outputs are identical or, on earlier
 stages, empty, and never leave the process). With pipeline parallelism
-``execute_model_async`` returns once the step is written: the engine core sends the next
+``execute_model`` returns once the step is written: the engine core sends the next
 micro-batch while this one moves down the stages, and collects the replies of each in
 order. Waiting on the pipes together with the processes' sentinels reports a rank that
 raised or died at once, naming it; a writer waiting for room in the ring checks the
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvloom.distributed.shm_broadcast import BroadcastHandle, ReaderGoneError, ShmBroadcastReader, ShmBroadcastWriter
-from kvloom.executor.abstract import DistributedExecutor, Results
+from kvloom.executor.abstract import STEP_METHODS, DistributedExecutor, Results, call_worker, make_worker
 from kvloom.processes import describe_exit, main_module_not_reimported
 from kvloom.utils import freeze_gc_heap
 
@@ -61,8 +61,6 @@ DIST_TIMEOUT_ENV = "KVLOOM_DIST_TIMEOUT_S"
 DEFAULT_DIST_TIMEOUT_S = 600.0
 #: Seconds a rank gets to stop after the shutdown call, then after SIGTERM, before SIGKILL.
 SHUTDOWN_GRACE_S = 5.0
-#: Worker methods whose results only rank 0 sends back.
-DRIVER_ONLY_RESULTS = frozenset({"execute_model", "execute_model_async", "sample_tokens"})
 #: The broadcast ring: chunks, and bytes per chunk (a call longer than a chunk, less 8
 #: bytes, goes through the pipes). 8 chunks hold more calls than the engine core keeps in
 #: flight (pipeline parallelism's micro-batches, async scheduling's one step ahead).
@@ -309,9 +307,8 @@ def run_worker(
 
     try:
         plugins.load_plugins()
-        platform = config.device.platform
         parallel_state.init_tensor_parallel(rank, world_size, backend, init_method, timeout_s, tensor_parallel_size)
-        worker = platform.get_worker_cls()(config, platform)
+        worker = make_worker(config)
     except BaseException:
         failure = traceback.format_exc()
     while True:
@@ -327,7 +324,7 @@ def run_worker(
             conn.send((seq, "error", failure))
             continue
         try:
-            result = getattr(worker, method)(*args)
+            result = call_worker(worker, method, args)
         except BaseException:
             conn.send((seq, "error", traceback.format_exc()))
             continue
@@ -338,7 +335,7 @@ def run_worker(
         # A step's output leaves the output rank only: the other ranks' are the same tokens
         # (tensor parallelism) or empty (earlier pipeline stages).
         output = rank == parallel_state.output_rank(parallel_state.tp_world_size(), parallel_state.pp_world_size())
-        conn.send((seq, "ok", None if not output and method in DRIVER_ONLY_RESULTS else result))
+        conn.send((seq, "ok", None if not output and method in STEP_METHODS else result))
     # Nobody else will unlink the ring if the engine core died without shutting down.
     queue.close(unlink=orphaned)
     try:

@@ -34,7 +34,7 @@ call never waits on the survivors, who may be blocked in a collective). Step out
 from the output rank only (the last stage's tensor-parallel rank 0; rank 0 without
 pipeline parallelism), as under ``mp``.
 
-Steps: ``execute_model_async`` submits the step to every actor and returns at once with
+Steps: ``execute_model`` submits the step to every actor and returns at once with
 the calls' object refs; ``get_output()`` gathers them (so a failure of any rank surfaces,
 naming it) and returns the output rank's. Ray runs an actor's calls from one caller in
 the order they were submitted, so under pipeline parallelism the engine core's batch
@@ -54,9 +54,8 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from kvloom.executor.abstract import DistributedExecutor, Results
+from kvloom.executor.abstract import STEP_METHODS, DistributedExecutor, Results, call_worker, make_worker
 from kvloom.executor.multiproc import (
-    DRIVER_ONLY_RESULTS,
     SHUTDOWN_GRACE_S,
     WorkerRankError,
     dist_timeout_s,
@@ -145,20 +144,19 @@ class RankActor:
         from kvloom.distributed import parallel_state
 
         plugins.load_plugins()
-        platform = config.device.platform
         parallel_state.set_device_index(0)  # Ray shows this actor its bundle's device only
         parallel = config.parallel
         parallel_state.init_tensor_parallel(self.rank, parallel.world_size, backend, init_method, timeout_s,
                                             parallel.tensor_parallel_size)  # fmt: skip
         self.output_rank = parallel_state.output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-        self.worker = platform.get_worker_cls()(config, platform)
+        self.worker = make_worker(config)
         self.worker.init_device()
 
     def call(self, method: str, args: tuple[Any, ...]) -> Any:
-        result = getattr(self.worker, method)(*args)
+        result = call_worker(self.worker, method, args)
         # A step's output leaves the output rank only: the other ranks' are the same tokens
         # (tensor parallelism) or empty (earlier pipeline stages).
-        return None if self.rank != self.output_rank and method in DRIVER_ONLY_RESULTS else result
+        return None if self.rank != self.output_rank and method in STEP_METHODS else result
 
     def shutdown(self) -> None:
         from kvloom.distributed import parallel_state

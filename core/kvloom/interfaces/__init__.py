@@ -24,8 +24,9 @@ example packages):
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
   and the ``KVLOOM_ALLREDUCE`` switch, ``allreduce_mode``; workers:
   ``WorkerBase`` (the contract) and ``Worker`` (kvloom's generic torch worker, to
-  subclass), which drives a ``ModelRunner`` (``self.runner``: a platform's worker calls
-  its ``profile_peak_memory`` to size the KV cache and ``capture_cudagraphs``);
+  subclass), which drives the model runner it is handed through the methods of
+  ``ModelRunnerProtocol`` (``self.runner``: a platform's worker calls its
+  ``profile_peak_memory`` to size the KV cache and ``capture_cudagraphs``);
   ``EngineConfig`` (what ``check_and_update_config`` adjusts) and its sections
   ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``,
   ``AttentionConfig``, ``LoadConfig``, ``CompilationConfig``, ``LoRAConfig``,
@@ -54,7 +55,7 @@ declares the version it was written for, as a literal of its own::
 kvloom refuses a plugin whose major version differs, with a message naming both.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvloom.attention.backend import (
     AttentionBackend,
@@ -67,6 +68,7 @@ from kvloom.attention.backend import (
     BlockSizeSpec,
     CommonAttentionMetadata,
     MultipleOf,
+    effective_decode_graphs,
 )
 from kvloom.attention.kernel_overrides import parse_kernel_overrides
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
@@ -109,14 +111,11 @@ from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCac
 from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
+from kvloom.platforms.worker import ModelRunnerProtocol, Worker, WorkerBase
 from kvloom.plugins import PLUGIN_API_VERSION
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
-from kvloom.worker.cudagraph import effective_decode_graphs
-from kvloom.worker.model_runner import ModelRunner
-from kvloom.worker.worker import Worker
-from kvloom.worker.worker_base import WorkerBase
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -158,7 +157,7 @@ __all__ = [
     "LoadConfig",
     "ModelConfig",
     "ModelRegistry",
-    "ModelRunner",
+    "ModelRunnerProtocol",
     "MultipleOf",
     "ObservabilityConfig",
     "PLUGIN_API_VERSION",
@@ -251,3 +250,16 @@ hookimpl: "HookimplMarker"
 """The decorator that marks a general plugin's hook implementations
 (``kvloom_register_models(model_registry)``, ``kvloom_register_lora_resolvers(resolver_registry)``,
 ``kvloom_update_engine_config(config)``); pluggy checks each against kvloom's specs when it loads."""
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated names, imported on first use (the face itself imports no engine module)."""
+    if name == "ModelRunner":
+        from kvloom.deprecation import warn_deprecated
+
+        warn_deprecated("kvloom.interfaces.ModelRunner (the runner class)", "kvloom.interfaces.ModelRunnerProtocol "
+                        "(the methods a worker may call; the worker is handed its runner class)", "1.1", "1.2")  # fmt: skip
+        from kvloom.worker.model_runner import ModelRunner
+
+        return ModelRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

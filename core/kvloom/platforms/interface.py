@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from kvloom.config import EngineConfig
     from kvloom.distributed.communicator import TPCommunicator
-    from kvloom.worker.worker_base import WorkerBase
+    from kvloom.platforms.worker import WorkerBase
 
 
 class DeviceCapability(NamedTuple):

@@ -12,7 +12,8 @@ EngineArgs``), ``kvloom.interfaces`` and ``kvloom.testing``; the names here are:
   looks installed, or is the active platform), ``select_attention_backend`` /
   ``report_attention_backends`` (what selection does, among given backend classes);
 - the engine (``kvloom.testing.engine``): ``resolve_engine_config`` (the config the
-  engine would run with), ``run_cli`` (the ``kvloom`` command in-process);
+  engine would run with), ``make_worker`` (a platform's worker as the engine builds it,
+  handed kvloom's ``ModelRunner``), ``run_cli`` (the ``kvloom`` command in-process);
 - models (``kvloom.testing.models``): ``load_model`` (a model class built and loaded as
   the engine does) and ``forward_context`` (run a model or ``Attention`` layer outside
   the engine);
@@ -53,7 +54,7 @@ from kvloom.testing.conformance import (
     run_case,
     run_conformance,
 )
-from kvloom.testing.engine import resolve_engine_config, run_cli
+from kvloom.testing.engine import ModelRunner, make_worker, resolve_engine_config, run_cli
 from kvloom.testing.models import forward_context, load_model
 from kvloom.testing.plugins import (
     active_platform,
@@ -67,6 +68,7 @@ from kvloom.testing.reference import check_custom_op, custom_op_reference, fused
 __all__ = [
     "DEFAULT_TOLERANCES",
     "CaseResult",
+    "ModelRunner",
     "ConformanceCase",
     "ConformanceReport",
     "active_platform",
@@ -80,6 +82,7 @@ __all__ = [
     "installed_backend",
     "load_model",
     "lora_delta_reference",
+    "make_worker",
     "report_attention_backends",
     "resolve_engine_config",
     "run_case",

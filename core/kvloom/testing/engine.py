@@ -1,4 +1,5 @@
-"""The engine from a test: what it would resolve, and the ``kvloom`` command in-process.
+"""The engine from a test: what it would resolve, a platform's worker as the engine builds
+it, and the ``kvloom`` command in-process.
 
 Both run in this process, so they see what ``kvloom.testing.installed_backend`` and
 ``kvloom.testing.active_platform`` set up, and a test's ``monkeypatch``.
@@ -12,8 +13,11 @@ from typing import Any
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.entrypoints.cli.main import main
+from kvloom.platforms.interface import Platform
+from kvloom.platforms.worker import WorkerBase
+from kvloom.worker.model_runner import ModelRunner
 
-__all__ = ["resolve_engine_config", "run_cli"]
+__all__ = ["ModelRunner", "make_worker", "resolve_engine_config", "run_cli"]
 
 
 def resolve_engine_config(**engine_args: Any) -> EngineConfig:
@@ -23,6 +27,14 @@ def resolve_engine_config(**engine_args: Any) -> EngineConfig:
     selected attention backend and block size, general plugins' config hooks. Loads no
     weights and starts nothing; raises the ``ValueError`` the engine would."""
     return create_engine_config(EngineArgs(**engine_args))
+
+
+def make_worker(worker_cls: type[WorkerBase], config: EngineConfig, platform: type[Platform] | None = None) -> WorkerBase:
+    """``worker_cls`` built as the engine builds a platform's worker: for ``config`` (and
+    ``platform``, by default the config's), handed kvloom's model runner class
+    (``ModelRunner``, also exported here for tests that spy on it). Its device is not set
+    up yet (``init_device``)."""
+    return worker_cls(config, platform or config.device.platform, model_runner_cls=ModelRunner)
 
 
 def run_cli(argv: Sequence[str]) -> int:

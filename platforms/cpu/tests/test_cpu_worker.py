@@ -11,7 +11,7 @@ from kvloom_platform_cpu.platform import CpuPlatform
 from kvloom_platform_cpu import worker as cpu_worker
 from kvloom_platform_cpu.worker import CpuWorker
 
-from kvloom.testing import resolve_engine_config
+from kvloom.testing import make_worker, resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
 
@@ -25,7 +25,7 @@ def restore_threads():
 def _init_worker(**engine_args) -> CpuWorker:
     config = resolve_engine_config(model=str(tiny_model_dir("llama")), dtype="float32", **engine_args)
     assert CpuPlatform.get_worker_cls() is CpuWorker
-    worker = CpuWorker(config, CpuPlatform)
+    worker = make_worker(CpuWorker, config, CpuPlatform)
     worker.init_device()
     assert worker.model_runner is not None
     return worker

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvloom import LLM, SamplingParams
-from kvloom.interfaces import ModelRunner, Worker
-from kvloom.testing import fresh_plugins, resolve_engine_config
+from kvloom.interfaces import Worker
+from kvloom.testing import ModelRunner, fresh_plugins, make_worker, resolve_engine_config
 from tests.helpers.model_fixtures import tiny_model_dir
 
 GiB = 2**30
@@ -47,7 +47,7 @@ def _worker(**kwargs):
 
     config = resolve_engine_config(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32,
                                    max_num_batched_tokens=512, **kwargs)
-    worker = CUDAWorker(config, CpuPlatform)  # the CPU device stands in for the GPU
+    worker = make_worker(CUDAWorker, config, CpuPlatform)  # the CPU device stands in for the GPU
     worker.model_runner = None
     Worker.init_device(worker)  # the generic part (no torch.cuda.set_device)
     worker.load_model()

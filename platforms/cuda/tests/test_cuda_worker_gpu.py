@@ -42,7 +42,7 @@ def _free(llm) -> None:
 
 def test_profiled_cache_and_captured_graphs_give_the_eager_tokens(monkeypatch):
     from kvloom import LLM
-    from kvloom.interfaces import ModelRunner
+    from kvloom.testing import ModelRunner
 
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spies and the runner live in this process
     peaks = []
@@ -117,14 +117,13 @@ def test_filling_in_flight_input_tokens_does_not_wait_for_the_stream(monkeypatch
               enforce_eager=True, async_scheduling=True)  # fmt: skip
     runner = llm.llm_engine.engine_core.core.worker.runner
     # Requests "a" and "b" in input-batch rows 3 and 5 sampled rows 2 and 0 of the step in flight.
-    runner._prev_sampled = torch.tensor([7, 8, 9], device="cuda")
-    runner._prev_sampled_of_row[[3, 5]] = [2, 0]
+    runner.inputs.record_sampled(torch.tensor([7, 8, 9], device="cuda"), np.array([3, 5]), [2, 0])
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of device time: the step in flight
     start = time.perf_counter()
-    runner._fill_placeholders(np.array([0, 1]), np.array([0, 1]), ["a", "b"], np.array([3, 5]))
+    runner.inputs._fill_placeholders(np.array([0, 1]), np.array([0, 1]), ["a", "b"], np.array([3, 5]))
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     assert elapsed < 0.2, f"_fill_placeholders waited {elapsed:.2f} s for the stream"
-    assert runner.input_ids[:2].tolist() == [9, 7]
+    assert runner.inputs.input_ids[:2].tolist() == [9, 7]
     _free(llm)
