@@ -1,4 +1,5 @@
-"""InputProcessor: validate and tokenize a prompt into an ``EngineCoreRequest``.
+"""InputProcessor: validate and tokenize a request (``RequestInput``) into an
+``EngineCoreRequest``.
 
 Bad input is rejected here, in the front end, with a ``ValueError`` that names the field
 and the allowed range, so it never reaches (or disturbs) the engine core.
@@ -10,8 +11,7 @@ import time
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.inputs import PromptType
-from kvloom.lora.request import LoRARequest
+from kvloom.inputs import PromptType, RequestInput
 from kvloom.request import EngineCoreRequest
 from kvloom.sampling_params import PoolingParams, SamplingParams, check_unicode
 from kvloom.structured_output.registry import validate_structured_outputs
@@ -104,17 +104,10 @@ class InputProcessor:
                                  "which grammars need")  # fmt: skip
             validate_structured_outputs(params.structured_outputs, self.config.structured_outputs.backend)
 
-    def process(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> tuple[EngineCoreRequest, str | None]:
-        token_ids, text = self.prompt_token_ids(prompt)
+    def process(self, request: RequestInput) -> tuple[EngineCoreRequest, str | None]:
+        """Validate and tokenize ``request``: the ``EngineCoreRequest`` and the prompt's text."""
+        token_ids, text = self.prompt_token_ids(request.prompt)
+        params = request.params
         n = len(token_ids)
         pooling = isinstance(params, PoolingParams)
         limit = self.max_model_len if pooling else self.max_model_len - 1
@@ -128,10 +121,10 @@ class InputProcessor:
             raise ValueError("pooling_params: this model generates text; start it with runner='pooling' to pool")
         if not pooling and runner == "pooling":
             raise ValueError("sampling_params: this model runs as a pooling (embedding) model and cannot generate")
-        problem = priority_problem(priority, self.config.scheduler.policy)
+        problem = priority_problem(request.priority, self.config.scheduler.policy)
         if problem is not None:
             raise ValueError(problem)
-        if lora_request is not None and not self.config.lora.enable_lora:
+        if request.lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled; start the engine with --enable-lora")
         if not pooling:
             self.check_sampling_params(params)  # type: ignore[arg-type]
@@ -145,18 +138,18 @@ class InputProcessor:
                 sampling_params.max_tokens = self.max_model_len - n
             if self.extra_eos_ids and not sampling_params.ignore_eos:
                 sampling_params.stop_token_ids = sorted(set(sampling_params.stop_token_ids) | set(self.extra_eos_ids))
-        request = EngineCoreRequest(
-            request_id=request_id,
+        core_request = EngineCoreRequest(
+            request_id=request.request_id,
             prompt_token_ids=token_ids,
             sampling_params=sampling_params,
             pooling_params=pooling_params,
             eos_token_id=self.eos_token_id,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            lora_request=lora_request,
-            cache_salt=cache_salt,
-            priority=priority,
+            arrival_time=time.time() if request.arrival_time is None else request.arrival_time,
+            lora_request=request.lora_request,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
         )
-        return request, text
+        return core_request, text
 
 
 def priority_problem(priority: int, policy: str) -> str | None:
