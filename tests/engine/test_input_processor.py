@@ -33,6 +33,7 @@ def processor() -> InputProcessor:
         ("hello", SamplingParams(logit_bias={VOCAB: 1.0}), f"logit_bias: token id {VOCAB} is out of range"),
         ("caf\udce9", SamplingParams(), "prompt is not valid Unicode (lone UTF-16 surrogate \\udce9 at position 3)"),
         ({"prompt_token_ids": [1, VOCAB]}, SamplingParams(), f"token id {VOCAB} is out of range (allowed: 0..{VOCAB - 1})"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt: the prompt is empty"),
         ({"prompt_token_ids": [1, True]}, SamplingParams(), "prompt_token_ids: must be a list of integers"),
     ],
 )
