@@ -146,7 +146,7 @@ def test_bad_input_leaves_the_engine_usable(hf_reference):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="32MiB", max_model_len=64)
     with pytest.raises(ValueError, match="prompt: must not be empty"):
         llm.generate("", use_tqdm=False)
-    with pytest.raises(ValueError, match="longer than the maximum of 63"):
+    with pytest.raises(ValueError, match="the prompt is 64 tokens.*at most 63 prompt tokens"):
         llm.generate({"prompt_token_ids": [5] * 64}, use_tqdm=False)
     with pytest.raises(ValueError, match="out of range"):
         llm.generate({"prompt_token_ids": [10**6]}, use_tqdm=False)

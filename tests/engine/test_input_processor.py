@@ -10,6 +10,7 @@ import pytest
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
 from kvloom.engine.frontend import load_tokenizer
 from kvloom.engine.input_processor import InputProcessor
+from kvloom.inputs import RequestInput
 from kvloom.sampling_params import SamplingParams
 from tests.helpers.model_fixtures import tiny_model_dir
 
@@ -32,16 +33,17 @@ def processor() -> InputProcessor:
         ("hello", SamplingParams(logit_bias={VOCAB: 1.0}), f"logit_bias: token id {VOCAB} is out of range"),
         ("caf\udce9", SamplingParams(), "prompt is not valid Unicode (lone UTF-16 surrogate \\udce9 at position 3)"),
         ({"prompt_token_ids": [1, VOCAB]}, SamplingParams(), f"token id {VOCAB} is out of range (allowed: 0..{VOCAB - 1})"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt: the prompt is empty"),
         ({"prompt_token_ids": [1, True]}, SamplingParams(), "prompt_token_ids: must be a list of integers"),
     ],
 )
 def test_bad_requests_are_value_errors_naming_the_field(processor, prompt, params, fragment) -> None:
     with pytest.raises(ValueError) as info:
-        processor.process("r", prompt, params)
+        processor.process(RequestInput("r", prompt, params))
     assert fragment in str(info.value)
 
 
 def test_limits_are_inclusive(processor) -> None:
-    request, _ = processor.process("r", "hello", SamplingParams(top_k=VOCAB, stop_token_ids=[VOCAB - 1],
-                                                                logit_bias={0: -100.0}))  # fmt: skip
+    request, _ = processor.process(RequestInput("r", "hello", SamplingParams(top_k=VOCAB, stop_token_ids=[VOCAB - 1],
+                                                                             logit_bias={0: -100.0})))  # fmt: skip
     assert request.sampling_params.top_k == VOCAB

@@ -89,8 +89,12 @@ def _assert_good_requests_unharmed(results: dict, baseline: dict[str, list[int]]
 def test_unusable_requests_are_refused_alone_and_the_batch_goes_on(baseline: dict) -> None:
     """The hostile top_k of the issue (it overflowed the sampler's tensor inside a step and
     killed the engine), a token id outside the vocabulary (an index error in the
-    embedding) and a logprobs count beyond the vocabulary are refused at admission."""
+    embedding), a logprobs count beyond the vocabulary, a logit_bias id outside it (an
+    index error in the sampler, a device-side assert on a GPU) and prompts the context
+    cannot hold are refused at admission (the rules of ``kvloom.model_limits``, which the
+    core applies although the front end did: it trusts no client)."""
     core = _core()
+    max_len = core.limits.max_model_len
     bad_top_k = SamplingParams.model_construct(**{**_greedy().model_dump(), "temperature": 0.8,
                                                   "top_k": 1180591620717411303424})  # fmt: skip
     bad_logprobs = SamplingParams.model_construct(**{**_greedy().model_dump(), "logprobs": VOCAB + 1})
@@ -99,13 +103,22 @@ def test_unusable_requests_are_refused_alone_and_the_batch_goes_on(baseline: dic
         _request("bad-token", [5, VOCAB, 7], _greedy()),
         _request("negative-token", [5, -1], _greedy()),
         _request("bad-logprobs", PROMPTS[4], bad_logprobs),
+        _request("bad-bias", PROMPTS[3], _greedy(logit_bias={VOCAB: 1.0})),
+        _request("too-long", [5] * max_len, _greedy()),
+        _request("empty", [], _greedy()),
     ]
     results = _run(core, [*_good_requests()[:2], *bad, _good_requests()[2]])
     _assert_good_requests_unharmed(results, baseline)
-    expected = {"bad-top-k": "top_k: 1180591620717411303424 is larger than the vocabulary",
-                "bad-token": f"token id {VOCAB} is out of range (allowed: 0..{VOCAB - 1})",
-                "negative-token": "token id -1 is out of range",
-                "bad-logprobs": f"logprobs: {VOCAB + 1} is larger than the vocabulary"}  # fmt: skip
+    expected = {"bad-top-k": f"top_k: 1180591620717411303424 is out of range (allowed: -1 or 0 to disable top-k, "
+                             f"else 1 <= top_k <= {VOCAB}, the vocabulary size)",
+                "bad-token": f"prompt_token_ids: token id {VOCAB} is out of range (allowed: 0..{VOCAB - 1})",
+                "negative-token": "prompt_token_ids: token id -1 is out of range",
+                "bad-logprobs": f"logprobs: {VOCAB + 1} is more than this engine allows (allowed range: 0 <= logprobs "
+                                "<= 20, max_logprobs, --max-logprobs)",
+                "bad-bias": f"logit_bias: token id {VOCAB} is out of range (allowed: 0..{VOCAB - 1})",
+                "too-long": f"prompt: the prompt is {max_len} tokens, but this model's maximum context length is "
+                            f"{max_len} tokens (allowed: at most {max_len - 1} prompt tokens",
+                "empty": "prompt: the prompt is empty"}  # fmt: skip
     for rid, fragment in expected.items():
         tokens, final = results[rid]
         assert tokens == [] and final.finish_reason == FinishReason.ABORT

@@ -27,10 +27,10 @@ from typing import Any
 
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
-from kvloom.engine.core_client import AsyncMPClient, ClientAddresses, EngineCoreClient, EngineDeadError
+from kvloom.engine.core_client import AsyncMPClient, ClientAddresses, EngineCoreClient, EngineDeadError, ThreadedClient
 from kvloom.engine.frontend import Frontend
 from kvloom.engine.output_processor import RequestOutputCollector, RequestOutputStream
-from kvloom.inputs import PromptType
+from kvloom.inputs import PromptType, RequestInput
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import PoolingRequestOutput, RequestOutput
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -53,9 +53,11 @@ class AsyncLLM:
         self.log_stats = log_stats and not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=self.log_stats)
         self.tokenizer = self.frontend.tokenizer
-        self.engine_core: Any
+        self.engine_core: ThreadedClient | AsyncMPClient
         if client_addresses is None:
-            self.engine_core = EngineCoreClient.make_client(config, self.log_stats, asyncio_mode=True)
+            client = EngineCoreClient.make_client(config, self.log_stats, asyncio_mode=True)
+            assert isinstance(client, (ThreadedClient, AsyncMPClient))  # the asyncio kinds (typed for the reader)
+            self.engine_core = client
         else:
             self.engine_core = AsyncMPClient(config, self.log_stats, client_index, client_addresses)
         self.frontend.start_stat_loggers(stat_loggers)
@@ -111,19 +113,27 @@ class AsyncLLM:
         every open request got the error)."""
         self._dead_callbacks.append(callback)
 
-    async def _run(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams,
-        lora_request: LoRARequest | None,
-        priority: int,
-        cache_salt: str | None,
-    ) -> AsyncIterator[Any]:
-        stream = self.add_request(request_id, prompt, params, lora_request, priority, cache_salt)
+    async def _run(self, request: RequestInput) -> AsyncIterator[Any]:
+        stream = self._admit(request)
         async with aclosing(stream):  # cancelled, disconnected or failed: abort it, free its blocks
             async for output in stream:
                 yield output
+
+    def _admit(self, request: RequestInput) -> RequestOutputStream:
+        self._ensure_running()
+        params = request.params
+        output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        collector = RequestOutputCollector(output_kind)
+        core_requests = self.frontend.add_request(request, queue=collector)
+        request_id = request.request_id
+        try:
+            for core_request in core_requests:
+                self.engine_core.add_request(core_request)
+        except BaseException:
+            self._abort_now(request_id)
+            raise
+        return RequestOutputStream(request_id, collector, self._abort_now, lambda e: EngineDeadError(
+            f"engine failed while serving {request_id}: {e}"))  # fmt: skip
 
     # ------------------------------------------------------------------ public API
     def add_request(
@@ -139,21 +149,9 @@ class AsyncLLM:
         ``RequestOutputStream``). Bad input raises ``ValueError`` here, before anything
         runs; closing the stream before the request finished aborts it. ``generate`` and
         ``encode`` are this plus iteration (their errors come at the first iteration)."""
-        self._ensure_running()
-        output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
-        collector = RequestOutputCollector(output_kind)
-        core_requests = self.frontend.add_request(
-            request_id, prompt, params, lora_request=lora_request, priority=priority, cache_salt=cache_salt,
-            queue=collector,
-        )
-        try:
-            for core_request in core_requests:
-                self.engine_core.add_request(core_request)
-        except BaseException:
-            self._abort_now(request_id)
-            raise
-        return RequestOutputStream(request_id, collector, self._abort_now, lambda e: EngineDeadError(
-            f"engine failed while serving {request_id}: {e}"))  # fmt: skip
+        request = RequestInput(request_id, prompt, params, lora_request=lora_request, priority=priority,
+                               cache_salt=cache_salt)  # fmt: skip
+        return self._admit(request)
 
     def generate(
         self,
@@ -164,7 +162,8 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self._run(request_id, prompt, sampling_params, lora_request, priority, cache_salt)
+        return self._run(RequestInput(request_id, prompt, sampling_params, lora_request=lora_request,
+                                      priority=priority, cache_salt=cache_salt))  # fmt: skip
 
     def encode(
         self,
@@ -173,7 +172,7 @@ class AsyncLLM:
         request_id: str,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
-        return self._run(request_id, prompt, pooling_params, lora_request, 0, None)
+        return self._run(RequestInput(request_id, prompt, pooling_params, lora_request=lora_request))
 
     def _abort_now(self, request_id: str) -> None:
         core_ids = self.frontend.abort([request_id])

@@ -21,9 +21,11 @@ from kvloom.config import EngineConfig
 from kvloom.executor import get_executor_cls
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
+from kvloom.model_limits import ModelLimits, check_against_model
 from kvloom.outputs import EngineCoreOutputs, ModelRunnerOutput, PendingModelRunnerOutput
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
-from kvloom.sample.metadata import check_sampling_params
+from kvloom.sample.metadata import check_sampling_state
+from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
 from kvloom.structured_output.manager import StructuredOutputManager
@@ -38,6 +40,7 @@ class EngineCore:
         # Plugins load in every process that runs an engine core (idempotent).
         plugins.load_plugins()
         self.config = config
+        self.limits = ModelLimits.of(config.model)
         start = time.perf_counter()
         # The executor runs the platform's worker: here (tensor-parallel size 1) or one
         # process per rank (--distributed-executor-backend mp).
@@ -134,23 +137,20 @@ class EngineCore:
 
     def check_request(self, request: EngineCoreRequest) -> str | None:
         """Why this engine cannot serve ``request``, or None. The front end validated it
-        already; this is what a step would trip on, checked where the model is known."""
-        model = self.config.model
-        vocab_size = model.vocab_size
-        ids = request.prompt_token_ids
-        if ids and not all(type(t) is int and 0 <= t < vocab_size for t in ids):
-            bad = next(t for t in ids if not (type(t) is int and 0 <= t < vocab_size))
-            return f"prompt_token_ids: token id {bad!r} is out of range (allowed: 0..{vocab_size - 1})"
-        params = request.sampling_params
-        if params is not None:
+        already, but the core trusts no client (several may feed it): the model-bounded
+        rules again (``check_against_model``, the front end's and the server's too), then
+        a dry run of the request's sampling state, which a step would trip on."""
+        params = request.sampling_params if request.sampling_params is not None else request.pooling_params
+        if params is None:
+            return "sampling_params: a request needs sampling or pooling parameters"
+        problems = check_against_model(params, request.prompt_token_ids, self.limits)
+        if problems:
+            return problems[0][1]
+        if isinstance(params, SamplingParams):
             try:
-                check_sampling_params(params, ids, vocab_size, request.eos_token_id)
+                check_sampling_state(params, request.prompt_token_ids, self.limits.vocab_size, request.eos_token_id)
             except ValueError as exc:
                 return str(exc)
-        pooling = request.pooling_params
-        if pooling is not None and pooling.dimensions is not None and pooling.dimensions > model.hidden_size:
-            return f"dimensions: {pooling.dimensions} is larger than the model's {model.hidden_size} (allowed range: " \
-                   f"1 <= dimensions <= {model.hidden_size})"
         if request.lora_request is not None and not self.config.lora.enable_lora:
             return "lora_request: LoRA is not enabled; start the engine with --enable-lora"
         return None

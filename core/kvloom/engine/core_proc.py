@@ -44,7 +44,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -72,6 +72,9 @@ from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad
 from kvloom.profiling import cprofile_if_asked
 from kvloom.request import FinishReason
 from kvloom.utils import freeze_gc_heap
+
+if TYPE_CHECKING:
+    from kvloom.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ UTILITY_METHODS: dict[str, Any] = {
 }
 
 
-def call_utility(core: Any, method: str, args: list[Any] | tuple[Any, ...]) -> Any:
+def call_utility(core: EngineCore, method: str, args: list[Any] | tuple[Any, ...]) -> Any:
     """Run the utility ``method`` on ``core`` (arguments typed as its annotations say)."""
     if method not in UTILITY_METHODS:
         raise ValueError(f"unknown engine core utility {method!r} (known: {', '.join(sorted(UTILITY_METHODS))})")
@@ -183,11 +186,10 @@ class EngineCoreProc:
         # Messages sent before an exit (the handshake, DEAD) are delivered first.
         for sock in (*self.input_sockets, *self.output_sockets):
             sock.setsockopt(zmq.LINGER, 5000)
-        self.core: Any = None
         self._threads: list[threading.Thread] = []
         encoder = MsgpackEncoder()
         try:
-            self.core = EngineCore(config, log_stats=log_stats)
+            self.core: EngineCore = EngineCore(config, log_stats=log_stats)
         except BaseException as exc:
             try:
                 failed = encoder.encode(EngineCoreErrorInfo.from_exception(exc))
@@ -375,8 +377,7 @@ class EngineCoreProc:
             if thread.name.endswith("output"):
                 thread.join(timeout=10)
         try:
-            if self.core is not None:
-                self.core.shutdown()
+            self.core.shutdown()
         finally:
             self.ctx.term()  # wakes the input thread (ContextTerminated), waits for the sends
 

@@ -17,14 +17,12 @@ from kvloom.config import EngineConfig
 from kvloom.engine.input_processor import InputProcessor
 from kvloom.engine.output_processor import OutputProcessor, OutputQueue
 from kvloom.engine.parallel_sampling import ParentRequest
-from kvloom.inputs import PromptType
+from kvloom.inputs import RequestInput
 from kvloom.loader.tokenizer import get_tokenizer
-from kvloom.lora.request import LoRARequest
 from kvloom.metrics.loggers import build_stat_loggers
 from kvloom.metrics.stats import IterationStats
 from kvloom.outputs import EngineCoreOutputs, PoolingRequestOutput, RequestOutput
 from kvloom.request import EngineCoreRequest
-from kvloom.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -87,31 +85,20 @@ class Frontend:
                 logger.exception("Stat logger %s failed in log()%s", type(stat_logger).__qualname__, when)
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        queue: OutputQueue | None = None,
-    ) -> list[EngineCoreRequest]:
+    def add_request(self, request: RequestInput, queue: OutputQueue | None = None) -> list[EngineCoreRequest]:
         """Validate, tokenize and register a request; returns what to send to the core.
         With ``queue``, the request's outputs (for n > 1 the parent's) go there instead of
         being returned by ``process`` (see ``OutputProcessor``)."""
         op = self.output_processor
+        request_id = request.request_id
         if request_id in op.request_states or request_id in op.parent_requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        request, text = self.input_processor.process(
-            request_id, prompt, params, arrival_time, lora_request, priority, cache_salt
-        )
-        sampling = request.sampling_params
+        core_request, text = self.input_processor.process(request)
+        sampling = core_request.sampling_params
         if sampling is None or sampling.n == 1:
-            op.add_request(request, text, queue=queue)
-            return [request]
-        parent = ParentRequest(request)
+            op.add_request(core_request, text, queue=queue)
+            return [core_request]
+        parent = ParentRequest(core_request)
         children = []
         for index, child in parent.child_requests():
             op.add_request(child, text, parent=parent, index=index, queue=queue)

@@ -14,9 +14,9 @@ from typing import Any
 
 from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs, create_engine_config
-from kvloom.engine.core_client import EngineCoreClient
+from kvloom.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from kvloom.engine.frontend import Frontend
-from kvloom.inputs import PromptType
+from kvloom.inputs import PromptType, RequestInput
 from kvloom.lora.request import LoRARequest
 from kvloom.metrics.loggers import PrometheusStatLogger
 from kvloom.metrics.reader import Metric, get_metrics_snapshot
@@ -35,7 +35,9 @@ class LLMEngine:
         self.log_stats = log_stats = not config.observability.disable_log_stats
         self.frontend = Frontend(config, log_stats=log_stats)
         self.tokenizer = self.frontend.tokenizer
-        self.engine_core: Any = EngineCoreClient.make_client(config, log_stats, asyncio_mode=False)
+        client = EngineCoreClient.make_client(config, log_stats, asyncio_mode=False)
+        assert isinstance(client, (InprocClient, SyncMPClient))  # the synchronous kinds (typed for the reader)
+        self.engine_core: InprocClient | SyncMPClient = client
         # A Prometheus registry of its own, read by get_metrics() (vLLM's LLM keeps one too).
         self.frontend.start_stat_loggers(stat_loggers=[PrometheusStatLogger])
 
@@ -53,9 +55,8 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        for core_request in self.frontend.add_request(
-            request_id, prompt, params, arrival_time, lora_request, priority, cache_salt
-        ):
+        request = RequestInput(request_id, prompt, params, arrival_time, lora_request, priority, cache_salt)
+        for core_request in self.frontend.add_request(request):
             self.engine_core.add_request(core_request)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:

@@ -45,27 +45,16 @@ def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def check_sampling_params(params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
-                          eos_token_id: int | None) -> None:  # fmt: skip
-    """Raise ``ValueError`` if one request's sampling parameters cannot be sampled with.
+def check_sampling_state(params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
+                         eos_token_id: int | None) -> None:  # fmt: skip
+    """Raise ``ValueError`` if one request's sampling state cannot be built.
 
-    The engine core calls this when a request arrives, so that a request whose
-    parameters would fail in a batch is refused alone instead of failing a step: it checks
-    the vocabulary-dependent ranges (``top_k``, ``logprobs``) and builds the request's
-    sampling state, on the CPU, with the same code as a step (``SamplingMetadata.build``)
-    and a generator for its seed.
+    The engine core calls this when a request arrives, after the model-bounded rules
+    (``kvloom.model_limits``), so that a request whose parameters would fail in a batch
+    is refused alone instead of failing a step: it builds the request's sampling state,
+    on the CPU, with the same code as a step (``SamplingMetadata.build``) and a generator
+    for its seed.
     """
-    # (stop_token_ids outside the vocabulary are harmless: such a token is never sampled.)
-    bad = [t for t in params.logit_bias or () if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias: token id {bad[0]} is out of range (allowed: 0..{vocab_size - 1})")
-    if params.top_k > vocab_size:
-        raise ValueError(f"top_k: {params.top_k} is larger than the vocabulary (allowed: -1 or 0 to disable, "
-                         f"else 1 <= top_k <= {vocab_size})")  # fmt: skip
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > vocab_size:
-            raise ValueError(f"{name}: {value} is larger than the vocabulary ({vocab_size} tokens)")
     try:
         if params.seed is not None:
             make_generator(params.seed % (2**63), "cpu")
@@ -235,9 +224,9 @@ class SamplingMetadata:
             bias_ids: list[int] = []
             bias_values: list[float] = []
             for row, p in enumerate(params):
+                # (The ids are in the vocabulary: the engine core admits no other, see
+                # kvloom.model_limits.)
                 for token_id, value in (p.logit_bias or {}).items():
-                    if not 0 <= token_id < vocab_size:
-                        raise ValueError(f"logit_bias: token id {token_id} is out of range (allowed: 0..{vocab_size - 1})")
                     bias_rows.append(row)
                     bias_ids.append(token_id)
                     bias_values.append(value)

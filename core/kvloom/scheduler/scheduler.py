@@ -145,16 +145,12 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, request: Request) -> None:
+        """Queue a request. Its prompt obeys the model's limits (not empty, shorter than
+        ``max_model_len``, ids in the vocabulary): the engine core checked it
+        (``EngineCore.check_request``, with ``kvloom.model_limits``) before it came here."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r}: the prompt must have at least one token")
-        if num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt length ({num_prompt_tokens} tokens) "
-                f"is longer than max_model_len ({self.max_model_len})"
-            )
         self.requests[request.request_id] = request
         params = request.sampling_params
         if params is not None:

@@ -113,7 +113,7 @@ def test_features_not_built_are_a_clear_400(client: openai.OpenAI) -> None:
 
 
 def test_max_logprobs_limits_requests(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match=r"logprobs: 4 is more than this server allows.*--max-logprobs"):
+    with pytest.raises(openai.BadRequestError, match=r"logprobs: 4 is more than this engine allows.*--max-logprobs"):
         client.completions.create(model=MODEL, prompt="Hi", logprobs=4, max_tokens=1)
 
 

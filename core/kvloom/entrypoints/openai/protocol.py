@@ -37,7 +37,6 @@ from kvloom.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     RequestOutputKind,
-    SamplingParams,
     StructuredOutputsParams,
 )
 
@@ -274,12 +273,13 @@ class SamplingRequest(OpenAIRequest):
             message = str(exc).removeprefix("structured_outputs: ").removeprefix("structured_outputs.")
             raise ValueError(f"{field}: {message}") from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+    def sampling_values(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                         defaults: dict[str, Any] | None = None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:  # fmt: skip
-        """SamplingParams of one prompt's engine request, all n choices of it (the engine
-        fans n out, see ``serving_engine``). ``defaults``: the values of the fields the
-        request leaves unset (the model's generation config, ``--generation-config``)."""
+                        structured_outputs: StructuredOutputsParams | None = None) -> dict[str, Any]:  # fmt: skip
+        """The fields of the ``SamplingParams`` of one prompt's engine request, all n
+        choices of it (the engine fans n out, see ``serving_engine``). ``defaults``: the
+        values of the fields the request leaves unset (the model's generation config,
+        ``--generation-config``)."""
         defaults = defaults or {}
         values: dict[str, Any] = {
             "n": self.n,
@@ -305,7 +305,7 @@ class SamplingRequest(OpenAIRequest):
                 value = defaults.get(name)
             if value is not None:
                 values[name] = value
-        return SamplingParams(**values)
+        return values
 
 
 # ----------------------------------------------------------------- /v1/completions

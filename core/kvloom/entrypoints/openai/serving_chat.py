@@ -65,7 +65,6 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
-        self.check_sampling_fields(request)
         self.check_num_sequences(1, request.n, "n")
         try:
             mode = tool_mode(request, self.tool_parser_cls is not None)
@@ -80,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs, None)
+        params = self.sampling_params(request, max_tokens, logprobs, None, names={"logprobs": "top_logprobs"})
         if mode in ("required", "named"):
             params = self._with_tool_grammar(request, mode, params)
         request_id = random_id("chatcmpl")

@@ -50,7 +50,6 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
-        self.check_sampling_fields(request)
         self.check_num_sequences(len(request.prompts()), request.n, "prompt")
         prompts = [await self.tokenize_async(p) for p in request.prompts()]
         max_tokens = [self.max_tokens_for(p, request.max_tokens, "prompt", "max_tokens") for p in prompts]

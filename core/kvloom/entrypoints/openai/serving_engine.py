@@ -11,7 +11,8 @@ merged as outputs arrive (``merge_async_iterators``); choice ``prompt_index * n 
 of a response is sequence ``index`` of prompt ``prompt_index``.
 
 Everything is checked before the first byte of a response: the fields' ranges (those the
-model bounds, such as ``top_k`` and token ids, here), the request's size
+model bounds, such as ``top_k`` and token ids, with ``kvloom.model_limits``' rules, which
+the engine's front end and core apply too), the request's size
 (``ServerLimits``), and the prompts are tokenized (large ones off the event loop,
 ``limits.run_blocking``) and admitted into the engine (``AsyncLLM.add_request``), so
 that bad input is a 400 even for a stream. Engine errors: a request the engine refused is
@@ -39,6 +40,7 @@ from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import SamplingRequest
 from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
 from kvloom.lora.request import LoRARequest
+from kvloom.model_limits import ModelLimits, Problem, out_of_vocab, params_problems, prompt_problems
 from kvloom.outputs import RequestOutput
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.registry import DEFAULT_BACKEND, validate_structured_outputs
@@ -126,13 +128,6 @@ _PREFIX_SLACK = 32
 _ADMIT_BATCH = 16
 
 
-def _vocab_size(config: Any) -> int | None:
-    try:
-        return int(config.model.vocab_size)
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
 class OpenAIServing:
     #: Log each request's id, prompt sizes and sampling parameters (``--enable-log-requests``).
     log_requests: bool = False
@@ -145,10 +140,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = self.config.model.served_model_name
         self.max_model_len = self.config.model.max_model_len
-        self.vocab_size = _vocab_size(self.config)
-        # --generation-config and --max-logprobs (ModelConfig)
+        self.model_limits = ModelLimits.of(self.config.model)
+        # --generation-config (ModelConfig)
         self.generation_defaults: dict[str, Any] = dict(getattr(self.config.model, "generation_defaults", {}) or {})
-        self.max_logprobs: int = getattr(self.config.model, "max_logprobs", 20)
         structured_config = getattr(self.config, "structured_outputs", None)
         self.structured_outputs_backend = structured_config.backend if structured_config is not None else DEFAULT_BACKEND
         self.limits = limits if limits is not None else ServerLimits()
@@ -185,32 +179,18 @@ class OpenAIServing:
             )
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Token ids in 0..vocab_size-1 (non-negative when the vocabulary is unknown)."""
-        if not ids:
-            return
-        vocab = self.vocab_size
-        low, high = min(ids), max(ids)
-        if low >= 0 and (vocab is None or high < vocab):
-            return
-        bad = low if low < 0 else high
-        allowed = f"0..{vocab - 1}" if vocab is not None else "non-negative"
-        raise APIError(f"{param}: token id {bad} is out of range (allowed: {allowed})", param=param)
+        """Token ids in the vocabulary."""
+        problem = out_of_vocab(ids, self.model_limits.vocab_size)
+        if problem is not None:
+            raise APIError(f"{param}: {problem}", param=param)
 
-    def check_sampling_fields(self, request: SamplingRequest) -> None:
-        """The ranges the model's vocabulary bounds (the request's schema checked the rest)."""
-        vocab = self.vocab_size
-        if vocab is not None and request.top_k is not None and request.top_k > vocab:
-            raise APIError(f"top_k: {request.top_k} is out of range (allowed: -1 or 0 to disable top-k, else "
-                           f"1 <= top_k <= {vocab}, the vocabulary size)", param="top_k")  # fmt: skip
-        if request.stop_token_ids:
-            self.check_token_ids(request.stop_token_ids, "stop_token_ids")
-        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
-            value = getattr(request, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
-                raise APIError(f"{name}: {value} is more than this server allows (allowed range: 0 <= {name} <= "
-                               f"{self.max_logprobs}, --max-logprobs)", param=name)  # fmt: skip
-        if request.logit_bias:
-            self.check_token_ids([int(k) for k in request.logit_bias], "logit_bias")
+    @staticmethod
+    def raise_first(problems: list[Problem], code: str | None = None) -> None:
+        """The first of the model-bounded rules' problems (``kvloom.model_limits``) as a
+        400 naming the field."""
+        if problems:
+            field, message = problems[0]
+            raise APIError(message, param=field, code=code)
 
     def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
@@ -290,22 +270,19 @@ class OpenAIServing:
         return prompt.text
 
     def max_tokens_for(self, prompt: Prompt, requested: int | None, param: str, max_tokens_param: str) -> int:
-        """Check the prompt against max_model_len; the max_tokens this prompt may use."""
+        """Check the prompt against the model (``kvloom.model_limits``); the max_tokens
+        this prompt may use."""
         n_prompt, limit = len(prompt.token_ids), self.max_model_len
-        if n_prompt == 0:
-            raise APIError(f"{param}: the prompt is empty (it has no tokens)", param=param)
-        if n_prompt >= limit:
-            raise APIError(
-                f"{param}: the prompt is {n_prompt} tokens, but this model's maximum context length is {limit} "
-                f"tokens (allowed: at most {limit - 1} prompt tokens)",
-                param=param,
-                code="context_length_exceeded",
-            )
         room = limit - n_prompt
+        problems = prompt_problems(prompt.token_ids, self.model_limits, pooling=False,
+                                   names={"prompt": param, "prompt_token_ids": param})  # fmt: skip
+        self.raise_first(problems, code="context_length_exceeded" if room < 1 else None)
         if requested is None:
             # The model's generation config may bound an unset max_tokens (max_new_tokens).
             default = self.generation_defaults.get("max_tokens")
             return min(room, default) if isinstance(default, int) and default > 0 else room
+        # The OpenAI API refuses what cannot fit (offline, LLM lets the context cut it short,
+        # as vLLM does): a server rule, not one of the model's.
         if requested > room:
             raise APIError(
                 f"{max_tokens_param}: {requested} is too large: the prompt uses {n_prompt} of this model's "
@@ -318,15 +295,24 @@ class OpenAIServing:
     # ------------------------------------------------------------ generation
 
     def sampling_params(
-        self, request: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        request: SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        names: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """``request.sampling_params(...)`` with the generation config's defaults, made
-        before anything is sent so that a bad combination of fields (e.g. min_tokens >
-        max_tokens) is a 400."""
-        structured, field = self.structured_outputs(request)
+        """``SamplingParams`` of the request with the generation config's defaults, made
+        before anything is sent so that a bad value is a 400: first the rules the model
+        bounds (``kvloom.model_limits``; ``names``: the request's names of the fields, e.g.
+        chat's ``top_logprobs`` for ``logprobs``), which say more than the fields' own
+        ranges, then those ranges and combinations (e.g. min_tokens > max_tokens)."""
+        structured, _ = self.structured_outputs(request)
+        values = request.sampling_values(max_tokens, logprobs, prompt_logprobs, self.generation_defaults,
+                                         structured_outputs=structured)  # fmt: skip
+        self.raise_first(params_problems(SamplingParams.model_construct(**values), self.model_limits, names))
         try:
-            return request.sampling_params(max_tokens, logprobs, prompt_logprobs, self.generation_defaults,
-                                           structured_outputs=structured)  # fmt: skip
+            return SamplingParams(**values)
         except ValidationError as exc:
             raise from_validation_error(exc, SamplingParams) from None
 

@@ -30,6 +30,7 @@ from kvloom.entrypoints.openai.protocol import (
 )
 from kvloom.entrypoints.openai.serving_engine import OpenAIServing, random_id
 from kvloom.lora.request import LoRARequest
+from kvloom.model_limits import params_problems, prompt_problems
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.pooling.io_processors import as_prompt_list
 from kvloom.sampling_params import PoolingParams
@@ -84,12 +85,10 @@ class OpenAIServingPooling(OpenAIServing):
         prompts = []
         for item in inputs:
             prompt = await self.tokenize_async(item, add_special_tokens=request.add_special_tokens, param="input")
-            if not prompt.token_ids:
-                raise APIError("input: an input is empty (it has no tokens)", param="input")
-            if len(prompt.token_ids) > self.max_model_len:
-                raise APIError(f"input: an input is {len(prompt.token_ids)} tokens, more than this model's maximum "
-                               f"context length of {self.max_model_len} tokens", param="input",
-                               code="context_length_exceeded")  # fmt: skip
+            problems = prompt_problems(prompt.token_ids, self.model_limits, pooling=True,
+                                       names={"prompt": "input", "prompt_token_ids": "input"})  # fmt: skip
+            too_long = len(prompt.token_ids) > self.max_model_len
+            self.raise_first(problems, code="context_length_exceeded" if too_long else None)
             prompts.append({"prompt_token_ids": prompt.token_ids})
         return prompts
 
@@ -98,6 +97,7 @@ class OpenAIServingPooling(OpenAIServing):
         lora = await self.resolve_model_or_lora(request.model)
         prompts = await self._prompts(request)
         params = PoolingParams(normalize=request.normalize, dimensions=request.dimensions)
+        self.raise_first(params_problems(params, self.model_limits))
         request_id = random_id(prefix)
         vectors: list[Any] = [None] * len(prompts)
         async for index, output in self._encode_each(request_id, prompts, params, lora):
