@@ -21,7 +21,8 @@ import pytest
 import zmq
 
 from kvloom import LLM, SamplingParams
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.engine.core_client import (
     AsyncMPClient,

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.entrypoints.cli.main import main
 
 __all__ = ["resolve_engine_config", "run_cli"]

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.entrypoints.cli.main import main
 from kvloom.entrypoints.cli.vllm_flags import VLLM_FLAGS
 from kvloom.entrypoints.openai.frontend import FrontendOptions

@@ -48,7 +48,8 @@ import zmq
 
 import kvloom
 from kvloom.config import EngineConfig
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.core_client import (
     ClientAddresses,
     EngineCoreProcess,
