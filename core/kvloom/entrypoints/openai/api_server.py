@@ -47,7 +47,7 @@ from kvloom.entrypoints.openai.errors import (
     parse_json_body,
     validate_body,
 )
-from kvloom.entrypoints.openai.frontend import FrontendOptions
+from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import (
     ChatCompletionRequest,

@@ -51,8 +51,8 @@ from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.core_lifecycle import ClientAddresses, EngineCoreProcessHandle, notify_engine_death
-from kvloom.entrypoints.openai.frontend import FrontendOptions
 from kvloom.entrypoints.openai.limits import ServerLimits
+from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.logger import parent_logging, setup_child_logging
 from kvloom.processes import describe_exit, main_module_not_reimported
 from kvloom.profiling import cprofile_if_asked
