@@ -1,7 +1,7 @@
 """The resolved engine configuration: ``EngineConfig`` and its sections.
 
 Every component receives the whole ``EngineConfig``. It is made once, when the engine
-starts, by ``kvloom.engine.arg_utils.create_engine_config`` from the user's flat
+starts, by ``kvloom.engine.config_builder.create_engine_config`` from the user's flat
 ``EngineArgs``; that is also where the active platform and the attention backend are
 chosen, and their classes are kept here (``device.platform``, ``attention.backend``) so
 that nothing looks them up by name again.

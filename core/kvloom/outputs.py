@@ -102,7 +102,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 class EngineLoad(msgspec.Struct, array_like=True, gc=False):
     """How busy one engine core of several (data parallelism) is after a step: what the
-    front ends balance requests by (``engine/coordinator.py``). Sent whether or not stats
+    front ends balance requests by (``engine/load_balancer.py``). Sent whether or not stats
     are logged."""
 
     num_waiting: int

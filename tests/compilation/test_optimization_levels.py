@@ -7,7 +7,8 @@ import pytest
 
 from kvloom.attention.backend import AttentionCGSupport
 from kvloom.config import CUDAGraphMode as M
-from kvloom.engine.arg_utils import EngineArgs, _default_capture_sizes, resolve_compilation
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.compile_config import _default_capture_sizes, resolve_compilation
 
 
 class GraphPlatform:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from kvloom import LLM, SamplingParams
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.engine.core_client import EngineDeadError
 from kvloom.engine.output_processor import RequestOutputCollector

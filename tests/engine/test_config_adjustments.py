@@ -58,7 +58,7 @@ def test_budgets_and_limits_may_change(where: str, caplog: pytest.LogCaptureFixt
         config.compilation.custom_ops = "none"
         config.observability.log_stats_interval = 0.5
 
-    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+    with caplog.at_level("INFO", logger="kvloom.engine.config_builder"):
         config = resolved_with(adjust, where)
     assert (config.scheduler.max_num_seqs, config.model.max_model_len, config.cache.block_size) == (4, 128, 32)
     assert "max_model_len=128" in caplog.text and "block_size=32" in caplog.text  # the line shows the result
@@ -112,7 +112,7 @@ def test_what_the_backend_cannot_serve_is_refused(where: str) -> None:
 
 def test_the_startup_line_names_the_served_model(caplog: pytest.LogCaptureFixture) -> None:
     model = str(tiny_model_dir("llama"))
-    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+    with caplog.at_level("INFO", logger="kvloom.engine.config_builder"):
         assert resolve_engine_config(model=model, dtype="float32").model.served_model_name == "llama"  # the dir's name
         resolve_engine_config(model=model, dtype="float32", served_model_name="my-alias")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvloom config:")]

@@ -21,19 +21,18 @@ import pytest
 import zmq
 
 from kvloom import LLM, SamplingParams
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.async_llm import AsyncLLM
 from kvloom.engine.core_client import (
     AsyncMPClient,
-    ClientAddresses,
-    EngineCoreProcess,
-    EngineDeadError,
     InprocClient,
     SyncMPClient,
     ThreadedClient,
     multiprocessing_enabled,
-    notify_engine_death,
 )
+from kvloom.engine.core_lifecycle import ClientAddresses, EngineCoreProcessHandle, notify_engine_death
+from kvloom.engine.errors import EngineDeadError
 from kvloom.lora.request import LoRARequest
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.sampling_params import RequestOutputKind
@@ -250,7 +249,7 @@ def test_one_engine_core_serves_several_front_ends(
     monkeypatch.setattr(AsyncMPClient, "get_output_async", spy)
     config = create_engine_config(engine_args(model_dir))
     clients = [ClientAddresses(f"ipc://{tmp_path}/in-{i}", f"ipc://{tmp_path}/out-{i}") for i in range(2)]
-    process = EngineCoreProcess(config, True, clients)
+    process = EngineCoreProcessHandle(config, True, clients)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = random_prompts(320)[:4]
     seen_stats = [0, 0]

@@ -1,5 +1,5 @@
 """Data parallelism (``data_parallel_size``): N engine core processes, requests balanced
-among them by load (``engine/coordinator.py``), offline through ``LLM``; how each
+among them by load (``engine/load_balancer.py``), offline through ``LLM``; how each
 platform gives a replica its device; the flag's validation. The server with several
 engine cores: tests/entrypoints/openai/test_data_parallel_server.py."""
 
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from kvloom import LLM, SamplingParams
 from kvloom.engine.arg_utils import EngineArgs
-from kvloom.engine.coordinator import LoadBalancer
+from kvloom.engine.load_balancer import LoadBalancer
 from kvloom.entrypoints.cli.main import main
 from kvloom.outputs import EngineLoad
 from tests.helpers.model_fixtures import random_prompts, tiny_model_dir

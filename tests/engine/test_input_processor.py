@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.frontend import load_tokenizer
 from kvloom.engine.input_processor import InputProcessor
 from kvloom.inputs import RequestInput

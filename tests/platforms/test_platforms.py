@@ -147,12 +147,13 @@ def test_crashing_unavailable_reason_is_a_plugin_error() -> None:
 
 def test_engine_startup_line_names_the_device(fresh_plugins: None, monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+    from kvloom.engine.arg_utils import EngineArgs
+    from kvloom.engine.config_builder import create_engine_config
     from tests.helpers.model_fixtures import tiny_model_dir
 
     monkeypatch.setenv("KVLOOM_PLATFORM", "cpu")
     monkeypatch.setattr(CpuPlatform, "get_device_name", classmethod(lambda cls, device_id=0: "Test CPU 9000"))
-    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+    with caplog.at_level("INFO", logger="kvloom.engine.config_builder"):
         create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32"))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvloom config:")]
     assert "platform=cpu device=Test CPU 9000 " in line
@@ -172,7 +173,8 @@ def test_cpu_platform_declarations() -> None:
 
 def _engine_config_on(platform: type[Platform], monkeypatch: pytest.MonkeyPatch, **args: Any) -> Any:
     from kvloom import plugins
-    from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+    from kvloom.engine.arg_utils import EngineArgs
+    from kvloom.engine.config_builder import create_engine_config
     from tests.helpers.model_fixtures import tiny_model_dir
 
     monkeypatch.setattr(plugins, "current_platform", lambda: platform)
@@ -198,7 +200,7 @@ def test_supports_cuda_graphs_decides_whether_graphs_run(fresh_plugins: None, mo
         compile_by_default = True
 
     assert Platform.supports_cuda_graphs is False and NoGraphs.supports_cuda_graphs is False
-    with caplog.at_level("INFO", logger="kvloom.engine.arg_utils"):
+    with caplog.at_level("INFO", logger="kvloom.engine.compile_config"):
         config = _engine_config_on(NoGraphs, monkeypatch, cudagraph_mode="FULL")
     assert config.compilation.cudagraph_mode == CUDAGraphMode.NONE
     assert "cudagraph_mode FULL -> NONE: the platform has no CUDA graphs" in caplog.text

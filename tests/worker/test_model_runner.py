@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from tests.helpers.model_fixtures import tiny_model_dir
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.worker import model_runner
 from kvloom.config import CUDAGraphMode
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher

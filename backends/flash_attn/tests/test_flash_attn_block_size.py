@@ -143,7 +143,7 @@ def _engine_config(**args):
 def test_engine_config_takes_the_block_size_from_flash_attn(
     registry_with_flash_attn, flash_attn_present, caplog
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvloom.engine.arg_utils"):
+    with caplog.at_level(logging.INFO, logger="kvloom.engine.attention_config"):
         config = _engine_config()
     assert config.attention.backend.NAME == "FLASH_ATTN"
     assert (config.cache.block_size, config.cache.user_specified_block_size) == (256, False)

@@ -26,7 +26,8 @@ from contextlib import aclosing
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.core_client import AsyncMPClient, ClientAddresses, EngineCoreClient, EngineDeadError, ThreadedClient
 from kvloom.engine.frontend import Frontend
 from kvloom.engine.output_processor import RequestOutputCollector, RequestOutputStream

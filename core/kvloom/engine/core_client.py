@@ -12,13 +12,13 @@ model runner for one interpreter lock:
 Both send ``[identity, kind, payload]`` frames on a ``ROUTER`` socket that the engine core
 connects to with a ``DEALER`` (identity = its engine index) and receive its outputs on a
 ``PULL`` socket it ``PUSH``es to, all msgpack (``serial.py``). Several engine cores (data
-parallelism, ``engine/coordinator.py`` picks one per request) connect to the same
+parallelism, ``engine/load_balancer.py`` picks one per request) connect to the same
 ``ROUTER`` and ``PULL`` (outputs carry their ``engine_index``); several front-end
 processes (``kvloom serve --api-server-count``) each bind their own pair, given by the
 launcher, and stamp their requests with their ``client_index``. A monitor thread watches
 each engine core process this client started (the launcher watches the ones it started);
 when one dies (killed, or a failed step), every open request gets ``EngineDeadError`` at
-once.
+once. Starting, watching and stopping those processes is ``core_lifecycle.py``.
 
 With ``KVLOOM_ENABLE_MULTIPROCESSING=0`` the core stays in the front end's process, for
 debugging and tests that reach into it: ``InprocClient`` (``LLM``: each ``get_output()``
@@ -33,15 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -49,50 +44,43 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from kvloom.config import EngineConfig
-from kvloom.engine.coordinator import LoadBalancer
 from kvloom.engine.core import EngineCore
-from kvloom.engine.core_proc import call_utility, engine_identity, make_socket, run_engine_core
+from kvloom.engine.core_lifecycle import (
+    ClientAddresses,
+    EngineCoreProcessHandle,
+    MPClientResources,
+    notify_engine_death,
+    wait_for_engines,
+)
+from kvloom.engine.core_proc import call_utility, engine_identity, make_socket
+from kvloom.engine.errors import EngineDeadError
+from kvloom.engine.load_balancer import LoadBalancer
 from kvloom.engine.serial import (
     ABORT,
     ADD,
     DEAD,
-    FAILED,
     OUTPUTS,
-    READY,
-    SHUTDOWN,
     UTILITY,
     UTILITY_OUTPUT,
     EngineCoreErrorInfo,
-    EngineCoreReady,
-    MsgpackDecoder,
     MsgpackEncoder,
     UtilityOutput,
     UtilityRequest,
     output_decoders,
 )
-from kvloom.logger import parent_logging
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs
-from kvloom.processes import describe_exit, main_module_not_reimported
 from kvloom.request import EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 
 #: ``KVLOOM_ENABLE_MULTIPROCESSING``: 1 (default) runs the engine core in its own process.
 MULTIPROCESSING_ENV = "KVLOOM_ENABLE_MULTIPROCESSING"
-
-#: How long shutdown waits for the engine core process to exit before terminating it.
-SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core failed; no further requests can be served."""
 
 
 def multiprocessing_enabled() -> bool:
@@ -282,188 +270,6 @@ class ThreadedClient(EngineCoreClient):
 
 
 # ===================================================================== multiprocess
-
-
-def notify_engine_death(ctx: zmq.Context, output_address: str, description: str) -> None:
-    """Tell the client reading ``output_address`` that an engine core died: send ``DEAD``
-    (as from ``EngineDeadError``) into its own output socket, which wakes whoever waits on
-    it. The process that watches an engine core (its parent) calls this."""
-    info = EngineCoreErrorInfo(type_name=f"{__name__}:EngineDeadError", message=description)
-    sock = make_socket(ctx, zmq.PUSH, output_address, bind=False)
-    try:
-        sock.send_multipart((DEAD, MsgpackEncoder().encode(info)))
-    finally:
-        sock.close(linger=1000)
-
-
-@dataclass(frozen=True)
-class ClientAddresses:
-    """The two sockets of one front end (client ``client_index``), which it binds and
-    every engine core connects to: the ``ROUTER`` it sends on, the ``PULL`` it reads."""
-
-    input: str
-    output: str
-
-
-class EngineCoreProcess:
-    """One engine core process, started by this process (a client, or the launcher of
-    several API servers), and watched."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        log_stats: bool,
-        clients: list[ClientAddresses],
-        engine_index: int = 0,
-    ) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        # The engine core reads the other end: end of file when this process is gone.
-        death_reader, self._death_writer = spawn.Pipe(duplex=False)
-        level, fmt = parent_logging()
-        self.engine_index = engine_index
-        self.identity = engine_identity(engine_index)
-        replicas = config.parallel.data_parallel_size
-        env = config.device.platform.data_parallel_env(engine_index, replicas) if replicas > 1 else {}
-        self.process = spawn.Process(
-            target=run_engine_core,
-            name=f"kvloom-engine-core-{engine_index}",
-            kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
-                        output_addresses=[c.output for c in clients], engine_index=engine_index,
-                        death_pipe=death_reader, log_level=level, log_format=fmt, env=env),  # fmt: skip
-            # A daemonic process may not start processes: with tensor-parallel worker
-            # processes the core is not daemonic and ends through its death pipe instead.
-            daemon=config.parallel.distributed_executor_backend != "mp",
-        )
-        with main_module_not_reimported():
-            self.process.start()
-        death_reader.close()
-        self._stop_reader, self._stop_writer = multiprocessing.Pipe(duplex=False)
-        self._monitor: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    def check_started(self) -> None:
-        """Raise if the process died before it was ready."""
-        if not self.process.is_alive():
-            self.process.join()
-            raise RuntimeError(
-                f"Engine core failed to start: its process {describe_exit(self.process.exitcode)} before it "
-                "was ready (its log above may say why)"
-            )
-
-    def start_monitor(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(description)`` from a thread when the process dies, unless
-        ``stop_monitor()`` was called first."""
-
-        def watch() -> None:
-            ready = multiprocessing.connection.wait([self.process.sentinel, self._stop_reader])
-            if self._stop_reader in ready:
-                return
-            self.process.join(timeout=1)  # reap it: no zombie
-            on_death(f"The engine core process (pid {self.pid}) {describe_exit(self.process.exitcode)}")
-
-        self._monitor = threading.Thread(target=watch, name="kvloom-engine-core-monitor", daemon=True)
-        self._monitor.start()
-
-    def stop_monitor(self) -> None:
-        with contextlib.suppress(OSError):
-            self._stop_writer.send(None)
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=5)
-
-    def stop(self, send_shutdown: Callable[[], None] | None) -> None:
-        """Ask the process to stop (``send_shutdown``; without it, SIGTERM), then
-        terminate / kill it if it does not."""
-        self.stop_monitor()
-        process = self.process
-        if process.is_alive():
-            if send_shutdown is None:
-                process.terminate()
-            else:
-                with contextlib.suppress(Exception):
-                    send_shutdown()
-            process.join(timeout=SHUTDOWN_TIMEOUT_S)
-        if process.is_alive():
-            logger.warning("The engine core (pid %s) did not stop; terminating it", self.pid)
-            process.terminate()
-            process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        for conn in (self._death_writer, self._stop_reader, self._stop_writer):
-            conn.close()
-
-
-def wait_for_engines(
-    sock: zmq.Socket, num_engines: int, processes: list[EngineCoreProcess] | None = None
-) -> list[EngineCoreReady]:
-    """Wait for ``READY`` from engine cores 0..num_engines-1 on a client's ``ROUTER``
-    (they start in parallel); raise on ``FAILED``, or when one of ``processes`` (those
-    this process started; the launcher watches the others) dies first."""
-    pending = {engine_identity(i): i for i in range(num_engines)}
-    ready: list[EngineCoreReady | None] = [None] * num_engines
-    while pending:
-        if sock.poll(100):
-            identity, kind, payload = sock.recv_multipart()
-            index = pending.pop(identity, None)
-            if index is None:
-                logger.warning("Ignoring a handshake from unknown engine %r", identity)
-                continue
-            if kind == READY:
-                ready[index] = MsgpackDecoder(EngineCoreReady).decode(payload)
-                continue
-            if kind == FAILED:
-                info: EngineCoreErrorInfo = MsgpackDecoder(EngineCoreErrorInfo).decode(payload)
-                for process in processes or ():
-                    if process.engine_index == index:
-                        process.process.join(timeout=SHUTDOWN_TIMEOUT_S)
-                raise info.to_exception(f"Engine core failed to start: {info.describe()}")
-            raise RuntimeError(f"unexpected handshake frame {kind!r} from engine core {index}")
-        for process in processes or ():
-            if process.identity in pending:
-                process.check_started()
-    return [r for r in ready if r is not None]
-
-
-class _MPResources:
-    """What a multiprocess client holds and must release: its sockets, its ZMQ context,
-    the engine core processes it started and the directory of its IPC sockets. A
-    finalizer of the client calls ``close()``, so an ``LLM`` that is dropped stops its
-    engine cores."""
-
-    def __init__(self, starts_engines: bool) -> None:
-        self.closed = False
-        self.ctx = zmq.Context()
-        # A launcher that starts the engine cores owns the directory of the sockets.
-        self.ipc_dir = tempfile.mkdtemp(prefix="kvloom-") if starts_engines else None
-        self.input_socket: zmq.Socket | None = None
-        self.output_socket: zmq.Socket | None = None
-        self.async_output: zmq.asyncio.Socket | None = None
-        self.processes: list[EngineCoreProcess] = []
-
-    def _send_shutdown(self, identity: bytes) -> None:
-        assert self.input_socket is not None
-        self.input_socket.send_multipart((identity, SHUTDOWN, b""), flags=zmq.NOBLOCK)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            for process in self.processes:
-                process.stop(functools.partial(self._send_shutdown, process.identity))
-        finally:
-            for sock in (self.async_output, self.input_socket, self.output_socket):
-                if sock is not None:
-                    with contextlib.suppress(Exception):
-                        sock.close(linger=0)
-            self.ctx.term()
-            if self.ipc_dir is not None:
-                shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
 class MPClient(EngineCoreClient):
     """The parts the sync and asyncio multiprocess clients share: sockets, the engine
     core processes, sending, the death of an engine.
@@ -491,7 +297,7 @@ class MPClient(EngineCoreClient):
         self.client_index = client_index
         self.dead_error = None
         self._engine_reported = False
-        self.resources = resources = _MPResources(starts_engines=addresses is None)
+        self.resources = resources = MPClientResources(starts_engines=addresses is None)
         self._finalizer = weakref.finalize(self, resources.close)
         if addresses is None:
             addresses = ClientAddresses(f"ipc://{resources.ipc_dir}/input", f"ipc://{resources.ipc_dir}/output")
@@ -509,7 +315,7 @@ class MPClient(EngineCoreClient):
             resources.output_socket = make_socket(resources.ctx, zmq.PULL, self.output_address, bind=True)
             if resources.ipc_dir is not None:
                 for index in range(num_engines):  # all start (load their model) at once
-                    resources.processes.append(EngineCoreProcess(config, log_stats, [addresses], index))
+                    resources.processes.append(EngineCoreProcessHandle(config, log_stats, [addresses], index))
             self.ready = wait_for_engines(resources.input_socket, len(self.identities), resources.processes)
         except BaseException:  # failed, or interrupted (Ctrl-C while the model loads)
             self.shutdown()
@@ -528,7 +334,7 @@ class MPClient(EngineCoreClient):
             process.start_monitor(on_death)
 
     @property
-    def engine(self) -> EngineCoreProcess:
+    def engine(self) -> EngineCoreProcessHandle:
         """Engine core 0's process, when this client started it (tests and debugging)."""
         return self.resources.processes[0]
 

@@ -1,8 +1,10 @@
 """EngineCoreProc: the engine core in its own process (vLLM's ``EngineCoreProc``).
 
-The front end (``SyncMPClient`` for ``LLM``, ``AsyncMPClient`` for ``AsyncLLM`` and the
-server, in ``core_client.py``) starts ``run_engine_core`` in a process of the ``spawn``
-context (CUDA cannot be used in a forked child). The ``EngineConfig`` arrives pickled by
+This module is what runs *inside* the engine core process; its parent's side (start the
+process, wait for its handshake, watch it, stop it) is ``core_lifecycle.py``. The front
+end (``SyncMPClient`` for ``LLM``, ``AsyncMPClient`` for ``AsyncLLM`` and the server, in
+``core_client.py``) starts ``run_engine_core`` in a process of the ``spawn`` context (CUDA
+cannot be used in a forked child). The ``EngineConfig`` arrives pickled by
 multiprocessing (the platform and backend classes it holds pickle by reference; plugins
 load here too, in ``EngineCore``). Three threads then share the work, so that the busy
 loop only schedules and steps:

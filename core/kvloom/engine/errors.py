@@ -1,4 +1,5 @@
-"""Errors that end one request while the engine serves on.
+"""The engine's errors: those that end one request while the engine serves on, and
+``EngineDeadError``, which ends the engine.
 
 A request the engine core refuses when it arrives ends with ``FinishReason.ABORT`` and a
 message (``EngineCoreOutput.error``); one whose own work fails in a step (its sampling,
@@ -28,3 +29,7 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {request_id} failed in the engine: {message}")
         self.request_id = request_id
         self.detail = message
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core failed; no further requests can be served."""

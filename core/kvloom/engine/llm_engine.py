@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from kvloom.engine.frontend import Frontend
 from kvloom.inputs import PromptType, RequestInput

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvloom.config import EngineConfig
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.entrypoints.cli.main import main
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.worker import WorkerBase

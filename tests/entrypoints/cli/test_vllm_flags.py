@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
 from kvloom.entrypoints.cli.main import main
 from kvloom.entrypoints.cli.vllm_flags import VLLM_FLAGS
-from kvloom.entrypoints.openai.frontend import FrontendOptions
+from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
 from tests.helpers.model_fixtures import tiny_model_dir
 

@@ -146,7 +146,7 @@ def build_selector_config(
 
 def _base_selector_config(args: argparse.Namespace, platform: type["Platform"]) -> "AttentionSelectorConfig":
     from kvloom.attention.backend import AttentionSelectorConfig
-    from kvloom.engine.arg_utils import _resolve_dtype
+    from kvloom.engine.config_builder import resolve_dtype
     from kvloom.platforms.interface import DeviceCapability
 
     _positive(args.block_size, "--block-size")
@@ -173,7 +173,7 @@ def _base_selector_config(args: argparse.Namespace, platform: type["Platform"]) 
     )
     return AttentionSelectorConfig(
         head_size=head_size or DEFAULT_HEAD_SIZE,
-        dtype=_resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name),
+        dtype=resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name),
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         use_mla=use_mla,

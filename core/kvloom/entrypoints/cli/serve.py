@@ -11,8 +11,6 @@ import signal
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 from kvloom.entrypoints.cli.vllm_flags import add_vllm_flags
-from kvloom.entrypoints.openai.frontend import FrontendOptions
-from kvloom.profiling import cprofile_if_asked
 from kvloom.entrypoints.openai.errors import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_JSON_NUMBER_LENGTH
 from kvloom.entrypoints.openai.limits import (
     BODY_BYTES_PER_TOKEN,
@@ -20,6 +18,8 @@ from kvloom.entrypoints.openai.limits import (
     MIN_DEFAULT_BODY_BYTES,
     ServerLimits,
 )
+from kvloom.entrypoints.openai.server_options import FrontendOptions
+from kvloom.profiling import cprofile_if_asked
 
 logger = logging.getLogger(__name__)
 

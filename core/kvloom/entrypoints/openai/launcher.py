@@ -8,7 +8,7 @@ The serving process becomes a launcher (vLLM's API server scale-out):
   before anything starts, and no other process can join the port (``SO_REUSEPORT``
   would let any process of the same user bind it too, and hashes connections to
   processes whether they are ready or not);
-* it starts the engine core process(es) (``EngineCoreProcess``), each told the ZMQ
+* it starts the engine core process(es) (``core_lifecycle.EngineCoreProcessHandle``), each told the ZMQ
   addresses of every API server (one ``ROUTER`` and one ``PULL`` per API server, IPC
   sockets in a private temporary directory), then the API server processes, API server
   ``i`` with ``client_index`` ``i`` and its own two addresses. Each one binds them, waits
@@ -48,17 +48,13 @@ import zmq
 
 import kvloom
 from kvloom.config import EngineConfig
-from kvloom.engine.arg_utils import EngineArgs, create_engine_config
-from kvloom.engine.core_client import (
-    ClientAddresses,
-    EngineCoreProcess,
-    describe_exit,
-    main_module_not_reimported,
-    notify_engine_death,
-)
-from kvloom.entrypoints.openai.frontend import FrontendOptions
+from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.config_builder import create_engine_config
+from kvloom.engine.core_lifecycle import ClientAddresses, EngineCoreProcessHandle, notify_engine_death
 from kvloom.entrypoints.openai.limits import ServerLimits
+from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.logger import parent_logging, setup_child_logging
+from kvloom.processes import describe_exit, main_module_not_reimported
 from kvloom.profiling import cprofile_if_asked
 
 logger = logging.getLogger(__name__)
@@ -200,7 +196,7 @@ def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: in
     clients = [ClientAddresses(f"ipc://{workdir}/input-{i}", f"ipc://{workdir}/output-{i}")
                for i in range(api_server_count)]  # fmt: skip
     ctx = zmq.Context()
-    engines: list[EngineCoreProcess] = []
+    engines: list[EngineCoreProcessHandle] = []
     servers: list[multiprocessing.Process] = []
     death_writers: list[Any] = []
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -218,7 +214,7 @@ def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: in
     status = 0
     try:
         num_engines = config.parallel.data_parallel_size
-        engines = [EngineCoreProcess(config, log_stats, clients, engine_index=e) for e in range(num_engines)]
+        engines = [EngineCoreProcessHandle(config, log_stats, clients, engine_index=e) for e in range(num_engines)]
         spawn = multiprocessing.get_context("spawn")
         level, fmt = parent_logging()
         for index, addresses in enumerate(clients):
@@ -259,7 +255,7 @@ def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: in
 
 
 def _watch(
-    engines: list[EngineCoreProcess],
+    engines: list[EngineCoreProcessHandle],
     servers: list[multiprocessing.Process],
     clients: list[ClientAddresses],
     ctx: zmq.Context,
@@ -271,7 +267,7 @@ def _watch(
     owner.update({server.sentinel: server for server in servers})
     ended = multiprocessing.connection.wait(list(owner))
     gone = owner[ended[0]]
-    if isinstance(gone, EngineCoreProcess):
+    if isinstance(gone, EngineCoreProcessHandle):
         gone.process.join(timeout=1)
         description = f"The engine core process (pid {gone.pid}) {describe_exit(gone.process.exitcode)}"
         logger.critical("%s; every API server fails its open requests and exits, then kvloom serve (exit "

@@ -1,5 +1,7 @@
-"""How the HTTP front end presents itself (``kvloom serve``'s vLLM front-end flags):
-the assistant role name, request logging, CORS, TLS, the root path, the docs pages.
+"""How the HTTP server presents itself (``kvloom serve``'s flags of vLLM's ``FrontendArgs``,
+hence the class name): the assistant role name, request logging, CORS, TLS, the root
+path, the docs pages, tool calling. Not the engine's ``engine/frontend.py``, the request
+half of ``LLMEngine``/``AsyncLLM``.
 
 ``FrontendOptions`` travels from the CLI to every API server process (it is plain data);
 ``build_app`` applies the app-side options (``install_cors``, docs), ``uvicorn_kwargs``
