@@ -50,8 +50,8 @@ class ModelRunnerProtocol(Protocol):
     the device has graphs. Then per step ``execute_model`` and, for a step it returned
     None for, ``sample_tokens``."""
 
-    #: The most tokens one step may hold (``max_num_batched_tokens``, at least ``max_num_seqs``).
     max_num_tokens: int
+    """The most tokens one step may hold (``max_num_batched_tokens``, at least ``max_num_seqs``)."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None: ...
 
