@@ -52,8 +52,19 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     # ---- model
-    model: str | None = Field(None, description="HF directory, .gguf file, or None for the default SmolLM2.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model's).")
+    model: str | None = Field(
+        None, description="HF directory, .gguf file, Hugging Face Hub id (org/name, org/name:Q4_K_M or "
+        "org/name/file.gguf), or None for the default SmolLM2."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer directory or hub id (default: the model's).")
+    revision: str | None = Field(None, description="Hub ids: the model's branch, tag or commit (default: main).")
+    tokenizer_revision: str | None = Field(
+        None, description="Hub ids: the tokenizer's branch, tag or commit (default: main)."
+    )
+    download_dir: str | None = Field(
+        None, description="Hub ids: the Hugging Face cache folder to read and download into (default: "
+        "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub)."
+    )
     skip_tokenizer_init: bool = Field(False, description="Serve token ids only; no tokenizer files needed.")
     served_model_name: str | None = Field(None, description="Model name reported by the API.")
     dtype: DTypeName = Field("auto", description="Weight and activation dtype.")

@@ -68,7 +68,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     the module docstring, in its order)."""
     plugins.load_plugins()
     platform = plugins.current_platform()
-    source = resolve_model_source(args.model, args.load_format, tokenizer=args.tokenizer)
+    source = resolve_model_source(args.model, args.load_format, tokenizer=args.tokenizer, revision=args.revision,
+                                  tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir)
     model, model_limit = _model_config(args, platform, source)
     executor_backend = check_tensor_parallel(args, model)
     if args.trust_remote_code:

@@ -1,6 +1,8 @@
-"""Where a model comes from: an HF directory, a GGUF file, or the default SmolLM2.
+"""Where a model comes from: an HF directory, a GGUF file, a Hugging Face Hub id
+(``hub.py``), or the default SmolLM2.
 
-``resolve_model_source`` only looks at paths (cheap); ``load_hf_config`` reads the
+``resolve_model_source`` looks at paths (cheap), and for a hub id at the cache (and the
+hub when online, fetching what is missing); ``load_hf_config`` reads the
 architecture config (for GGUF, from the file's metadata, cached on disk because
 transformers needs seconds to parse it).
 """
@@ -13,7 +15,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,26 +61,57 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_source(model: str | None, load_format: str = "auto", tokenizer: str | None = None) -> ModelSource:
+def resolve_model_source(
+    model: str | None,
+    load_format: str = "auto",
+    tokenizer: str | None = None,
+    *,
+    revision: str | None = None,
+    tokenizer_revision: str | None = None,
+    download_dir: str | None = None,
+) -> ModelSource:
+    """Where ``model`` is: the default SmolLM2 for None, else a local folder or ``.gguf``
+    file, else a Hugging Face Hub id (``kvloom.loader.hub``: at ``revision``, in the cache
+    ``download_dir`` or huggingface_hub's). ``tokenizer`` likewise (a folder, a ``.gguf``
+    file or a hub id at ``tokenizer_revision``); default: the model's."""
+    if tokenizer is not None and not Path(tokenizer).expanduser().exists():
+        from kvloom.loader.hub import resolve_hub_tokenizer
+
+        tokenizer = str(resolve_hub_tokenizer(tokenizer, tokenizer_revision, download_dir) or tokenizer)
     if model is None:
         path = default_model_path()
         return ModelSource(str(path), "gguf", tokenizer or str(path), DEFAULT_MODEL_NAME, load_format)
     p = Path(model).expanduser()
+    if not p.exists():
+        from kvloom.loader.hub import resolve_hub_model
+
+        local = resolve_hub_model(model, revision, download_dir, load_format)
+        if local is None:
+            raise FileNotFoundError(
+                f"model: {model!r} is neither an HF model directory nor a .gguf file, nor a Hugging Face Hub id "
+                "(org/name, org/name:QUANT_TYPE or org/name/FILE.gguf)"
+            )
+        return replace(_local_source(local, load_format, tokenizer), display_name=model)
+    return _local_source(p, load_format, tokenizer)
+
+
+def _local_source(p: Path, load_format: str, tokenizer: str | None) -> ModelSource:
+    """The source of an existing path: a ``.gguf`` file, or a folder with a config.json
+    (or with a single ``.gguf`` file)."""
     if p.is_file() and p.suffix == ".gguf":
-        return ModelSource(str(p.resolve()), "gguf", tokenizer or str(p.resolve()), p.stem, load_format)
+        # Not resolved: in the Hugging Face cache the file is a link to a blob without the suffix.
+        path = os.path.abspath(p)
+        return ModelSource(path, "gguf", tokenizer or path, p.stem, load_format)
     if p.is_dir():
         if not (p / "config.json").is_file():
             ggufs = sorted(p.glob("*.gguf"))
             if len(ggufs) == 1:
-                return resolve_model_source(str(ggufs[0]), load_format, tokenizer)
+                return _local_source(ggufs[0], load_format, tokenizer)
             raise FileNotFoundError(f"model: {p} has no config.json (expected an HF model directory or a .gguf file)")
         if load_format == "gguf":
             raise ValueError(f"load_format: 'gguf' needs a .gguf file, but model {p} is an HF directory")
         return ModelSource(str(p.resolve()), "hf", tokenizer or str(p.resolve()), p.name, load_format)
-    raise FileNotFoundError(
-        f"model: {model!r} is neither an HF model directory nor a .gguf file "
-        "(kvloom does not download from model hubs)"
-    )
+    raise FileNotFoundError(f"model: {p} is neither an HF model directory nor a .gguf file")
 
 
 def gguf_cache_dir(gguf_path: str | Path) -> Path:
