@@ -69,14 +69,16 @@ def plugin_env(site_dirs: Sequence[str | Path], **extra: str) -> dict[str, str]:
 class KvloomServer:
     """``kvloom serve ARGS`` in a subprocess on a free local port, for a ``with`` block.
 
-    ``KvloomServer(args, workdir, site_dirs=(), access_log=False, **env)``: ``args`` are
-    ``kvloom serve``'s arguments (the model first; ``--host``/``--port`` are added, and
+    ``KvloomServer(args, workdir, site_dirs=(), access_log=False, command=None, **env)``:
+    ``args`` are ``kvloom serve``'s arguments (the model first; ``--host``/``--port`` are added, and
     ``--disable-uvicorn-access-log`` unless ``access_log``), ``workdir`` receives the
     server's log (``server-PORT.log``), and the environment is ``plugin_env(site_dirs,
     **env)``. Entering the block waits until ``GET /health`` answers 200 (at most
     ``STARTUP_TIMEOUT_S``), raising ``RuntimeError`` with the log's end if the server exits
     or never gets healthy; leaving it stops the server (SIGINT, then SIGKILL after 30 s).
-    ``url`` is ``http://127.0.0.1:PORT``; ``process`` the ``subprocess.Popen``."""
+    ``url`` is ``http://127.0.0.1:PORT``; ``process`` the ``subprocess.Popen``. ``command``:
+    what runs before ``args`` instead of ``python -m kvloom serve`` (another way to start
+    the same server)."""
 
     def __init__(
         self,
@@ -84,6 +86,7 @@ class KvloomServer:
         workdir: str | Path,
         site_dirs: Sequence[str | Path] = (),
         access_log: bool = False,
+        command: Sequence[str] | None = None,
         **env: str,
     ) -> None:
         with socket.socket() as s:
@@ -92,7 +95,8 @@ class KvloomServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(workdir) / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "kvloom", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        command = command or [sys.executable, "-m", "kvloom", "serve"]
+        cmd = [*command, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         if not access_log:
             cmd.append("--disable-uvicorn-access-log")
         self.process = subprocess.Popen(cmd, env=plugin_env(site_dirs, **env), stdout=self._log,

@@ -8,6 +8,9 @@ code and need the API key when one is set), and the open operational endpoints G
 ``{"error": {message, type, param, code}}``; bad input (malformed JSON, wrong types,
 out-of-range values) is a 400, never FastAPI's 422.
 
+``python -m kvloom.entrypoints.openai.api_server --model M [flags]`` (vLLM's older entry
+point) runs ``kvloom serve`` with the same arguments.
+
 ``build_app`` assembles the app from parts of their own:
 
 * ``request_guard.RequestGuard`` (middleware) and ``limits.ServerLimits``: no request can
@@ -27,6 +30,16 @@ seconds, and a client that disconnects cancels its engine requests (streaming or
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":
+    # vLLM's older entry point, in many Dockerfiles: `python -m vllm.entrypoints.openai.api_server
+    # --model M ...` is `kvloom serve` with the same flags (``--model`` is one of them). Before
+    # this module's imports, so that `--help` is as quick as `kvloom serve --help`.
+    import sys
+
+    from kvloom.entrypoints.cli.main import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))
 
 import asyncio
 import contextlib
@@ -182,3 +195,4 @@ async def serve_engine(engine: AsyncLLM, config: uvicorn.Config, sock: socket.so
     freeze_gc_heap()
     await server.serve(sockets=None if sock is None else [sock])
     return 1 if engine_error else 0
+
