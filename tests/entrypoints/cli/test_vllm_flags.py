@@ -63,6 +63,9 @@ def test_every_vllm_flag_works_or_says_why_not(entry, served, capsys, caplog, tm
             main(argv)
         err = capsys.readouterr().err
         assert entry.flag in err and "is not supported by kvloom yet" in err and "unrecognized" not in err
+        # One line saying why, one saying where the usage is (not the hundred lines of usage first).
+        error, hint = err.splitlines()
+        assert error.startswith("kvloom serve: error: ") and hint == "Run 'kvloom serve --help' for usage."
         return
     if entry.status == "works":
         assert entry.flag in parser_flags()

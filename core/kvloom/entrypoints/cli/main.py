@@ -8,8 +8,9 @@ top-level imports light so that ``kvloom --help`` stays fast: import the engine 
 ``func``.
 
 Environment: ``KVLOOM_LOGGING_LEVEL`` (default INFO; logs go to stderr, so ``--json``
-output on stdout stays clean). An error prints one line (``kvloom: error: ...``) and exits
-1; with ``--debug`` (after any subcommand) or at DEBUG it also prints its traceback.
+output on stdout stays clean). A usage error (a bad or refused flag) prints one line
+(``kvloom serve: error: ...``) and where the usage is, and exits 2; any other error prints
+one line (``kvloom: error: ...``) and exits 1; with ``--debug`` (after any subcommand) or at DEBUG it also prints its traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib
 import logging
 import sys
 import traceback
+import typing
 from collections.abc import Sequence
 
 from kvloom_registry import PluginError
@@ -40,8 +42,18 @@ SUBCOMMAND_MODULES: list[str] = [
 logger = logging.getLogger("kvloom.cli")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage error is one line naming the problem, then where the usage is: argparse's
+    default first prints the whole usage, which for ``kvloom serve`` (every engine and vLLM
+    flag) is a hundred lines that bury the reason. Subcommand parsers are of this class too
+    (``add_subparsers`` makes its parsers of the parent's class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for usage.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="kvloom",
         description="kvloom: an LLM inference and serving engine built as a core plus plugins.",
     )
