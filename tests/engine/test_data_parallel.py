@@ -12,7 +12,6 @@ import pytest
 from kvloom_platform_cpu.platform import CpuPlatform
 from kvloom_platform_cpu.worker import THREADS_ENV
 from kvloom_platform_cuda.platform import CudaPlatform
-from pydantic import ValidationError
 
 from kvloom import LLM, SamplingParams
 from kvloom.engine.arg_utils import EngineArgs
@@ -101,7 +100,7 @@ def test_cuda_replicas_get_one_visible_gpu_each(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_data_parallel_size_is_validated(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValidationError, match="data_parallel_size"):
+    with pytest.raises(ValueError, match="data_parallel_size"):
         EngineArgs(data_parallel_size=0)
     with pytest.raises(SystemExit) as info:
         main(["serve", "--data-parallel-size", "0"])

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 from tests.helpers.lora_fixtures import hf_greedy, make_adapter
 from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom import LLM, SamplingParams
+from kvloom.engine.arg_utils import EngineArgs
 from kvloom.metrics.reader import Counter, Gauge, Histogram
 from kvloom.testing import resolve_engine_config, run_cli
 
@@ -96,3 +98,29 @@ def test_get_metrics_needs_stats(monkeypatch):
     llm = LLM(str(tiny_model_dir("llama")), max_num_seqs=2, max_model_len=64, disable_log_stats=True)
     with pytest.raises(ValueError, match="get_metrics: engine stats are off"):
         llm.get_metrics()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    # A vLLM option kvloom has not built: why (from the table of vLLM's options), in Python names.
+    ({"speculative_config": {"method": "ngram"}}, "speculative_config is not supported by kvloom yet (speculative "
+                                                  "decoding)"),
+    ({"task": "generate"}, "task is not supported by kvloom yet (use runner)"),
+    ({"max_num_seq": 8}, "unknown option max_num_seq (did you mean max_num_seqs?)"),
+    ({"max_num_seqs": 0}, "max_num_seqs: Input should be greater than or equal to 1 (allowed range: 1 <= max_num_seqs "
+                          "<= 65536)"),
+    ({"dtype": "int8"}, "dtype: Input should be 'auto', 'float32', 'float', 'float16', 'half' or 'bfloat16'"),
+])  # fmt: skip
+def test_python_api_errors_are_in_kvloom_words(kwargs: dict, message: str) -> None:
+    for make in (lambda: LLM("/models/m", **kwargs), lambda: EngineArgs(**kwargs)):
+        with pytest.raises(ValueError) as info:
+            make()
+        assert str(info.value) == message and not isinstance(info.value, ValidationError)
+    args = EngineArgs()
+    with pytest.raises(ValueError, match=r"^max_model_len: Input should be greater than or equal to 1"):
+        args.max_model_len = 0
+
+
+def test_python_api_drops_an_ignored_vllm_option_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        assert EngineArgs(swap_space=4) == EngineArgs()
+    assert "swap_space is ignored by kvloom (vLLM V1 does not swap either" in caplog.text

@@ -120,7 +120,7 @@ def test_a_failing_log_at_shutdown_does_not_stop_the_others(
 
 def test_log_stats_interval_must_be_positive() -> None:
     for bad in (0, -1.0):
-        with pytest.raises(ValidationError, match="log_stats_interval"):
+        with pytest.raises(ValueError, match="log_stats_interval"):
             EngineArgs(log_stats_interval=bad)
     config = make_config()
     with pytest.raises(ValidationError, match="log_stats_interval"):

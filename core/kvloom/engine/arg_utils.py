@@ -1,8 +1,13 @@
 """``EngineArgs``: the user's flat engine options.
 
 ``EngineArgs`` holds the keyword arguments of ``LLM`` and the flags of ``kvloom serve`` /
-``generate``, named as vLLM users type them. It is a pydantic model: an invalid value
-raises a ``ValidationError`` naming the field and the allowed values.
+``generate``, named as vLLM users type them. It is a pydantic model, but its errors are in
+kvloom's words: ``EngineArgs(...)`` (and ``LLM(...)``) raise a ``ValueError`` naming each
+bad field and its allowed values or range; a vLLM option kvloom has not built says so
+("speculative_config is not supported by kvloom yet"), one it ignores is dropped with a
+warning (both from the table of vLLM's options, ``entrypoints/cli/vllm_flags.py``), and any
+other unknown name is "unknown option X (did you mean Y?)" (``EngineArgsError``; the CLI
+names the flags instead: ``entrypoints/cli/engine_args.py``).
 
 ``config_builder.create_engine_config(args)`` resolves them into the ``EngineConfig``.
 This module imports only what ``EngineArgs`` needs: the CLI builds its flags from it, and
@@ -11,10 +16,11 @@ This module imports only what ``EngineArgs`` needs: the CLI builds its flags fro
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.quantization import check_requested_quantization
@@ -27,6 +33,8 @@ DTYPES: dict[str, str] = {
     "half": "float16",
     "bfloat16": "bfloat16",
 }
+
+logger = logging.getLogger(__name__)
 
 DTypeName = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
@@ -46,10 +54,32 @@ def parse_memory_size(value: int | str) -> int:
     return int(number * scale)
 
 
+class EngineArgsError(ValueError):
+    """Invalid ``EngineArgs``: the message names each bad field (by its Python name) and what
+    it allows; ``validation_error`` is pydantic's, for a caller that names the fields
+    otherwise (the CLI names its flags)."""
+
+    def __init__(self, validation_error: ValidationError) -> None:
+        super().__init__(_describe(validation_error))
+        self.validation_error = validation_error
+
+
 class EngineArgs(BaseModel):
     """All user-facing engine options, flat. CLI flags are these names with dashes."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise EngineArgsError(exc) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise EngineArgsError(exc) from None
 
     # ---- model
     model: str | None = Field(
@@ -194,6 +224,25 @@ class EngineArgs(BaseModel):
             raise ValueError("cudagraph_capture_sizes must be positive batch sizes")
         return sorted(set(v))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_options(cls, data: Any) -> Any:
+        """vLLM's options that are not fields: refused with why, or dropped with a warning."""
+        if not isinstance(data, dict):
+            return data
+        from kvloom.entrypoints.cli.vllm_flags import python_option
+
+        kept = {}
+        for name, value in data.items():
+            entry = None if name in cls.model_fields else python_option(name)
+            if entry is None:
+                kept[name] = value  # a field, or unknown: pydantic's extra_forbidden, described by _describe
+            elif entry.status == "ignored":
+                logger.warning("%s is ignored by kvloom (%s)", name, entry.note)
+            else:
+                raise ValueError(f"{name} is not supported by kvloom yet{_python_note(entry.note)}")
+        return kept
+
     @model_validator(mode="after")
     def _check(self) -> "EngineArgs":
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -203,3 +252,20 @@ class EngineArgs(BaseModel):
                 f"max_num_seqs ({self.max_num_seqs})"
             )
         return self
+
+
+def _describe(exc: ValidationError) -> str:
+    """kvloom's message for a ``ValidationError`` of ``EngineArgs``, fields by their Python names."""
+    from kvloom.entrypoints.cli.engine_args import describe_validation_error
+
+    return describe_validation_error(exc, EngineArgs, str)
+
+
+def _python_note(note: str) -> str:
+    """A ``VLLM_FLAGS`` note with its flags spelled as ``EngineArgs`` fields (``--runner`` -> ``runner``)."""
+
+    def field(match: re.Match[str]) -> str:
+        name = match.group(1).replace("-", "_")
+        return name if name in EngineArgs.model_fields else match.group(0)
+
+    return f" ({re.sub(r'--([a-z][a-z0-9-]*)', field, note)})" if note else ""

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from kvloom.engine.arg_utils import EngineArgs
+from kvloom.engine.arg_utils import EngineArgs, EngineArgsError
 
 #: Extra spellings of some flags (vLLM's): -O, -tp, -pp, and vLLM's name of the KV-cache size.
 _SHORT_FLAGS: dict[str, list[str]] = {
@@ -160,8 +160,8 @@ def engine_args_from_namespace(namespace: argparse.Namespace, **overrides: Any) 
     values.update(overrides)
     try:
         return EngineArgs(**values)
-    except ValidationError as exc:
-        raise ValueError(describe_validation_error(exc, EngineArgs, flag_name)) from None
+    except EngineArgsError as exc:
+        raise ValueError(describe_validation_error(exc.validation_error, EngineArgs, flag_name)) from None
 
 
 def describe_validation_error(
@@ -179,9 +179,19 @@ def describe_validation_error(
         if not loc:  # model-level checks name their fields themselves
             problems.append(msg)
             continue
+        if error["type"] == "extra_forbidden":
+            problems.append(f"unknown option {flag_for(loc[0])}{_did_you_mean(loc[0], model, flag_for)}")
+            continue
         text = f"{flag_for(loc[0])}: {msg}"
         bounds = allowed_range(model, loc[:1])
         if bounds:
             text += f" (allowed range: {bounds})"
         problems.append(text)
     return "; ".join(problems)
+
+
+def _did_you_mean(name: str, model: type[BaseModel], flag_for: typing.Callable[[str], str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(model.model_fields), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(flag_for(c) for c in close)}?)" if close else ""

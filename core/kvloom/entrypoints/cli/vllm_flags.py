@@ -187,6 +187,13 @@ def find(flag: str) -> VllmFlag:
     raise KeyError(flag)
 
 
+def python_option(name: str) -> VllmFlag | None:
+    """The table's entry for ``name`` as a keyword argument of vLLM's ``LLM``/``EngineArgs``
+    (``speculative_config`` for ``--speculative-config``), or None."""
+    flag = "--" + name.replace("_", "-")
+    return next((entry for entry in VLLM_FLAGS if entry.flag == flag), None)
+
+
 def _note(entry: VllmFlag) -> str:
     return f" ({entry.note})" if entry.note else ""
 
