@@ -324,3 +324,30 @@ def test_a_model_type_transformers_does_not_know_needs_its_config_registered(tmp
     AutoConfig.register("kvloom_test_toy", ToyConfig)
     config = load_hf_config(source)
     assert isinstance(config, ToyConfig) and (config.hidden_size, config.architectures) == (64, ["ToyForCausalLM"])
+
+
+def test_a_config_without_architectures_falls_back_on_its_model_type(tmp_path):
+    """As transformers' auto classes do; and when neither tells the model, the error says what is missing."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from kvloom.testing import resolve_engine_config
+
+    def without(model_dir: Path, *keys: str) -> Path:
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in keys}))
+        return model_dir
+
+    model_dir = without(make_tiny_model("llama", tmp_path / "llama", with_tokenizer=False), "architectures")
+    config = resolve_engine_config(model=str(model_dir), dtype="float32", skip_tokenizer_init=True)
+    assert config.model.architecture == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match=r"config.json of .* has no \"model_type\" \(architectures=None\)"):
+        load_hf_config(resolve_model_source(str(without(model_dir, "model_type"))))
+
+    class ToyConfig(PretrainedConfig):
+        model_type = "kvloom_test_no_class"
+
+    AutoConfig.register("kvloom_test_no_class", ToyConfig)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "kvloom_test_no_class", "hidden_size": 64}))
+    with pytest.raises(ValueError, match=r"has no \"architectures\" and its model_type 'kvloom_test_no_class' names no "
+                                         r"transformers model class.*add \"architectures\""):  # fmt: skip
+        load_hf_config(resolve_model_source(str(model_dir)))

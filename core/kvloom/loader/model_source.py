@@ -173,13 +173,32 @@ def load_hf_config(source: ModelSource) -> Any:
                 f"serves it registers its config class in its register(): "
                 f"transformers.AutoConfig.register({model_type!r}, YourConfig)"
             ) from e
+        if model_type is None:
+            raise ValueError(
+                f"model: the config.json of {source.path} has no \"model_type\" (architectures={arch}), which "
+                "transformers needs to read it: add the model_type of the checkpoint (e.g. \"llama\")"
+            ) from e
         raise ValueError(f"model: cannot read the config of {source.path} (architectures={arch}): {e}") from e
-    if source.is_gguf and not getattr(config, "architectures", None):
-        # Configs converted from GGUF metadata carry a model_type but no architectures.
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-        if architecture is None:
-            raise ValueError(f"model: GGUF model type {config.model_type!r} of {source.path} is not a causal LM")
-        config.architectures = [architecture]
+    if not getattr(config, "architectures", None):
+        config.architectures = [_architecture_of_model_type(config, source)]
     return config
+
+
+def _architecture_of_model_type(config: Any, source: ModelSource) -> str:
+    """For a config without ``architectures`` (configs converted from GGUF metadata, some
+    hand-written ones): the model class transformers' auto classes pick for its
+    ``model_type``, the causal LM first (as ``AutoModelForCausalLM`` does), else the base
+    model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None) or None
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
+    if architecture is None:
+        found = f"its model_type {model_type!r} names no transformers model class" if model_type else "no model_type"
+        raise ValueError(
+            f"model: the config of {source.path} has no \"architectures\" and {found}, so kvloom cannot tell which "
+            "model it is: add \"architectures\": [\"<Name>ForCausalLM\"] to its config.json"
+        )
+    logger.info("The config of %s names no architectures; using %s, which transformers uses for its model_type %r",
+                source.path, architecture, model_type)  # fmt: skip
+    return architecture
