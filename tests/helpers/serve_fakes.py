@@ -381,3 +381,23 @@ class ServerThread:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def fake_serving(monkeypatch: Any) -> list[dict[str, Any]]:
+    """Make ``kvloom serve`` (``main(["serve", ...])``) record what it would serve instead of
+    serving: each call's ``serve_http`` arguments land in the returned list, and no port is
+    bound (``bind_listening_socket`` gives an unbound socket), so that tests of the flags
+    do not need a free port 8000."""
+    import socket
+
+    import kvloom.entrypoints.openai.api_server as api_server
+    import kvloom.entrypoints.openai.launcher as launcher
+
+    calls: list[dict[str, Any]] = []
+
+    async def fake_serve_http(engine_args: Any, **kwargs: Any) -> None:
+        calls.append({"engine_args": engine_args, **kwargs})
+
+    monkeypatch.setattr(api_server, "serve_http", fake_serve_http)
+    monkeypatch.setattr(launcher, "bind_listening_socket", lambda host, port: socket.socket())
+    return calls

@@ -20,19 +20,12 @@ from kvloom.entrypoints.cli.vllm_flags import VLLM_FLAGS
 from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
 from tests.helpers.model_fixtures import tiny_model_dir
+from tests.helpers.serve_fakes import fake_serving
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = []
-
-    async def fake_serve_http(engine_args: EngineArgs, **kwargs: Any) -> None:
-        calls.append({"engine_args": engine_args, **kwargs})
-
-    import kvloom.entrypoints.openai.api_server as api_server
-
-    monkeypatch.setattr(api_server, "serve_http", fake_serve_http)
-    return calls
+    return fake_serving(monkeypatch)
 
 
 def parser_flags() -> set[str]:

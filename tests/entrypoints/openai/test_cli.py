@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +14,12 @@ from kvloom.engine.arg_utils import EngineArgs
 from kvloom.entrypoints.cli import bench_serve
 from kvloom.entrypoints.cli.main import build_parser, main
 from kvloom.entrypoints.openai.api_server import build_app
-from tests.helpers.serve_fakes import FakeAsyncLLM, ServerThread
+from tests.helpers.serve_fakes import FakeAsyncLLM, ServerThread, fake_serving
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = []
-
-    async def fake_serve_http(engine_args: EngineArgs, **kwargs: Any) -> None:
-        calls.append({"engine_args": engine_args, **kwargs})
-
-    import kvloom.entrypoints.openai.api_server as api_server
-
-    monkeypatch.setattr(api_server, "serve_http", fake_serve_http)
-    return calls
+    return fake_serving(monkeypatch)
 
 
 def test_serve_flags(served: list) -> None:
@@ -68,7 +61,7 @@ def test_serve_api_server_count_starts_the_launcher(
     launched: list[tuple] = []
     monkeypatch.setattr(launcher, "launch", lambda *args: launched.append(args) or 0)
     assert main(["serve", "/m", "--api-server-count", "3", "--port", "8123", "--api-key", "k"]) == 0
-    ((engine_args, options, count),) = launched
+    ((engine_args, options, count, _sock),) = launched
     assert engine_args.model == "/m" and count == 3 and served == []
     assert (options.port, options.api_key, options.access_log) == (8123, "k", True)
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
@@ -102,6 +95,24 @@ def test_serve_bad_flags_exit_2(served: list, capsys: pytest.CaptureFixture, arg
     assert info.value.code == 2
     assert message in capsys.readouterr().err
     assert served == []
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_port_in_use_is_found_before_the_model_loads(
+    count: str, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No model /m: had kvloom looked at it before the port, the error would be about the model.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "/m", "--host", "127.0.0.1", "--port", str(port), "--api-server-count", count])
+    assert info.value.code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvloom serve: error: --port: [Errno 98] cannot listen on 127.0.0.1:{port}: Address already "
+                           "in use (another server is listening there")  # fmt: skip
+    assert "serving" not in caplog.text
 
 
 def test_help_lists_engine_flags(capsys: pytest.CaptureFixture) -> None:

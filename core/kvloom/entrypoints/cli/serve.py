@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import signal
+import socket
+from typing import TYPE_CHECKING
 
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
 from kvloom.entrypoints.cli.vllm_flags import add_vllm_flags
@@ -20,6 +22,9 @@ from kvloom.entrypoints.openai.limits import (
 )
 from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.profiling import cprofile_if_asked
+
+if TYPE_CHECKING:
+    from kvloom.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +162,7 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions:
 
 def run(args: argparse.Namespace) -> int:
     from kvloom.engine.core_client import MULTIPROCESSING_ENV, multiprocessing_enabled
-    from kvloom.entrypoints.openai.api_server import serve_http
+    from kvloom.entrypoints.openai.launcher import bind_listening_socket
 
     parser: argparse.ArgumentParser = args.parser
     overrides = {}
@@ -183,6 +188,20 @@ def run(args: argparse.Namespace) -> int:
         frontend = frontend_options(args)
     except ValueError as exc:
         parser.error(str(exc))
+    # The port first (as vLLM does): one in use is an error now, not after the model loaded.
+    try:
+        sock = bind_listening_socket(args.host, args.port)
+    except OSError as exc:
+        parser.exit(1, f"{parser.prog}: error: --port: {exc} (another server is listening there; stop it or pick "
+                       "another --port)\n")  # fmt: skip
+    with sock:
+        return _serve(args, engine_args, limits, frontend, sock)
+
+
+def _serve(args: argparse.Namespace, engine_args: EngineArgs, limits: ServerLimits, frontend: FrontendOptions,
+           sock: socket.socket) -> int:  # fmt: skip
+    from kvloom.entrypoints.openai.api_server import serve_http
+
     if args.api_server_count > 1:
         from kvloom.entrypoints.openai.launcher import ServerOptions, launch
 
@@ -190,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                                 uvicorn_log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log, limits=limits,
                                 frontend=frontend)  # fmt: skip
-        status = launch(engine_args, options, args.api_server_count)
+        status = launch(engine_args, options, args.api_server_count, sock)
         if status:
             logger.error("kvloom serve stopped because a process failed (exit status %d)", status)
         else:
@@ -212,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
                     access_log=not args.disable_uvicorn_access_log,
                     limits=limits,
                     frontend=frontend,
+                    sock=sock,
                 )
             )
     except KeyboardInterrupt:

@@ -147,8 +147,11 @@ async def serve_http(
     access_log: bool = True,
     limits: ServerLimits | None = None,
     frontend: FrontendOptions | None = None,
+    sock: socket.socket | None = None,
 ) -> int:
-    """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM.
+    """Start the engine (with a PrometheusStatLogger), then serve until SIGINT/SIGTERM, on
+    ``sock`` (a listening socket bound to ``host:port`` before the model loaded, as
+    ``kvloom serve`` does) or else on a socket uvicorn binds once the engine is ready.
 
     Returns the exit status: 0 after a shutdown by signal; 1 when the engine core died
     (every open request got the error, /health answers 503, and the server stops by
@@ -165,7 +168,7 @@ async def serve_http(
         logger.info("kvloom %s serving %s on %s://%s:%d with 1 API server and %d engine core%s", kvloom.__version__,
                     engine.config.model.served_model_name, scheme, host, port, engines,
                     "s" if engines > 1 else "")  # fmt: skip
-        return await serve_engine(engine, config)
+        return await serve_engine(engine, config, sock)
     finally:
         engine.shutdown()
 

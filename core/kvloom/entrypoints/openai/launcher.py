@@ -2,7 +2,8 @@
 
 The serving process becomes a launcher (vLLM's API server scale-out):
 
-* it resolves the ``EngineConfig`` once, and binds and listens on the HTTP socket once:
+* it binds and listens on the HTTP socket once (``kvloom serve`` does, before anything
+  else: ``bind_listening_socket``), and resolves the ``EngineConfig`` once:
   the API servers inherit that one listening socket and each accepts from it, so the
   kernel hands every new connection to one of them, a port in use is reported once,
   before anything starts, and no other process can join the port (``SO_REUSEPORT``
@@ -175,16 +176,12 @@ class _Stop(Exception):
     """SIGINT or SIGTERM reached the launcher."""
 
 
-def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: int) -> int:
-    """Run ``api_server_count`` API servers over the engine core(s) until a signal (exit
-    status 0) or a failure of any process (1). See the module's docstring."""
+def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: int, sock: socket.socket) -> int:
+    """Run ``api_server_count`` API servers, accepting from ``sock`` (``bind_listening_socket``'s;
+    the caller closes it), over the engine core(s) until a signal (exit status 0) or a
+    failure of any process (1). See the module's docstring."""
     config = create_engine_config(engine_args)
     log_stats = not config.observability.disable_log_stats
-    try:
-        sock = bind_listening_socket(options.host, options.port)
-    except OSError as exc:
-        logger.error("kvloom serve: %s", exc)
-        return 1
     workdir = tempfile.mkdtemp(prefix="kvloom-serve-")
     own_metrics_dir = "PROMETHEUS_MULTIPROC_DIR" not in os.environ
     if own_metrics_dir:
@@ -246,7 +243,6 @@ def launch(engine_args: EngineArgs, options: ServerOptions, api_server_count: in
                 writer.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            sock.close()
             ctx.term()
             if own_metrics_dir:
                 del os.environ["PROMETHEUS_MULTIPROC_DIR"]
