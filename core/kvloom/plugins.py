@@ -28,6 +28,7 @@ from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
+from kvloom.reasoning.base import ReasoningParser
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
@@ -57,6 +58,7 @@ STAT_LOGGER_PLUGINS = "kvloom.stat_logger_plugins"
 LORA_RESOLVERS = "kvloom.lora_resolvers"
 STRUCTURED_OUTPUT_BACKENDS = "kvloom.structured_output_backends"
 TOOL_PARSERS = "kvloom.tool_parsers"
+REASONING_PARSERS = "kvloom.reasoning_parsers"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -69,6 +71,7 @@ GROUPS: tuple[PluginGroup, ...] = (
     PluginGroup(STRUCTURED_OUTPUT_BACKENDS, StructuredOutputBackend, unique_names=True, name_attr="name",
                 label="structured-output backends"),  # fmt: skip
     PluginGroup(TOOL_PARSERS, ToolParser, unique_names=True, name_attr="name", label="tool parsers"),
+    PluginGroup(REASONING_PARSERS, ReasoningParser, unique_names=True, name_attr="name", label="reasoning parsers"),
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -255,3 +258,9 @@ def tool_parsers(built_in: dict[str, type]) -> dict[str, type]:
     """Tool-call parsers: name -> ``ToolParser`` subclass, the built-in ones (``built_in``:
     ``hermes``, ``llama3_json``) and the loaded plugins."""
     return with_built_ins(built_in, TOOL_PARSERS, "tool parser")
+
+
+def reasoning_parsers(built_in: dict[str, type]) -> dict[str, type]:
+    """Reasoning parsers: name -> ``ReasoningParser`` subclass, the built-in ones (``built_in``:
+    ``deepseek_r1``, ``qwen3``) and the loaded plugins."""
+    return with_built_ins(built_in, REASONING_PARSERS, "reasoning parser")
