@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig
-    from kvloom.config import CompilationConfig, EngineConfig, ModelConfig
+    from kvloom.config import CompilationConfig, EngineConfig, ModelConfig, StructuredOutputsConfig
     from kvloom.platforms.interface import Platform
 
 # Only what EngineArgs needs is imported above: the CLI builds its flags from EngineArgs,
@@ -47,6 +47,9 @@ DTYPES: dict[str, str] = {
     "half": "float16",
     "bfloat16": "bfloat16",
 }
+
+#: The keys of ``--structured-outputs-config`` kvloom takes, with their types.
+STRUCTURED_OUTPUTS_CONFIG_KEYS: dict[str, type] = {"backend": str, "reasoning_parser": str, "enable_in_reasoning": bool}
 
 DTypeName = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
@@ -170,6 +173,15 @@ class EngineArgs(BaseModel):
     structured_outputs_backend: str = Field(
         "xgrammar", description="Structured-output (guided decoding) backend: xgrammar or a plugin's name."
     )
+    reasoning_parser: str | None = Field(
+        None, description="How a reasoning model's reasoning is told from its answer: deepseek_r1, qwen3 or a "
+        "kvloom.reasoning_parsers plugin's name. Chat responses then carry it in `reasoning`, and a structured "
+        "output's grammar applies once the reasoning has ended."
+    )
+    structured_outputs_config: dict[str, Any] | None = Field(
+        None, description="vLLM's structured-output options, a JSON object with the keys backend, reasoning_parser "
+        "and enable_in_reasoning (true: the grammar also binds the reasoning)."
+    )
     # ---- observability
     # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
     disable_log_stats: bool = Field(
@@ -203,8 +215,37 @@ class EngineArgs(BaseModel):
             raise ValueError("cudagraph_capture_sizes must be positive batch sizes")
         return sorted(set(v))
 
+    @field_validator("structured_outputs_config")
+    @classmethod
+    def _structured_outputs_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return None
+        unknown = sorted(set(v) - set(STRUCTURED_OUTPUTS_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} (allowed: "
+                             f"{', '.join(STRUCTURED_OUTPUTS_CONFIG_KEYS)})")  # fmt: skip
+        for key, kind in STRUCTURED_OUTPUTS_CONFIG_KEYS.items():
+            if key in v and not (isinstance(v[key], kind) or (kind is str and v[key] is None)):
+                raise ValueError(f"{key} must be a {kind.__name__} (got {v[key]!r:.40})")
+        return v
+
+    def structured_outputs_options(self) -> tuple[str, str | None, bool]:
+        """(backend, reasoning parser, enable_in_reasoning): the flat flags, or what
+        ``structured_outputs_config`` says (a ``ValueError`` when the two disagree)."""
+        options = self.structured_outputs_config or {}
+        backend = options.get("backend") or self.structured_outputs_backend
+        parser = options.get("reasoning_parser") or self.reasoning_parser
+        if self.structured_outputs_backend not in ("xgrammar", backend):  # a flag other than its default
+            raise ValueError(f"structured_outputs_config: backend {backend!r} disagrees with "
+                             f"--structured-outputs-backend {self.structured_outputs_backend!r}; give one of them")
+        if self.reasoning_parser not in (None, parser):
+            raise ValueError(f"structured_outputs_config: reasoning_parser {parser!r} disagrees with "
+                             f"--reasoning-parser {self.reasoning_parser!r}; give one of them")
+        return backend, parser, bool(options.get("enable_in_reasoning", False))
+
     @model_validator(mode="after")
     def _check(self) -> "EngineArgs":
+        self.structured_outputs_options()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running request must be able to get one token per step.
             raise ValueError(
@@ -605,7 +646,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             disable_log_stats=args.disable_log_stats, log_stats_interval=args.log_stats_interval
         ),
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
-        structured_outputs=StructuredOutputsConfig(backend=args.structured_outputs_backend),
+        structured_outputs=_structured_outputs_config(args),
     )
     resolved = _fixed_fields(config)
     platform.check_and_update_config(config)
@@ -630,6 +671,17 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         config.cache.block_size,
     )
     return config
+
+
+def _structured_outputs_config(args: EngineArgs) -> "StructuredOutputsConfig":
+    from kvloom.config import StructuredOutputsConfig
+    from kvloom.reasoning.registry import get_reasoning_parser_cls
+
+    backend, reasoning_parser, enable_in_reasoning = args.structured_outputs_options()
+    if reasoning_parser is not None:
+        get_reasoning_parser_cls(reasoning_parser)  # an unknown name: a ValueError naming the known ones
+    return StructuredOutputsConfig(backend=backend, reasoning_parser=reasoning_parser,
+                                   enable_in_reasoning=enable_in_reasoning)  # fmt: skip
 
 
 def _selector_config(

@@ -51,6 +51,8 @@ class EngineCore:
             config.structured_outputs.backend,
             config.model.vocab_size,
             tokenizer_loader=functools.partial(get_tokenizer, config.model),
+            reasoning_parser=config.structured_outputs.reasoning_parser,
+            enable_in_reasoning=config.structured_outputs.enable_in_reasoning,
         )
         self.scheduler = Scheduler(
             config.scheduler,

@@ -120,7 +120,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _not_yet("--kv-transfer-config", "{}"),
     _not_yet("--kv-events-config", "{}"),
     _not_yet("--enable-sleep-mode"),
-    _not_yet("--structured-outputs-config", "{}", note="use --structured-outputs-backend"),
+    _works("--structured-outputs-config", '{"enable_in_reasoning": true}',
+           note="a JSON object with backend, reasoning_parser, enable_in_reasoning"),
     _not_yet("--guided-decoding-backend", "xgrammar"),
     _not_yet("--limit-mm-per-prompt", "{}", note="kvloom serves text-only models"),
     _not_yet("--mm-processor-kwargs", "{}", note="kvloom serves text-only models"),
@@ -174,7 +175,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _works("--tool-call-parser", "hermes", note="hermes, llama3_json or a kvloom.tool_parsers plugin"),
     _not_yet("--tool-parser-plugin", "plugin.py", note="install the parser as a kvloom.tool_parsers entry point"),
     _not_yet("--tool-server", "demo", note="tool calling"),
-    _not_yet("--reasoning-parser", "deepseek_r1"),
+    _works("--reasoning-parser", "deepseek_r1", note="deepseek_r1, qwen3 or a kvloom.reasoning_parsers plugin"),
     _not_yet("--log-config-file", "logging.json", note="kvloom's level is KVLOOM_LOGGING_LEVEL"),
     _not_yet("--lora-modules-json", "{}"),
 )
