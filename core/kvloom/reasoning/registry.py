@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvloom.reasoning.base import ReasoningParser
 from kvloom.reasoning.parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
@@ -23,3 +25,15 @@ def get_reasoning_parser_cls(name: str) -> type[ReasoningParser]:
     if name not in parsers:
         raise ValueError(f"--reasoning-parser: unknown parser {name!r} (available: {', '.join(sorted(parsers))})")
     return parsers[name]
+
+
+def reasoning_parser_for(config: Any, tokenizer: Any) -> ReasoningParser | None:
+    """The server's reasoning parser (``--reasoning-parser``), None without one; a
+    ``ValueError`` naming the flag when it cannot work with this model."""
+    structured = getattr(config, "structured_outputs", None)
+    name = getattr(structured, "reasoning_parser", None)
+    if name is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"--reasoning-parser {name}: needs the model's tokenizer (drop --skip-tokenizer-init)")
+    return get_reasoning_parser_cls(name)(tokenizer)

@@ -522,6 +522,8 @@ class ChatCompletionRequest(SamplingRequest):
     """none: no call; auto (the default with tools): the model may call (needs the
     server's --enable-auto-tool-choice and --tool-call-parser); required: at least one
     call; a named function: that call. required and named calls are grammar-enforced."""
+    include_reasoning: bool = True
+    """With --reasoning-parser: whether the reply carries the reasoning (vLLM's field)."""
     # Features not built yet (NOT_BUILT_CHAT).
     functions: Any = None
     function_call: Any = None
@@ -587,6 +589,10 @@ class DeltaToolCall(OpenAIResponse):
 class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
+    """The model's reasoning (with --reasoning-parser; vLLM's field)."""
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    """The same, under the name DeepSeek's API and older vLLM use."""
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
     """Present when the reply calls tools."""
 
@@ -625,6 +631,8 @@ class ChatCompletionResponse(OpenAIResponse):
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template, n
 assistant replies out, streamed as ``chat.completion.chunk`` deltas or whole. One engine
 request (with n) serves the whole response; choice i is its sequence i. Tool calling
-(``tools``, ``tool_choice``) is in ``tool_calls``."""
+(``tools``, ``tool_choice``) is in ``tool_calls``. With ``--reasoning-parser`` the reasoning
+goes to ``reasoning`` (and ``reasoning_content``), the answer to ``content``; tool calls
+are found in the answer."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvloom.entrypoints.openai.errors import APIError, internal_error
 from kvloom.entrypoints.openai.protocol import (
@@ -37,9 +40,14 @@ from kvloom.entrypoints.openai.serving_engine import (
 )
 from kvloom.entrypoints.openai.tool_calls import ToolStream, as_tool_calls, parse_calls, tool_grammar, tool_mode
 from kvloom.outputs import CompletionOutput, SampleLogprobs
+from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
+from kvloom.reasoning.registry import reasoning_parser_for
 from kvloom.sampling_params import SamplingParams
 from kvloom.structured_output.registry import validate_structured_outputs
 from kvloom.tool_parsers.base import ToolParser
+
+if TYPE_CHECKING:
+    from kvloom.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,11 @@ class OpenAIServingChat(OpenAIServing):
     #: ``--enable-auto-tool-choice``'s parser (``--tool-call-parser``); None: auto tool
     #: choice is refused.
     tool_parser_cls: type[ToolParser] | None = None
+
+    def __init__(self, engine: "AsyncLLM", *args: Any, **kwargs: Any) -> None:
+        super().__init__(engine, *args, **kwargs)
+        #: ``--reasoning-parser``'s parser (None: the output is all content).
+        self.reasoning_parser: ReasoningParser | None = reasoning_parser_for(self.config, self.tokenizer)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -159,6 +172,39 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=len(prompt.token_ids) + completion_tokens,
         )
 
+    # ------------------------------------------------------------ reasoning
+
+    def split_reasoning(self, text: str, prompt_token_ids: list[int]) -> tuple[str | None, str]:
+        """(reasoning or None, answer) of a whole output."""
+        if self.reasoning_parser is None:
+            return None, text
+        return self.reasoning_parser.extract_reasoning(text, prompt_token_ids)
+
+    def reasoning_streams(self, n: int, prompt_token_ids: list[int]) -> list[ReasoningStream] | None:
+        """One splitter per streamed choice (None without a reasoning parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return [self.reasoning_parser.stream(prompt_token_ids) for _ in range(n)]
+
+    @staticmethod
+    def split_delta(splitter: ReasoningStream, text: str, finished: bool) -> ReasoningDelta:
+        """What ``text`` (and, once the choice ``finished``, the held-back rest) adds."""
+        delta = splitter.feed(text)
+        if finished:
+            rest = splitter.finish()
+            delta = ReasoningDelta(delta.reasoning + rest.reasoning, delta.content + rest.content)
+        return delta
+
+    def _message(self, request: ChatCompletionRequest, reasoning: str | None, content: str | None,
+                 tool_calls: Any = None) -> ChatMessage:  # fmt: skip
+        """The reply; once it reasoned, an empty answer is null content (vLLM's shape)."""
+        if reasoning is not None and not content:
+            content = None
+        if not request.include_reasoning:
+            reasoning = None
+        return ChatMessage(role=self.response_role, content=content, reasoning=reasoning, reasoning_content=reasoning,
+                           tool_calls=tool_calls)  # fmt: skip
+
     # ------------------------------------------------------------ whole response
 
     async def _collect(
@@ -173,11 +219,12 @@ class OpenAIServingChat(OpenAIServing):
         messages = []
         parser = self._tool_parser(mode)
         for c in choices:
-            message = ChatMessage(role=self.response_role, content=c.text)
+            reasoning, answer = self.split_reasoning(c.text, prompt.token_ids)
+            message = self._message(request, reasoning, answer)
             if mode is not None:
-                calls, content = parse_calls(c.text, mode, request, parser)
+                calls, content = parse_calls(answer, mode, request, parser)
                 if calls:
-                    message = ChatMessage(role=self.response_role, content=content, tool_calls=as_tool_calls(calls))
+                    message = self._message(request, reasoning, content, as_tool_calls(calls))
                     if c.finish_reason == "stop" and mode != "named":  # OpenAI: a forced function 'stop's
                         c.finish_reason = "tool_calls"
             messages.append(message)
@@ -214,6 +261,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [_Choice() for _ in range(request.n)]
         named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
         tools = [ToolStream(mode, self._tool_parser(mode), named) for _ in range(request.n)] if mode else None
+        splitters = self.reasoning_streams(request.n, prompt.token_ids)
         try:
             # Like OpenAI: every choice opens with the assistant role and empty content.
             for index in range(request.n):
@@ -226,6 +274,11 @@ class OpenAIServingChat(OpenAIServing):
                         choice = choices[index]
                         text, logprobs = self._delta(request, choice, completion)
                         finished = completion.finish_reason is not None
+                        reasoning = None
+                        if splitters is not None:  # the reasoning first; the answer goes on below
+                            part = self.split_delta(splitters[index], text, finished)
+                            text = part.content
+                            reasoning = part.reasoning if part.reasoning and request.include_reasoning else None
                         calls = None
                         if tools is not None:  # tool calls: content until a call starts, calls as deltas
                             text, calls = tools[index].feed(text)
@@ -235,14 +288,15 @@ class OpenAIServingChat(OpenAIServing):
                                 calls = (calls or []) + (end_calls or []) or None
                                 if tools[index].called and choice.finish_reason == "stop":
                                     choice.finish_reason = "tool_calls"
-                        if not text and not finished and not logprobs and not calls:
+                        if not text and not finished and not logprobs and not calls and not reasoning:
                             continue
                         yield self._chunk(
                             request_id,
                             model,
                             ChatCompletionResponseStreamChoice(
                                 index=index,
-                                delta=DeltaMessage(content=text if text else None, tool_calls=calls),
+                                delta=DeltaMessage(content=text if text else None, reasoning=reasoning,
+                                                   reasoning_content=reasoning, tool_calls=calls),
                                 logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None else None,
                                 finish_reason=choice.finish_reason if finished else None,
                                 stop_reason=choice.stop_reason if finished else None,
