@@ -29,6 +29,7 @@ from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
 from kvloom.reasoning.base import ReasoningParser
+from kvloom.sample.logits_processor import LogitsProcessor
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
@@ -59,6 +60,7 @@ LORA_RESOLVERS = "kvloom.lora_resolvers"
 STRUCTURED_OUTPUT_BACKENDS = "kvloom.structured_output_backends"
 TOOL_PARSERS = "kvloom.tool_parsers"
 REASONING_PARSERS = "kvloom.reasoning_parsers"
+LOGITS_PROCESSORS = "kvloom.logits_processors"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -72,6 +74,7 @@ GROUPS: tuple[PluginGroup, ...] = (
                 label="structured-output backends"),  # fmt: skip
     PluginGroup(TOOL_PARSERS, ToolParser, unique_names=True, name_attr="name", label="tool parsers"),
     PluginGroup(REASONING_PARSERS, ReasoningParser, unique_names=True, name_attr="name", label="reasoning parsers"),
+    PluginGroup(LOGITS_PROCESSORS, LogitsProcessor, unique_names=True, name_attr="name", label="logits processors"),
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -264,3 +267,8 @@ def reasoning_parsers(built_in: dict[str, type]) -> dict[str, type]:
     """Reasoning parsers: name -> ``ReasoningParser`` subclass, the built-in ones (``built_in``:
     ``deepseek_r1``, ``qwen3``) and the loaded plugins."""
     return with_built_ins(built_in, REASONING_PARSERS, "reasoning parser")
+
+
+def logits_processors() -> dict[str, type]:
+    """Logits processors: name -> ``LogitsProcessor`` subclass (plugins only; none built in)."""
+    return {name: entry.target for name, entry in loaded_plugins().by_name(LOGITS_PROCESSORS).items()}

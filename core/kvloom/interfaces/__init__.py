@@ -36,7 +36,9 @@ example packages):
   (``ModelRegistry``, ``LoRAResolverRegistry``);
 - structured-output backends: ``StructuredOutputBackend``, ``StructuredOutputGrammar``,
   ``StructuredOutputsParams``; tool-call parsers: ``ToolParser``, ``ExtractedToolCalls``,
-  ``ParsedToolCall`` (``docs/structured_outputs.md``);
+  ``ParsedToolCall`` (``docs/structured_outputs.md``); reasoning parsers:
+  ``ReasoningParser``, ``ReasoningState``, ``ReasoningStream``, ``ReasoningDelta``;
+- logits processors: ``LogitsProcessor``, ``LogitsProcessorRow``;
 - IO processors: ``IOProcessor``, ``PromptType``, ``PoolingParams``, ``SamplingParams``,
   ``PoolingRequestOutput``;
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
@@ -110,6 +112,8 @@ from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.plugins import PLUGIN_API_VERSION
+from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
+from kvloom.sample.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
@@ -151,6 +155,8 @@ __all__ = [
     "IterationStats",
     "LoRAAdapterError",
     "LoRAConfig",
+    "LogitsProcessor",
+    "LogitsProcessorRow",
     "LoRAMapping",
     "LoRARequest",
     "LoRAResolver",
@@ -169,6 +175,10 @@ __all__ = [
     "PoolingRequestOutput",
     "PrefixCacheStats",
     "PromptType",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningState",
+    "ReasoningStream",
     "SamplingParams",
     "SchedulerConfig",
     "SchedulerStats",

@@ -58,6 +58,7 @@ from kvloom.lora.manager import LoRAManager
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLogprobs
 from kvloom.pooling.pooler import pool_request
 from kvloom.sample.metadata import SamplingMetadata
+from kvloom.sample.logits_processor import make_logits_processors
 from kvloom.sample.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
@@ -146,7 +147,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
 
 
-        self.sampler = Sampler()
+        self.sampler = Sampler(logits_processors=make_logits_processors(config.model.vocab_size, self.device))
         self.cudagraphs: CUDAGraphRunner | None = None  # full decode graphs, set by capture_cudagraphs()
         # torch.compile (set up by load_model when compilation.compile_model is on).
         self.compile_backend: PiecewiseBackend | None = None

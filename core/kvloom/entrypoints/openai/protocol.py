@@ -205,9 +205,23 @@ class SamplingRequest(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    """Arguments of logits processor plugins, ``{processor name: value}`` (vLLM's field; the
+    engine's ``SamplingParams.extra_args``)."""
     # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
     logits_processors: Any = None
     bad_words: Any = None
+
+    @field_validator("vllm_xargs")
+    @classmethod
+    def _check_vllm_xargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from kvloom.sample.logits_processor import parse_extra_args
+
+        try:
+            parse_extra_args(value, "vllm_xargs")
+        except ValueError as exc:  # the error's location already names the field
+            raise ValueError(str(exc).removeprefix("vllm_xargs.")) from None
+        return value
 
     @model_validator(mode="after")
     def _check_not_built_sampling(self) -> "SamplingRequest":
@@ -297,6 +311,7 @@ class SamplingRequest(OpenAIRequest):
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs,
+            "extra_args": self.vllm_xargs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
