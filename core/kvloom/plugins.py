@@ -29,7 +29,7 @@ from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
 from kvloom.reasoning.base import ReasoningParser
-from kvloom.sample.logits_processor import LogitsProcessor
+from kvloom.logits_processor import LogitsProcessor
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (

@@ -7,7 +7,7 @@ import enum
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Upper bound for ``seed`` so it fits a torch generator seed.
 _MAX_SEED = 2**63 - 1
@@ -173,8 +173,8 @@ class SamplingParams(BaseModel):
     ``StructuredOutputsParams``)."""
     extra_args: dict[str, Any] | None = None
     """Arguments of logits processor plugins, ``{processor name: its value}`` (vLLM's
-    ``extra_args``; the server's ``vllm_xargs``); each processor checks its own value."""
-    _logits_processor_args: dict[str, Any] | None = PrivateAttr(None)
+    ``extra_args``; the server's ``vllm_xargs``); each processor checks its own value when
+    the request is added."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -228,22 +228,6 @@ class SamplingParams(BaseModel):
                 f"max_tokens ({self.max_tokens})"
             )
         return self
-
-    @model_validator(mode="after")
-    def _check_extra_args(self) -> "SamplingParams":
-        self._logits_processor_args = None
-        if self.extra_args:
-            self._logits_processor_args = self.logits_processor_args()
-        return self
-
-    def logits_processor_args(self) -> dict[str, Any]:
-        """The logits processors this request asks for: name -> the args each made of its
-        ``extra_args`` value (a ``ValueError`` naming the key for a bad one)."""
-        if self._logits_processor_args is None:
-            from kvloom.sample.logits_processor import parse_extra_args
-
-            self._logits_processor_args = parse_extra_args(self.extra_args)
-        return self._logits_processor_args
 
     @property
     def greedy(self) -> bool:

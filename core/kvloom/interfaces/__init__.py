@@ -101,6 +101,7 @@ from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
+from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
 from kvloom.lora.ops import LoRAMapping
@@ -113,7 +114,6 @@ from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.plugins import PLUGIN_API_VERSION
 from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
-from kvloom.sample.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser

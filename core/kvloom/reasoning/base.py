@@ -63,6 +63,7 @@ class ReasoningStream:
         return self._phase == "content"
 
     def feed(self, text: str) -> ReasoningDelta:
+        """What the next piece of output ``text`` adds to the reasoning and to the answer."""
         delta = ReasoningDelta()
         held = self._held + text
         self._held = ""

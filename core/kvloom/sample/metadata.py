@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.sample.logits_processor import LogitsProcessorRow
+from kvloom.logits_processor import LogitsProcessorRow
+from kvloom.sample.logits_processors import parse_extra_args
 from kvloom.sampling_params import SamplingParams
 
 #: Temperatures below this are greedy (same threshold as ``SamplingParams.greedy``).
@@ -255,7 +256,7 @@ class SamplingMetadata:
         asked: dict[str, tuple[list[int], list[LogitsProcessorRow]]] = {}
         for row, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)):
             if p.extra_args:
-                for name, args in p.logits_processor_args().items():
+                for name, args in parse_extra_args(p.extra_args).items():
                     rows, states = asked.setdefault(name, ([], []))
                     rows.append(row)
                     states.append(LogitsProcessorRow(args, prompt, out))

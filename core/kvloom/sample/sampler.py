@@ -33,7 +33,7 @@ import torch
 
 from kvloom.layers.custom_ops import get_custom_op
 from kvloom.outputs import TokenLogprobs
-from kvloom.sample.logits_processor import LogitsProcessor
+from kvloom.logits_processor import LogitsProcessor
 from kvloom.sample.metadata import SamplingMetadata
 
 

@@ -58,7 +58,7 @@ from kvloom.lora.manager import LoRAManager
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput, TokenLogprobs
 from kvloom.pooling.pooler import pool_request
 from kvloom.sample.metadata import SamplingMetadata
-from kvloom.sample.logits_processor import make_logits_processors
+from kvloom.sample.logits_processors import make_logits_processors
 from kvloom.sample.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from kvloom.sampling_params import SamplingParams
 from kvloom.scheduler.output import GrammarOutput, SchedulerOutput

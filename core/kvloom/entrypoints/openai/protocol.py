@@ -215,7 +215,7 @@ class SamplingRequest(OpenAIRequest):
     @field_validator("vllm_xargs")
     @classmethod
     def _check_vllm_xargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from kvloom.sample.logits_processor import parse_extra_args
+        from kvloom.sample.logits_processors import parse_extra_args
 
         try:
             parse_extra_args(value, "vllm_xargs")

@@ -29,7 +29,8 @@ for scheduling in ("sync", "async"):
     print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     llm.llm_engine.shutdown()
 try:
-    SamplingParams(extra_args={"forced_tokens": ["x"]})
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory="16MiB")
+    llm.generate("Hi", SamplingParams(extra_args={"forced_tokens": ["x"]}), use_tqdm=False)
 except ValueError as exc:
     print(json.dumps(str(exc).splitlines()))
 """

@@ -1,5 +1,5 @@
 """The contract of a logits processor plugin (the ``kvloom.logits_processors`` entry-point
-group), and the lookup of the processors a request asks for.
+group); ``kvloom.sample.logits_processors`` finds the processors a request asks for.
 
 A request asks for a processor by naming it in ``SamplingParams.extra_args`` (the server's
 ``vllm_xargs``): ``extra_args={"NAME": value}``. The processor checks the value when the
@@ -14,7 +14,7 @@ gets stay the model's.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -62,38 +62,3 @@ class LogitsProcessor(abc.ABC):
         the rows that asked for this processor, in ``rows``' order. May change ``logits``
         in place and return it. A ``-inf`` everywhere in a row leaves it nothing to sample:
         keep at least one token finite."""
-
-
-def available_logits_processors() -> dict[str, type[LogitsProcessor]]:
-    """Name -> class of every loaded logits processor plugin."""
-    from kvloom import plugins
-
-    return plugins.logits_processors()
-
-
-def parse_extra_args(extra_args: Mapping[str, Any] | None, field: str = "extra_args") -> dict[str, Any]:
-    """The processors ``extra_args`` asks for: name -> parsed args (``parse_args``). A bad
-    value is a ``ValueError`` ``"{field}.NAME: ..."``; so is a key that names no loaded
-    processor (nothing else in kvloom reads ``extra_args``: ignoring it would ignore what
-    was asked)."""
-    if not extra_args:
-        return {}
-    processors = available_logits_processors()
-    parsed: dict[str, Any] = {}
-    for key, value in extra_args.items():
-        processor = processors.get(key)
-        if processor is None:
-            raise ValueError(f"{field}.{key}: no logits processor named {key!r:.60} is loaded (loaded: "
-                             f"{', '.join(sorted(processors)) or 'none'}; they come from the kvloom.logits_processors "
-                             "entry-point group)")  # fmt: skip
-        try:
-            parsed[key] = processor.parse_args(value)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{field}.{key}: {exc}") from None
-    return parsed
-
-
-def make_logits_processors(vocab_size: int, device: torch.device | str) -> dict[str, LogitsProcessor]:
-    """An instance of every loaded logits processor, for one model runner."""
-    device = torch.device(device)
-    return {name: cls(vocab_size, device) for name, cls in available_logits_processors().items()}
