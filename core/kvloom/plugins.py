@@ -21,6 +21,7 @@ import threading
 
 from kvloom.attention.backend import AttentionBackend
 from kvloom.config import EngineConfig
+from kvloom.entrypoint_plugin import EndpointPlugin
 from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
 from kvloom.io_processor import IOProcessor
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
@@ -61,6 +62,7 @@ STRUCTURED_OUTPUT_BACKENDS = "kvloom.structured_output_backends"
 TOOL_PARSERS = "kvloom.tool_parsers"
 REASONING_PARSERS = "kvloom.reasoning_parsers"
 LOGITS_PROCESSORS = "kvloom.logits_processors"
+ENDPOINT_PLUGINS = "kvloom.endpoint_plugins"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -75,6 +77,9 @@ GROUPS: tuple[PluginGroup, ...] = (
     PluginGroup(TOOL_PARSERS, ToolParser, unique_names=True, name_attr="name", label="tool parsers"),
     PluginGroup(REASONING_PARSERS, ReasoningParser, unique_names=True, name_attr="name", label="reasoning parsers"),
     PluginGroup(LOGITS_PROCESSORS, LogitsProcessor, unique_names=True, name_attr="name", label="logits processors"),
+    # Routes widen what a server exposes: loaded only when KVLOOM_PLUGINS names them.
+    PluginGroup(ENDPOINT_PLUGINS, EndpointPlugin, unique_names=True, name_attr="name", label="endpoint plugins",
+                opt_in=True),
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -272,3 +277,9 @@ def reasoning_parsers(built_in: dict[str, type]) -> dict[str, type]:
 def logits_processors() -> dict[str, type]:
     """Logits processors: name -> ``LogitsProcessor`` subclass (plugins only; none built in)."""
     return {name: entry.target for name, entry in loaded_plugins().by_name(LOGITS_PROCESSORS).items()}
+
+
+def endpoint_plugins() -> list[PluginEntry]:
+    """Loaded endpoint plugins (``.target`` is the ``EndpointPlugin`` subclass): only those
+    ``KVLOOM_PLUGINS`` names."""
+    return loaded_plugins().group(ENDPOINT_PLUGINS)

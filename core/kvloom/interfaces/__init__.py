@@ -38,7 +38,8 @@ example packages):
   ``StructuredOutputsParams``; tool-call parsers: ``ToolParser``, ``ExtractedToolCalls``,
   ``ParsedToolCall`` (``docs/structured_outputs.md``); reasoning parsers:
   ``ReasoningParser``, ``ReasoningState``, ``ReasoningStream``, ``ReasoningDelta``;
-- logits processors: ``LogitsProcessor``, ``LogitsProcessorRow``;
+- logits processors: ``LogitsProcessor``, ``LogitsProcessorRow``; endpoint plugins:
+  ``EndpointPlugin`` (handlers raise ``APIError`` for a client's mistake);
 - IO processors: ``IOProcessor``, ``PromptType``, ``PoolingParams``, ``SamplingParams``,
   ``PoolingRequestOutput``;
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
@@ -97,6 +98,8 @@ from kvloom.config import (
     SchedulerConfig,
 )
 from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
+from kvloom.entrypoint_plugin import EndpointPlugin
+from kvloom.entrypoints.openai.errors import APIError
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
@@ -124,6 +127,7 @@ from kvloom.worker.worker_base import WorkerBase
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "APIError",
     "MLA_DECODE",
     "MLA_PREFILL",
     "MLAAttentionBackend",
@@ -148,6 +152,7 @@ __all__ = [
     "CompilationConfig",
     "DeviceCapability",
     "DeviceConfig",
+    "EndpointPlugin",
     "EngineConfig",
     "ExtractedToolCalls",
     "FinishedRequestStats",

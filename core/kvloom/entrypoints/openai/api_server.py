@@ -4,7 +4,8 @@ Endpoints: POST /v1/completions, /v1/chat/completions, /v1/embeddings, GET /v1/m
 and with ``KVLOOM_ALLOW_RUNTIME_LORA_UPDATING=1`` POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter, POST /tokenize, /detokenize, /pooling (all of these run model
 code and need the API key when one is set), and the open operational endpoints GET
-/health, /version, /metrics. Every error is OpenAI's body
+/health, /version, /metrics; ``extra_endpoints`` attaches the rest (/ping, score and
+rerank, /v1/responses, /v1/messages, endpoint plugins). Every error is OpenAI's body
 ``{"error": {message, type, param, code}}``; bad input (malformed JSON, wrong types,
 out-of-range values) is a 400, never FastAPI's 422.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -47,6 +47,7 @@ from kvloom.entrypoints.openai.errors import (
     parse_json_body,
     validate_body,
 )
+from kvloom.entrypoints.openai.extra_endpoints import attach_endpoints
 from kvloom.entrypoints.openai.frontend import FrontendOptions
 from kvloom.entrypoints.openai.limits import ServerLimits, run_blocking
 from kvloom.entrypoints.openai.protocol import (
@@ -68,6 +69,9 @@ from kvloom.entrypoints.openai.serving_models import (
     runtime_lora_updating_allowed,
 )
 from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from kvloom.entrypoints.openai.ping import health_response
+from kvloom.entrypoints.openai.server_context import ServerContext
+from kvloom.entrypoints.openai.server_context import check_api_key as check_key
 from kvloom.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvloom.metrics.loggers import PrometheusStatLogger, multiprocess_metrics_dir
 from kvloom.pooling.io_processors import load_io_processor
@@ -354,13 +358,7 @@ def build_app(
     # ---------------------------------------------------------------- /v1 (API key)
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key")  # fmt: skip
+        check_key(api_key, request)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     # The endpoints outside /v1 that run model code (vLLM's paths) need the key as well.
@@ -411,12 +409,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            await engine.check_health()
-        except Exception as exc:
-            logger.error("Health check failed: %s", exc)
-            return error_response(APIError(f"Engine is not healthy: {exc}", status=HTTPStatus.SERVICE_UNAVAILABLE))
-        return Response(status_code=HTTPStatus.OK)
+        return await health_response(engine)
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -451,6 +444,13 @@ def build_app(
         return Response(await run_blocking(len(response.prompt), response.model_dump_json), media_type="application/json")
 
     app.include_router(model_ops)
+
+    async def respond(raw: Request, work: Awaitable[Any]) -> Response:
+        result = await run_until_disconnected(raw, work)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
+
+    # /ping, score and rerank, /v1/responses, /v1/messages, endpoint plugins (extra_endpoints).
+    attach_endpoints(app, ServerContext(engine, models, limits, frontend, api_key, read_body, read_json, respond))
     return app
 
 

@@ -40,6 +40,7 @@ class APIError(Exception):
         self.type = type or _default_type(self.status)
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's error body: ``{"error": {message, type, param, code}}``."""
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 

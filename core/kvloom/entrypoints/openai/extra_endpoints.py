@@ -1,0 +1,43 @@
+"""The endpoints outside the OpenAI core set, each a router module of its own, attached to
+the app by ``attach_endpoints``: ``/ping`` (open, like ``/health``); ``/v1/score``,
+``/score``, ``/v1/rerank``, ``/rerank``, ``/v2/rerank`` (``serving_score``); ``/v1/responses``
+(``serving_responses``); ``/v1/messages`` and ``/v1/messages/count_tokens``
+(``kvloom.entrypoints.anthropic.serving_messages``); and the routes of the endpoint plugins
+``KVLOOM_PLUGINS`` names (``kvloom.entrypoint_plugin``). All but ``/ping`` need the API key."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Depends, FastAPI
+from fastapi.routing import APIRoute
+from starlette.routing import Match
+
+from kvloom.entrypoints.openai import ping
+from kvloom.entrypoints.openai.server_context import ServerContext, require_api_key
+
+logger = logging.getLogger(__name__)
+
+
+def _taken(app: FastAPI, path: str, method: str) -> bool:
+    """Whether ``method path`` already reaches one of ``app``'s routes."""
+    scope = {"type": "http", "path": path, "method": method, "root_path": "", "path_params": {}}
+    return any(route.matches(scope)[0] == Match.FULL for route in app.router.routes)
+
+
+def attach_endpoints(app: FastAPI, context: ServerContext) -> None:
+    """Put ``context`` in ``app.state.kvloom`` and include every router above."""
+    from kvloom import plugins
+
+    app.state.kvloom = context
+    auth = [Depends(require_api_key)]
+    app.include_router(ping.router)
+    for entry in plugins.endpoint_plugins():
+        router = entry.target().router()
+        clashes = sorted(f"{method} {route.path}" for route in router.routes if isinstance(route, APIRoute)
+                         for method in route.methods if _taken(app, route.path, method))  # fmt: skip
+        if clashes:
+            raise ValueError(f"{entry.describe()}: its routes {', '.join(clashes)} are the server's own")
+        app.include_router(router, dependencies=auth)
+        logger.info("Endpoint plugin %s serves %s", entry.name,
+                    ", ".join(sorted({r.path for r in router.routes if isinstance(r, APIRoute)})))  # fmt: skip
