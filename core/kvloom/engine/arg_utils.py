@@ -488,7 +488,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     )
     from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
     from kvloom.loader.model_source import load_hf_config, resolve_model_source
-    from kvloom.models.registry import ModelRegistry
+    from kvloom.models.registry import ModelRegistry, is_classification_architecture
 
     plugins.load_plugins()
     platform = plugins.current_platform()
@@ -541,7 +541,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         seed=args.seed,
         runner=runner,
         pooling_type=args.pooling_type or "LAST",
-        normalize=True if args.normalize is None else args.normalize,
+        # A classification head's logits are scores, not directions: not normalised by default.
+        normalize=not is_classification_architecture(architecture) if args.normalize is None else args.normalize,
         io_processor_plugin=args.io_processor_plugin or getattr(hf_config, "io_processor_plugin", None),
         chat_template=resolve_chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, source.path),

@@ -902,7 +902,7 @@ class ModelRunner:
             if s.pooling_params is not None and s.req_id not in self._failed:
                 chunk = hidden[start : start + n]
                 results[i] = self._request_work(s.req_id, "pooling", pool_request, self.config, s, chunk,
-                                                done_prefill[i])  # fmt: skip
+                                                done_prefill[i], getattr(self.model, "classify", None))  # fmt: skip
             start += n
         return results
 
