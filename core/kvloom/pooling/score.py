@@ -27,12 +27,12 @@ def is_cross_encoder(config: Any) -> bool:
 def check_scoring_model(config: Any) -> None:
     """A ``ValueError`` unless ``config``'s model can score pairs."""
     if config.model.runner != "pooling":
-        raise ValueError(f"the model {config.model.served_model_name} generates text and cannot score pairs; serve "
+        raise ValueError(f"The model {config.model.served_model_name} generates text and cannot score pairs; serve "
                          "an embedding model (bi-encoder) or a *ForSequenceClassification model with one label "
                          "(cross-encoder)")  # fmt: skip
     labels = int(getattr(config.model.hf_config, "num_labels", 1))
     if is_cross_encoder(config) and labels != 1:
-        raise ValueError(f"the model {config.model.served_model_name} classifies into {labels} labels; scoring "
+        raise ValueError(f"The model {config.model.served_model_name} classifies into {labels} labels; scoring "
                          "needs a cross-encoder with one label")  # fmt: skip
 
 

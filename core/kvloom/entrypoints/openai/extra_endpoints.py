@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 
-from kvloom.entrypoints.openai import ping
+from kvloom.entrypoints.openai import ping, serving_score
 from kvloom.entrypoints.openai.server_context import ServerContext, require_api_key
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,9 @@ def attach_endpoints(app: FastAPI, context: ServerContext) -> None:
     app.state.kvloom = context
     auth = [Depends(require_api_key)]
     app.include_router(ping.router)
+    engine, models, limits = context.engine, context.models, context.limits
+    app.state.serving_score = serving_score.OpenAIServingScore(engine, models, None, limits)
+    app.include_router(serving_score.router, dependencies=auth)
     for entry in plugins.endpoint_plugins():
         router = entry.target().router()
         clashes = sorted(f"{method} {route.path}" for route in router.routes if isinstance(route, APIRoute)
