@@ -76,6 +76,14 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        run = await self.start(request)
+        if request.stream:
+            return EventStream(self._stream(run), run.outputs)
+        return await self.collect(run)
+
+    async def start(self, request: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> "ChatRun":
+        """Check ``request``, render and tokenize its messages and admit it into the engine
+        (a 400 for anything wrong, before any output)."""
         lora_request = await self.resolve_model_or_lora(request.model)
         self.check_priority(request.priority)
         self.check_sampling_fields(request)
@@ -96,11 +104,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, logprobs, None)
         if mode in ("required", "named"):
             params = self._with_tool_grammar(request, mode, params)
-        request_id = random_id("chatcmpl")
+        request_id = random_id(id_prefix)
         outputs = await self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
-        if request.stream:
-            return EventStream(self._stream(request, request_id, prompt, outputs, mode), outputs)
-        return await self._collect(request, request_id, prompt, outputs, mode)
+        return ChatRun(request, request_id, prompt, outputs, mode)
 
     def _with_tool_grammar(self, request: ChatCompletionRequest, mode: str, params: SamplingParams) -> SamplingParams:
         """``params`` constrained to the tool-call grammar of ``mode``."""
@@ -207,10 +213,9 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------ whole response
 
-    async def _collect(
-        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs,
-        mode: str | None = None,
-    ) -> ChatCompletionResponse:
+    async def collect(self, run: "ChatRun") -> ChatCompletionResponse:
+        """The whole response of an admitted request."""
+        request, request_id, prompt, outputs, mode = run.request, run.request_id, run.prompt, run.outputs, run.mode
         choices = [_Choice() for _ in range(request.n)]
         async with aclosing(outputs):
             async for _, output in outputs:
@@ -246,69 +251,87 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------ server-sent events
 
-    def _chunk(self, request_id: str, model: str, choice: ChatCompletionResponseStreamChoice) -> str:
-        chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
+    @staticmethod
+    def chunk_json(chunk: ChatCompletionStreamResponse) -> str:
+        """A chunk as OpenAI sends it: each delta carries only what it sets ({"role": ...} or
+        {"content": ...})."""
         data = chunk.model_dump(mode="json")
-        # A delta carries only what it sets (OpenAI's shape: {"role": ...} or {"content": ...}).
-        data["choices"][0]["delta"] = choice.delta.model_dump(mode="json", exclude_none=True)
-        return sse(json.dumps(data))
+        for i, choice in enumerate(chunk.choices):
+            data["choices"][i]["delta"] = choice.delta.model_dump(mode="json", exclude_none=True)
+        return json.dumps(data)
 
-    async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs,
-        mode: str | None = None,
-    ) -> AsyncIterator[str]:
+    async def _stream(self, run: "ChatRun") -> AsyncIterator[str]:
+        try:
+            async for chunk in self.stream_chunks(run):
+                yield sse(self.chunk_json(chunk))
+        except APIError as error:
+            yield sse(json.dumps(error.body()))
+        except Exception:  # a failure formatting the stream: the client learns no detail
+            logger.exception("Streaming chat completion %s failed", run.request_id)
+            yield sse(json.dumps(internal_error(run.request_id).body()))
+        yield SSE_DONE
+
+    async def stream_chunks(self, run: "ChatRun") -> AsyncIterator[ChatCompletionStreamResponse]:
+        """The chunks of an admitted request's stream, as they come (the usage chunk last,
+        when ``stream_options.include_usage`` asks); an engine failure is raised."""
+        request, request_id, prompt, outputs, mode = run.request, run.request_id, run.prompt, run.outputs, run.mode
         model = request.model or self.model_name
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
+
         choices = [_Choice() for _ in range(request.n)]
         named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
         tools = [ToolStream(mode, self._tool_parser(mode), named) for _ in range(request.n)] if mode else None
         splitters = self.reasoning_streams(request.n, prompt.token_ids)
-        try:
-            # Like OpenAI: every choice opens with the assistant role and empty content.
-            for index in range(request.n):
-                yield self._chunk(request_id, model, ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role=self.response_role, content="")))  # fmt: skip
-            async with aclosing(outputs):
-                async for _, output in outputs:
-                    for completion in output.outputs:  # one chunk per choice with news
-                        index = completion.index
-                        choice = choices[index]
-                        text, logprobs = self._delta(request, choice, completion)
-                        finished = completion.finish_reason is not None
-                        reasoning = None
-                        if splitters is not None:  # the reasoning first; the answer goes on below
-                            part = self.split_delta(splitters[index], text, finished)
-                            text = part.content
-                            reasoning = part.reasoning if part.reasoning and request.include_reasoning else None
-                        calls = None
-                        if tools is not None:  # tool calls: content until a call starts, calls as deltas
-                            text, calls = tools[index].feed(text)
-                            if finished:
-                                rest, end_calls = tools[index].finish(request)
-                                text = (text or "") + (rest or "") or None
-                                calls = (calls or []) + (end_calls or []) or None
-                                if tools[index].called and choice.finish_reason == "stop":
-                                    choice.finish_reason = "tool_calls"
-                        if not text and not finished and not logprobs and not calls and not reasoning:
-                            continue
-                        yield self._chunk(
-                            request_id,
-                            model,
-                            ChatCompletionResponseStreamChoice(
-                                index=index,
-                                delta=DeltaMessage(content=text if text else None, reasoning=reasoning,
-                                                   reasoning_content=reasoning, tool_calls=calls),
-                                logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None else None,
-                                finish_reason=choice.finish_reason if finished else None,
-                                stop_reason=choice.stop_reason if finished else None,
-                            ),
-                        )
-            if request.stream_options is not None and request.stream_options.include_usage:
-                usage = self._usage(prompt, choices)
-                final = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
-                yield sse(final.model_dump_json())
-        except APIError as error:
-            yield sse(json.dumps(error.body()))
-        except Exception:  # a failure formatting the stream: the client learns no detail
-            logger.exception("Streaming chat completion %s failed", request_id)
-            yield sse(json.dumps(internal_error(request_id).body()))
-        yield SSE_DONE
+        # Like OpenAI: every choice opens with the assistant role and empty content.
+        for index in range(request.n):
+            yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role=self.response_role,
+                                                                                           content="")))  # fmt: skip
+        async with aclosing(outputs):
+            async for _, output in outputs:
+                for completion in output.outputs:  # one chunk per choice with news
+                    index = completion.index
+                    choice = choices[index]
+                    text, logprobs = self._delta(request, choice, completion)
+                    finished = completion.finish_reason is not None
+                    reasoning = None
+                    if splitters is not None:  # the reasoning first; the answer goes on below
+                        part = self.split_delta(splitters[index], text, finished)
+                        text = part.content
+                        reasoning = part.reasoning if part.reasoning and request.include_reasoning else None
+                    calls = None
+                    if tools is not None:  # tool calls: content until a call starts, calls as deltas
+                        text, calls = tools[index].feed(text)
+                        if finished:
+                            rest, end_calls = tools[index].finish(request)
+                            text = (text or "") + (rest or "") or None
+                            calls = (calls or []) + (end_calls or []) or None
+                            if tools[index].called and choice.finish_reason == "stop":
+                                choice.finish_reason = "tool_calls"
+                    if not text and not finished and not logprobs and not calls and not reasoning:
+                        continue
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=index,
+                        delta=DeltaMessage(content=text if text else None, reasoning=reasoning,
+                                           reasoning_content=reasoning, tool_calls=calls),
+                        logprobs=ChatCompletionLogProbs(content=logprobs) if logprobs is not None else None,
+                        finish_reason=choice.finish_reason if finished else None,
+                        stop_reason=choice.stop_reason if finished else None,
+                    ))  # fmt: skip
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
+                                               usage=self._usage(prompt, choices))  # fmt: skip
+
+
+@dataclass
+class ChatRun:
+    """A chat request admitted into the engine: what its response is made of (``collect``,
+    ``stream_chunks``)."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    prompt: Prompt
+    outputs: PromptOutputs
+    mode: str | None
+    """Its tool-call mode (``tool_calls.tool_mode``)."""
