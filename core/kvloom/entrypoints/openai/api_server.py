@@ -450,7 +450,7 @@ def build_app(
         return Response(status_code=CLIENT_CLOSED_REQUEST) if result is None else await _respond(result)
 
     # /ping, score and rerank, /v1/responses, /v1/messages, endpoint plugins (extra_endpoints).
-    attach_endpoints(app, ServerContext(engine, models, limits, frontend, api_key, read_body, read_json, respond))
+    attach_endpoints(app, ServerContext(engine, models, limits, frontend, api_key, chat, read_body, read_json, respond))
     return app
 
 

@@ -13,7 +13,8 @@ from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 
-from kvloom.entrypoints.openai import ping, serving_score
+from kvloom.entrypoints.anthropic import serving_messages
+from kvloom.entrypoints.openai import ping, serving_responses, serving_score
 from kvloom.entrypoints.openai.server_context import ServerContext, require_api_key
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ def attach_endpoints(app: FastAPI, context: ServerContext) -> None:
     engine, models, limits = context.engine, context.models, context.limits
     app.state.serving_score = serving_score.OpenAIServingScore(engine, models, None, limits)
     app.include_router(serving_score.router, dependencies=auth)
+    app.state.serving_responses = serving_responses.OpenAIServingResponses(context.chat)
+    app.include_router(serving_responses.router, dependencies=auth)
+    app.state.serving_messages = serving_messages.AnthropicServingMessages(context.chat)
+    app.include_router(serving_messages.router, dependencies=auth)
     for entry in plugins.endpoint_plugins():
         router = entry.target().router()
         clashes = sorted(f"{method} {route.path}" for route in router.routes if isinstance(route, APIRoute)

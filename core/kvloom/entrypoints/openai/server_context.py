@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvloom.engine.async_llm import AsyncLLM
     from kvloom.entrypoints.openai.frontend import FrontendOptions
     from kvloom.entrypoints.openai.limits import ServerLimits
+    from kvloom.entrypoints.openai.serving_chat import OpenAIServingChat
     from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
 
 T = TypeVar("T")
@@ -34,7 +35,7 @@ def check_api_key(api_key: str | None, request: Request) -> None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
     if not secrets.compare_digest(given.encode(), api_key.encode()):
-        raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>')",
+        raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                        status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key")  # fmt: skip
 
 
@@ -52,6 +53,8 @@ class ServerContext:
     """The front-end flags (response role, tool-call parser, ...)."""
     api_key: str | None
     """``--api-key`` (None: no key)."""
+    chat: "OpenAIServingChat"
+    """The server's chat completions (its tool-call and reasoning parsers)."""
     read_body: Callable[[Request, type[Any]], Awaitable[Any]]
     """``await read_body(request, Model)``: the JSON body validated as the pydantic
     ``Model`` (size, depth and number limits applied; a 400 naming the field)."""

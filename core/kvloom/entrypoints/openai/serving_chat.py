@@ -92,12 +92,7 @@ class OpenAIServingChat(OpenAIServing):
             mode = tool_mode(request, self.tool_parser_cls is not None)
         except ValueError as exc:
             raise APIError(str(exc), param="tool_choice") from None
-        template_kwargs = dict(request.chat_template_kwargs or {})
-        if request.tools:
-            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
-        prompt = await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt,
-                                              request.add_special_tokens, request.continue_final_message,
-                                              template_kwargs or None)  # fmt: skip
+        prompt = await self.render(request)
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens(), "messages", max_tokens_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -107,6 +102,15 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id(id_prefix)
         outputs = await self.generate(request_id, [prompt], [params], lora_request, request.priority, request.cache_salt)
         return ChatRun(request, request_id, prompt, outputs, mode)
+
+    async def render(self, request: ChatCompletionRequest) -> Prompt:
+        """The prompt of ``request``: its messages (and tools) through the chat template, tokenized."""
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+        return await self.chat_prompt_async(request.template_messages(), request.add_generation_prompt,
+                                            request.add_special_tokens, request.continue_final_message,
+                                            template_kwargs or None)  # fmt: skip
 
     def _with_tool_grammar(self, request: ChatCompletionRequest, mode: str, params: SamplingParams) -> SamplingParams:
         """``params`` constrained to the tool-call grammar of ``mode``."""
