@@ -14,12 +14,27 @@ from tests.helpers.serve_fakes import FakeAsyncLLM, WordTokenizer, make_config
 
 
 class MarkerTokenizer(WordTokenizer):
-    """``WordTokenizer`` whose vocabulary also has ``<think>`` and ``</think>``."""
+    """``WordTokenizer`` whose vocabulary also has ``<think>`` and ``</think>``, and whose
+    chat template renders every role (tool results and calls too) and records the messages
+    it was given (``last_messages``)."""
 
     WORDS = WordTokenizer.WORDS + ["<think>", "</think>"]
 
     def get_vocab(self) -> dict[str, int]:
         return dict(self.ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True,
+                            continue_final_message: bool = False, **template_kwargs: Any) -> Any:  # fmt: skip
+        self.last_messages = messages
+        self.last_template_kwargs = template_kwargs
+        parts = []
+        for m in messages:
+            role = m["role"] if m["role"] in ("system", "user", "assistant") else "user"
+            calls = " ".join(c["function"]["name"] for c in m.get("tool_calls") or [])
+            parts += [f"<|{role}|>", m["content"], calls]
+        if add_generation_prompt:
+            parts.append("<|assistant|>")
+        return " ".join(p for p in parts if p)
 
 
 class ScriptedAsyncLLM(FakeAsyncLLM):
@@ -39,7 +54,15 @@ class ScriptedAsyncLLM(FakeAsyncLLM):
         self.requests[request_id] = dict(prompt_ids=prompt_ids, params=sp, lora=lora_request, priority=priority,
                                          cache_salt=cache_salt)  # fmt: skip
         pieces = self.script[: sp.max_tokens] if sp.max_tokens is not None else self.script
-        finish = "length" if len(pieces) < len(self.script) else "stop"
+        finish, stop_reason = ("length" if len(pieces) < len(self.script) else "stop"), None
+        for k in range(len(pieces)):  # the first stop string ends the output (and is left out)
+            text = "".join(pieces[: k + 1])
+            hits = [(text.find(stop), stop) for stop in sp.stop if stop in text]
+            if hits:
+                at, stop_reason = min(hits)
+                pieces = pieces[:k] + [text[len("".join(pieces[:k])) : at]]
+                finish = "stop"
+                break
         delta = sp.output_kind == RequestOutputKind.DELTA
         for step, piece in enumerate(pieces):
             done = step == len(pieces) - 1
@@ -48,6 +71,7 @@ class ScriptedAsyncLLM(FakeAsyncLLM):
             text = piece if delta else "".join(pieces)
             ids = [5 + step % 195] if delta else [5 + i % 195 for i in range(len(pieces))]
             outputs = [CompletionOutput(index=i, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None,
-                                        finish_reason=finish if done else None) for i in range(sp.n)]  # fmt: skip
+                                        finish_reason=finish if done else None,
+                                        stop_reason=stop_reason if done else None) for i in range(sp.n)]  # fmt: skip
             yield RequestOutput(request_id=request_id, prompt=prompt_text, prompt_token_ids=prompt_ids,
                                 prompt_logprobs=None, outputs=outputs, finished=done)  # fmt: skip

@@ -225,7 +225,7 @@ class OpenAIServingResponses:
         completion = await self.chat.collect(run)
         output = _Output(summary)
         (choice,) = completion.choices
-        if choice.message.reasoning is not None:
+        if choice.message.reasoning:  # (an empty reasoning makes no item, as in a stream)
             output.reasoning(choice.message.reasoning)
         if choice.message.content or not choice.message.tool_calls:
             output.text(choice.message.content or "")
