@@ -122,3 +122,10 @@ def test_the_api_key(http: TestClient, client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url="http://testserver", api_key="no", http_client=http, max_retries=0).messages.create(
             model="fake-model", max_tokens=5, messages=USER)  # fmt: skip
+
+
+def test_unknown_methods_and_big_bodies_answer_in_anthropics_shape(http: TestClient) -> None:
+    wrong = http.get("/v1/messages", headers={"x-api-key": "k"})
+    assert wrong.status_code == 405 and wrong.json()["type"] == "error"
+    form = http.post("/v1/messages", content="a=1", headers={"x-api-key": "k", "Content-Type": "text/plain"})
+    assert form.status_code == 415 and form.json()["error"]["type"] == "invalid_request_error"

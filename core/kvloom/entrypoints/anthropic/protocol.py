@@ -14,6 +14,9 @@ from pydantic import Field
 from kvloom.entrypoints.openai.protocol import OpenAIRequest, OpenAIResponse
 from kvloom.sampling_params import MAX_STOP_STRINGS
 
+#: The paths of Anthropic's API, whose errors are Anthropic's body.
+ANTHROPIC_PATH = "/v1/messages"
+
 #: Anthropic's error types by HTTP status.
 ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",

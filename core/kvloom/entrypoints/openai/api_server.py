@@ -40,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvloom
 from kvloom.engine.async_llm import AsyncLLM
+from kvloom.entrypoints.anthropic.protocol import ANTHROPIC_PATH
+from kvloom.entrypoints.anthropic.protocol import error_body as anthropic_error_body
 from kvloom.entrypoints.openai.errors import (
     APIError,
     from_validation_errors,
@@ -89,9 +91,11 @@ T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """``error`` in OpenAI's body, or in Anthropic's on Anthropic's API (``path``)."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == HTTPStatus.UNAUTHORIZED else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    body = anthropic_error_body(error.status, error.message) if path.startswith(ANTHROPIC_PATH) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 #: Media types a request body may have: JSON, or none said.
@@ -137,7 +141,7 @@ class RequestGuard:
 
         problem = self._refuse(scope["method"], headers)
         if problem is not None:
-            await error_response(problem)(scope, receive, send_with_id)
+            await error_response(problem, scope.get("path", ""))(scope, receive, send_with_id)
             return
         limit, received = self.max_body_bytes, 0
 
@@ -164,7 +168,7 @@ class RequestGuard:
                          request_id, exc_info=exc)  # fmt: skip
             if started:
                 raise  # too late for a response of ours; the server closes the connection
-            await error_response(internal_error(request_id))(scope, receive, send_with_id)
+            await error_response(internal_error(request_id), scope.get("path", ""))(scope, receive, send_with_id)
 
     def _refuse(self, method: str, headers: dict[bytes, bytes]) -> APIError | None:
         if method not in ("POST", "PUT", "PATCH"):
@@ -338,22 +342,22 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(from_validation_errors(exc.errors()))
+        return error_response(from_validation_errors(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(str(exc.detail), status=exc.status_code))
+        return error_response(APIError(str(exc.detail), status=exc.status_code), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = request_id_of(request)
         logger.error("Unhandled error serving %s %s (request id %s)", request.method, request.url.path, request_id,
                      exc_info=exc)  # fmt: skip
-        return error_response(internal_error(request_id))
+        return error_response(internal_error(request_id), request.url.path)
 
     # ---------------------------------------------------------------- /v1 (API key)
 
