@@ -71,7 +71,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _not_yet("--rope-theta", "10000"),
     _not_yet("--disable-sliding-window"),
     _not_yet("--override-generation-config", "{}"),
-    _not_yet("--logits-processors", "x"),
+    _not_yet("--logits-processors", "x", note="install the processor as a kvloom.logits_processors entry point"),
     _not_yet("--enable-prompt-embeds"),
     _not_yet("--task", "generate", note="use --runner"),
     _not_yet("--convert", "embed"),
