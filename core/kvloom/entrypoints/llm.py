@@ -29,14 +29,7 @@ from kvloom.outputs import (
     ScoringRequestOutput,
 )
 from kvloom.pooling.io_processors import as_prompt_list, load_io_processor
-from kvloom.pooling.score import (
-    check_scoring_model,
-    cosine_score,
-    cross_encoder_score,
-    is_cross_encoder,
-    pair_token_ids,
-    score_pairs,
-)
+from kvloom.pooling.score import ScorePlan, score_pairs
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -189,21 +182,14 @@ class LLM:
         ``data_2``) against ``data_2``. A cross-encoder (a ``*ForSequenceClassification``
         model with one label) reads each pair as one prompt and gives sigmoid(logit); an
         embedding model gives the cosine of the two texts' embeddings."""
-        check_scoring_model(self.config)
-        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
-        if is_cross_encoder(self.config):
-            tokenizer = self.get_tokenizer()
-            prompts = [{"prompt_token_ids": pair_token_ids(tokenizer, a, b)} for a, b in pairs]
-            outs = self._encode(prompts, PoolingParams(), use_tqdm, lora_request)
-            return [ScoringRequestOutput(o.request_id, ScoringOutput(cross_encoder_score(o.outputs.data)),
-                                         o.prompt_token_ids) for o in outs]  # fmt: skip
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))  # each text embedded once
-        embedded = dict(zip(texts, self._encode(texts, PoolingParams(), use_tqdm, lora_request)))
+        plan = ScorePlan(self.config, self.get_tokenizer(), score_pairs(data_1, data_2, ("data_1", "data_2")))
+        prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in plan.prompts]
+        outs = self._encode(prompts, PoolingParams(), use_tqdm, lora_request)
+        scores = plan.scores([o.outputs.data for o in outs])
         return [
-            ScoringRequestOutput(f"{embedded[a].request_id}-{embedded[b].request_id}",
-                                 ScoringOutput(cosine_score(embedded[a].outputs.data, embedded[b].outputs.data)),
-                                 embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
-            for a, b in pairs
+            ScoringRequestOutput("-".join(outs[j].request_id for j in plan.sources(i)), ScoringOutput(score),
+                                 [t for j in plan.sources(i) for t in outs[j].prompt_token_ids])
+            for i, score in enumerate(scores)
         ]  # fmt: skip
 
     # ------------------------------------------------------------------ engine loop

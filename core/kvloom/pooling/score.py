@@ -52,6 +52,36 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str], names:
     return list(zip(firsts, seconds))
 
 
+class ScorePlan:
+    """What to pool for ``pairs`` and how their scores follow: a cross-encoder pools one
+    prompt per pair (``prompts``: token ids), a bi-encoder each distinct text once
+    (``prompts``: texts)."""
+
+    def __init__(self, config: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> None:
+        check_scoring_model(config)
+        self.pairs = pairs
+        self.cross = is_cross_encoder(config)
+        self.prompts: list[list[int]] | list[str]
+        if self.cross:
+            self.prompts = [pair_token_ids(tokenizer, a, b) for a, b in pairs]
+        else:
+            self.prompts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        self._index = {text: i for i, text in enumerate(self.prompts)} if not self.cross else {}
+
+    def sources(self, pair: int) -> list[int]:
+        """The prompts pair ``pair``'s score is made of."""
+        if self.cross:
+            return [pair]
+        first, second = self.pairs[pair]
+        return [self._index[first], self._index[second]]
+
+    def scores(self, pooled: list[torch.Tensor]) -> list[float]:
+        """One score per pair from the prompts' pooled outputs (in ``prompts``' order)."""
+        if self.cross:
+            return [cross_encoder_score(p) for p in pooled]
+        return [cosine_score(*(pooled[i] for i in self.sources(k))) for k in range(len(self.pairs))]
+
+
 def pair_token_ids(tokenizer: Any, first: str, second: str) -> list[int]:
     """The cross-encoder prompt of a pair: the tokenizer's pair encoding (its special tokens
     and separators, as ``CrossEncoder`` feeds the model)."""

@@ -37,7 +37,7 @@ from kvloom.entrypoints.anthropic.protocol import (
     tool_input,
     tool_use_id,
 )
-from kvloom.entrypoints.openai.errors import APIError, from_validation_error, internal_error
+from kvloom.entrypoints.openai.errors import APIError, from_validation_error, internal_error, renamed_fields
 from kvloom.entrypoints.openai.protocol import ChatCompletionRequest
 from kvloom.entrypoints.openai.server_context import server_context
 from kvloom.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
@@ -85,7 +85,7 @@ class AnthropicServingMessages:
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as exc:
-            raise _renamed(from_validation_error(exc, ChatCompletionRequest)) from None
+            raise renamed_fields(from_validation_error(exc, ChatCompletionRequest), _FIELD_NAMES) from None
 
     async def count_tokens(self, request: CountTokensRequest) -> dict[str, int]:
         self.chat.resolve_model(request.model)
@@ -101,7 +101,7 @@ class AnthropicServingMessages:
         try:
             run = await self.chat.start(self._chat_request(request, fields))
         except APIError as error:
-            raise _renamed(error) from None
+            raise renamed_fields(error, _FIELD_NAMES) from None
         message_id = f"msg_{uuid.uuid4().hex}"
         model = request.model or self.chat.model_name
         if request.stream:
@@ -193,28 +193,12 @@ def _block_delta(kind: str, value: Any) -> dict[str, Any]:
     return {"type": "input_json_delta", "partial_json": value.function.arguments or ""}
 
 
-def _renamed(error: APIError) -> APIError:
-    """A chat error in the Messages API's field names."""
-    for chat_name, name in _FIELD_NAMES.items():
-        if error.param == chat_name or error.message.startswith(chat_name + ":"):
-            return APIError(name + error.message.removeprefix(chat_name), status=error.status, param=name,
-                            code=error.code, type=error.type)  # fmt: skip
-    return error
-
-
-def _serving(raw: Request) -> AnthropicServingMessages:
-    return raw.app.state.serving_messages
-
-
 @router.post("/v1/messages")
 async def create_message(raw: Request) -> Response:
-    context = server_context(raw)
-    request = await context.read_body(raw, MessagesRequest)
-    return await context.respond(raw, _serving(raw).create_message(request))
+    return await server_context(raw).serve(raw, MessagesRequest, raw.app.state.serving_messages.create_message)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(raw: Request) -> Response:
-    context = server_context(raw)
-    request = await context.read_body(raw, CountTokensRequest)
-    return JSONResponse(await _serving(raw).count_tokens(request))
+    request = await server_context(raw).read_body(raw, CountTokensRequest)
+    return JSONResponse(await raw.app.state.serving_messages.count_tokens(request))

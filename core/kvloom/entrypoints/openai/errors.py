@@ -61,6 +61,16 @@ def engine_dead_error(request_id: str) -> APIError:
                     code="engine_error")  # fmt: skip
 
 
+def renamed_fields(error: APIError, names: dict[str, str]) -> APIError:
+    """``error`` with the field it names renamed by ``names`` (``{"max_completion_tokens":
+    "max_tokens"}``): the errors of an API served through another in the outer API's words."""
+    for inner, outer in names.items():
+        if error.param == inner or error.message.startswith(inner + ":"):
+            return APIError(outer + error.message.removeprefix(inner), status=error.status, param=outer,
+                            code=error.code, type=error.type)  # fmt: skip
+    return error
+
+
 def _default_type(status: int) -> str:
     if status == HTTPStatus.UNAUTHORIZED:
         return "authentication_error"

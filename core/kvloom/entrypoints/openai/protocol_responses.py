@@ -8,22 +8,17 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvloom.entrypoints.openai.protocol import OpenAIRequest, OpenAIResponse
+from kvloom.entrypoints.openai.protocol import FunctionDefinition, OpenAIRequest, OpenAIResponse
 
-#: Tool name rule (OpenAI's, as chat's ``FunctionDefinition``).
-_NAME_PATTERN = r"^[a-zA-Z0-9_.-]+$"
 #: The most input items one request may hold.
 MAX_INPUT_ITEMS = 2048
 
 
-class ResponsesFunctionTool(OpenAIRequest):
-    """A function tool, in the Responses API's flat shape."""
+class ResponsesFunctionTool(FunctionDefinition):
+    """A function tool, in the Responses API's flat shape (chat's function fields beside
+    ``type``)."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class ResponsesNamedToolChoice(OpenAIRequest):

@@ -65,6 +65,11 @@ class ServerContext:
     its engine requests are aborted); a response model as JSON, an async iterator of
     strings as server-sent events."""
 
+    async def serve(self, request: Request, model: type[T], handler: Callable[[T], Awaitable[Any]]) -> Response:
+        """The body validated as ``model``, given to ``handler``, its result answered (``respond``)."""
+        body = await self.read_body(request, model)
+        return await self.respond(request, handler(body))
+
 
 def server_context(request: Request) -> ServerContext:
     """The ``ServerContext`` of the app serving ``request``."""

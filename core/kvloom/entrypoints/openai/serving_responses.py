@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from kvloom.entrypoints.openai.errors import APIError, from_validation_error, internal_error
+from kvloom.entrypoints.openai.errors import APIError, from_validation_error, internal_error, renamed_fields
 from kvloom.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo
 from kvloom.entrypoints.openai.protocol_responses import (
     ResponseObject,
@@ -207,7 +207,7 @@ class OpenAIServingResponses:
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as exc:
-            raise _renamed(from_validation_error(exc, ChatCompletionRequest)) from None
+            raise renamed_fields(from_validation_error(exc, ChatCompletionRequest), _FIELD_NAMES) from None
 
     async def create_response(self, request: ResponsesRequest) -> ResponseObject | AsyncIterator[str]:
         try:
@@ -217,7 +217,7 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start(self._chat_request(request, conversation))
         except APIError as error:
-            raise _renamed(error) from None
+            raise renamed_fields(error, _FIELD_NAMES) from None
         response_id = _new_id("resp")
         summary = request.reasoning is not None and request.reasoning.summary is not None
         if request.stream:
@@ -318,27 +318,12 @@ class OpenAIServingResponses:
         yield event(kind, {"response": response.model_dump(mode="json")})
 
 
-def _renamed(error: APIError) -> APIError:
-    """A chat error in the Responses API's field names."""
-    for chat_name, name in _FIELD_NAMES.items():
-        if error.param == chat_name or error.message.startswith(chat_name):
-            return APIError(name + error.message.removeprefix(chat_name), status=error.status, param=name,
-                            code=error.code, type=error.type)  # fmt: skip
-    return error
-
-
-def _serving(raw: Request) -> OpenAIServingResponses:
-    return raw.app.state.serving_responses
-
-
 @router.post("/v1/responses")
 async def create_response(raw: Request) -> Response:
-    context = server_context(raw)
-    request = await context.read_body(raw, ResponsesRequest)
-    return await context.respond(raw, _serving(raw).create_response(request))
+    return await server_context(raw).serve(raw, ResponsesRequest, raw.app.state.serving_responses.create_response)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(raw: Request, response_id: str) -> Response:
-    response = _serving(raw).retrieve(response_id)
+    response = raw.app.state.serving_responses.retrieve(response_id)
     return Response(response.model_dump_json(), media_type="application/json")

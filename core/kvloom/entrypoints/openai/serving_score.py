@@ -25,15 +25,7 @@ from kvloom.entrypoints.openai.protocol_score import (
 from kvloom.entrypoints.openai.serving_engine import random_id
 from kvloom.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvloom.entrypoints.openai.server_context import server_context
-from kvloom.lora.request import LoRARequest
-from kvloom.pooling.score import (
-    check_scoring_model,
-    cosine_score,
-    cross_encoder_score,
-    is_cross_encoder,
-    pair_token_ids,
-    score_pairs,
-)
+from kvloom.pooling.score import ScorePlan, score_pairs
 from kvloom.sampling_params import PoolingParams
 
 router = APIRouter()
@@ -44,22 +36,19 @@ class OpenAIServingScore(OpenAIServingPooling):
                      ) -> tuple[str, list[float], int]:  # fmt: skip
         """(request id, one score per pair, prompt tokens used)."""
         try:
-            check_scoring_model(self.config)
+            plan = ScorePlan(self.config, self.require_tokenizer(param), pairs)
         except ValueError as exc:
             raise APIError(str(exc), status=HTTPStatus.BAD_REQUEST, code="unsupported_model") from None
         lora = await self.resolve_model_or_lora(model)
+        self.check_num_sequences(len(plan.prompts), 1, param)
+        prompts = [self._fit(p if isinstance(p, list) else (await self.tokenize_async(p, True, param)).token_ids,
+                             truncate, param) for p in plan.prompts]  # fmt: skip
         request_id = random_id("score")
-        if is_cross_encoder(self.config):
-            tokenizer = self.require_tokenizer(param)
-            self.check_num_sequences(len(pairs), 1, param)
-            prompts = [self._fit(pair_token_ids(tokenizer, a, b), truncate, param) for a, b in pairs]
-            pooled = await self._pool_prompts(request_id, prompts, lora)
-            return request_id, [cross_encoder_score(p) for p in pooled], sum(map(len, prompts))
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))  # each text embedded once
-        self.check_num_sequences(len(texts), 1, param)
-        prompts = [self._fit((await self.tokenize_async(t, True, param)).token_ids, truncate, param) for t in texts]
-        vectors = dict(zip(texts, await self._pool_prompts(request_id, prompts, lora)))
-        return request_id, [cosine_score(vectors[a], vectors[b]) for a, b in pairs], sum(map(len, prompts))
+        pooled: list = [None] * len(prompts)
+        inputs = [{"prompt_token_ids": ids} for ids in prompts]
+        async for index, output in self._encode_each(request_id, inputs, PoolingParams(), lora):
+            pooled[index] = output.outputs.data
+        return request_id, plan.scores(pooled), sum(map(len, prompts))
 
     def _fit(self, ids: list[int], truncate: int | None, param: str) -> list[int]:
         if truncate is not None:
@@ -71,13 +60,6 @@ class OpenAIServingScore(OpenAIServingPooling):
                            f"{self.max_model_len} tokens (truncate_prompt_tokens keeps the last N)", param=param,
                            code="context_length_exceeded")  # fmt: skip
         return ids
-
-    async def _pool_prompts(self, request_id: str, prompts: list[list[int]], lora: LoRARequest | None) -> list:
-        pooled: list = [None] * len(prompts)
-        inputs = [{"prompt_token_ids": ids} for ids in prompts]
-        async for index, output in self._encode_each(request_id, inputs, PoolingParams(), lora):
-            pooled[index] = output.outputs.data
-        return pooled
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
         try:
@@ -103,22 +85,14 @@ class OpenAIServingScore(OpenAIServingPooling):
                               usage=RerankUsage(total_tokens=tokens), results=results)  # fmt: skip
 
 
-def _serving(raw: Request) -> OpenAIServingScore:
-    return raw.app.state.serving_score
-
-
 @router.post("/v1/score")
 @router.post("/score")
 async def create_score(raw: Request) -> Response:
-    context = server_context(raw)
-    request = await context.read_body(raw, ScoreRequest)
-    return await context.respond(raw, _serving(raw).create_score(request))
+    return await server_context(raw).serve(raw, ScoreRequest, raw.app.state.serving_score.create_score)
 
 
 @router.post("/v1/rerank")
 @router.post("/rerank")
 @router.post("/v2/rerank")
 async def create_rerank(raw: Request) -> Response:
-    context = server_context(raw)
-    request = await context.read_body(raw, RerankRequest)
-    return await context.respond(raw, _serving(raw).create_rerank(request))
+    return await server_context(raw).serve(raw, RerankRequest, raw.app.state.serving_score.create_rerank)
