@@ -14,11 +14,15 @@ from kvloom.entrypoints.openai.protocol import FunctionDefinition, OpenAIRequest
 MAX_INPUT_ITEMS = 2048
 
 
-class ResponsesFunctionTool(FunctionDefinition):
-    """A function tool, in the Responses API's flat shape (chat's function fields beside
-    ``type``)."""
+class ResponsesFunctionTool(OpenAIRequest):
+    """A function tool, in the Responses API's flat shape (chat's ``FunctionDefinition``
+    fields beside ``type``, which comes first so that another tool type is the error named)."""
 
     type: Literal["function"]
+    name: str = FunctionDefinition.model_fields["name"]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ResponsesNamedToolChoice(OpenAIRequest):
