@@ -135,3 +135,13 @@ def test_the_api_key_is_needed(client: openai.OpenAI) -> None:
     http: TestClient = client._client  # type: ignore[assignment]
     assert http.post("/v1/responses", json={"input": "w5"}).status_code == 401
     assert http.get("/v1/responses/resp_x").status_code == 401
+
+
+def test_an_output_that_never_ends_its_reasoning(client: openai.OpenAI, engine: ScriptedAsyncLLM) -> None:
+    engine.script = ["still ", "thinking"]
+    whole = client.responses.create(model="fake-model", input="w5")
+    with client.responses.stream(model="fake-model", input="w5") as stream:
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "still thinking" and response.output_text == ""

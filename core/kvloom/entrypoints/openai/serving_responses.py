@@ -297,8 +297,8 @@ class OpenAIServingResponses:
                 for kind, fields in output.events:
                     yield event(kind, fields)
                 output.events.clear()
-            if not output.items:
-                output.text("")  # an empty answer is an empty message, as whole
+            if not any(item["type"] in ("message", "function_call") for item in output.items):
+                output.text("")  # no answer is an empty message, as in a whole response
             output.close()
             for kind, fields in output.events:
                 yield event(kind, fields)
