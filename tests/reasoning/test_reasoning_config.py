@@ -6,8 +6,13 @@ import argparse
 
 import pytest
 
-from kvloom.engine.arg_utils import EngineArgs, _structured_outputs_config
+from kvloom.engine.arg_utils import EngineArgs
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+from kvloom.structured_output.options import structured_outputs_config
+
+
+def _structured_outputs_config(args: EngineArgs):  # what create_engine_config puts in the EngineConfig
+    return structured_outputs_config(*args.structured_outputs_options())
 
 
 def parse(*argv: str) -> EngineArgs:

@@ -23,12 +23,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.quantization import check_checkpoint_quantization, check_requested_quantization
+from kvloom.structured_output.options import (
+    check_structured_outputs_config,
+    structured_outputs_config,
+    structured_outputs_options,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig
-    from kvloom.config import CompilationConfig, EngineConfig, ModelConfig, StructuredOutputsConfig
+    from kvloom.config import CompilationConfig, EngineConfig, ModelConfig
     from kvloom.platforms.interface import Platform
 
 # Only what EngineArgs needs is imported above: the CLI builds its flags from EngineArgs,
@@ -47,9 +52,6 @@ DTYPES: dict[str, str] = {
     "half": "float16",
     "bfloat16": "bfloat16",
 }
-
-#: The keys of ``--structured-outputs-config`` kvloom takes, with their types.
-STRUCTURED_OUTPUTS_CONFIG_KEYS: dict[str, type] = {"backend": str, "reasoning_parser": str, "enable_in_reasoning": bool}
 
 DTypeName = Literal["auto", "float32", "float", "float16", "half", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
@@ -218,30 +220,13 @@ class EngineArgs(BaseModel):
     @field_validator("structured_outputs_config")
     @classmethod
     def _structured_outputs_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is None:
-            return None
-        unknown = sorted(set(v) - set(STRUCTURED_OUTPUTS_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} (allowed: "
-                             f"{', '.join(STRUCTURED_OUTPUTS_CONFIG_KEYS)})")  # fmt: skip
-        for key, kind in STRUCTURED_OUTPUTS_CONFIG_KEYS.items():
-            if key in v and not (isinstance(v[key], kind) or (kind is str and v[key] is None)):
-                raise ValueError(f"{key} must be a {kind.__name__} (got {v[key]!r:.40})")
-        return v
+        return check_structured_outputs_config(v)
 
     def structured_outputs_options(self) -> tuple[str, str | None, bool]:
-        """(backend, reasoning parser, enable_in_reasoning): the flat flags, or what
-        ``structured_outputs_config`` says (a ``ValueError`` when the two disagree)."""
-        options = self.structured_outputs_config or {}
-        backend = options.get("backend") or self.structured_outputs_backend
-        parser = options.get("reasoning_parser") or self.reasoning_parser
-        if self.structured_outputs_backend not in ("xgrammar", backend):  # a flag other than its default
-            raise ValueError(f"structured_outputs_config: backend {backend!r} disagrees with "
-                             f"--structured-outputs-backend {self.structured_outputs_backend!r}; give one of them")
-        if self.reasoning_parser not in (None, parser):
-            raise ValueError(f"structured_outputs_config: reasoning_parser {parser!r} disagrees with "
-                             f"--reasoning-parser {self.reasoning_parser!r}; give one of them")
-        return backend, parser, bool(options.get("enable_in_reasoning", False))
+        """(backend, reasoning parser, enable_in_reasoning) of the flat flags and
+        ``structured_outputs_config`` (a ``ValueError`` when the two disagree)."""
+        return structured_outputs_options(self.structured_outputs_backend, self.reasoning_parser,
+                                          self.structured_outputs_config)  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> "EngineArgs":
@@ -484,7 +469,6 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         ObservabilityConfig,
         ParallelConfig,
         SchedulerConfig,
-        StructuredOutputsConfig,
     )
     from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
     from kvloom.loader.model_source import load_hf_config, resolve_model_source
@@ -647,7 +631,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             disable_log_stats=args.disable_log_stats, log_stats_interval=args.log_stats_interval
         ),
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
-        structured_outputs=_structured_outputs_config(args),
+        structured_outputs=structured_outputs_config(*args.structured_outputs_options()),
     )
     resolved = _fixed_fields(config)
     platform.check_and_update_config(config)
@@ -672,17 +656,6 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         config.cache.block_size,
     )
     return config
-
-
-def _structured_outputs_config(args: EngineArgs) -> "StructuredOutputsConfig":
-    from kvloom.config import StructuredOutputsConfig
-    from kvloom.reasoning.registry import get_reasoning_parser_cls
-
-    backend, reasoning_parser, enable_in_reasoning = args.structured_outputs_options()
-    if reasoning_parser is not None:
-        get_reasoning_parser_cls(reasoning_parser)  # an unknown name: a ValueError naming the known ones
-    return StructuredOutputsConfig(backend=backend, reasoning_parser=reasoning_parser,
-                                   enable_in_reasoning=enable_in_reasoning)  # fmt: skip
 
 
 def _selector_config(
