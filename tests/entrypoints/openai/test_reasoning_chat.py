@@ -3,7 +3,7 @@
 boundaries cut the markers; tool calls found in the answer after the reasoning. A scripted
 fake engine plays the model's output piece by piece (the real engine's part, the grammar
 after the reasoning, is tests/structured_output/test_reasoning_grammar.py; a real model
-through `kvloom serve` is tests/entrypoints/test_new_endpoints_serve.py)."""
+through `kvloom serve` is tests/entrypoints/openai/test_new_endpoints_serve.py)."""
 
 from __future__ import annotations
 
