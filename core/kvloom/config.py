@@ -284,6 +284,11 @@ class StructuredOutputsConfig(_Section):
     backend: str = "xgrammar"
     """The grammar library: ``xgrammar`` (built in) or a plugin of the
     ``kvloom.structured_output_backends`` group."""
+    reasoning_parser: str | None = None
+    """The reasoning parser (``--reasoning-parser``): a grammar applies once the reasoning has
+    ended. None: no reasoning parser."""
+    enable_in_reasoning: bool = False
+    """Whether the grammar also binds the reasoning (vLLM's option of the same name)."""
 
 
 class ObservabilityConfig(_Section):

@@ -208,3 +208,20 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+    """The pair's score: a cross-encoder's sigmoid(logit), or the cosine of two embeddings."""
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The score of one text pair (``LLM.score``; vLLM's class of the same name)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    """The pair's prompt (cross-encoder) or the two texts' tokens one after the other."""
+    finished: bool = True

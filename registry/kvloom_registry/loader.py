@@ -11,7 +11,9 @@ and says which plugin API version it provides. Policy, in order:
 
 1. ``KVLOOM_PLUGINS`` (comma-separated entry-point names, applied to every group) keeps
    only the named plugins; unset keeps all, an empty value keeps none. A listed name that
-   no installed distribution provides is an error.
+   no installed distribution provides is an error. A group marked ``opt_in`` (plugins
+   that widen what a server exposes) keeps only the plugins ``KVLOOM_PLUGINS`` names, also
+   when it is unset.
 2. In a group with ``unique_names`` two entry points with the same name are an error
    naming both distributions.
 3. Each kept plugin's module is imported; an exception is reported with the plugin's
@@ -62,6 +64,8 @@ class PluginGroup:
     name_attr: str | None = None
     #: How messages call this group's plugins ("attention backends").
     label: str = ""
+    #: Load a plugin of this group only when ``KVLOOM_PLUGINS`` names it (unset: none).
+    opt_in: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,7 +263,7 @@ def load_entry_points(
         kept: list[tuple[EntryPoint, PluginEntry]] = []
         for ep in eps:
             entry = _entry_of(ep, group.name)
-            if allowlist is not None and ep.name not in allowlist:
+            if (allowlist is None and group.opt_in) or (allowlist is not None and ep.name not in allowlist):
                 loaded.excluded.setdefault(group.name, []).append(entry)  # never imported
             else:
                 kept.append((ep, entry))

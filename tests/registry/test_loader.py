@@ -553,3 +553,27 @@ def test_io_processor_and_stat_logger_accessors(
     assert [e.target.__name__ for e in state.stat_logger_plugins()] == ["Logger"]
     with pytest.raises(ValueError, match="installed: proc"):
         state.get_io_processor_cls("missing")
+
+
+def test_endpoint_plugins_load_only_when_the_allowlist_names_them(site: FakeSite) -> None:
+    from kvloom.plugins import ENDPOINT_PLUGINS
+
+    source = API + textwrap.dedent(
+        """
+        from fastapi import APIRouter
+        from kvloom.interfaces import EndpointPlugin
+
+        class Hello(EndpointPlugin):
+            name = "hello"
+
+            def router(self):
+                return APIRouter()
+        """
+    )
+    add_plugin(site, "fake-endpoint", ENDPOINT_PLUGINS, "hello", "fake_endpoint", source, attr="Hello")
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A")
+    everything = load(site)  # KVLOOM_PLUGINS unset: every other kind loads, endpoint plugins do not
+    assert everything.group(ENDPOINT_PLUGINS) == [] and [e.name for e in everything.excluded[ENDPOINT_PLUGINS]] == ["hello"]
+    assert "fake_endpoint" not in sys.modules and list(everything.by_name(ATTENTION_BACKENDS)) == ["FAKE_A"]
+    named = load(site, "hello,FAKE_A")
+    assert named.by_name(ENDPOINT_PLUGINS)["hello"].target.name == "hello"

@@ -37,7 +37,10 @@ example packages):
   (``ModelRegistry``, ``LoRAResolverRegistry``);
 - structured-output backends: ``StructuredOutputBackend``, ``StructuredOutputGrammar``,
   ``StructuredOutputsParams``; tool-call parsers: ``ToolParser``, ``ExtractedToolCalls``,
-  ``ParsedToolCall`` (``docs/structured_outputs.md``);
+  ``ParsedToolCall`` (``docs/structured_outputs.md``); reasoning parsers:
+  ``ReasoningParser``, ``ReasoningState``, ``ReasoningStream``, ``ReasoningDelta``;
+- logits processors: ``LogitsProcessor``, ``LogitsProcessorRow``; endpoint plugins:
+  ``EndpointPlugin`` (handlers raise ``APIError`` for a client's mistake);
 - IO processors: ``IOProcessor``, ``PromptType``, ``PoolingParams``, ``SamplingParams``,
   ``PoolingRequestOutput``;
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
@@ -97,10 +100,13 @@ from kvloom.config import (
     SchedulerConfig,
 )
 from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
+from kvloom.entrypoint_plugin import EndpointPlugin
+from kvloom.entrypoints.openai.errors import APIError
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
+from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
 from kvloom.lora.ops import LoRAMapping
@@ -113,12 +119,14 @@ from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.platforms.worker import ModelRunnerProtocol, Worker, WorkerBase
 from kvloom.plugins import PLUGIN_API_VERSION
+from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "APIError",
     "MLA_DECODE",
     "MLA_PREFILL",
     "MLAAttentionBackend",
@@ -143,6 +151,7 @@ __all__ = [
     "CompilationConfig",
     "DeviceCapability",
     "DeviceConfig",
+    "EndpointPlugin",
     "EngineConfig",
     "ExtractedToolCalls",
     "FinishedRequestStats",
@@ -150,6 +159,8 @@ __all__ = [
     "IterationStats",
     "LoRAAdapterError",
     "LoRAConfig",
+    "LogitsProcessor",
+    "LogitsProcessorRow",
     "LoRAMapping",
     "LoRARequest",
     "LoRAResolver",
@@ -168,6 +179,10 @@ __all__ = [
     "PoolingRequestOutput",
     "PrefixCacheStats",
     "PromptType",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningState",
+    "ReasoningStream",
     "SamplingParams",
     "SchedulerConfig",
     "SchedulerStats",

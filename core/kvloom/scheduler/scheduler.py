@@ -541,7 +541,7 @@ class Scheduler:
                 if req_id in self._structured:
                     manager = self.structured_output_manager
                     assert manager is not None
-                    if not manager.accept_tokens(req_id, new_token_ids):
+                    if not manager.accept_tokens(request, len(new_token_ids)):
                         outputs.append(self._fail_request(
                             request, f"structured outputs: the sampled tokens {new_token_ids} are not allowed by the "
                                      "request's grammar"))  # fmt: skip

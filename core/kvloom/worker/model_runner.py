@@ -104,7 +104,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req,
                                  self.block_size, device)  # fmt: skip
-        self.sampler = StepSampler(device, self.input_batch, self.failures)
+        self.sampler = StepSampler(device, config.model.vocab_size, self.input_batch, self.failures)
         self.outputs = StepOutputs(config, device, self.input_batch, self.failures, self.compute_logits)
         self._init_compilation()
         # A step launched without sampling (``pending_structured_output_tokens``): what
@@ -138,6 +138,7 @@ class ModelRunner:
         if not self.attn_layers:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
         self.kv_memory = KVCacheMemory(self.config, self.device, self.attn_layers)
+        self.outputs.classify = getattr(self.model, "classify", None)  # a classification model's head
         if self.config.lora.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config, self.device, self.max_num_tokens)
         if self.config.compilation.compile_model:
