@@ -51,7 +51,8 @@ declares the version it was written for, as a literal of its own::
 
     KVLOOM_PLUGIN_API = "1.0"
 
-kvloom refuses a plugin whose major version differs, with a message naming both.
+kvloom refuses a plugin whose major version differs, or whose minor version is newer than
+kvloom's, with a message naming both (``docs/plugins.md``, "Compatibility").
 """
 
 from typing import TYPE_CHECKING
@@ -241,7 +242,8 @@ warning), ``is_supported(architecture)``, ``get_supported_archs()``."""
 PLUGIN_API_VERSION: str
 """The plugin API this kvloom provides (``"1.0"``). A plugin module declares the version it
 was written for as a literal, ``KVLOOM_PLUGIN_API = "1.0"``; a different major version is
-refused, a newer minor version loads with a warning."""
+refused, and so is a newer minor version (the plugin may use what this kvloom lacks); an older
+minor version of the same major loads."""
 
 PromptType: type
 """What a prompt may be: text, ``{"prompt_token_ids": [...]}`` (with an optional
