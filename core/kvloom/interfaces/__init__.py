@@ -106,7 +106,8 @@ from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
