@@ -35,6 +35,7 @@ from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import Any
 
+from kvloom_registry.entry import PluginEntry
 from kvloom_registry.errors import (
     DuplicatePluginError,
     PluginAllowlistError,
@@ -64,22 +65,6 @@ class PluginGroup:
     name_attr: str | None = None
     #: How messages call this group's plugins ("attention backends").
     label: str = ""
-
-
-@dataclass(frozen=True)
-class PluginEntry:
-    """One plugin: where it comes from and (once loaded) what its entry point names."""
-
-    name: str  # the entry-point name
-    group: str
-    distribution: str  # the pip distribution that declares the entry point
-    version: str  # that distribution's version
-    value: str  # the entry point's "module:attr" text
-    target: Any = None  # the loaded object; None for plugins KVLOOM_PLUGINS excluded
-
-    def describe(self) -> str:
-        """How error messages name this plugin."""
-        return f"plugin {self.name!r} (group {self.group}, distribution {self.distribution} {self.version})"
 
 
 @dataclass
