@@ -223,7 +223,7 @@ def test_the_reader_sees_each_kind_of_import(tmp_path: Path) -> None:
         "def f():\n    import d\n"
         "class K:\n    import e\n"
     )
-    read = lambda **kw: set(_imported_names(tree, "m", False, **kw)) - {"typing", "typing.TYPE_CHECKING"}  # noqa: E731
+    read = lambda **kw: set(_imported_names(tree, "m", False, **kw)) - {"typing", "typing.TYPE_CHECKING"}
     assert read(type_checking=False, eager=False) == {"a", "c", "d", "e"}
     assert read(type_checking=True, eager=False) == {"a", "b", "c", "d", "e"}
     assert read(type_checking=False, eager=True) == {"a", "c", "e"}

@@ -17,6 +17,7 @@ import logging
 import shutil
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -53,9 +54,7 @@ def test_the_face_matches_its_record(live: Face) -> None:
     problems = rule_problems(record.entries, record.version, live.entries, live.version)
     assert not problems, "the plugin API's face changed against the rules:\n" + "\n".join(problems)
     stale = stale_entries(record, live)
-    assert not stale, "the face record is out of date; run python -m kvloom.testing.face --write:\n" + "\n".join(
-        stale
-    )
+    assert not stale, "the face record is out of date; run python -m kvloom.testing.face --write:\n" + "\n".join(stale)
 
 
 def test_the_face_is_read(live: Face) -> None:
@@ -245,7 +244,9 @@ def test_a_deprecated_module_alias_is_recorded_and_warns_once(
     ``deprecated_attributes`` serves the old name, warning once, and the face records it."""
     deprecation = Deprecation("kvloom.interfaces.OldCandidate", "kvloom.interfaces.BackendCandidate", goes_in="1.2")
     aliases = {"OldCandidate": (deprecation, lambda: kvloom.interfaces.BackendCandidate)}
-    monkeypatch.setattr(kvloom.interfaces, "__getattr__", deprecated_attributes("kvloom.interfaces", aliases), raising=False)
+    monkeypatch.setattr(
+        kvloom.interfaces, "__getattr__", deprecated_attributes("kvloom.interfaces", aliases), raising=False
+    )
     face = live_face()
     assert face.entries["interfaces.OldCandidate"] == (
         "deprecated: use kvloom.interfaces.BackendCandidate; goes in 1.2"
@@ -311,11 +312,12 @@ def test_renamed_config_fields_answer_with_one_warning_each(tiny_llama: Path, ca
     messages = [str(w.message) for w in caught]
     assert all(w.category is DeprecationWarning and w.filename == __file__ for w in caught)
     assert messages == [
-        "config.attention_backend is deprecated: use config.attention.backend. "
-        "kvloom plugin API 1.2 removes config.attention_backend.",
-        "config.platform is deprecated: use config.device.platform. kvloom plugin API 1.2 removes config.platform.",
-        "config.attention.selected_backend is deprecated: use config.attention.backend.NAME. "
-        "kvloom plugin API 1.2 removes config.attention.selected_backend.",
+        f"{old} is deprecated: use {new}. kvloom plugin API 1.2 removes {old}."
+        for old, new in [
+            ("config.attention_backend", "config.attention.backend"),
+            ("config.platform", "config.device.platform"),
+            ("config.attention.selected_backend", "config.attention.backend.NAME"),
+        ]
     ]
     assert [r.getMessage() for r in caplog.records] == messages
 
@@ -324,7 +326,7 @@ class PluginModelForCausalLM(kvloom.interfaces.models.LlamaForCausalLM):
     """A model plugin written for plugin API 1.0 (``KVLOOM_PLUGIN_API = "1.0"``), which kept
     the selected backend in ``config.attention_backend``."""
 
-    backends_seen: list[type] = []
+    backends_seen: ClassVar[list[type]] = []
 
     def __init__(self, config: kvloom.interfaces.EngineConfig, prefix: str = "") -> None:
         self.backends_seen.append(config.attention_backend)
@@ -347,7 +349,9 @@ def test_a_plugin_reading_config_attention_backend_runs_with_a_warning(
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, "kvloom.deprecation"):
         warnings.simplefilter("always")
         llm = LLM(str(model_dir), dtype="float32", max_model_len=64, enforce_eager=True)
-        plugin_out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+        plugin_out = llm.generate(
+            [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False
+        )
     assert len(plugin_out[0].outputs[0].token_ids) == 6
     assert PluginModelForCausalLM.backends_seen and PluginModelForCausalLM.backends_seen[-1].NAME
     assert [str(w.message).split(" is ")[0] for w in caught if w.category is DeprecationWarning] == [

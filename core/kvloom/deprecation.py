@@ -38,9 +38,7 @@ class Deprecation:
     goes_in: str  # the plugin API version ("MAJOR.MINOR") that no longer has ``old``
 
     def message(self) -> str:
-        return (
-            f"{self.old} is deprecated: use {self.new}. kvloom plugin API {self.goes_in} removes {self.old}."
-        )
+        return f"{self.old} is deprecated: use {self.new}. kvloom plugin API {self.goes_in} removes {self.old}."
 
     def warn(self, stacklevel: int = 3) -> None:
         """Warn the first time this name is used in the process; later uses are silent."""

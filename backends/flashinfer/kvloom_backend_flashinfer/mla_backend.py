@@ -25,7 +25,6 @@ from kvloom.interfaces import (
     MLAAttentionBackend,
     MLAAttentionImpl,
 )
-
 from kvloom_backend_flashinfer.mla_latent import FLASHINFER_MLA_LATENT
 
 

@@ -105,8 +105,8 @@ from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
-from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 from kvloom.deprecation import Deprecation
 
-__all__ = ["deprecated_entry", "compare_entries", "parse_version", "rule_problems"]
+__all__ = ["compare_entries", "deprecated_entry", "parse_version", "rule_problems"]
 
 _DEPRECATED = re.compile(r"^deprecated: use (?P<new>.+); goes in (?P<goes_in>\d+\.\d+)$")
-_CALLABLE = re.compile(r"^(?P<abstract>abstract )?(?P<kind>function|method|classmethod|staticmethod|constructor|hook)\(")
+_CALLABLE = re.compile(
+    r"^(?P<abstract>abstract )?(?P<kind>function|method|classmethod|staticmethod|constructor|hook)\("
+)
 #: Entries whose text is a value: any change of it is incompatible.
 _VALUE_KINDS = ("constant", "member", "group")
 
@@ -72,8 +74,9 @@ def _split_top_level(text: str) -> list[str]:
     return [p for p in parts if p]
 
 
-def _parse_callable(text: str) -> tuple[str, bool, list[_Param], str] | None:
-    """(kind, abstract, parameters, result) of a callable entry; None for other entries."""
+def _parse_callable(text: str) -> tuple[str, bool, list[_Param]] | None:
+    """(kind, abstract, parameters) of a callable entry; None for other entries. (A changed
+    result type is a changed type, which the caller's fallback reports.)"""
     match = _CALLABLE.match(text)
     if match is None:
         return None
@@ -98,7 +101,7 @@ def _parse_callable(text: str) -> tuple[str, bool, list[_Param], str] | None:
             kind = "keyword-only"
         else:
             params.append(_Param(token.split(":")[0].split("=")[0].strip(), kind, token.endswith("= ...")))
-    return match["kind"], bool(match["abstract"]), params, text[end + 1 :].strip()
+    return match["kind"], bool(match["abstract"]), params
 
 
 def _signature_break(old: list[_Param], new: list[_Param], abstract: bool) -> str | None:
@@ -133,6 +136,10 @@ def _signature_break(old: list[_Param], new: list[_Param], abstract: bool) -> st
     return None
 
 
+def _bases(class_entry: str) -> set[str]:
+    return set(_split_top_level(class_entry.partition("(")[2].rstrip(")")))
+
+
 def _kind(text: str) -> str:
     return text.split("(")[0].split(":")[0].strip()
 
@@ -146,9 +153,7 @@ def compare_entries(old: str, new: str) -> tuple[bool, str]:
         return True, "became a deprecated alias" if new_dep and not old_dep else "its deprecation changed"
     old_call, new_call = _parse_callable(old), _parse_callable(new)
     if old_call and new_call:
-        (old_kind, old_abstract, old_params, old_result), (new_kind, new_abstract, new_params, new_result) = (
-            old_call, new_call,
-        )  # fmt: skip
+        (old_kind, old_abstract, old_params), (new_kind, new_abstract, new_params) = old_call, new_call
         if old_kind != new_kind:
             return False, f"a {old_kind} became a {new_kind}"
         if new_abstract and not old_abstract:
@@ -158,8 +163,7 @@ def compare_entries(old: str, new: str) -> tuple[bool, str]:
             return False, why
         return True, "its signature changed compatibly (parameters added with defaults, or types)"
     if old.startswith("class") and new.startswith("class"):
-        bases = lambda text: set(_split_top_level(text.partition("(")[2].rstrip(")")))  # noqa: E731
-        dropped = bases(old) - bases(new)
+        dropped = _bases(old) - _bases(new)
         return (False, f"it no longer derives from {', '.join(sorted(dropped))}") if dropped else (True, "new base")
     if _kind(old) != _kind(new) and {_kind(old), _kind(new)} != {"property", "property (settable)"}:
         return False, f"a {_kind(old)} became a {_kind(new)}"
@@ -172,7 +176,7 @@ def compare_entries(old: str, new: str) -> tuple[bool, str]:
 
 def _reported_above(path: str, paths: set[str]) -> bool:
     """Whether an enclosing path (``interfaces.X`` of ``interfaces.X.y``) is in ``paths``."""
-    return any(path.startswith(other + ".") or path.startswith(other + "[") for other in paths if other != path)
+    return any(path.startswith((other + ".", other + "[")) for other in paths if other != path)
 
 
 def rule_problems(old: dict[str, str], old_version: str, new: dict[str, str], new_version: str) -> list[str]:
@@ -195,9 +199,11 @@ def rule_problems(old: dict[str, str], old_version: str, new: dict[str, str], ne
         if deprecation is None:
             problems.append(f"{path} ({old[path]}) was removed: {fix}")
         elif parse_version(deprecation["goes_in"]) > after:
-            problems.append(f"{path} is deprecated until plugin API {deprecation['goes_in']}: it cannot go in {new_version}")
-    additions = [f"{path} ({new[path]}) was added" for path in sorted(new.keys() - old.keys())
-                 if not _reported_above(path, new.keys() - old.keys())]  # fmt: skip
+            problems.append(
+                f"{path} is deprecated until plugin API {deprecation['goes_in']}: it cannot go in {new_version}"
+            )
+    added = new.keys() - old.keys()
+    additions = [f"{path} ({new[path]}) was added" for path in sorted(added) if not _reported_above(path, added)]
     for path in sorted(old.keys() & new.keys()):
         if old[path] != new[path]:
             compatible, what = compare_entries(old[path], new[path])
