@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvloom.attention.backend import AttentionBackend
 from kvloom.cudagraph_mode import CUDAGraphMode  # noqa: F401 (re-exported: its home for most callers)
+from kvloom.deprecation import Deprecation, deprecated_property
 from kvloom.platforms.interface import Platform
 
 
@@ -225,6 +226,12 @@ class AttentionConfig(_Section):
     """MLA models: the selected prefill backend (``MLAAttention``'s prefill path); None for
     other models."""
 
+    # Plugin API 1.0 named the selected backend by its NAME here.
+    selected_backend = deprecated_property(
+        Deprecation("config.attention.selected_backend", "config.attention.backend.NAME", goes_in="1.2"),
+        lambda self: self.backend.NAME,
+    )
+
 
 class LoadConfig(_Section):
     """Weight loading."""
@@ -346,3 +353,14 @@ class EngineConfig(_Section):
     """``platform``: the active ``Platform`` class; ``device_type``."""
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     """``backend``: the structured-output backend's name."""
+
+    # Names of plugin API 1.0 that moved into the sections (a model plugin reading
+    # config.attention_backend must keep working, with a warning, not die at engine start).
+    attention_backend = deprecated_property(
+        Deprecation("config.attention_backend", "config.attention.backend", goes_in="1.2"),
+        lambda self: self.attention.backend,
+    )
+    platform = deprecated_property(
+        Deprecation("config.platform", "config.device.platform", goes_in="1.2"),
+        lambda self: self.device.platform,
+    )

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import torch
 
-from kvloom.metrics.stats import SchedulerStats
+from kvloom.metrics.scheduler_stats import SchedulerStats
 from kvloom.request import EngineCoreEvent, FinishReason
 
 # ----------------------------------------------------------------- model runner -> scheduler

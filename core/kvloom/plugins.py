@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 #: The plugin API version this kvloom provides. Plugins declare the version they target
 #: in KVLOOM_PLUGIN_API; a different major version is refused.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 
 ATTENTION_BACKENDS = "kvloom.attention_backends"
 PLATFORM_PLUGINS = "kvloom.platform_plugins"

@@ -53,12 +53,13 @@ example packages):
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
 declares the version it was written for, as a literal of its own::
 
-    KVLOOM_PLUGIN_API = "1.0"
+    KVLOOM_PLUGIN_API = "1.1"
 
-kvloom refuses a plugin whose major version differs, with a message naming both.
+kvloom refuses a plugin whose major version differs, or whose minor version is newer than
+kvloom's, with a message naming both (``docs/plugins.md``, "Compatibility").
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvloom.attention.backend import (
     AttentionBackend,
@@ -99,6 +100,7 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.deprecation import Deprecation, deprecated_attributes
 from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
 from kvloom.entrypoint_plugin import EndpointPlugin
 from kvloom.entrypoints.openai.errors import APIError
@@ -112,8 +114,9 @@ from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
@@ -253,9 +256,10 @@ string (re-registering the same target is a no-op; another target overrides, wit
 warning), ``is_supported(architecture)``, ``get_supported_archs()``."""
 
 PLUGIN_API_VERSION: str
-"""The plugin API this kvloom provides (``"1.0"``). A plugin module declares the version it
-was written for as a literal, ``KVLOOM_PLUGIN_API = "1.0"``; a different major version is
-refused, a newer minor version loads with a warning."""
+"""The plugin API this kvloom provides (``"1.1"``). A plugin module declares the version it
+was written for as a literal, ``KVLOOM_PLUGIN_API = "1.1"``; a different major version is
+refused, and so is a newer minor version (the plugin may use what this kvloom lacks); an older
+minor version of the same major loads."""
 
 PromptType: type
 """What a prompt may be: text, ``{"prompt_token_ids": [...]}`` (with an optional
@@ -267,14 +271,15 @@ hookimpl: "HookimplMarker"
 ``kvloom_update_engine_config(config)``); pluggy checks each against kvloom's specs when it loads."""
 
 
-def __getattr__(name: str) -> Any:
-    """Deprecated names, imported on first use (the face itself imports no engine module)."""
-    if name == "ModelRunner":
-        from kvloom.deprecation import warn_deprecated
 
-        warn_deprecated("kvloom.interfaces.ModelRunner (the runner class)", "kvloom.interfaces.ModelRunnerProtocol "
-                        "(the methods a worker may call; the worker is handed its runner class)", "1.1", "1.2")  # fmt: skip
-        from kvloom.worker.model_runner import ModelRunner
+def _model_runner_class() -> object:
+    from kvloom.worker.model_runner import ModelRunner
 
-        return ModelRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return ModelRunner
+
+
+# Names that left the face, imported on first use (the face itself imports no engine module).
+__getattr__ = deprecated_attributes(__name__, {
+    "ModelRunner": (Deprecation("kvloom.interfaces.ModelRunner", "kvloom.interfaces.ModelRunnerProtocol (the methods "
+                                "a worker may call; the worker is handed its runner class)", "1.2"), _model_runner_class),
+})  # fmt: skip

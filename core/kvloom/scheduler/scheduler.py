@@ -66,7 +66,7 @@ from collections.abc import Iterable
 
 from kvloom.config import CacheConfig, SchedulerConfig
 from kvloom.kv_cache.manager import KVCacheManager
-from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestStatus
 from kvloom.scheduler.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput

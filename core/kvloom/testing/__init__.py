@@ -41,7 +41,10 @@ dependencies):
 - ``kvloom.testing.host_sync``: detect host synchronisations in code meant for CUDA
   graphs;
 - ``kvloom.testing.json_schema``: ``schema_errors`` (where a JSON value breaks a schema,
-  for structured-output tests and benchmarks).
+  for structured-output tests and benchmarks);
+- ``kvloom.testing.face`` and ``.face_rules``: the plugin API's face read from the live
+  modules and its record, ``kvloom/interfaces/face.json`` (``python -m kvloom.testing.face
+  --write``), and the rules a change of it follows (docs/plugins.md, "Compatibility").
 """
 
 from kvloom.testing.conformance import (

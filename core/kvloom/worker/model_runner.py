@@ -53,13 +53,14 @@ from kvloom.loader.model_loader import get_model
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
+from kvloom.platforms.worker import DeviceMemory
 from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 from kvloom.structured_output.bitmask import apply_grammar_bitmask
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
 from kvloom.worker.input_batch import InputBatch
-from kvloom.worker.kv_cache_memory import DeviceMemory, KVCacheMemory, measure_peak_memory
+from kvloom.worker.kv_cache_memory import KVCacheMemory, measure_peak_memory
 from kvloom.worker.request_failures import RequestFailures
 from kvloom.worker.step_inputs import StepBatch, StepInputs
 from kvloom.worker.step_output import StepOutputs, UnsampledStep

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from kvloom.interfaces import APIError, EndpointPlugin
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 
 class TokenCount(EndpointPlugin):

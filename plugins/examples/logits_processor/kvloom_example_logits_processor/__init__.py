@@ -11,7 +11,7 @@ import torch
 
 from kvloom.interfaces import LogitsProcessor, LogitsProcessorRow
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 #: The longest list a request may force.
 MAX_FORCED = 256
