@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvloom.entrypoints.openai.api_server import build_app
-from kvloom.entrypoints.openai.frontend import FrontendOptions
+from kvloom.entrypoints.openai.server_options import FrontendOptions
 from tests.helpers.scripted_engine import ScriptedAsyncLLM
 
 TOOLS = [{"name": "get_weather", "description": "The weather in a city",

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from kvloom.entrypoints.openai import serving_responses
 from kvloom.entrypoints.openai.api_server import build_app
-from kvloom.entrypoints.openai.frontend import FrontendOptions
+from kvloom.entrypoints.openai.server_options import FrontendOptions
 from tests.helpers.scripted_engine import ScriptedAsyncLLM
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
