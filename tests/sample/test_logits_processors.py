@@ -13,7 +13,7 @@ import torch
 
 from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.sample import logits_processors as lp
-from kvloom.sample.metadata import SamplingMetadata, check_sampling_params
+from kvloom.sample.metadata import SamplingMetadata, check_sampling_state
 from kvloom.sample.sampler import Sampler
 from kvloom.sampling_params import SamplingParams
 
@@ -74,7 +74,7 @@ def test_bad_args_and_unknown_names_are_refused_naming_the_key() -> None:
                                          r"broken, favour"):  # fmt: skip
         lp.parse_extra_args({"favor": 1})
     with pytest.raises(ValueError, match="extra_args.favour: must be a token id"):  # the engine core refuses it too
-        check_sampling_params(SamplingParams(extra_args={"favour": "x"}), [1], VOCAB, None)
+        check_sampling_state(SamplingParams(extra_args={"favour": "x"}), [1], VOCAB, None)
 
 
 def test_a_processor_of_the_wrong_shape_is_an_error() -> None:
