@@ -88,4 +88,4 @@ def test_the_server_refuses_bad_vllm_xargs() -> None:
     with pytest.raises(ValueError, match="vllm_xargs\n.*favour: must be a token id"):
         CompletionRequest.model_validate({"prompt": "hi", "vllm_xargs": {"favour": "x"}})
     request = CompletionRequest.model_validate({"prompt": "hi", "vllm_xargs": {"favour": 2}})
-    assert request.sampling_params(4, None, None).extra_args == {"favour": 2}
+    assert request.sampling_values(4, None, None)["extra_args"] == {"favour": 2}
