@@ -111,8 +111,8 @@ class ModelConfig(_Section):
 
     @property
     def mla_dims(self) -> Any:
-        """The ``kvloom.attention.mla.MLADims`` of an MLA model (``use_mla``)."""
-        from kvloom.attention.mla import MLADims
+        """The ``kvloom.attention.mla_backend.MLADims`` of an MLA model (``use_mla``)."""
+        from kvloom.attention.mla_backend import MLADims
 
         c = self._text_config()
         if not self.use_mla:

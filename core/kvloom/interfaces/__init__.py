@@ -70,7 +70,7 @@ from kvloom.attention.backend import (
 )
 from kvloom.attention.kernel_overrides import parse_kernel_overrides
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
-from kvloom.attention.mla import (
+from kvloom.attention.mla_backend import (
     MLA_DECODE,
     MLA_PREFILL,
     MLAAttentionBackend,

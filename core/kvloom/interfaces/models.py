@@ -33,7 +33,8 @@ a test, outside the engine.
 """
 
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention, MLADims
+from kvloom.attention.mla_backend import MLADims
+from kvloom.attention.mla_layer import MLAAttention
 from kvloom.config import EngineConfig
 from kvloom.layers.activation import SiluAndMul, get_gated_activation
 from kvloom.layers.fused_moe import FusedMoE, select_experts

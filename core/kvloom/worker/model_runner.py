@@ -44,7 +44,8 @@ from torch import nn
 
 from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention, MLAMetadataBuilder
+from kvloom.attention.mla_layer import MLAAttention
+from kvloom.attention.mla_metadata import MLAMetadataBuilder
 from kvloom.compilation.backend import PiecewiseBackend, compile_forward
 from kvloom.compilation.cache import use_compile_cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper
@@ -323,7 +324,7 @@ class ModelRunner:
         )
         if isinstance(first, MLAAttention):
             # The core splits each step into decode and prefill requests and asks each
-            # phase backend's builder for its part (kvloom.attention.mla).
+            # phase backend's builder for its part (kvloom.attention.mla_metadata).
             self.builder = MLAMetadataBuilder(
                 spec, self.device, self.max_blocks_per_req, first.backend, first.prefill_backend
             )
