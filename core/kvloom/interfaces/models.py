@@ -44,7 +44,7 @@ from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_ro
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.loader.lazy_tensor import LazyTensor, materialize
 from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 __all__ = [
     "Attention",

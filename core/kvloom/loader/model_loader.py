@@ -33,7 +33,7 @@ from kvloom.loader.gguf_loader import gguf_weights
 from kvloom.loader.lazy_tensor import CheckpointTensor, accepts_lazy_weights
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
+from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ MISSING_WEIGHTS_SHOWN = 10
 
 def check_all_weights_loaded(model: nn.Module, loaded: Iterable[str] | None, source: str) -> None:
     """Raise unless ``loaded`` (what ``model.load_weights`` returned) covers every
-    parameter of ``model`` (``kvloom.models.utils.weights_not_loaded``)."""
+    parameter of ``model`` (``kvloom.models.weights.weights_not_loaded``)."""
     name = type(model).__name__
     if loaded is None:
         raise TypeError(

@@ -35,7 +35,7 @@ from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.models.llama import LlamaDecoderLayer, LlamaModel
-from kvloom.models.utils import load_checkpoint_weights
+from kvloom.models.weights import load_checkpoint_weights
 
 #: (merged module, checkpoint module, shard): gate/up of the dense MLPs and shared experts.
 DEEPSEEK_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
