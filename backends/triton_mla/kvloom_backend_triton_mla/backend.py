@@ -53,6 +53,6 @@ class TritonMLABackend(MLAAttentionBackend):
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        from kvloom_backend_triton_mla.metadata import TritonMLAMetadataBuilder
+        from kvloom_backend_triton_mla.builder import TritonMLAMetadataBuilder
 
         return TritonMLAMetadataBuilder

@@ -11,7 +11,7 @@ import torch
 
 from kvloom.interfaces import MLAAttentionImpl
 from kvloom_backend_triton_mla import ops
-from kvloom_backend_triton_mla.metadata import TritonMLADecodeMetadata, TritonMLAPrefillMetadata
+from kvloom_backend_triton_mla.builder import TritonMLADecodeMetadata, TritonMLAPrefillMetadata
 
 
 class TritonMLAImpl(MLAAttentionImpl):

@@ -80,10 +80,10 @@ PREFILL = [
 def _run_worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from kvloom.testing.mla_decode import make_decode_case
-    from kvloom_backend_triton_mla import ops
     from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
+    from kvloom_backend_triton_mla import ops
 
+    from kvloom.testing.mla_decode import make_decode_case
     from kvloom.testing.reference import attend, relative_error
 
     patch_interpreter_scalar_index()
@@ -211,9 +211,9 @@ def _backend_cases() -> dict[str, dict]:
     import torch
     from kvloom_backend_cpu.mla import CPUMLABackend
     from kvloom_backend_triton_mla.backend import TritonMLABackend
-    from kvloom_backend_triton_mla.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
-    from kvloom.testing.mla_decode import make_decode_case
+    from kvloom_backend_triton_mla.builder import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
 
+    from kvloom.testing.mla_decode import make_decode_case
     from kvloom.testing.reference import attend, relative_error
 
     results: dict[str, dict] = {}

@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 from kvloom_backend_triton_mla.backend import TritonMLABackend
-from kvloom_backend_triton_mla.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY, TritonMLAMetadataBuilder
+from kvloom_backend_triton_mla.builder import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY, TritonMLAMetadataBuilder
 
 from kvloom.interfaces import (
     AttentionCGSupport,
