@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvloom.attention.backend import AttentionBackend
-from kvloom.cudagraph_mode import CUDAGraphMode  # noqa: F401 (re-exported: its home for most callers)
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.platforms.interface import Platform
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvloom.attention.layer import Attention
-    from kvloom.config import CUDAGraphMode
+    from kvloom.cudagraph_mode import CUDAGraphMode
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,6 @@ from kvloom.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
-    CUDAGraphMode,
     DeviceConfig,
     EngineConfig,
     LoadConfig,
@@ -94,6 +93,7 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvloom.attention.backend import AttentionCGSupport, CommonAttentionMetadata
-from kvloom.config import CUDAGraphMode
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.forward_context import BatchDescriptor, set_forward_context
 
 if TYPE_CHECKING:

@@ -49,7 +49,8 @@ from kvloom.attention.mla_metadata import MLAMetadataBuilder
 from kvloom.compilation.backend import PiecewiseBackend, compile_forward
 from kvloom.compilation.cache import use_compile_cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper
-from kvloom.config import CUDAGraphMode, EngineConfig
+from kvloom.config import EngineConfig
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.distributed import parallel_state
 from kvloom.distributed.pipeline import IntermediateTensors
 from kvloom.forward_context import BatchDescriptor, set_forward_context
