@@ -312,8 +312,10 @@ def check_tensor_parallel(args: EngineArgs, model: ModelConfig) -> Literal["uni"
 def check_pipeline_parallel(args: EngineArgs, model: ModelConfig, model_cls: type) -> None:
     """``--pipeline-parallel-size`` above 1: a model that splits its layers, at most one
     stage per layer, and none of the features that stages do not carry yet."""
+    from kvloom.models.interface import supports_pp
+
     pp = args.pipeline_parallel_size
-    if not getattr(model_cls, "supports_pipeline_parallel", False) or model.runner != "generate":
+    if not supports_pp(model_cls) or model.runner != "generate":
         raise ValueError(
             f"pipeline_parallel_size: {model.architecture} ({model.runner} runner) cannot be split into pipeline "
             "stages yet (allowed: 1); the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral generators can"
@@ -332,8 +334,10 @@ def check_pipeline_parallel(args: EngineArgs, model: ModelConfig, model_cls: typ
 
 
 def _check_tensor_parallel_size(args: EngineArgs, model: ModelConfig, model_cls: type) -> None:
+    from kvloom.models.interface import supports_tp
+
     tp = args.tensor_parallel_size
-    if not getattr(model_cls, "supports_tensor_parallel", False) or model.runner != "generate":
+    if not supports_tp(model_cls) or model.runner != "generate":
         raise ValueError(
             f"tensor_parallel_size: {model.architecture} ({model.runner} runner) has no tensor-parallel layers yet "
             f"(allowed: 1); the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral generators have"
