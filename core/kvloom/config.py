@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvloom.attention.backend import AttentionBackend
-from kvloom.cudagraph_mode import CUDAGraphMode  # noqa: F401 (re-exported: its home for most callers)
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_property
 from kvloom.platforms.interface import Platform
 
@@ -112,8 +112,8 @@ class ModelConfig(_Section):
 
     @property
     def mla_dims(self) -> Any:
-        """The ``kvloom.attention.mla.MLADims`` of an MLA model (``use_mla``)."""
-        from kvloom.attention.mla import MLADims
+        """The ``kvloom.attention.mla_backend.MLADims`` of an MLA model (``use_mla``)."""
+        from kvloom.attention.mla_backend import MLADims
 
         c = self._text_config()
         if not self.use_mla:

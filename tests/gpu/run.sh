@@ -23,7 +23,7 @@
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
-#   mla          the GPU tests of backends/mla (TRITON_MLA), of FLASHINFER_MLA, tests/gpu/test_mla_gpu.py (tiny
+#   mla          the GPU tests of backends/triton_mla (TRITON_MLA), of FLASHINFER_MLA, tests/gpu/test_mla_gpu.py (tiny
 #                DeepSeek-V2) and the MLA conformance of both, then benchmarks/bench_mla_decode.py (MLA decode
 #                alone vs copy bandwidth) -> $OUT/mla/mla_decode.json; MLA_ARGS adds flags.
 #   so           tests/gpu/test_structured_output_gpu.py (xgrammar's CUDA bitmask kernel; 32 sampled JSON-schema
@@ -88,7 +88,7 @@ setup() {
   log "setup: wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl || return 1
   log "setup: kvloom packages"
-  pkgs=(. platforms/cpu platforms/cuda backends/cpu backends/triton backends/mla backends/flashinfer backends/flex_attention)
+  pkgs=(. platforms/cpu platforms/cuda backends/cpu backends/triton backends/triton_mla backends/flashinfer backends/flex_attention)
   [ -d backends/flash_attn ] && pkgs+=(backends/flash_attn)
   for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && pkgs+=("$p"); done
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target $SITE "${pkgs[@]}" 2>&1 | grep -v "^\s*$" | tail -3
@@ -264,7 +264,7 @@ for i in "${!stages[@]}"; do
     offline) python3 benchmarks/bench_offline_nanovllm.py --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tail -40 ;;
     serving) python3 benchmarks/bench_serving.py --tokenizer .benchtok --out "$OUT/serving" ${SERVING_ARGS:-} 2>&1 | tail -40 ;;
     mla)
-      run_pytest mla backends/mla/tests/test_mla_kernels_gpu.py backends/flashinfer/tests/test_flashinfer_mla_gpu.py \
+      run_pytest mla backends/triton_mla/tests/test_mla_kernels_gpu.py backends/flashinfer/tests/test_flashinfer_mla_gpu.py \
         tests/gpu/test_mla_gpu.py "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[TRITON_MLA]" \
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLASHINFER_MLA]"
       python3 benchmarks/bench_mla_decode.py --out "$OUT/mla" ${MLA_ARGS:-} 2>&1 | tail -40 ;;

@@ -18,7 +18,7 @@ from kvloom.entrypoints.cli.main import main
 from kvloom.loader.model_loader import get_model
 from kvloom.models.llama import LlamaForCausalLM
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import UnusedCheckpointTensorsError
+from kvloom.models.weights import UnusedCheckpointTensorsError
 from tests.helpers.model_fixtures import make_test_engine_config, tiny_model_dir
 
 SCALE = "model.layers.0.mlp.down_proj.weight_scale"

@@ -76,7 +76,7 @@ from kvloom.attention.backend import (
 )
 from kvloom.attention.kernel_overrides import parse_kernel_overrides
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
-from kvloom.attention.mla import (
+from kvloom.attention.mla_backend import (
     MLA_DECODE,
     MLA_PREFILL,
     MLAAttentionBackend,
@@ -90,7 +90,6 @@ from kvloom.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
-    CUDAGraphMode,
     DeviceConfig,
     EngineConfig,
     LoadConfig,
@@ -100,6 +99,7 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_attributes
 from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
 from kvloom.entrypoint_plugin import EndpointPlugin

@@ -10,7 +10,7 @@ parameters, in the layout the grouped kernels read:
 Checkpoints store one tensor per expert and projection (``experts.3.gate_proj.weight``,
 Mixtral's ``experts.3.w1.weight``); ``FusedMoE.checkpoint_shards`` names them and
 ``FusedMoE.weight_loader`` copies each into its slice, so the generic loader
-(``kvloom.models.utils.load_checkpoint_weights``) stacks the experts at load time.
+(``kvloom.models.weights.load_checkpoint_weights``) stacks the experts at load time.
 
 The expert computation is the custom op ``fused_moe`` (``kvloom.layers.custom_ops``): a
 platform may replace ``fused_moe_torch`` (tokens grouped by expert, one GEMM per expert
@@ -282,7 +282,7 @@ class FusedMoE(nn.Module):
     def checkpoint_shards(self, param_name: str) -> list[tuple[str, str | None]]:
         """The checkpoint tensors that make up the parameter ``param_name`` of this module:
         ``(name relative to the module, shard for weight_loader)``; read by
-        ``kvloom.models.utils.checkpoint_names`` (HF name = ``<module name>.<relative name>``)."""
+        ``kvloom.models.weights.checkpoint_names`` (HF name = ``<module name>.<relative name>``)."""
         gate, up, down = self.expert_weight_names
         if param_name == "w13_weight":
             return [(f"{e}.{name}.weight", f"{e}.{kind}") for e in range(self.num_experts)

@@ -30,10 +30,15 @@ from torch import nn
 from kvloom.config import EngineConfig
 from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
-from kvloom.loader.lazy_tensor import CheckpointTensor, accepts_lazy_weights
+from kvloom.loader.lazy_tensor import CheckpointTensor
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
+from kvloom.models.interface import (
+    get_checkpoint_tensor_filter,
+    get_stacked_params,
+    supports_lazy_weights,
+)
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
+from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def checkpoint_weight_names(model: nn.Module) -> list[str]:
     """The HF names ``model.load_weights`` expects (merged projections expanded)."""
-    return list(checkpoint_names(model, getattr(model, "stacked_params", ())))
+    return list(checkpoint_names(model, get_stacked_params(model)))
 
 
 def model_weights(
@@ -69,8 +74,8 @@ def model_weights(
         return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
     if kind == "hf":
         # A pipeline stage reads only its own tensors (the model says which are elsewhere).
-        skip = getattr(model, "checkpoint_tensor_elsewhere", None)
-        lazy = accepts_lazy_weights(model, "load_weights")
+        skip = get_checkpoint_tensor_filter(model)
+        lazy = supports_lazy_weights(model)
         return hf_dir_weights(config.model.model, config.load.load_format, origins, skip, lazy)
     raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
 
@@ -81,14 +86,14 @@ MISSING_WEIGHTS_SHOWN = 10
 
 def check_all_weights_loaded(model: nn.Module, loaded: Iterable[str] | None, source: str) -> None:
     """Raise unless ``loaded`` (what ``model.load_weights`` returned) covers every
-    parameter of ``model`` (``kvloom.models.utils.weights_not_loaded``)."""
+    parameter of ``model`` (``kvloom.models.weights.weights_not_loaded``)."""
     name = type(model).__name__
     if loaded is None:
         raise TypeError(
             f"{name}.load_weights returned None; it must return the set of checkpoint weight names it "
             "loaded (kvloom's model contract), so that kvloom can check that every weight was loaded"
         )
-    stacked = getattr(model, "stacked_params", ())
+    stacked = get_stacked_params(model)
     missing, total = weights_not_loaded(model, loaded, stacked)
     if missing:
         shown = ", ".join(missing[:MISSING_WEIGHTS_SHOWN])

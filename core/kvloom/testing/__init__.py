@@ -17,7 +17,7 @@ EngineArgs``), ``kvloom.interfaces`` and ``kvloom.testing``; the names here are:
 - models (``kvloom.testing.models``): ``load_model`` (a model class built and loaded as
   the engine does) and ``forward_context`` (run a model or ``Attention`` layer outside
   the engine);
-- custom ops (``kvloom.testing.reference``): ``custom_op_reference`` (the torch code a
+- custom ops (``kvloom.testing.custom_ops``): ``custom_op_reference`` (the torch code a
   platform's custom op replaces), ``check_custom_op`` (hold a replacement to the
   contract: bit-identical, or within 2 ulp for the norms), ``lora_delta_reference`` and
   ``fused_moe_reference`` (the float64 definitions of the ``lora_delta`` and ``fused_moe`` ops).
@@ -35,9 +35,11 @@ dependencies):
 - ``kvloom.testing.install``: your distribution pip-installed into a directory
   (``install_distribution``), the environment of a ``kvloom`` subprocess that sees it
   (``plugin_env``), and ``kvloom serve`` for a ``with`` block (``KvloomServer``);
-- ``kvloom.testing.reference``: the float64 reference attention over the paged layout,
-  the random paged batches that tests and benchmarks check backends with, and the
-  references of the custom ops;
+- ``kvloom.testing.reference``: the float64 reference attention over the paged layout and
+  the random paged batches that tests and benchmarks check backends with;
+- ``kvloom.testing.custom_ops``: the custom ops' references and the tolerances
+  ``check_custom_op`` holds them to (``LORA_DELTA_TOLERANCES``, ``FUSED_MOE_TOLERANCES``,
+  ``QK_NORM_ROTARY_TOLERANCES``, ...);
 - ``kvloom.testing.host_sync``: detect host synchronisations in code meant for CUDA
   graphs;
 - ``kvloom.testing.json_schema``: ``schema_errors`` (where a JSON value breaks a schema,
@@ -57,6 +59,7 @@ from kvloom.testing.conformance import (
     run_case,
     run_conformance,
 )
+from kvloom.testing.custom_ops import check_custom_op, custom_op_reference, fused_moe_reference, lora_delta_reference
 from kvloom.testing.engine import ModelRunner, make_worker, resolve_engine_config, run_cli
 from kvloom.testing.models import forward_context, load_model
 from kvloom.testing.plugins import (
@@ -66,7 +69,6 @@ from kvloom.testing.plugins import (
     report_attention_backends,
     select_attention_backend,
 )
-from kvloom.testing.reference import check_custom_op, custom_op_reference, fused_moe_reference, lora_delta_reference
 
 __all__ = [
     "DEFAULT_TOLERANCES",

@@ -20,7 +20,8 @@ import torch
 
 from kvloom.attention.backend import AttentionLayerSpec
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention, MLAMetadataBuilder
+from kvloom.attention.mla_layer import MLAAttention
+from kvloom.attention.mla_metadata import MLAMetadataBuilder
 from kvloom.config import EngineConfig
 from kvloom.platforms.worker import DeviceMemory
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention
+from kvloom.attention.mla_layer import MLAAttention
 from kvloom.compilation.backend import PiecewiseBackend, compile_forward
 from kvloom.compilation.cache import use_compile_cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper

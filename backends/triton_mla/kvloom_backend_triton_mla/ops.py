@@ -198,7 +198,7 @@ def mla_decode(
     else:
         # Never touched with SPLIT=False; any float32 tensors keep the signature uniform.
         partial_out, partial_lse = out, out
-    from kvloom_backend_mla.decode_kernels import mla_decode_kernel, mla_decode_reduce_kernel
+    from kvloom_backend_triton_mla.decode_kernels import mla_decode_kernel, mla_decode_reduce_kernel
 
     block_h = max(MIN_DOT, min(cfg.decode_block_h, next_power_of_2(num_heads)))
     block_l = max(MIN_DOT, next_power_of_2(kv_lora_rank))
@@ -261,7 +261,7 @@ def varlen_causal_attention(
     num_reqs = cu_seqlens_q.shape[0] - 1
     if num_reqs == 0 or max_query_len == 0:
         return out
-    from kvloom_backend_mla.prefill_kernels import varlen_causal_attention_kernel
+    from kvloom_backend_triton_mla.prefill_kernels import varlen_causal_attention_kernel
 
     block_m = cfg.prefill_block_m
     grid = (cdiv(max_query_len, block_m), num_reqs, num_heads)

@@ -47,12 +47,12 @@ class TritonMLABackend(MLAAttentionBackend):
 
     @staticmethod
     def get_impl_cls() -> type[MLAAttentionImpl]:  # type: ignore[override]
-        from kvloom_backend_mla.impl import TritonMLAImpl
+        from kvloom_backend_triton_mla.impl import TritonMLAImpl
 
         return TritonMLAImpl
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        from kvloom_backend_mla.metadata import TritonMLAMetadataBuilder
+        from kvloom_backend_triton_mla.builder import TritonMLAMetadataBuilder
 
         return TritonMLAMetadataBuilder

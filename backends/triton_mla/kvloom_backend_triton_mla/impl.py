@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from kvloom.interfaces import MLAAttentionImpl
-from kvloom_backend_mla import ops
-from kvloom_backend_mla.metadata import TritonMLADecodeMetadata, TritonMLAPrefillMetadata
+from kvloom_backend_triton_mla import ops
+from kvloom_backend_triton_mla.builder import TritonMLADecodeMetadata, TritonMLAPrefillMetadata
 
 
 class TritonMLAImpl(MLAAttentionImpl):

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 from kvloom.testing.mla_decode import make_decode_case
-from kvloom_backend_mla import ops
+from kvloom_backend_triton_mla import ops
 
 from kvloom.testing.reference import attend, relative_error
 

@@ -10,8 +10,8 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from kvloom_backend_mla.backend import TritonMLABackend
-from kvloom_backend_mla.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY, TritonMLAMetadataBuilder
+from kvloom_backend_triton_mla.backend import TritonMLABackend
+from kvloom_backend_triton_mla.builder import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY, TritonMLAMetadataBuilder
 
 from kvloom.interfaces import (
     AttentionCGSupport,
@@ -64,7 +64,7 @@ def test_entry_point_and_declarations() -> None:
 
 
 def test_backend_module_does_not_import_triton() -> None:
-    code = ("import sys; import kvloom_backend_mla.backend; "
+    code = ("import sys; import kvloom_backend_triton_mla.backend; "
             "print(any(m == 'triton' or m.startswith('triton.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

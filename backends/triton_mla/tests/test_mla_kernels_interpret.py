@@ -80,10 +80,10 @@ PREFILL = [
 def _run_worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from kvloom.testing.mla_decode import make_decode_case
-    from kvloom_backend_mla import ops
     from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
+    from kvloom_backend_triton_mla import ops
 
+    from kvloom.testing.mla_decode import make_decode_case
     from kvloom.testing.reference import attend, relative_error
 
     patch_interpreter_scalar_index()
@@ -141,7 +141,7 @@ def _conformance_specs() -> list[tuple[str, str, int]]:
     """(scenario, dtype, block size) of the kit's cases run here: every scenario at fp32
     and fp16 (bf16 is not run in the interpreter), the decode at every block size above."""
     import torch
-    from kvloom_backend_mla.backend import TritonMLABackend
+    from kvloom_backend_triton_mla.backend import TritonMLABackend
 
     from kvloom.testing.conformance import mla_conformance_cases
 
@@ -154,7 +154,7 @@ def _conformance_cases() -> dict[str, dict]:
     import dataclasses
 
     import torch
-    from kvloom_backend_mla.backend import TritonMLABackend
+    from kvloom_backend_triton_mla.backend import TritonMLABackend
 
     from kvloom.interfaces import MLADims
     from kvloom.testing.conformance import mla_conformance_cases
@@ -210,10 +210,10 @@ def _backend_cases() -> dict[str, dict]:
     reference backend) and the float64 reference, on the same inputs."""
     import torch
     from kvloom_backend_cpu.mla import CPUMLABackend
-    from kvloom_backend_mla.backend import TritonMLABackend
-    from kvloom_backend_mla.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
-    from kvloom.testing.mla_decode import make_decode_case
+    from kvloom_backend_triton_mla.backend import TritonMLABackend
+    from kvloom_backend_triton_mla.builder import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
 
+    from kvloom.testing.mla_decode import make_decode_case
     from kvloom.testing.reference import attend, relative_error
 
     results: dict[str, dict] = {}

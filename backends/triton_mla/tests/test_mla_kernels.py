@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvloom_backend_mla import ops
+from kvloom_backend_triton_mla import ops
 
 
 def test_split_plan_fills_one_wave_and_respects_limits() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.interfaces import MLA_DECODE, AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata, MLADims
-from kvloom_backend_mla.ops import MLAKernelConfig, cdiv, plan_num_kv_splits, resolve_config
+from kvloom_backend_triton_mla.ops import MLAKernelConfig, cdiv, plan_num_kv_splits, resolve_config
 
 logger = logging.getLogger(__name__)
 

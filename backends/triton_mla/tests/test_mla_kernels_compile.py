@@ -17,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton")
 aot = pytest.importorskip("kvloom_backend_triton.aot_check")
 
-from kvloom_backend_mla import decode_kernels, ops, prefill_kernels  # noqa: E402
+from kvloom_backend_triton_mla import decode_kernels, ops, prefill_kernels  # noqa: E402
 
 from kvloom.interfaces import min_split_tiles
 
