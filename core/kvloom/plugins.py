@@ -28,6 +28,7 @@ from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
+from kvloom.quantization.method import QuantizationMethod
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
@@ -57,6 +58,7 @@ STAT_LOGGER_PLUGINS = "kvloom.stat_logger_plugins"
 LORA_RESOLVERS = "kvloom.lora_resolvers"
 STRUCTURED_OUTPUT_BACKENDS = "kvloom.structured_output_backends"
 TOOL_PARSERS = "kvloom.tool_parsers"
+QUANTIZATION_METHODS = "kvloom.quantization_methods"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -69,6 +71,8 @@ GROUPS: tuple[PluginGroup, ...] = (
     PluginGroup(STRUCTURED_OUTPUT_BACKENDS, StructuredOutputBackend, unique_names=True, name_attr="name",
                 label="structured-output backends"),  # fmt: skip
     PluginGroup(TOOL_PARSERS, ToolParser, unique_names=True, name_attr="name", label="tool parsers"),
+    PluginGroup(QUANTIZATION_METHODS, QuantizationMethod, unique_names=True, name_attr="NAME",
+                label="quantization methods"),  # fmt: skip
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -166,6 +170,14 @@ def excluded(group: str) -> list[PluginEntry]:
 def attention_backends() -> dict[str, PluginEntry]:
     """Loaded attention backends: NAME -> entry (``.target`` is the class)."""
     return loaded_plugins().by_name(ATTENTION_BACKENDS)
+
+
+# ---------------------------------------------------------------------- quantization methods
+
+
+def quantization_methods() -> dict[str, type[QuantizationMethod]]:
+    """Loaded quantization methods: NAME -> ``QuantizationMethod`` subclass."""
+    return {name: entry.target for name, entry in loaded_plugins().by_name(QUANTIZATION_METHODS).items()}
 
 
 # ---------------------------------------------------------------------- platforms

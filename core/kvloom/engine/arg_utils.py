@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvloom.cudagraph_mode import CUDAGraphMode
-from kvloom.quantization import check_checkpoint_quantization, check_requested_quantization
+from kvloom.quantization.selection import check_requested_quantization
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,9 @@ class EngineArgs(BaseModel):
     )
     max_logprobs: int = Field(20, ge=0, le=20, description="The most logprobs a request may ask per token (0..20).")
     quantization: str | None = Field(
-        None, description="Weight quantization method; none is supported yet (only the default, no quantization)."
+        None, description="Quantization method (vLLM's names): by default the checkpoint's quantization_config "
+        "chooses it; a NAME such as fp8 quantizes an unquantized checkpoint while loading, or picks the method of a "
+        "quantized one; 'none' runs the weights as stored (a GGUF file dequantized)."
     )
     runner: Literal["auto", "generate", "pooling"] = Field("auto", description="Generate text or pool embeddings.")
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(None, description="Pooling for embeddings.")
@@ -448,13 +450,13 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
     from kvloom.loader.model_source import load_hf_config, resolve_model_source
     from kvloom.models.registry import ModelRegistry
+    from kvloom.quantization.selection import quantization_for_engine
 
     plugins.load_plugins()
     platform = plugins.current_platform()
 
     source = resolve_model_source(args.model, args.load_format, tokenizer=args.tokenizer)
     hf_config = load_hf_config(source)
-    check_checkpoint_quantization(hf_config, source.path)
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
 
@@ -505,6 +507,10 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         chat_template=resolve_chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, source.path),
         max_logprobs=args.max_logprobs,
+        quantization=quantization_for_engine(
+            hf_config, args.quantization, platform, dtype, tensor_parallel_size=args.tensor_parallel_size,
+            gguf=source.kind == "gguf", model=source.path,
+        ),
     )
     executor_backend = check_tensor_parallel(args, model)
     if args.trust_remote_code:
