@@ -19,7 +19,6 @@ from kvloom.cudagraph_mode import CUDAGraphMode  # noqa: F401 (re-exported: its 
 from kvloom.platforms.interface import Platform
 from kvloom.quantization.method import QuantizationMethod
 
-
 # ---------------------------------------------------------------------- resolved sections
 
 

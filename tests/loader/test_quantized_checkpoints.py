@@ -117,7 +117,7 @@ def test_the_method_is_chosen_by_the_checkpoint_format_or_the_flag():
     assert choose_method("gguf", NO_QUANTIZATION, {"stub-gguf": reads_gguf}) is None
     with pytest.raises(ValueError, match="'stub-online' does not read.*allowed: stub-fp8"):
         choose_method("fp8", "stub-online", methods)
-    with pytest.raises(ValueError, match="'none' cannot run a checkpoint whose weights are stored quantized with 'fp8'"):
+    with pytest.raises(ValueError, match="'none' cannot run a checkpoint whose weights are stored quantized"):
         choose_method("fp8", NO_QUANTIZATION, methods)
     with pytest.raises(ValueError, match="'stub-fp8' reads checkpoints quantized as fp8.*allowed: stub-online"):
         choose_method(None, "stub-fp8", methods)
@@ -132,7 +132,7 @@ def test_the_chosen_method_must_accept_the_config_and_the_platform():
     with pytest.raises(ValueError, match="'stub-picky': the checkpoint's quantization_config: activation_scheme"):
         resolve_quantization(hf, None, CPU, {"stub-picky": Picky})
     plain = type("Config", (), {})()
-    with pytest.raises(ValueError, match="'stub-online' cannot run this checkpoint on the cpu platform: device type cpu"):
+    with pytest.raises(ValueError, match="'stub-online' cannot run this checkpoint on the cpu platform: device type"):
         resolve_quantization(plain, "stub-online", CPU, {"stub-online": Online})
     cuda = QuantizationSelectorConfig("cuda", torch.bfloat16)
     method = resolve_quantization(plain, "stub-online", cuda, {"stub-online": Online})
@@ -141,10 +141,9 @@ def test_the_chosen_method_must_accept_the_config_and_the_platform():
 
 @pytest.mark.parametrize("value", ["int3", "fp16"])
 def test_an_unknown_quantization_method_is_named_with_the_installed_ones(value):
-    with pytest.raises(ValueError, match=f"quantization: method '{value}' is not a quantization method kvloom knows "
-                                         r"\(installed quantization methods: stub-fp8; or 'none'\)"):  # fmt: skip
-        with installed_quantization_methods(ReadsFp8):
-            create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), quantization=value))
+    expected = rf"method '{value}' is not a quantization method kvloom knows \(installed quantization methods: stub-fp8"
+    with pytest.raises(ValueError, match=expected), installed_quantization_methods(ReadsFp8):
+        create_engine_config(EngineArgs(model=str(tiny_model_dir("llama")), quantization=value))
 
 
 def test_quantization_none_runs_an_unquantized_checkpoint_as_stored():

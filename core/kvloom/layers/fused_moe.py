@@ -36,7 +36,7 @@ into ``w13_weight_scale``), and computes the experts instead of the ``fused_moe`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +168,7 @@ def fused_moe_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    down_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The torch code of the ``fused_moe`` op, HF transformers' arithmetic:
 
@@ -178,6 +179,8 @@ def fused_moe_torch(
     gate/up GEMM, SiLU-and-mul and down GEMM on its rows; the weighted rows are added into
     the output expert by expert (ascending), each product rounded to ``hidden``'s dtype
     first, as HF's ``index_add_``. Reads the group sizes on the host (not for CUDA graphs).
+    ``down_input`` (not part of the op) transforms each expert's down-projection input
+    rows first: a W8A8 quantization method's activation quantization.
     """
     num_tokens, top_k = topk_ids.shape
     intermediate = w2.shape[-1]
@@ -199,6 +202,8 @@ def fused_moe_torch(
         start += count
         gate_up = F.linear(hidden[rows], w13[expert])
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        if down_input is not None:
+            act = down_input(act)
         expert_out = F.linear(act, w2[expert]) * weights[:, None]
         out.index_add_(0, rows, expert_out.to(out.dtype))
     return out
@@ -357,10 +362,11 @@ class FusedMoE(nn.Module):
         rank_start = self.tp_rank * self.intermediate_size
         out = inp = None
         if kind != "down" and layout.output_dim is not None:
-            block = layout.output_block
-            if loaded.dim() <= layout.output_dim or loaded.shape[layout.output_dim] != cdiv(self.full_intermediate_size, block):
-                raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected "
-                                 f"{cdiv(self.full_intermediate_size, block)} entries along dim {layout.output_dim}")  # fmt: skip
+            block, dim = layout.output_block, layout.output_dim
+            expected = cdiv(self.full_intermediate_size, block)
+            if loaded.dim() <= dim or loaded.shape[dim] != expected:
+                raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected} "
+                                 f"entries along dim {dim}")  # fmt: skip
             dst = cdiv(self.intermediate_size, block) if kind == "up" else 0
             out = Span(rank_start, self.intermediate_size, dst)
         if kind == "down" and layout.input_dim is not None and self.tp_size > 1:

@@ -127,7 +127,8 @@ def load_region(
     handle. A span that does not start on a block or a shape that does not fit is a
     ``ValueError`` naming ``what``."""
     src, dst = loaded, target
-    for dim, span, block in ((layout.output_dim, out, layout.output_block), (layout.input_dim, inp, layout.input_block)):
+    dims = ((layout.output_dim, out, layout.output_block), (layout.input_dim, inp, layout.input_block))
+    for dim, span, block in dims:
         if dim is None or span is None:
             continue
         if span.src_start % block:

@@ -124,7 +124,8 @@ def choose_method(
         if checkpoint_format not in (None, GGUF_FORMAT):
             raise ValueError(f"{where}quantization: {NO_QUANTIZATION!r} cannot run a checkpoint whose weights are "
                              f"stored quantized with {checkpoint_format!r} (config.json's quantization_config); "
-                             f"allowed: {', '.join(_claiming(checkpoint_format, methods)) or 'no --quantization'}")  # fmt: skip
+                             f"allowed: {', '.join(_claiming(checkpoint_format, methods)) or 'no --quantization'}"
+                             )  # fmt: skip
         return None
     if checkpoint_format is None:
         if requested is None:
