@@ -30,13 +30,23 @@ Python, in a method package's tests::
         check_quantization_case(METHOD, case)
 
 ``run_quantization_conformance(method)`` runs every case and returns the results.
+
+Whole checkpoints: ``write_quantized_checkpoint(src, dst, method, quantization_config)``
+writes an HF checkpoint's projections and experts in the method's format (its writer;
+the router, norms, embedding and LM head stay float, as the published checkpoints keep
+them), for end-to-end tests of a tiny model.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +58,7 @@ from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.loader.model_loader import default_dtype
 from kvloom.quantization.context import building_model
-from kvloom.quantization.method import LayerKind, QuantizationMethod
+from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod
 
 __all__ = [
     "DEFAULT_QUANT_TOLERANCES",
@@ -56,6 +66,7 @@ __all__ = [
     "check_quantization_case",
     "quantization_cases",
     "run_quantization_conformance",
+    "write_quantized_checkpoint",
 ]
 
 #: Forward tolerances (relative Frobenius error) by layer kind and dtype. Experts quantize
@@ -286,3 +297,45 @@ def run_quantization_conformance(method: QuantizationMethod) -> dict[str, str]:
         except AssertionError as exc:
             results[str(case)] = f"FAILED: {exc}"
     return results
+
+
+#: Checkpoint names of the projections a quantized checkpoint stores quantized: attention
+#: and MLP projections (``*_proj.weight``; not a router, ``mlp.gate``) and experts.
+_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.\w+\.weight$")
+_PROJECTION = re.compile(r"^(?P<module>.+_proj)\.weight$")
+
+
+def write_quantized_checkpoint(
+    src: str | Path, dst: str | Path, method: QuantizationMethod, quantization_config: dict[str, Any] | None
+) -> Path:
+    """Copy the HF checkpoint ``src`` (one ``model.safetensors``, tokenizer and config files)
+    to ``dst`` with every projection the method quantizes (``layer_method`` of its
+    ``Linear``, or ``FusedMoE`` for experts) replaced by the tensors of its format writer
+    (``checkpoint_tensors``), and ``quantization_config`` in ``config.json`` (left out when
+    ``None``). Returns ``dst``."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, weight in load_file(src / "model.safetensors").items():
+        if (match := _EXPERT.match(name)) is not None and LayerKind.FUSED_MOE in method.layer_kinds:
+            info_kind, module = LayerKind.FUSED_MOE, match["module"]
+        elif (match := _PROJECTION.match(name)) is not None and LayerKind.LINEAR in method.layer_kinds:
+            info_kind, module = LayerKind.LINEAR, match["module"]
+        else:
+            tensors[name] = weight
+            continue
+        info = LayerInfo(info_kind, module, (module,), weight.shape[1], (weight.shape[0],))
+        layer = method.layer_method(info)
+        if layer is None:
+            tensors[name] = weight
+            continue
+        base = name.removesuffix(".weight")
+        tensors.update({f"{base}.{suffix}": t.contiguous() for suffix, t in layer.checkpoint_tensors(weight).items()})
+    save_file(tensors, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

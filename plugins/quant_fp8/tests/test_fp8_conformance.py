@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvloom_quant_fp8 import Fp8Method
+from kvloom_quant_fp8.ops import fake_quantize_activation, quantize_weight
 
 from kvloom.interfaces import LayerInfo, LayerKind
 from kvloom.testing.quantization import check_quantization_case, quantization_cases
-from kvloom_quant_fp8 import Fp8Method
-from kvloom_quant_fp8.ops import fake_quantize_activation, quantize_weight
 
 CONFIGS = {
     "online": None,
