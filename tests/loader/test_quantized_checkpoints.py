@@ -187,3 +187,11 @@ def test_a_model_class_may_declare_tensors_ignorable(tmp_path, monkeypatch):
     _with_extra_tensor(model_dir, "model.layers.0.self_attn.rotary_emb.inv_freq")
     with pytest.raises(UnusedCheckpointTensorsError, match="inv_freq"):
         get_model(config, "cpu")
+
+
+@pytest.mark.parametrize("value", ["fp8", ["fp8"], {"bits": 4}])
+def test_a_malformed_quantization_config_is_an_error_naming_it(tmp_path, value):
+    model_dir = _copy_model(tmp_path / "model")
+    _with_quantization_config(model_dir, value)
+    with pytest.raises(ValueError, match="quantization_config"):
+        create_engine_config(EngineArgs(model=str(model_dir), dtype="float32"))

@@ -70,7 +70,9 @@ def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
         if quant is None:
             continue
         if not isinstance(quant, dict):
-            quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+            if not hasattr(quant, "to_dict"):
+                raise ValueError(f"quantization_config must be an object (a JSON dict), got {type(quant).__name__}")
+            quant = quant.to_dict()
         return dict(quant)
     return None
 

@@ -54,6 +54,8 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Fp8
         raise ValueError(f"{where}.format: {fmt!r} is not supported (allowed: {', '.join(FORMATS)}; int4 and mxfp4 "
                          "formats need a kvloom quantization method that reads them)")  # fmt: skip
     weights = group.get("weights") or {}
+    if not isinstance(weights, dict):
+        raise ValueError(f"{where}.weights: {weights!r} (allowed: an object)")
     _fp8_args(weights, f"{where}.weights")
     strategy = weights.get("strategy")
     if strategy not in WEIGHT_STRATEGIES:
@@ -70,6 +72,8 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Fp8
     acts = group.get("input_activations")
     activations = None
     if acts is not None:
+        if not isinstance(acts, dict):
+            raise ValueError(f"{where}.input_activations: {acts!r} (allowed: an object or null)")
         _fp8_args(acts, f"{where}.input_activations")
         kind = (acts.get("strategy"), bool(acts.get("dynamic")))
         activations = {("token", True): "token", ("group", True): "group", ("tensor", False): "tensor"}.get(kind)
@@ -113,13 +117,19 @@ class CompressedTensorsMethod(QuantizationMethod):
             if config.get(field):
                 raise ValueError(f"{field}: {config[field]!r} is not supported yet (allowed: none)")
         groups = config.get("config_groups") or {}
-        if not groups:
-            raise ValueError("config_groups: none given (allowed: at least one group)")
+        if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+            raise ValueError(f"config_groups: {groups!r} (allowed: a dict of at least one group, each a dict)")
+        for name, group in groups.items():
+            targets = group.get("targets")
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise ValueError(f"config_groups.{name}.targets: {targets!r} (allowed: a list of names)")
         self.groups = [
             ConfigGroup(name, tuple(group.get("targets") or ()), _scheme(name, group, config.get("format")))
             for name, group in groups.items()
         ]
-        self.ignore: list[str] = list(config.get("ignore") or [])
+        self.ignore: list[str] = config.get("ignore") or []
+        if not isinstance(self.ignore, list) or not all(isinstance(n, str) for n in self.ignore):
+            raise ValueError(f"ignore: {self.ignore!r} (allowed: a list of module names or re: expressions)")
 
     def _group_of(self, module: str) -> ConfigGroup | None:
         """The group that takes checkpoint module ``module`` (None: ignored or untargeted)."""

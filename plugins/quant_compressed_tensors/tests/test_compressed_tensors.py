@@ -136,7 +136,10 @@ def test_conformance(scheme: str, case) -> None:
         ({"format": "pack-quantized"}, "format: 'pack-quantized' is not supported"),
         ({"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
         ({"quantization_status": "frozen"}, "quantization_status: 'frozen'"),
-        ({"config_groups": {}}, "config_groups: none given"),
+        ({"config_groups": {}}, "config_groups: {}"),
+        ({"config_groups": ["Linear"]}, "config_groups: \\['Linear'\\]"),
+        ({"config_groups": {"g": {"targets": "Linear", "weights": {}}}}, "config_groups.g.targets"),
+        ({"ignore": "lm_head"}, "ignore: 'lm_head'"),
     ],
 )
 def test_what_it_does_not_read_is_refused_naming_the_field(change, message) -> None:

@@ -67,9 +67,12 @@ class Fp8Method(QuantizationMethod):
     def __init__(self, quantization_config: dict[str, Any] | None) -> None:
         super().__init__(quantization_config)
         config = self.quantization_config
-        self.ignored: list[str] = list(config.get("ignored_layers") or []) + list(
-            config.get("modules_to_not_convert") or []
-        )
+        self.ignored: list[str] = []
+        for field in ("ignored_layers", "modules_to_not_convert"):
+            names = config.get(field) or []
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"{field}: {names!r} (allowed: a list of module names)")
+            self.ignored += names
         if quantization_config is None:
             self.scheme = Fp8Scheme("channel", "token", online=True)
             return

@@ -67,6 +67,8 @@ def test_block_scales_cover_partial_blocks() -> None:
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt: 'e5m2' is not supported"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
         ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "'static' with"),
+        ({"quant_method": "fp8", "weight_block_size": "128"}, "weight_block_size: '128'"),
+        ({"quant_method": "fp8", "ignored_layers": "lm_head"}, "ignored_layers: 'lm_head'"),
     ],
 )
 def test_configs_it_does_not_run_are_refused_naming_the_field(config, message) -> None:
