@@ -18,7 +18,7 @@ from kvloom.attention.backend import AttentionBackend
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_property
 from kvloom.platforms.interface import Platform
-
+from kvloom.quantization.method import QuantizationMethod
 
 # ---------------------------------------------------------------------- resolved sections
 
@@ -78,6 +78,11 @@ class ModelConfig(_Section):
     top_p, top_k, min_p, repetition_penalty, max_tokens)."""
     max_logprobs: int = Field(20, ge=0)
     """The most logprobs a request may ask per token (``--max-logprobs``)."""
+    quantization: QuantizationMethod | None = None
+    """The quantization method that runs the weights (built from the checkpoint's
+    ``quantization_config``, or ``--quantization``; ``kvloom.quantization.selection``), or
+    None: the weights run as stored (a GGUF file dequantized). Layers get their part of
+    it while the model is built (``kvloom.quantization.context``)."""
 
     def _text_config(self) -> Any:
         return getattr(self.hf_config, "text_config", None) or self.hf_config

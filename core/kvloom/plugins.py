@@ -24,13 +24,14 @@ from kvloom.config import EngineConfig
 from kvloom.entrypoint_plugin import EndpointPlugin
 from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
 from kvloom.io_processor import IOProcessor
+from kvloom.logits_processor import LogitsProcessor
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
+from kvloom.quantization.method import QuantizationMethod
 from kvloom.reasoning.base import ReasoningParser
-from kvloom.logits_processor import LogitsProcessor
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
@@ -63,6 +64,7 @@ TOOL_PARSERS = "kvloom.tool_parsers"
 REASONING_PARSERS = "kvloom.reasoning_parsers"
 LOGITS_PROCESSORS = "kvloom.logits_processors"
 ENDPOINT_PLUGINS = "kvloom.endpoint_plugins"
+QUANTIZATION_METHODS = "kvloom.quantization_methods"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -80,6 +82,8 @@ GROUPS: tuple[PluginGroup, ...] = (
     # Routes widen what a server exposes: loaded only when KVLOOM_PLUGINS names them.
     PluginGroup(ENDPOINT_PLUGINS, EndpointPlugin, unique_names=True, name_attr="name", label="endpoint plugins",
                 opt_in=True),
+    PluginGroup(QUANTIZATION_METHODS, QuantizationMethod, unique_names=True, name_attr="NAME",
+                label="quantization methods"),  # fmt: skip
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -177,6 +181,14 @@ def excluded(group: str) -> list[PluginEntry]:
 def attention_backends() -> dict[str, PluginEntry]:
     """Loaded attention backends: NAME -> entry (``.target`` is the class)."""
     return loaded_plugins().by_name(ATTENTION_BACKENDS)
+
+
+# ---------------------------------------------------------------------- quantization methods
+
+
+def quantization_methods() -> dict[str, type[QuantizationMethod]]:
+    """Loaded quantization methods: NAME -> ``QuantizationMethod`` subclass."""
+    return {name: entry.target for name, entry in loaded_plugins().by_name(QUANTIZATION_METHODS).items()}
 
 
 # ---------------------------------------------------------------------- platforms

@@ -123,9 +123,10 @@ class MLAAttention(nn.Module):
     # ------------------------------------------------------------------ weights
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_UK [H, qk_nope, L], W_UV [H, v, L])``: views of ``kv_b_proj.weight``
-        (``[H * (qk_nope + v), L]``), so they always follow the loaded weights."""
+        (``[H * (qk_nope + v), L]``), so they always follow the loaded weights (of a
+        quantized ``kv_b_proj``, its dequantized weight)."""
         d = self.dims
-        w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        w = self.kv_b_proj.dequantized_weight().view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         return w[:, : d.qk_nope_head_dim], w[:, d.qk_nope_head_dim :]
 
     # ------------------------------------------------------------------ forward

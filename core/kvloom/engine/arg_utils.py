@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvloom.cudagraph_mode import CUDAGraphMode
-from kvloom.quantization import check_requested_quantization
+from kvloom.quantization.selection import check_requested_quantization
 from kvloom.structured_output.options import (
     check_structured_outputs_config,
     structured_outputs_options,
@@ -74,7 +74,9 @@ class EngineArgs(BaseModel):
     )
     max_logprobs: int = Field(20, ge=0, le=20, description="The most logprobs a request may ask per token (0..20).")
     quantization: str | None = Field(
-        None, description="Weight quantization method; none is supported yet (only the default, no quantization)."
+        None, description="Quantization method (vLLM's names): by default the checkpoint's quantization_config "
+        "chooses it; a NAME such as fp8 quantizes an unquantized checkpoint while loading, or picks the method of a "
+        "quantized one; 'none' runs the weights as stored (a GGUF file dequantized)."
     )
     runner: Literal["auto", "generate", "pooling"] = Field("auto", description="Generate text or pool embeddings.")
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(None, description="Pooling for embeddings.")

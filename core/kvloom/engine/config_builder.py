@@ -50,7 +50,7 @@ from kvloom.loader.generation_config import generation_defaults, resolve_chat_te
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.llama import sliding_window_of
 from kvloom.models.registry import ModelRegistry, is_classification_architecture
-from kvloom.quantization import check_checkpoint_quantization
+from kvloom.quantization.selection import quantization_for_engine
 from kvloom.structured_output.options import structured_outputs_config
 
 if TYPE_CHECKING:
@@ -118,7 +118,6 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
     """The model section, and the longest ``max_model_len`` the model allows (its own
     limit, capped by a sliding window): the platform and plugins may not go past it."""
     hf_config = load_hf_config(source)
-    check_checkpoint_quantization(hf_config, source.path)
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
     dtype = resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name)
@@ -144,6 +143,10 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
         chat_template=resolve_chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, source.path),
         max_logprobs=args.max_logprobs,
+        quantization=quantization_for_engine(
+            hf_config, args.quantization, platform, dtype, tensor_parallel_size=args.tensor_parallel_size,
+            gguf=source.kind == "gguf", model=source.path,
+        ),
     )
     return model, model_limit
 

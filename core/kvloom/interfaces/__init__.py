@@ -47,7 +47,13 @@ example packages):
   ``PrefixCacheStats``, ``IterationStats``, ``FinishedRequestStats``;
 - LoRA resolvers: ``LoRAResolver``, ``LoRARequest``, ``read_adapter_config``,
   ``validate_adapter_config``, ``LoRAAdapterError`` (the ``ValueError`` those two raise),
-  ``ADAPTER_CONFIG_FILE``.
+  ``ADAPTER_CONFIG_FILE``;
+- quantization methods (``docs/quantization.md``): ``QuantizationMethod`` (declarations,
+  ``validate``, ``layer_method``), ``QuantizationSelectorConfig``, ``LayerKind``,
+  ``LayerInfo``; per layer ``LayerQuantMethod`` and its kinds ``LinearQuantMethod``,
+  ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
+  ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
+  code of the experts for a method's own weights: ``fused_moe_torch``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -108,6 +114,7 @@ from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
+from kvloom.layers.fused_moe import fused_moe_torch
 from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
@@ -122,6 +129,16 @@ from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.platforms.worker import ModelRunnerProtocol, Worker, WorkerBase
 from kvloom.plugins import PLUGIN_API_VERSION
+from kvloom.quantization.layer_methods import (
+    EmbeddingQuantMethod,
+    FusedMoEQuantMethod,
+    LayerQuantMethod,
+    LinearQuantMethod,
+    ParamLayout,
+    add_quantized_parameter,
+    remove_quantized_parameter,
+)
+from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod, QuantizationSelectorConfig
 from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
@@ -206,6 +223,19 @@ __all__ = [
     "read_adapter_config",
     "validate_adapter_config",
     "write_kv_default_layout",
+    # quantization methods
+    "EmbeddingQuantMethod",
+    "FusedMoEQuantMethod",
+    "LayerInfo",
+    "LayerKind",
+    "LayerQuantMethod",
+    "LinearQuantMethod",
+    "ParamLayout",
+    "QuantizationMethod",
+    "QuantizationSelectorConfig",
+    "add_quantized_parameter",
+    "fused_moe_torch",
+    "remove_quantized_parameter",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):

@@ -11,6 +11,12 @@ are ``torch.empty``), then filled from the model source:
 * ``load_format == "dummy"``: random weights made on the device from ``model.seed``
   (the parameters are this rank's shards already: nothing else is made).
 
+A quantized model (``config.model.quantization``) is built inside the quantization's
+build context, so that its layers create the method's parameters
+(``kvloom.quantization.context``); checkpoint tensors such as ``weight_scale`` or
+``qweight`` then load into them by name like any weight, and once every weight is in,
+each quantized layer's method repacks its parameters (``process_weights_after_loading``).
+
 ``load_weights`` returns the names it loaded; every parameter must be among them (a
 model that loads too little is an error naming the weights, as in vLLM), except with
 dummy weights.
@@ -39,6 +45,7 @@ from kvloom.models.interface import (
 )
 from kvloom.models.registry import ModelRegistry
 from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
+from kvloom.quantization.context import building_model, process_weights_after_loading
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +167,16 @@ def _layer_ops(config: EngineConfig) -> dict[str, Callable[..., object]]:
     return ops
 
 
+def construct_model(model_cls: type[nn.Module], config: EngineConfig, device: torch.device) -> nn.Module:
+    """``model_cls(config)`` on ``device`` in the model dtype, its layers quantized by
+    ``config.model.quantization`` (parameters uninitialised)."""
+    stacked = getattr(model_cls, "stacked_params", ())
+    with default_dtype(config.model.dtype), device, building_model(config.model.quantization, stacked):
+        model = model_cls(config)
+    # Layers that allocate in their own way (or out-of-tree models) end up here too.
+    return model.to(device=device)
+
+
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     """The model of ``config`` on ``device`` in ``config.model.dtype``, weights loaded, in eval mode."""
     device = torch.device(device)
@@ -169,10 +186,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     model_cls = ModelRegistry.load_model_cls(architecture)
     start = time.perf_counter()
     set_custom_ops(_layer_ops(config))
-    with default_dtype(config.model.dtype), device:
-        model = model_cls(config)
-    # Layers that allocate in their own way (or out-of-tree models) end up here too.
-    model = model.to(device=device)
+    model = construct_model(model_cls, config, device)
     if config.load.load_format == "dummy":
         initialize_dummy_weights(model, seed=config.model.seed)
         source = "dummy weights"
@@ -186,6 +200,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
             files = [str(origins[name]) for name in exc.names if name in origins] or [source]
             raise UnusedCheckpointTensorsError(type(model).__name__, exc.names, files) from None
         check_all_weights_loaded(model, loaded, source)
+    process_weights_after_loading(model)
     model.eval()
     model.requires_grad_(False)
     logger.info(

@@ -122,11 +122,25 @@ def gguf_hf_dir(gguf_path: str | Path) -> Path:
     return out
 
 
+def _check_quantization_config(config_file: Path) -> None:
+    """transformers fails with an AttributeError on a ``quantization_config`` that is not an
+    object: say what is wrong instead."""
+    try:
+        quant = json.loads(config_file.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # a missing or unreadable config.json: AutoConfig says so
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"model: {config_file}'s quantization_config must be an object (a JSON dict), got "
+                         f"{type(quant).__name__} {quant!r}")  # fmt: skip
+
+
 def load_hf_config(source: ModelSource) -> Any:
     """The transformers config of the model (architecture, sizes, rope, dtype)."""
     from transformers import AutoConfig
 
     config_dir = gguf_hf_dir(source.path) if source.is_gguf else Path(source.path)
+    if not source.is_gguf:
+        _check_quantization_config(config_dir / "config.json")
     try:
         config = AutoConfig.from_pretrained(config_dir)
     except (ValueError, KeyError) as e:

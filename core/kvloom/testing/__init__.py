@@ -9,7 +9,8 @@ EngineArgs``), ``kvloom.interfaces`` and ``kvloom.testing``; the names here are:
   ``ConformanceReport``, ``DEFAULT_TOLERANCES``;
 - plugins in a test (``kvloom.testing.plugins``): ``fresh_plugins`` (load them afresh
   under the test's environment), ``installed_backend`` / ``active_platform`` (a class
-  looks installed, or is the active platform), ``select_attention_backend`` /
+  looks installed, or is the active platform), ``installed_quantization_methods`` (exactly
+  these quantization methods look installed), ``select_attention_backend`` /
   ``report_attention_backends`` (what selection does, among given backend classes);
 - the engine (``kvloom.testing.engine``): ``resolve_engine_config`` (the config the
   engine would run with), ``make_worker`` (a platform's worker as the engine builds it,
@@ -47,6 +48,12 @@ dependencies):
 - ``kvloom.testing.face`` and ``.face_rules``: the plugin API's face read from the live
   modules and its record, ``kvloom/interfaces/face.json`` (``python -m kvloom.testing.face
   --write``), and the rules a change of it follows (docs/plugins.md, "Compatibility").
+- ``kvloom.testing.quantization``: the quantization-method conformance kit
+  (``quantization_cases``, ``check_quantization_case``, ``run_quantization_conformance``)
+  and ``write_quantized_checkpoint`` (a tiny checkpoint in a method's format);
+- ``kvloom.testing.quantization_reference``: HF transformers on dequantized weights with
+  quantized activations (``hf_logits_quantized``, ``reference_fp8``,
+  ``assert_greedy_matches_reference``).
 """
 
 from kvloom.testing.conformance import (
@@ -66,6 +73,7 @@ from kvloom.testing.plugins import (
     active_platform,
     fresh_plugins,
     installed_backend,
+    installed_quantization_methods,
     report_attention_backends,
     select_attention_backend,
 )
@@ -85,6 +93,7 @@ __all__ = [
     "fresh_plugins",
     "fused_moe_reference",
     "installed_backend",
+    "installed_quantization_methods",
     "load_model",
     "lora_delta_reference",
     "make_worker",

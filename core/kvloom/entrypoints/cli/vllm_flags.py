@@ -52,7 +52,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _works("--seed", "1"),
     _works("--load-format", "safetensors"),
     _works("--trust-remote-code", note="accepted; kvloom runs no code from model repositories"),
-    _not_yet("--quantization", "fp8", note="every method: kvloom runs unquantized checkpoints (and GGUF, dequantized)"),
+    _works("--quantization", "none", note="fp8 (online, and fp8 checkpoints) and compressed-tensors (fp8 formats) "
+           "through the quantization-method plugins kvloom-quant-fp8 / kvloom-quant-compressed-tensors; a quantized "
+           "checkpoint's quantization_config chooses its method without the flag; none keeps weights as stored "
+           "(GGUF dequantized); docs/quantization.md"),
     _works("--generation-config", "vllm"),
     _works("--chat-template", "{{ messages }}"),
     _works("--max-logprobs", "5"),
