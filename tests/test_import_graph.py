@@ -162,13 +162,15 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 #: The one cycle of the type graph, and why it stays: pydantic validates the config's
 #: ``type[AttentionBackend]`` and ``type[Platform]`` fields at run time, so the config imports
 #: the contracts, and the contracts name ``EngineConfig`` in their signatures (type-only).
-#: The other members are on the way: ``ModelConfig.mla_dims`` builds an ``MLADims``
-#: (``attention.mla``, which pulls in the linear layers and ``parallel_state``, which names
-#: ``Platform``), and ``Platform.get_worker_cls`` names ``WorkerBase``.
+#: The quantization contract is a config field too (``ModelConfig.quantization``), and names
+#: the layers it quantizes. The other members are on the way: ``ModelConfig.mla_dims``
+#: builds an ``MLADims`` (``attention.mla_backend``), ``parallel_state`` names ``Platform``,
+#: and ``Platform.get_worker_cls`` names ``WorkerBase`` (``platforms.worker``).
 CONFIG_RING = frozenset({
-    "kvloom.config", "kvloom.attention.backend", "kvloom.platforms", "kvloom.platforms.interface",
-    "kvloom.attention.mla", "kvloom.layers", "kvloom.layers.linear", "kvloom.layers.vocab_embedding",
-    "kvloom.distributed.parallel_state", "kvloom.platforms.worker",
+    "kvloom.config", "kvloom.attention.backend", "kvloom.attention.mla_backend", "kvloom.platforms",
+    "kvloom.platforms.interface", "kvloom.platforms.worker", "kvloom.distributed.parallel_state",
+    "kvloom.layers", "kvloom.layers.fused_moe", "kvloom.layers.linear", "kvloom.layers.vocab_embedding",
+    "kvloom.quantization.context", "kvloom.quantization.layer_methods", "kvloom.quantization.method",
 })  # fmt: skip
 #: What makes the ring a ring: without these, CONFIG_RING lists a cycle that is not there.
 CONFIG_RING_CORE = frozenset({"kvloom.config", "kvloom.attention.backend", "kvloom.platforms.interface"})
