@@ -12,7 +12,8 @@
   49k-token vocabulary), so the dequantized tensors of files up to
   ``GGUF_WEIGHT_CACHE_MAX_BYTES`` are cached once as safetensors next to the converted
   config (``model_source.gguf_cache_dir``); ``KVLOOM_GGUF_WEIGHT_CACHE=0`` turns the
-  cache off. The cache is keyed by the file's path, size and mtime.
+  cache off. The cache is keyed by the file's content (``gguf_metadata.gguf_cache_dir``):
+  one copy per file, whichever environment or path reads it.
 """
 
 from __future__ import annotations
