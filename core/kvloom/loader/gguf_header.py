@@ -20,8 +20,11 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -151,3 +154,24 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     data_offset = (table_end + alignment - 1) // alignment * alignment
     return GGUFHeader(metadata, tuple(tensors), data_offset)
+
+
+def tensor_data(mapped: np.ndarray, header: GGUFHeader, info: GGUFTensorInfo) -> np.ndarray:
+    """The stored data of one tensor, a view of ``mapped`` (the file as a ``uint8`` memory
+    map), shaped as gguf-py's reader shapes it for ``gguf.quants.dequantize``: plain types
+    as their values (torch order), block-quantized ones as bytes, ``[..., bytes per row]``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
+
+    ggml_type = GGMLQuantizationType(info.ggml_type)
+    start = header.data_offset + info.offset
+    plain = _PLAIN_DTYPES.get(ggml_type.name)
+    if plain is not None:
+        return mapped[start : start + prod(info.shape) * plain.itemsize].view(plain).reshape(info.shape)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    nbytes = prod(info.shape) * type_size // block_size
+    return mapped[start : start + nbytes].reshape(quant_shape_to_byte_shape(info.shape, ggml_type))
+
+
+#: ggml types stored as plain numpy values (the others are blocks of bytes).
+_PLAIN_DTYPES = {name: np.dtype(dtype) for name, dtype in (("F32", np.float32), ("F16", np.float16),
+                 ("F64", np.float64), ("I8", np.int8), ("I16", np.int16), ("I32", np.int32), ("I64", np.int64))}  # fmt: skip
