@@ -273,3 +273,14 @@ def test_build_stat_loggers_rejects_non_stat_logger_plugin(fake_registry: dict) 
 def test_build_stat_loggers_rejects_bad_factory(fake_registry: dict) -> None:
     with pytest.raises(TypeError, match="not a StatLoggerBase"):
         build_stat_loggers(make_config(), custom_factories=[_NotALogger])
+
+
+def test_no_created_series(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prometheus_client adds a ``*_created`` series to every counter and histogram unless
+    told not to; vLLM's /metrics has none, and neither has kvloom's."""
+    import prometheus_client
+
+    prometheus_client.enable_created_metrics()  # as a fresh process starts
+    logger = PrometheusStatLogger(make_config(served_model_name="m1"))
+    text = generate_latest(logger.registry).decode()
+    assert "kvloom:prompt_tokens_total" in text and "_created" not in text

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloom import plugins
@@ -218,6 +219,9 @@ class PrometheusStatLogger(StatLoggerBase):
         count_engine_events: bool = True,
     ) -> None:
         super().__init__(config, engine_index)
+        # No "<counter>_created" series beside every counter and histogram: vLLM turns them
+        # off too, and they double the size of /metrics for a timestamp nobody graphs.
+        prometheus_client.disable_created_metrics()
         self.count_engine_events = count_engine_events
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = config.model.served_model_name
