@@ -128,3 +128,27 @@ def test_generate_runs_the_engine_core_in_its_own_process_only_when_asked(monkey
     monkeypatch.delenv("KVLOOM_ENABLE_MULTIPROCESSING")
     run_cli(["generate", "--prompt", "hi", "--data-parallel-size", "2"])
     assert seen == ["0", "1", None]
+
+
+def test_offline_commands_take_the_model_as_a_positional_argument(monkeypatch, capsys):
+    """As ``kvloom serve MODEL`` (and vLLM's commands) do: generate, chat and bench throughput."""
+    from kvloom.entrypoints.cli import bench_throughput
+
+    models = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            models.append(kwargs["model"])
+            raise RuntimeError("stop")
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    monkeypatch.setattr(bench_throughput, "run_throughput", lambda kwargs, *rest: models.append(kwargs["model"]) or {})
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    run_cli(["generate", "/m/gen", "--prompt", "hi"])
+    run_cli(["chat", "/m/chat"])
+    run_cli(["bench", "throughput", "/m/bench", "--num-prompts", "1"])
+    run_cli(["generate", "--model", "/m/flag", "--prompt", "hi"])
+    assert models == ["/m/gen", "/m/chat", "/m/bench", "/m/flag"]
+    capsys.readouterr()
+    assert run_cli(["generate", "/m/a", "--model", "/m/b", "--prompt", "hi"]) != 0
+    assert "MODEL '/m/a' and --model '/m/b' disagree" in capsys.readouterr().err

@@ -157,7 +157,11 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field: FieldInfo) -> N
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """Add one flag per ``EngineArgs`` field (except those in ``skip``) to ``parser``."""
+    """Add one flag per ``EngineArgs`` field (except those in ``skip``) to ``parser``, and
+    the model as an optional positional argument, as ``vllm serve MODEL`` takes it."""
+    if "model" not in skip:
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                            help="The model (same as --model): a folder, a .gguf file or a Hugging Face Hub id.")
     group = parser.add_argument_group("engine arguments", "Options of kvloom.config.EngineArgs.")
     for name, field in EngineArgs.model_fields.items():
         if name not in skip:
@@ -166,12 +170,18 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
 
 
 def engine_args_from_namespace(namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:
-    """``EngineArgs`` from the flags present in ``namespace`` (plus ``overrides``).
+    """``EngineArgs`` from the flags present in ``namespace`` (plus ``overrides``); the
+    positional MODEL stands for ``--model``.
 
     A ``ValidationError`` is re-raised as ``ValueError`` whose message names each bad flag
     and what it allows.
     """
     values = {name: getattr(namespace, name) for name in EngineArgs.model_fields if hasattr(namespace, name)}
+    tag = getattr(namespace, "model_tag", None)
+    if tag is not None:
+        if values.get("model") not in (None, tag):
+            raise ValueError(f"MODEL {tag!r} and --model {values['model']!r} disagree; give one of them")
+        values["model"] = tag
     values.update(overrides)
     try:
         return EngineArgs(**values)

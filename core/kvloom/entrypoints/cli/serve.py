@@ -47,7 +47,6 @@ def register_subparser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model to serve (same as --model).")
     server = parser.add_argument_group("server arguments")
     server.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0, all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
@@ -166,11 +165,6 @@ def run(args: argparse.Namespace) -> int:
     from kvloom.entrypoints.openai.launcher import bind_listening_socket
 
     parser: argparse.ArgumentParser = args.parser
-    overrides = {}
-    if args.model_tag is not None:
-        if getattr(args, "model", args.model_tag) != args.model_tag:
-            parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one of them")
-        overrides["model"] = args.model_tag
     if not 0 < args.port < 65536:
         parser.error(f"--port: {args.port} is out of range (allowed: 1..65535)")
     if not 1 <= args.api_server_count <= MAX_API_SERVER_COUNT:
@@ -179,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"--api-server-count {args.api_server_count}: the API servers share engine cores in processes of "
                      f"their own, and {MULTIPROCESSING_ENV}=0 asks for the engine core in this process")  # fmt: skip
     try:
-        engine_args = engine_args_from_namespace(args, **overrides)
+        engine_args = engine_args_from_namespace(args)
         limits = ServerLimits(
             max_request_body_bytes=args.max_request_body_bytes,
             max_sequences_per_request=args.max_sequences_per_request,
