@@ -109,7 +109,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _not_yet("--cpu-offload-gb", "4"),
     _not_yet("--calculate-kv-scales"),
     _not_yet("--preemption-mode", "swap"),
-    _works("--distributed-executor-backend", "mp", note="uni or mp; ray is not built yet"),
+    _works("--distributed-executor-backend", "mp", note="uni, mp or ray (pip install 'kvloom[ray]')"),
     _not_yet("--enable-expert-parallel"),
     _not_yet("--data-parallel-size-local", "1"),
     _not_yet("--data-parallel-address", "127.0.0.1"),
