@@ -97,3 +97,19 @@ def test_capture_sizes():
     assert _default_capture_sizes(256, 600, 8192)[-2:] == [592, 600]
     assert _default_capture_sizes(256, None, 100)[-1] == 100  # at most max_num_batched_tokens
     assert _resolve(cudagraph_capture_sizes=[1, 64, 576, 9000]).cudagraph_capture_sizes == [1, 64, 576]
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_levels_that_change_nothing_say_so(level, caplog):
+    """On a platform without default compilation or CUDA graphs (the CPU) -O1..-O3 run as -O0: the log says so."""
+    with caplog.at_level("INFO", logger="kvloom.engine.compile_config"):
+        c = _resolve(platform=HostPlatform, optimization_level=level)
+    assert (c.compile_model, c.cudagraph_mode) == (False, M.NONE)
+    assert (f"-O{level} runs the model eagerly here, as -O0 does: torch.compile is off by default on cpu-like "
+            "(--torch-compile turns it on); cpu-like has no CUDA graphs") in caplog.text  # fmt: skip
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvloom.engine.compile_config"):
+        _resolve(platform=HostPlatform, optimization_level=level, torch_compile=True)
+        _resolve(platform=GraphPlatform, optimization_level=level)
+        _resolve(platform=HostPlatform, optimization_level=0)
+    assert "as -O0 does" not in caplog.text

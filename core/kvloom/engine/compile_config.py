@@ -86,6 +86,14 @@ def resolve_compilation(
     )
     if reasons:
         logger.info("cudagraph_mode %s -> %s: %s", requested.value, mode.value, "; ".join(reasons))
+    if args.optimization_level > 0 and not compile_model and mode == CUDAGraphMode.NONE and not args.enforce_eager:
+        # The levels choose torch.compile and CUDA graphs; where neither applies, say so
+        # rather than let -O3 look faster than -O0.
+        why = [] if platform.compile_by_default else [f"torch.compile is off by default on {platform.name} "
+                                                      "(--torch-compile turns it on)"]  # fmt: skip
+        why += [] if platform.supports_cuda_graphs else [f"{platform.name} has no CUDA graphs"]
+        logger.info("-O%d runs the model eagerly here, as -O0 does%s", args.optimization_level,
+                    f": {'; '.join(why)}" if why else "")  # fmt: skip
     custom_ops = args.custom_ops or ("none" if compile_model and args.use_inductor else "all")
     capture_sizes = args.cudagraph_capture_sizes or _default_capture_sizes(
         args.max_num_seqs, args.max_cudagraph_capture_size, max_num_batched_tokens
