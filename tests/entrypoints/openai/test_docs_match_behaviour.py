@@ -63,13 +63,9 @@ def _backticked(text: str) -> set[str]:
 
 
 @pytest.fixture
-def engine() -> FakeAsyncLLM:
-    return FakeAsyncLLM()
-
-
-@pytest.fixture
-def client(engine: FakeAsyncLLM) -> TestClient:
-    return TestClient(build_app(engine, log_stats=False), raise_server_exceptions=False)
+def served() -> tuple[TestClient, FakeAsyncLLM]:
+    engine = FakeAsyncLLM()
+    return TestClient(build_app(engine, log_stats=False), raise_server_exceptions=False), engine
 
 
 def _body(path: str, field: str, value: Any) -> dict[str, Any]:
@@ -89,7 +85,8 @@ def test_the_guide_lists_what_the_test_sends() -> None:
 
 
 @pytest.mark.parametrize("field", sorted(UNSUPPORTED))
-def test_every_field_the_guide_calls_unsupported_is_a_400_naming_it(client: TestClient, field: str) -> None:
+def test_every_field_the_guide_calls_unsupported_is_a_400_naming_it(served: tuple, field: str) -> None:
+    client, _ = served
     paths, value = UNSUPPORTED[field]
     for path in paths:
         r = post(client, path, _body(path, field, value))
@@ -98,7 +95,8 @@ def test_every_field_the_guide_calls_unsupported_is_a_400_naming_it(client: Test
 
 
 @pytest.mark.parametrize("field", sorted(WORKS))
-def test_what_the_guide_says_works_answers_200(client: TestClient, field: str) -> None:
+def test_what_the_guide_says_works_answers_200(served: tuple, field: str) -> None:
+    client, _ = served
     # tool_choice "required" needs tools, tools need a tool_choice the server can honour
     # without --tool-call-parser: each asks for the other.
     extra = {name: WORKS[name] for name in ("tools", "tool_choice")} if field in ("tools", "tool_choice") else {}
@@ -106,8 +104,9 @@ def test_what_the_guide_says_works_answers_200(client: TestClient, field: str) -
     assert r.status_code == 200, r.text
 
 
-def test_max_tokens_null_and_left_out_on_completions(client: TestClient, engine: FakeAsyncLLM) -> None:
+def test_max_tokens_null_and_left_out_on_completions(served: tuple) -> None:
     """The guide: 16 when left out; null runs to the end of the context (as vLLM)."""
+    client, engine = served
     assert "`max_tokens` (default 16 when left out; `null` means no limit but the context" in " ".join(
         SERVING_MD.read_text().split())
     room = engine.config.model.max_model_len - len(engine.tokenizer.encode("w5"))
