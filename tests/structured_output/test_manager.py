@@ -220,3 +220,32 @@ def test_a_structural_tag(tokenizer) -> None:
     result = run(scheduler, len(tokenizer), seed=3)
     assert re.fullmatch(r"<id>[0-9]{3}</id>", tokenizer.decode(result["tokens"]["s"], skip_special_tokens=True))
     assert result["finished"]["s"][0] == FinishReason.STOP
+
+
+@pytest.fixture(scope="module")
+def xgrammar_backend(tokenizer) -> XgrammarBackend:
+    backend = XgrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    backend.eos_token_id = tokenizer.eos_token_id
+    return backend
+
+
+@pytest.mark.parametrize("kind", [{"json": {"type": "object", "properties": {"a": {"type": "array"}}}},
+                                  {"json_object": True}])
+def test_json_grammars_bound_runs_of_whitespace(xgrammar_backend, kind) -> None:
+    """A JSON answer may be pretty-printed, but a run of blank lines cannot eat its token
+    budget (the tour's 380 newlines); disable_any_whitespace makes it compact."""
+    from kvloom.structured_output.xgrammar_backend import MAX_JSON_WHITESPACE
+
+    backend = xgrammar_backend
+
+    def accepts(text: str, **options) -> bool:
+        matcher = backend.new_grammar(backend.compile(StructuredOutputsParams(**kind, **options))).matcher
+        return matcher.accept_string(text) and matcher.accept_token(backend.eos_token_id)
+
+    pretty = '{\n  "a": [\n    1,\n    {"b": null}\n  ]\n}'
+    assert accepts(pretty) and accepts('{"a": [1]}')
+    assert accepts('{"a":' + " " * MAX_JSON_WHITESPACE + "[]}")
+    assert not accepts('{"a":' + " " * (MAX_JSON_WHITESPACE + 1) + "[]}")
+    assert not accepts("{" + "\n" * 380 + "}")
+    assert accepts('{"a": [1, {"b": null}]}', disable_any_whitespace=True)  # xgrammar's default separators
+    assert not accepts(pretty, disable_any_whitespace=True)

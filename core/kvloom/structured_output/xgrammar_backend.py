@@ -15,6 +15,25 @@ from kvloom.structured_output.backend import StructuredOutputBackend, Structured
 
 logger = logging.getLogger(__name__)
 
+#: The longest run of whitespace a JSON grammar allows between two JSON tokens. Free
+#: whitespace lets a sampled answer spend its whole token budget on blank lines (a tiny
+#: probability per step, but nothing ever forces the closing brace); 20 still allows
+#: pretty-printed JSON (a newline and the indentation of ten levels of two spaces).
+MAX_JSON_WHITESPACE = 20
+
+#: What JSON mode (``json_object``) allows: any JSON object.
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def json_whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    """xgrammar's whitespace options for a JSON grammar: none between tokens with
+    ``disable_any_whitespace`` (compact JSON, as vLLM), else runs of at most
+    ``MAX_JSON_WHITESPACE`` characters."""
+    if params.disable_any_whitespace:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
 def choice_to_ebnf(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of ``choices`` (JSON string escapes are
     xgrammar's EBNF string escapes)."""
@@ -94,11 +113,12 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = params.kind
-        any_ws = not params.disable_any_whitespace
         if kind == "json":
-            return self.compiler.compile_json_schema(_schema(params.json, "json"), any_whitespace=any_ws)  # type: ignore[arg-type]
+            return self.compiler.compile_json_schema(_schema(params.json, "json"), **json_whitespace(params))  # type: ignore[arg-type]
         if kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+            # Not xgrammar's built-in JSON grammar, whose whitespace is unbounded: a schema of
+            # any object, properties of any kind allowed (strict_mode off).
+            return self.compiler.compile_json_schema(ANY_JSON_OBJECT, strict_mode=False, **json_whitespace(params))
         if kind == "regex":
             return self.compiler.compile_regex(params.regex)  # type: ignore[arg-type]
         if kind == "choice":
