@@ -183,7 +183,9 @@ class SchedulerConfig(_Section):
     policy: Literal["fcfs", "priority"]
     """Queue order: first come first served, or by request priority."""
     async_scheduling: bool = False
-    """Schedule step n+1 while step n runs on the device."""
+    """Schedule step n+1 while step n runs on the device. Resolved: ``EngineArgs``'
+    ``async_scheduling=None`` (auto) is on where ``Platform.supports_async_scheduling``
+    and without pipeline parallelism (``config_builder.resolve_async_scheduling``)."""
 
 
 class ParallelConfig(_Section):

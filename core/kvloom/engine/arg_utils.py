@@ -90,8 +90,10 @@ class EngineArgs(BaseModel):
     long_prefill_token_threshold: int = Field(0, ge=0, description="Cap per-request prefill chunk (0 = off).")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Queue order.")
-    async_scheduling: bool = Field(
-        False, description="Schedule step n+1 while step n runs on the device (overlaps host work)."
+    async_scheduling: bool | None = Field(
+        None, description="Schedule step n+1 while step n runs on the device (overlaps host work). Default (auto): "
+        "on where the platform's device runs asynchronously from the host (CUDA) and without pipeline parallelism, "
+        "off elsewhere (the CPU); --no-async-scheduling turns it off."
     )
     # ---- parallel
     tensor_parallel_size: int = Field(

@@ -75,7 +75,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         logger.info("--trust-remote-code: kvloom runs no code from model repositories; the flag changes nothing")
     attention, block_size = attention_config(args, platform, model)
     cache = _cache_config(args, block_size)
-    scheduler = _scheduler_config(args, model.max_model_len)
+    scheduler = _scheduler_config(args, model.max_model_len, platform)
     compilation = resolve_compilation(
         args, platform, attention.backend, scheduler.max_num_batched_tokens, use_mla=model.use_mla
     )
@@ -238,8 +238,8 @@ def _cache_config(args: EngineArgs, block_size: int) -> CacheConfig:
     )
 
 
-def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
-    """The scheduler section; its token budget per step."""
+def _scheduler_config(args: EngineArgs, max_model_len: int, platform: type[Platform]) -> SchedulerConfig:
+    """The scheduler section; its token budget per step and whether steps overlap."""
     if args.enable_chunked_prefill:
         max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     else:
@@ -259,8 +259,31 @@ def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill,
         policy=args.scheduling_policy,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=resolve_async_scheduling(args.async_scheduling, platform, args.pipeline_parallel_size),
     )
+
+
+def resolve_async_scheduling(requested: bool | None, platform: type[Platform], pipeline_parallel_size: int) -> bool:
+    """``--async-scheduling`` / ``--no-async-scheduling`` as given; without either (None),
+    on where the platform's device runs asynchronously from the host
+    (``Platform.supports_async_scheduling``) and there is one pipeline stage (pipeline
+    parallelism keeps its micro-batches in flight instead; an explicit
+    ``--async-scheduling`` with it was refused by ``check_pipeline_parallel``). Logs the
+    outcome and why."""
+    if requested is not None:
+        value = requested
+        why = "--async-scheduling" if requested else "--no-async-scheduling"
+        if requested and not platform.supports_async_scheduling:
+            why += f" (platform {platform.name} runs steps synchronously: correct, nothing to overlap)"
+    elif pipeline_parallel_size > 1:
+        value = False
+        why = f"default: pipeline parallelism keeps {pipeline_parallel_size} micro-batches in flight instead"
+    elif platform.supports_async_scheduling:
+        value, why = True, f"default: platform {platform.name} runs the device asynchronously from the host"
+    else:
+        value, why = False, f"default: platform {platform.name} runs steps synchronously, nothing to overlap"
+    logger.info("Async scheduling %s (%s)", "on" if value else "off", why)
+    return value
 
 
 # ---------------------------------------------------------------------- the platform's and plugins' adjustments

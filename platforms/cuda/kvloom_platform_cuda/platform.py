@@ -68,6 +68,9 @@ class CudaPlatform(Platform):
     builtin = True
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graphs = True
+    # Kernel launches return before the GPU is done: async scheduling (on by default here)
+    # prepares step n+1 on the host while step n runs.
+    supports_async_scheduling = True
     dist_backend = "nccl"
     ray_device_key = "GPU"
     # -O1..-O3 compile the model, as vLLM's levels do: piecewise CUDA graphs for the steps
