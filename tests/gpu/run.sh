@@ -2,7 +2,7 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
+# decode, offline, serving, select, select-nofi, tune, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers.
 #   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
 #                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
@@ -65,6 +65,9 @@
 #                come back); on this machine: cat the pieces > .fawhl/<the wheel's name>.whl
 #   fa-install   install a flash-attn wheel built earlier and carried in .fawhl/ (~60 MiB: carry it
 #                alone), instead of building it again; stops the run if flash_attn does not import.
+#   tune         `kvloom backends tune` (issue 35) on the Qwen3-0.6B and Llama-3-8B shapes in bf16: every valid
+#                backend's decode (batch 1/16/64/256) and mixed steps -> $OUT/tune/*.json; its cache goes to
+#                /tmp/kvloom-tune-cache, never to KVLOOM_CACHE_DIR (the peers run at an empty cache: no prior tune).
 #   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
 #                FLASHINFER and FLASH_ATTN: the selection without those two.
 # Needs the carried folder .whl (wheels from tests/gpu/fetch_wheels.sh) and, for the
@@ -269,6 +272,21 @@ for i in "${!stages[@]}"; do
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLASHINFER_MLA]"
       python3 benchmarks/bench_mla_decode.py --out "$OUT/mla" ${MLA_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
+    tune)
+      mkdir -p "$OUT/tune"
+      python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from bench_offline_nanovllm import write_qwen3_config
+from bench_decode_roofline import write_llama3_config
+write_qwen3_config(Path('/tmp/tune-models/qwen3-0.6b-shape')); write_llama3_config(Path('/tmp/tune-models/llama3-8b-shape'))" \
+        || { log "tune: cannot write the model configs"; continue; }
+      for m in qwen3-0.6b-shape llama3-8b-shape; do
+        log "tune: $m"
+        KVLOOM_CACHE_DIR=/tmp/kvloom-tune-cache kvloom backends tune /tmp/tune-models/$m --dtype bfloat16 --json \
+          > "$OUT/tune/$m.json" || log "tune: $m FAILED"
+        KVLOOM_CACHE_DIR=/tmp/kvloom-tune-cache kvloom backends --model /tmp/tune-models/$m --dtype bfloat16 | tail -12
+      done ;;
     moe)
       run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
       python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;
