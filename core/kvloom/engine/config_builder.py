@@ -123,6 +123,8 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
     dtype = resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name)
     model_limit = _model_length_limit(args.max_model_len, hf_config)
+    # vLLM's rule: the names given, else the model argument exactly as typed.
+    served_names = list(args.served_model_name or [args.model if args.model is not None else source.display_name])
     runner = args.runner
     if runner == "auto":
         runner = "pooling" if ModelRegistry.is_pooling_architecture(architecture) else "generate"
@@ -130,7 +132,8 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
         model=source.path,
         tokenizer=source.tokenizer_path,
         skip_tokenizer_init=args.skip_tokenizer_init,
-        served_model_name=args.served_model_name or source.display_name,
+        served_model_name=served_names[0],
+        served_model_names=served_names,
         hf_config=hf_config,
         architecture=architecture,
         dtype=dtype,

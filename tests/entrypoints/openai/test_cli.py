@@ -35,7 +35,7 @@ def test_serve_flags(served: list) -> None:
                  "-O0", "--disable-uvicorn-access-log"]) == 0  # fmt: skip
     (call,) = served
     args = call["engine_args"]
-    assert args.model == "/models/m" and args.served_model_name == "mine" and args.max_model_len == 256
+    assert args.model == "/models/m" and args.served_model_name == ["mine"] and args.max_model_len == 256
     assert args.enable_prefix_caching is False and args.optimization_level == 0
     assert call["host"] == "127.0.0.1" and call["port"] == 8123 and call["api_key"] == "k"
     assert call["access_log"] is False

@@ -182,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
             messages.append(message)
         return ChatCompletionResponse(
             id=request_id,
-            model=request.model or self.model_name,
+            model=self.models.response_name(request.model),
             choices=[
                 ChatCompletionResponseChoice(
                     index=i,
@@ -209,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, request_id: str, prompt: Prompt, outputs: PromptOutputs,
         mode: str | None = None,
     ) -> AsyncIterator[str]:
-        model = request.model or self.model_name
+        model = self.models.response_name(request.model)
         choices = [_Choice() for _ in range(request.n)]
         named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
         tools = [ToolStream(mode, self._tool_parser(mode), named) for _ in range(request.n)] if mode else None
