@@ -19,6 +19,7 @@ import json
 import logging
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +80,17 @@ def _engines_of(results: dict[str, Any], workload: str) -> list[str]:
     return names
 
 
+def _per_lease(leases: Leases, workload: str) -> Iterator[tuple[str, dict[str, Any], dict[str, dict[str, Any]]]]:
+    """(lease, its results, {engine: its result of ``workload``}) for every lease, in order."""
+    for lease, results in sorted(leases.items()):
+        yield lease, results, {e: results[f"{e}_{workload}"] for e in _engines_of(results, workload)}
+
+
 def offline_section(leases: Leases, labels: dict[str, str]) -> list[str]:
     lines = ["## Offline: nano-vllm's workload", "", "| lease | engine | version | start-up s | output tok/s, each run "
              "| best | kvloom / this engine (same lease) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     found = False
-    for lease, results in sorted(leases.items()):
-        runs = {e: results[f"{e}_offline"] for e in _engines_of(results, "offline")}
+    for lease, _, runs in _per_lease(leases, "offline"):
         best = {e: max((x["output_tok_s"] for x in r.get("runs", [])), default=None) for e, r in runs.items()}
         for e, r in runs.items():
             found = True
@@ -105,10 +111,9 @@ def decode_section(leases: Leases, labels: dict[str, str]) -> list[str]:
     lines = ["## Decode: Llama-3-8B shape", "", "| lease | batch | engine | step ms | kvloom / this engine (tok/s, "
              "same lease) | kvloom engine-step ms |", "|---|---|---|---|---|---|"]  # fmt: skip
     found = False
-    for lease, results in sorted(leases.items()):
+    for lease, results, decodes in _per_lease(leases, "decode"):
         steps = {row["batch"]: row["mean_s"] for row in results.get("kvloom_decode_steps", {}).get("rows", [])}
-        by = {e: {row["batch"]: row["step_s"] for row in results[f"{e}_decode"].get("rows", [])}
-              for e in _engines_of(results, "decode")}  # fmt: skip
+        by = {e: {row["batch"]: row["step_s"] for row in r.get("rows", [])} for e, r in decodes.items()}
         for batch in sorted({b for rows in by.values() for b in rows}):
             for e, rows in by.items():
                 found = True
@@ -136,8 +141,7 @@ def serving_section(leases: Leases, labels: dict[str, str]) -> list[str]:
               "ms | ITL p50 ms | ITL p99 ms | prefix-cache hits | kvloom / this engine (same lease, same client) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     found = False
-    for lease, results in sorted(leases.items()):
-        servers = {e: results[f"{e}_serving"] for e in _engines_of(results, "serving")}
+    for lease, _, servers in _per_lease(leases, "serving"):
         keys = sorted({k for r in servers.values() for k in r.get("runs", {})}, key=lambda k: (k != "inf", k.zfill(8)))
         for key in keys:
             for client in CLIENTS:
@@ -173,8 +177,7 @@ def startup_section(leases: Leases, labels: dict[str, str]) -> list[str]:
     lines = ["## Start-up: server start to healthy", "", "| lease | engine | cold s | warm s (compile cache kept) | "
              "kvloom / this engine (cold, warm; lower is better, same lease) |", "|---|---|---|---|---|"]  # fmt: skip
     found = False
-    for lease, results in sorted(leases.items()):
-        servers = {e: results[f"{e}_serving"] for e in _engines_of(results, "serving")}
+    for lease, _, servers in _per_lease(leases, "serving"):
         k = servers.get("kvloom", {})
         for e, r in servers.items():
             if r.get("startup_s") is None:
