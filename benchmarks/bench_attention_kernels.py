@@ -72,8 +72,8 @@ from device_limits import bench, measure_copy_bandwidth, measure_gemm_rate, sync
 
 logger = logging.getLogger("bench_attention_kernels")
 
-CONFIG_EXTRA_KEY = "triton_attn_config"  # kvloom_backend_triton.metadata.CONFIG_EXTRA_KEY
-FLASH_ATTN_DECODE_EXTRA_KEY = "flash_attn_decode_kernel"  # kvloom_backend_flash_attn.metadata.DECODE_KERNEL_EXTRA_KEY
+CONFIG_EXTRA_KEY = "triton_attn_config"  # kvloom_backend_triton.builder.CONFIG_EXTRA_KEY
+FLASH_ATTN_DECODE_EXTRA_KEY = "flash_attn_decode_kernel"  # kvloom_backend_flash_attn.builder.DECODE_KERNEL_EXTRA_KEY
 #: The engine's block size when the user sets none (kvloom.attention.backend.DEFAULT_BLOCK_SIZE).
 DEFAULT_BLOCK_SIZE = 16
 #: Backends that load whole pages and need the cache's unwritten slots finite (the engine

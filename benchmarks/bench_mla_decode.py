@@ -46,7 +46,7 @@ CHECK_ROWS = 4
 
 
 def triton_mla_runner(case: Any, args: argparse.Namespace, device: torch.device, variant: str) -> tuple[Any, dict]:
-    from kvloom_backend_mla import ops
+    from kvloom_backend_triton_mla import ops
 
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -122,7 +122,7 @@ def main() -> None:
     from kvloom.compilation import attention_op
     from kvloom.compilation.backend import PiecewiseBackend, compile_forward
     from kvloom.compilation.cuda_graph import CUDAGraphWrapper
-    from kvloom.config import CUDAGraphMode
+    from kvloom.cudagraph_mode import CUDAGraphMode
     from kvloom.forward_context import BatchDescriptor, set_forward_context
     from kvloom.testing.models import make_tiny_model
 

@@ -13,6 +13,6 @@ fi
 rm -rf "$OUT"
 "$PYTHON" -m pdoc --docformat restructuredtext --no-show-source --footer-text "kvloom plugin API" \
     -o "$OUT" kvloom.interfaces kvloom.interfaces.models \
-    kvloom.testing kvloom.testing.conformance kvloom.testing.reference kvloom.testing.host_sync \
+    kvloom.testing kvloom.testing.conformance kvloom.testing.reference kvloom.testing.custom_ops kvloom.testing.host_sync \
     kvloom.testing.models kvloom.testing.lora kvloom.testing.install
 echo "API reference: $OUT/index.html"

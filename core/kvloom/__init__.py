@@ -20,6 +20,8 @@ _LAZY = {
     "RequestOutput": "kvloom.outputs",
     "CompletionOutput": "kvloom.outputs",
     "PoolingRequestOutput": "kvloom.outputs",
+    "ScoringRequestOutput": "kvloom.outputs",
+    "ScoringOutput": "kvloom.outputs",
     "EngineArgs": "kvloom.engine.arg_utils",
     "LoRARequest": "kvloom.lora.request",
     "ModelRegistry": "kvloom.models.registry",
@@ -32,7 +34,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from kvloom.entrypoints.llm import LLM  # noqa: F401
     from kvloom.lora.request import LoRARequest  # noqa: F401
     from kvloom.models.registry import ModelRegistry  # noqa: F401
-    from kvloom.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: F401
+    from kvloom.outputs import (  # noqa: F401
+        CompletionOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
     from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams  # noqa: F401
 
 

@@ -15,9 +15,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvloom.attention.backend import AttentionBackend
-from kvloom.cudagraph_mode import CUDAGraphMode  # noqa: F401 (re-exported: its home for most callers)
+from kvloom.cudagraph_mode import CUDAGraphMode
+from kvloom.deprecation import Deprecation, deprecated_property
 from kvloom.platforms.interface import Platform
-
+from kvloom.quantization.method import QuantizationMethod
 
 # ---------------------------------------------------------------------- resolved sections
 
@@ -82,6 +83,11 @@ class ModelConfig(_Section):
     top_p, top_k, min_p, repetition_penalty, max_tokens)."""
     max_logprobs: int = Field(20, ge=0)
     """The most logprobs a request may ask per token (``--max-logprobs``)."""
+    quantization: QuantizationMethod | None = None
+    """The quantization method that runs the weights (built from the checkpoint's
+    ``quantization_config``, or ``--quantization``; ``kvloom.quantization.selection``), or
+    None: the weights run as stored (a GGUF file dequantized). Layers get their part of
+    it while the model is built (``kvloom.quantization.context``)."""
 
     def _text_config(self) -> Any:
         return getattr(self.hf_config, "text_config", None) or self.hf_config
@@ -116,8 +122,8 @@ class ModelConfig(_Section):
 
     @property
     def mla_dims(self) -> Any:
-        """The ``kvloom.attention.mla.MLADims`` of an MLA model (``use_mla``)."""
-        from kvloom.attention.mla import MLADims
+        """The ``kvloom.attention.mla_backend.MLADims`` of an MLA model (``use_mla``)."""
+        from kvloom.attention.mla_backend import MLADims
 
         c = self._text_config()
         if not self.use_mla:
@@ -232,6 +238,12 @@ class AttentionConfig(_Section):
     """MLA models: the selected prefill backend (``MLAAttention``'s prefill path); None for
     other models."""
 
+    # Plugin API 1.0 named the selected backend by its NAME here.
+    selected_backend = deprecated_property(
+        Deprecation("config.attention.selected_backend", "config.attention.backend.NAME", goes_in="1.2"),
+        lambda self: self.backend.NAME,
+    )
+
 
 class LoadConfig(_Section):
     """Weight loading."""
@@ -291,6 +303,11 @@ class StructuredOutputsConfig(_Section):
     backend: str = "xgrammar"
     """The grammar library: ``xgrammar`` (built in) or a plugin of the
     ``kvloom.structured_output_backends`` group."""
+    reasoning_parser: str | None = None
+    """The reasoning parser (``--reasoning-parser``): a grammar applies once the reasoning has
+    ended. None: no reasoning parser."""
+    enable_in_reasoning: bool = False
+    """Whether the grammar also binds the reasoning (vLLM's option of the same name)."""
 
 
 class ObservabilityConfig(_Section):
@@ -348,3 +365,14 @@ class EngineConfig(_Section):
     """``platform``: the active ``Platform`` class; ``device_type``."""
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     """``backend``: the structured-output backend's name."""
+
+    # Names of plugin API 1.0 that moved into the sections (a model plugin reading
+    # config.attention_backend must keep working, with a warning, not die at engine start).
+    attention_backend = deprecated_property(
+        Deprecation("config.attention_backend", "config.attention.backend", goes_in="1.2"),
+        lambda self: self.attention.backend,
+    )
+    platform = deprecated_property(
+        Deprecation("config.platform", "config.device.platform", goes_in="1.2"),
+        lambda self: self.device.platform,
+    )

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvloom.attention.layer import Attention
-    from kvloom.config import CUDAGraphMode
+    from kvloom.cudagraph_mode import CUDAGraphMode
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,10 @@ class ForwardContext:
     attn_metadata: Any
     #: Extra per-step data for layers (e.g. LoRA indices), keyed by feature name.
     extras: dict[str, Any] = field(default_factory=dict)
-    #: The model's attention layers by name, for ``torch.ops.kvloom.unified_attention``
-    #: (set when the model runs compiled).
-    attn_layers: dict[str, Attention] | None = None
+    #: The model's attention layers (``kvloom.attention.layer.Attention``) by name, for
+    #: ``torch.ops.kvloom.unified_attention`` (set when the model runs compiled). Typed
+    #: ``Any``: the layers read this module, which stays below them.
+    attn_layers: dict[str, Any] | None = None
     #: The step's real token count when the inputs are padded to a piecewise capture size
     #: (attention runs on these rows only); None: every row is real.
     num_actual_tokens: int | None = None
@@ -65,7 +65,7 @@ def get_forward_context() -> ForwardContext:
 def set_forward_context(
     attn_metadata: Any,
     *,
-    attn_layers: dict[str, Attention] | None = None,
+    attn_layers: dict[str, Any] | None = None,
     num_actual_tokens: int | None = None,
     cudagraph_runtime_mode: CUDAGraphMode | None = None,
     batch_descriptor: BatchDescriptor | None = None,

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import torch
 
-from kvloom.metrics.stats import SchedulerStats
+from kvloom.metrics.scheduler_stats import SchedulerStats
 from kvloom.request import EngineCoreEvent, FinishReason
 
 # ----------------------------------------------------------------- model runner -> scheduler
@@ -207,4 +207,21 @@ class EmbeddingRequestOutput:
     request_id: str
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+    """The pair's score: a cross-encoder's sigmoid(logit), or the cosine of two embeddings."""
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The score of one text pair (``LLM.score``; vLLM's class of the same name)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    """The pair's prompt (cross-encoder) or the two texts' tokens one after the other."""
     finished: bool = True

@@ -21,13 +21,17 @@ import threading
 
 from kvloom.attention.backend import AttentionBackend
 from kvloom.config import EngineConfig
+from kvloom.entrypoint_plugin import EndpointPlugin
 from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
 from kvloom.io_processor import IOProcessor
+from kvloom.logits_processor import LogitsProcessor
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.models.registry import ModelRegistry, _ModelRegistry
 from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
+from kvloom.quantization.method import QuantizationMethod
+from kvloom.reasoning.base import ReasoningParser
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
@@ -47,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 #: The plugin API version this kvloom provides. Plugins declare the version they target
 #: in KVLOOM_PLUGIN_API; a different major version is refused.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 
 ATTENTION_BACKENDS = "kvloom.attention_backends"
 PLATFORM_PLUGINS = "kvloom.platform_plugins"
@@ -57,6 +61,10 @@ STAT_LOGGER_PLUGINS = "kvloom.stat_logger_plugins"
 LORA_RESOLVERS = "kvloom.lora_resolvers"
 STRUCTURED_OUTPUT_BACKENDS = "kvloom.structured_output_backends"
 TOOL_PARSERS = "kvloom.tool_parsers"
+REASONING_PARSERS = "kvloom.reasoning_parsers"
+LOGITS_PROCESSORS = "kvloom.logits_processors"
+ENDPOINT_PLUGINS = "kvloom.endpoint_plugins"
+QUANTIZATION_METHODS = "kvloom.quantization_methods"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -69,6 +77,13 @@ GROUPS: tuple[PluginGroup, ...] = (
     PluginGroup(STRUCTURED_OUTPUT_BACKENDS, StructuredOutputBackend, unique_names=True, name_attr="name",
                 label="structured-output backends"),  # fmt: skip
     PluginGroup(TOOL_PARSERS, ToolParser, unique_names=True, name_attr="name", label="tool parsers"),
+    PluginGroup(REASONING_PARSERS, ReasoningParser, unique_names=True, name_attr="name", label="reasoning parsers"),
+    PluginGroup(LOGITS_PROCESSORS, LogitsProcessor, unique_names=True, name_attr="name", label="logits processors"),
+    # Routes widen what a server exposes: loaded only when KVLOOM_PLUGINS names them.
+    PluginGroup(ENDPOINT_PLUGINS, EndpointPlugin, unique_names=True, name_attr="name", label="endpoint plugins",
+                opt_in=True),
+    PluginGroup(QUANTIZATION_METHODS, QuantizationMethod, unique_names=True, name_attr="NAME",
+                label="quantization methods"),  # fmt: skip
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -168,6 +183,14 @@ def attention_backends() -> dict[str, PluginEntry]:
     return loaded_plugins().by_name(ATTENTION_BACKENDS)
 
 
+# ---------------------------------------------------------------------- quantization methods
+
+
+def quantization_methods() -> dict[str, type[QuantizationMethod]]:
+    """Loaded quantization methods: NAME -> ``QuantizationMethod`` subclass."""
+    return {name: entry.target for name, entry in loaded_plugins().by_name(QUANTIZATION_METHODS).items()}
+
+
 # ---------------------------------------------------------------------- platforms
 
 
@@ -255,3 +278,20 @@ def tool_parsers(built_in: dict[str, type]) -> dict[str, type]:
     """Tool-call parsers: name -> ``ToolParser`` subclass, the built-in ones (``built_in``:
     ``hermes``, ``llama3_json``) and the loaded plugins."""
     return with_built_ins(built_in, TOOL_PARSERS, "tool parser")
+
+
+def reasoning_parsers(built_in: dict[str, type]) -> dict[str, type]:
+    """Reasoning parsers: name -> ``ReasoningParser`` subclass, the built-in ones (``built_in``:
+    ``deepseek_r1``, ``qwen3``) and the loaded plugins."""
+    return with_built_ins(built_in, REASONING_PARSERS, "reasoning parser")
+
+
+def logits_processors() -> dict[str, type]:
+    """Logits processors: name -> ``LogitsProcessor`` subclass (plugins only; none built in)."""
+    return {name: entry.target for name, entry in loaded_plugins().by_name(LOGITS_PROCESSORS).items()}
+
+
+def endpoint_plugins() -> list[PluginEntry]:
+    """Loaded endpoint plugins (``.target`` is the ``EndpointPlugin`` subclass): only those
+    ``KVLOOM_PLUGINS`` names."""
+    return loaded_plugins().group(ENDPOINT_PLUGINS)

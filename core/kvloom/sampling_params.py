@@ -171,6 +171,10 @@ class SamplingParams(BaseModel):
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice, a grammar, ... (see
     ``StructuredOutputsParams``)."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments of logits processor plugins, ``{processor name: its value}`` (vLLM's
+    ``extra_args``; the server's ``vllm_xargs``); each processor checks its own value when
+    the request is added."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ targets must subclass and which API version is current are given by the caller
 reverse.
 """
 
+from kvloom_registry.entry import PluginEntry
 from kvloom_registry.errors import (
     DuplicatePluginError,
     PluginAllowlistError,
@@ -24,7 +25,6 @@ from kvloom_registry.loader import (
     API_VERSION_ATTR,
     PLUGINS_ENV,
     LoadedPlugins,
-    PluginEntry,
     PluginGroup,
     check_plugin_api,
     installed_entry_points,

@@ -8,10 +8,8 @@ never skipped silently.
 from __future__ import annotations
 
 import traceback
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvloom_registry.loader import PluginEntry
+from kvloom_registry.entry import PluginEntry
 
 
 class PluginError(RuntimeError):

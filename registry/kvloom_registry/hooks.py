@@ -23,8 +23,8 @@ from typing import Any
 
 import pluggy
 
+from kvloom_registry.entry import PluginEntry
 from kvloom_registry.errors import PluginLoadError, PluginTypeError
-from kvloom_registry.loader import PluginEntry
 
 logger = logging.getLogger(__name__)
 

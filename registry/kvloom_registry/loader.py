@@ -11,12 +11,16 @@ and says which plugin API version it provides. Policy, in order:
 
 1. ``KVLOOM_PLUGINS`` (comma-separated entry-point names, applied to every group) keeps
    only the named plugins; unset keeps all, an empty value keeps none. A listed name that
-   no installed distribution provides is an error.
+   no installed distribution provides is an error. A group marked ``opt_in`` (plugins
+   that widen what a server exposes) keeps only the plugins ``KVLOOM_PLUGINS`` names, also
+   when it is unset.
 2. In a group with ``unique_names`` two entry points with the same name are an error
    naming both distributions.
 3. Each kept plugin's module is imported; an exception is reported with the plugin's
    name, group, distribution and traceback. The module must declare
-   ``KVLOOM_PLUGIN_API`` with the same major version as the caller's.
+   ``KVLOOM_PLUGIN_API`` with the same major version as the caller's and a minor
+   version no newer (a plugin for 1.0 loads on a kvloom with 1.3, one for 1.3 is
+   refused by 1.0: it may use what 1.1 to 1.3 added).
 4. The target is checked against its group (a subclass of ``base``, not abstract,
    ``name_attr`` equal to the entry-point name).
 """
@@ -33,6 +37,7 @@ from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import Any
 
+from kvloom_registry.entry import PluginEntry
 from kvloom_registry.errors import (
     DuplicatePluginError,
     PluginAllowlistError,
@@ -62,22 +67,8 @@ class PluginGroup:
     name_attr: str | None = None
     #: How messages call this group's plugins ("attention backends").
     label: str = ""
-
-
-@dataclass(frozen=True)
-class PluginEntry:
-    """One plugin: where it comes from and (once loaded) what its entry point names."""
-
-    name: str  # the entry-point name
-    group: str
-    distribution: str  # the pip distribution that declares the entry point
-    version: str  # that distribution's version
-    value: str  # the entry point's "module:attr" text
-    target: Any = None  # the loaded object; None for plugins KVLOOM_PLUGINS excluded
-
-    def describe(self) -> str:
-        """How error messages name this plugin."""
-        return f"plugin {self.name!r} (group {self.group}, distribution {self.distribution} {self.version})"
+    #: Load a plugin of this group only when ``KVLOOM_PLUGINS`` names it (unset: none).
+    opt_in: bool = False
 
 
 @dataclass
@@ -158,12 +149,13 @@ def check_plugin_api(module: ModuleType, entry: PluginEntry, api_version: str) -
             f"provides plugin API {theirs[0]}.x."
         )
     if theirs[1] > ours[1]:
-        logger.warning(
-            "%s was written for kvloom plugin API %s, newer than this kvloom's %s; "
-            "features it relies on may be missing.",
-            entry.describe(),
-            declared,
-            api_version,
+        # A minor version adds to the API: a plugin written for a newer one may use what
+        # this kvloom lacks, and would fail later, in the middle of a request.
+        raise PluginAPIVersionError(
+            f"{entry.describe()} was written for kvloom plugin API {declared}; this kvloom "
+            f"provides plugin API {api_version}, an older minor version that lacks what the plugin "
+            f"may use. Upgrade kvloom to a release that provides plugin API {declared} or newer, "
+            f"or install a release of {entry.distribution} written for plugin API {api_version}."
         )
 
 
@@ -259,7 +251,7 @@ def load_entry_points(
         kept: list[tuple[EntryPoint, PluginEntry]] = []
         for ep in eps:
             entry = _entry_of(ep, group.name)
-            if allowlist is not None and ep.name not in allowlist:
+            if (allowlist is None and group.opt_in) or (allowlist is not None and ep.name not in allowlist):
                 loaded.excluded.setdefault(group.name, []).append(entry)  # never imported
             else:
                 kept.append((ep, entry))

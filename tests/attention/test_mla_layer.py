@@ -1,4 +1,4 @@
-"""The core's MLA layer (``kvloom.attention.mla.MLAAttention``) against a float64
+"""The core's MLA layer (``kvloom.attention.mla_layer.MLAAttention``) against a float64
 reference of DeepSeek's attention written the plain way (every head's K and V
 decompressed, no absorption), over two steps of a paged latent cache: fresh prefills,
 then a shuffled mixed batch (a new prompt, a decode, a chunk over a cached prefix), so
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from kvloom.attention.backend import AttentionLayerSpec, CommonAttentionMetadata
-from kvloom.attention.mla import MLAAttention, MLADims, MLAMetadataBuilder
+from kvloom.attention.mla_backend import MLADims
+from kvloom.attention.mla_layer import MLAAttention
+from kvloom.attention.mla_metadata import MLAMetadataBuilder
 from kvloom.forward_context import set_forward_context
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale
 

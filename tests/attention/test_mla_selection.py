@@ -13,7 +13,7 @@ from kvloom_registry import PluginEntry
 from tests.helpers.model_fixtures import tiny_model_dir
 
 from kvloom.attention.backend import AttentionSelectorConfig, MultipleOf
-from kvloom.attention.mla import MLAAttentionBackend
+from kvloom.attention.mla_backend import MLAAttentionBackend
 from kvloom.attention.selector import BackendSelectionError, select_attention_backend
 from kvloom.entrypoints.cli.main import main
 from kvloom.platforms.interface import DeviceCapability

@@ -14,7 +14,7 @@ from tests.helpers.model_fixtures import make_test_engine_config, tiny_model_dir
 import kvloom
 from kvloom.compilation import cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper, weak_ref_tensor
-from kvloom.config import CUDAGraphMode
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.forward_context import BatchDescriptor, set_forward_context
 
 

@@ -106,7 +106,7 @@ def test_padded_piecewise_steps_keep_the_tokens(eager_tokens):
     """The runner's PIECEWISE step path without graphs (CPU): inputs padded to a capture
     size, attention on the real rows only (``num_actual_tokens``), the real rows of the
     hidden states kept. Tokens and prompt logprobs are those of unpadded steps."""
-    from kvloom.config import CUDAGraphMode
+    from kvloom.cudagraph_mode import CUDAGraphMode
     from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher
 
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=8, optimization_level=1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvloom.attention.backend import AttentionCGSupport as S
-from kvloom.config import CUDAGraphMode as M
+from kvloom.cudagraph_mode import CUDAGraphMode as M
 from kvloom.forward_context import BatchDescriptor
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvloom.attention.backend import AttentionCGSupport
-from kvloom.config import CUDAGraphMode as M
+from kvloom.cudagraph_mode import CUDAGraphMode as M
 from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.compile_config import _default_capture_sizes, resolve_compilation
 

@@ -187,10 +187,10 @@ def test_a_prompt_logprobs_failure_fails_that_request_alone(monkeypatch: pytest.
 def test_a_pooling_failure_fails_that_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = step_output.pool_request
 
-    def failing(config, state, chunk, prompt_done):
+    def failing(config, state, chunk, prompt_done, head=None):
         if state.req_id == "bad":
             raise ValueError("injected pooling failure")
-        return pool(config, state, chunk, prompt_done)
+        return pool(config, state, chunk, prompt_done, head)
 
     monkeypatch.setattr(step_output, "pool_request", failing)
     core = _core(runner="pooling")

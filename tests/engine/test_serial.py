@@ -20,7 +20,7 @@ from kvloom.engine.serial import (
     convert_args,
 )
 from kvloom.lora.request import LoRARequest
-from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, EngineLoad, TokenLogprobs
 from kvloom.request import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams

@@ -114,7 +114,7 @@ def prompts() -> list[list[int]]:
 )
 def test_triton_mla_fp32_gives_hf_tokens(tiny_v2: Path, prompts: list[list[int]], kwargs: dict) -> None:
     if not _installed("TRITON_MLA"):
-        pytest.skip("kvloom-backend-mla is not installed")
+        pytest.skip("kvloom-backend-triton-mla is not installed")
     from kvloom.testing.models import hf_greedy_tokens
 
     expected = hf_greedy_tokens(tiny_v2, prompts, N_TOKENS)

@@ -31,7 +31,6 @@ from kvloom.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
-    CUDAGraphMode,
     DeviceConfig,
     EngineConfig,
     LoadConfig,
@@ -41,6 +40,7 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.forward_context import set_forward_context
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.platforms.interface import Platform

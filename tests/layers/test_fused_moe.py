@@ -11,7 +11,7 @@ from torch import nn
 
 from kvloom.layers.custom_ops import OP_SIGNATURES, set_custom_ops
 from kvloom.layers.fused_moe import FusedMoE, fused_moe_torch, select_experts
-from kvloom.models.utils import checkpoint_names, load_checkpoint_weights, weights_not_loaded
+from kvloom.models.weights import checkpoint_names, load_checkpoint_weights, weights_not_loaded
 from kvloom.testing import check_custom_op, custom_op_reference, fused_moe_reference
 
 HIDDEN = 32

@@ -27,7 +27,7 @@ from kvloom.loader.lazy_tensor import LazyTensor, accepts_lazy_weights, material
 from kvloom.loader.model_loader import model_weights
 from kvloom.loader.weight_utils import hf_dir_weights
 from kvloom.models.llama import LlamaForCausalLM
-from kvloom.models.utils import load_checkpoint_weights
+from kvloom.models.weights import load_checkpoint_weights
 from kvloom.testing.models import tiny_model_dir
 from tests.helpers.model_fixtures import make_test_engine_config
 

@@ -19,7 +19,7 @@ from kvloom.loader.weight_utils import DUMMY_WEIGHT_RANGE, find_weight_files
 from kvloom.models.llama import LlamaForCausalLM
 from kvloom.models.qwen2 import Qwen2ForCausalLM
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import LLAMA_STACKED_PARAMS, checkpoint_names, load_checkpoint_weights
+from kvloom.models.weights import LLAMA_STACKED_PARAMS, checkpoint_names, load_checkpoint_weights
 from tests.helpers.model_fixtures import (
     EOS_TOKEN,
     PagedRunner,

@@ -18,7 +18,8 @@ from kvloom.metrics.loggers import (
     token_count_buckets,
 )
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.plugins import STAT_LOGGER_PLUGINS
 from kvloom.request import FinishReason
 from tests.helpers.serve_fakes import make_config

@@ -15,7 +15,7 @@ import torch
 from tests.helpers.model_fixtures import greedy_counting_preemptions, hf_greedy_tokens, random_prompts, tiny_model_dir
 
 from kvloom import LLM, SamplingParams
-from kvloom.attention.mla import MLAAttention
+from kvloom.attention.mla_layer import MLAAttention
 from kvloom.testing.models import TINY_MLA_ARCHITECTURES
 
 NEW_TOKENS = 24

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvloom.config import CUDAGraphMode
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.interfaces import BackendCandidate, Platform
 from kvloom.platforms.resolution import PlatformResolutionError, resolve_platform
 from kvloom.plugins import PLATFORM_PLUGINS

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from kvloom.plugins import PLUGIN_API_VERSION
+
 from tests.helpers.model_fixtures import tiny_model_dir
 from tests.helpers.plugin_server import REPO, install_distribution, plugin_env
 
@@ -228,7 +230,7 @@ def test_incompatible_plugin_api_is_refused_naming_both_versions(install: Instal
     done = run(install, [*CLI, "backends"], ["api2_plugin"])
     assert done.returncode == 1
     assert ("plugin 'api2_test' (group kvloom.general_plugins, distribution kvloom-test-api2-plugin 0.1.0) "
-            "was written for kvloom plugin API 2.0, but this kvloom provides plugin API 1.0") in done.stderr
+            f"was written for kvloom plugin API 2.0, but this kvloom provides plugin API {PLUGIN_API_VERSION}") in done.stderr
 
 
 def test_two_distributions_with_one_backend_name(install: Install) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import logging
 import sys
 import textwrap
 from collections.abc import Iterator, Mapping
@@ -206,7 +205,7 @@ def test_missing_api_declaration_tells_author_what_to_add(site: FakeSite) -> Non
     add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
     with pytest.raises(registry.PluginAPIVersionError) as e:
         load(site)
-    assert 'KVLOOM_PLUGIN_API = "1.0"' in str(e.value) and "fake_backend_a" in str(e.value)
+    assert f'KVLOOM_PLUGIN_API = "{PLUGIN_API_VERSION}"' in str(e.value) and "fake_backend_a" in str(e.value)
 
 
 @pytest.mark.parametrize("declared", ["2.0", "0.9"])
@@ -215,7 +214,7 @@ def test_other_major_version_is_refused_naming_both(site: FakeSite, declared: st
     add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
     with pytest.raises(registry.PluginAPIVersionError) as e:
         load(site)
-    assert f"plugin API {declared}" in str(e.value) and "plugin API 1.0" in str(e.value)
+    assert f"plugin API {declared}" in str(e.value) and f"plugin API {PLUGIN_API_VERSION}" in str(e.value)
     assert "fake-a" in str(e.value)
 
 
@@ -226,13 +225,34 @@ def test_malformed_api_version_is_refused(site: FakeSite) -> None:
         load(site)
 
 
-def test_newer_minor_version_loads_with_a_warning(site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
-    source = backend_source("FAKE_A").replace('"1.0"', '"1.7"')
-    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=source)
-    with caplog.at_level(logging.WARNING, logger="kvloom_registry.loader"):
-        plugins = load(site)
-    assert "FAKE_A" in plugins.by_name(ATTENTION_BACKENDS)
-    assert "1.7" in caplog.text and "newer" in caplog.text
+def _declaring(version: str) -> str:
+    return backend_source("FAKE_A").replace('"1.0"', f'"{version}"')
+
+
+def test_newer_minor_version_is_refused_by_name(site: FakeSite) -> None:
+    # A plugin written for 1.3 may use what 1.2 and 1.3 added: refused at load, by name,
+    # instead of failing later on a missing name.
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=_declaring("1.3"), version="0.4")
+    with pytest.raises(registry.PluginAPIVersionError) as e:
+        load_entry_points(GROUPS, site.entry_points(), None, "1.1")
+    message = str(e.value)
+    assert "plugin 'FAKE_A'" in message and "fake-a 0.4" in message
+    assert "written for kvloom plugin API 1.3; this kvloom provides plugin API 1.1" in message
+    assert "Upgrade kvloom" in message
+
+
+def test_the_next_minor_of_this_kvloom_is_refused(site: FakeSite) -> None:
+    major, minor = PLUGIN_API_VERSION.split(".")
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=_declaring(f"{major}.{int(minor) + 1}"))
+    with pytest.raises(registry.PluginAPIVersionError, match=f"this kvloom provides plugin API {PLUGIN_API_VERSION}"):
+        load(site)
+
+
+@pytest.mark.parametrize("declared", ["1.0", "1.2", "1.3"])
+def test_an_older_or_equal_minor_version_loads(site: FakeSite, declared: str) -> None:
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A", source=_declaring(declared))
+    plugins = load_entry_points(GROUPS, site.entry_points(), None, "1.3")
+    assert plugins.by_name(ATTENTION_BACKENDS)["FAKE_A"].target.NAME == "FAKE_A"
 
 
 # ---------------------------------------------------------------------- names and types
@@ -553,3 +573,27 @@ def test_io_processor_and_stat_logger_accessors(
     assert [e.target.__name__ for e in state.stat_logger_plugins()] == ["Logger"]
     with pytest.raises(ValueError, match="installed: proc"):
         state.get_io_processor_cls("missing")
+
+
+def test_endpoint_plugins_load_only_when_the_allowlist_names_them(site: FakeSite) -> None:
+    from kvloom.plugins import ENDPOINT_PLUGINS
+
+    source = API + textwrap.dedent(
+        """
+        from fastapi import APIRouter
+        from kvloom.interfaces import EndpointPlugin
+
+        class Hello(EndpointPlugin):
+            name = "hello"
+
+            def router(self):
+                return APIRouter()
+        """
+    )
+    add_plugin(site, "fake-endpoint", ENDPOINT_PLUGINS, "hello", "fake_endpoint", source, attr="Hello")
+    add_backend(site, "fake-a", "fake_backend_a", "FAKE_A")
+    everything = load(site)  # KVLOOM_PLUGINS unset: every other kind loads, endpoint plugins do not
+    assert everything.group(ENDPOINT_PLUGINS) == [] and [e.name for e in everything.excluded[ENDPOINT_PLUGINS]] == ["hello"]
+    assert "fake_endpoint" not in sys.modules and list(everything.by_name(ATTENTION_BACKENDS)) == ["FAKE_A"]
+    named = load(site, "hello,FAKE_A")
+    assert named.by_name(ENDPOINT_PLUGINS)["hello"].target.name == "hello"

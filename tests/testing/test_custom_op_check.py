@@ -1,4 +1,4 @@
-"""kvloom.testing.reference's custom-op references: ``custom_op_reference(name)`` is the
+"""kvloom.testing.custom_ops, the custom-op references: ``custom_op_reference(name)`` is the
 torch code a platform's op replaces (what the layers run with ``--custom-ops none``), and
 ``check_custom_op`` holds a replacement to the contract: silu_and_mul, rotary_qk and the
 residual sum of fused_add_rms_norm bit-identical; the norms within 2 ulp (16-bit) or 1e-5
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvloom.interfaces import CUSTOM_OP_SIGNATURES, LoRAMapping
 from kvloom.interfaces.models import RMSNorm, RotaryEmbedding, SiluAndMul
-from kvloom.testing.reference import check_custom_op, custom_op_reference
+from kvloom.testing import check_custom_op, custom_op_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from tests.helpers.model_fixtures import tiny_model_dir
 
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.config_builder import create_engine_config
 from kvloom.worker import model_runner
-from kvloom.config import CUDAGraphMode
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher
 from kvloom.worker.model_runner import ModelRunner
 from kvloom.platforms.worker import ModelRunnerProtocol, Worker

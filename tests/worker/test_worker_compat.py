@@ -21,7 +21,7 @@ from kvloom.worker.model_runner import ModelRunner
 @pytest.fixture(autouse=True)
 def _warn_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test sees the once-per-process warnings afresh."""
-    monkeypatch.setattr(deprecation, "_warned", set())
+    deprecation.reset_warnings_for_tests()
 
 
 class OldInitWorker(Worker):

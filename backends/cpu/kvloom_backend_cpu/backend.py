@@ -4,7 +4,7 @@ KV-cache layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``: K and 
 token at one head are ``head_size`` contiguous elements, and one block of one cache is one
 contiguous chunk, so gathering a request's context is a block-granular ``index_select``.
 
-The builder (``metadata.py``) plans each step once for all layers; the impl (``impl.py``)
+The builder (``builder.py``) plans each step once for all layers; the impl (``impl.py``)
 writes K/V and runs torch's ``scaled_dot_product_attention`` per decode group and per
 prefill request.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvloom.interfaces import AttentionBackend, AttentionCGSupport, AttentionType, MultipleOf
+from kvloom_backend_cpu.builder import CPUAttentionMetadataBuilder
 from kvloom_backend_cpu.impl import CPUAttentionImpl
-from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
 
 KVLOOM_PLUGIN_API = "1.0"
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.interfaces import AttentionImpl
-from kvloom_backend_cpu.metadata import CPUAttentionMetadata, DecodeBatch, PrefillRequest
+from kvloom_backend_cpu.builder import CPUAttentionMetadata, DecodeBatch, PrefillRequest
 
 
 class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):

@@ -1,6 +1,6 @@
 """CPU_MLA: multi-head latent attention on the CPU in plain torch (both phases).
 
-The reference MLA backend of CI. The core (``kvloom.attention.mla``) does the MLA math
+The reference MLA backend of CI. The core (``kvloom.attention.mla_layer``) does the MLA math
 common to every backend; this module supplies the two kernels of the contract:
 
 - decode: for each decode request, its latent rows are gathered from the paged cache

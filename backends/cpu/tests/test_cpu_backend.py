@@ -7,8 +7,8 @@ import importlib.metadata
 import pytest
 import torch
 from kvloom_backend_cpu import CPUAttentionBackend
+from kvloom_backend_cpu.builder import CPUAttentionMetadataBuilder
 from kvloom_backend_cpu.impl import CPUAttentionImpl
-from kvloom_backend_cpu.metadata import CPUAttentionMetadataBuilder
 
 from kvloom.interfaces import (
     AttentionLayerSpec,

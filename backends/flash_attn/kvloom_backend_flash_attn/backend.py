@@ -52,7 +52,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     CUDA graphs: ``UNIFORM_BATCH`` as vLLM declares for FA2 (its decode-only
     packed-GQA path differs from the mixed-batch path, so a graph captured for a uniform
-    batch must not be replayed for a mixed one). See ``metadata.py`` for what keeps a
+    batch must not be replayed for a mixed one). See ``builder.py`` for what keeps a
     replay valid.
     """
 
@@ -76,7 +76,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        from kvloom_backend_flash_attn.metadata import FlashAttentionMetadataBuilder
+        from kvloom_backend_flash_attn.builder import FlashAttentionMetadataBuilder
 
         return FlashAttentionMetadataBuilder
 

@@ -31,7 +31,7 @@ except ImportError as exc:  # flash_attn's __init__ hides a missing CUDA extensi
     ) from exc
 
 from kvloom.interfaces import AttentionImpl, write_kv_default_layout
-from kvloom_backend_flash_attn.metadata import FlashAttentionMetadata
+from kvloom_backend_flash_attn.builder import FlashAttentionMetadata
 
 
 class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):

@@ -27,7 +27,7 @@ import torch
 standin.ensure_backend_importable()
 
 from kvloom_backend_flash_attn import KVLOOM_PLUGIN_API, FlashAttentionBackend  # noqa: E402
-from kvloom_backend_flash_attn.metadata import (  # noqa: E402
+from kvloom_backend_flash_attn.builder import (  # noqa: E402
     DECODE_KERNEL_ENV,
     DECODE_KERNEL_EXTRA_KEY,
     FlashAttentionMetadataBuilder,

@@ -76,7 +76,7 @@ def _hopper_or_ampere() -> bool:
 # ---------------------------------------------------------------------------- conformance
 @pytest.mark.parametrize("decode_kernel", ["kvcache", "varlen"])
 def test_conformance_suite(decode_kernel, monkeypatch):
-    from kvloom_backend_flash_attn.metadata import DECODE_KERNEL_ENV
+    from kvloom_backend_flash_attn.builder import DECODE_KERNEL_ENV
 
     _backend()
     monkeypatch.setenv(DECODE_KERNEL_ENV, decode_kernel)
@@ -88,7 +88,7 @@ def test_conformance_suite(decode_kernel, monkeypatch):
 # ---------------------------------------------------------------------------- CUDA graphs
 @pytest.mark.parametrize("decode_kernel", ["kvcache", "varlen"])
 def test_cudagraph_capture_and_replay_of_a_padded_decode_step(decode_kernel):
-    from kvloom_backend_flash_attn.metadata import DECODE_KERNEL_EXTRA_KEY
+    from kvloom_backend_flash_attn.builder import DECODE_KERNEL_EXTRA_KEY
 
     backend = _backend()
     spec = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=DTYPE,

@@ -34,7 +34,7 @@ from kvloom.interfaces import (
     MLAAttentionImpl,
     MLADims,
 )
-from kvloom_backend_flashinfer.mla_backend import FLASHINFER_MLA_LATENT
+from kvloom_backend_flashinfer.mla_latent import FLASHINFER_MLA_LATENT
 from kvloom_backend_flashinfer.planning import gather_kv_indices, plan_paged_kv
 
 logger = logging.getLogger(__name__)

@@ -25,10 +25,7 @@ from kvloom.interfaces import (
     MLAAttentionBackend,
     MLAAttentionImpl,
 )
-
-#: The latent widths FlashInfer's MLA kernels are built for (DeepSeek-V2/V3):
-#: kv_lora_rank 512 + rope dim 64.
-FLASHINFER_MLA_LATENT = (512, 64)
+from kvloom_backend_flashinfer.mla_latent import FLASHINFER_MLA_LATENT
 
 
 class FlashInferMLABackend(MLAAttentionBackend):

@@ -18,14 +18,14 @@ from kvloom.interfaces import (
     MultipleOf,
 )
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Mixed-batch paged attention plus a split-KV decode kernel, in Triton.
 
     CUDA graphs: ``UNIFORM_BATCH`` (batches whose requests share one query length, padded
-    to a capture size); see ``metadata.py`` for why replays stay valid.
+    to a capture size); see ``builder.py`` for why replays stay valid.
     """
 
     NAME = "TRITON_ATTN"
@@ -48,7 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        from kvloom_backend_triton.metadata import TritonAttentionMetadataBuilder
+        from kvloom_backend_triton.builder import TritonAttentionMetadataBuilder
 
         return TritonAttentionMetadataBuilder
 

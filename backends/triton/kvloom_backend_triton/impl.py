@@ -6,7 +6,7 @@ import torch
 
 from kvloom.interfaces import AttentionImpl
 from kvloom_backend_triton import ops
-from kvloom_backend_triton.metadata import TritonAttentionMetadata
+from kvloom_backend_triton.builder import TritonAttentionMetadata
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):

@@ -14,7 +14,7 @@ one multiply per score instead of a multiply plus the ``exp`` range reduction.
 
 CUDA-graph rule: nothing here reads a host-side per-request number. Lengths, block-table
 rows and query offsets are loaded from device tensors inside the kernels; the host only
-chooses grids from the (padded) batch shape and fixed limits (see ``metadata.py``).
+chooses grids from the (padded) batch shape and fixed limits (see ``builder.py``).
 """
 
 from __future__ import annotations

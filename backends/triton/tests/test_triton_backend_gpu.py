@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 from kvloom_backend_triton.backend import TritonAttentionBackend
-from kvloom_backend_triton.metadata import CONFIG_EXTRA_KEY
+from kvloom_backend_triton.builder import CONFIG_EXTRA_KEY
 
 from kvloom.testing.reference import PagedRun, check_paged_case, make_paged_case, place_requests, run_paged_case
 

@@ -103,8 +103,8 @@ def _run_worker() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from kvloom_backend_triton.backend import TritonAttentionBackend
+    from kvloom_backend_triton.builder import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
     from kvloom_backend_triton.interpreter_compat import patch_interpreter_scalar_index
-    from kvloom_backend_triton.metadata import CONFIG_EXTRA_KEY, NUM_SMS_EXTRA_KEY
 
     from kvloom.testing.reference import check_paged_case, make_paged_case, run_paged_case
 

@@ -132,7 +132,7 @@ class AttentionSelectorConfig:
     """MLA models: which phase is being selected, ``"decode"`` (``head_size`` is the latent
     row, ``kv_lora_rank + qk_rope_head_dim``) or ``"prefill"`` (``head_size`` is
     ``qk_nope_head_dim + qk_rope_head_dim``, values ``v_head_dim`` wide); ``None`` otherwise
-    (see ``kvloom.attention.mla``)."""
+    (see ``kvloom.attention.mla_backend``)."""
     v_head_dim: int | None = None
     """MLA prefill: the value head size (``None`` when it equals ``head_size``)."""
     attn_type: AttentionType = AttentionType.DECODER
@@ -355,7 +355,7 @@ class AttentionBackend(ABC):
     """Highest compute capability served, inclusive (CUDA only); ``None`` = no bound."""
     is_mla: ClassVar[bool] = False
     """An MLA backend serves only MLA models, and only MLA backends serve them. MLA
-    backends subclass ``kvloom.attention.mla.MLAAttentionBackend`` (latent cache layout,
+    backends subclass ``kvloom.attention.mla_backend.MLAAttentionBackend`` (latent cache layout,
     ``mla_phases``) and return an ``MLAAttentionImpl`` from ``get_impl_cls``."""
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     """Attention types the backend serves."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvloom.config import CUDAGraphMode
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.forward_context import BatchDescriptor, current_forward_context
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Pipeline parallelism's model side: which layers a stage holds, the placeholder of the
 others, and the tensors that travel from stage to stage.
 
-A model that supports pipeline parallelism (class attribute ``supports_pipeline_parallel``)
+A model that supports pipeline parallelism (``kvloom.models.interface.SupportsPP``)
 builds, on stage ``p`` of ``P``, only the decoder layers ``stage_layer_range(L, p, P)``
 (``PPMissingLayer`` stands in for the others, so layer indices and checkpoint names stay
 those of the whole model), the token embedding only on the first stage and the final norm

@@ -12,12 +12,16 @@ This module imports only what ``EngineArgs`` needs: the CLI builds its flags fro
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvloom.cudagraph_mode import CUDAGraphMode
-from kvloom.quantization import check_requested_quantization
+from kvloom.quantization.selection import check_requested_quantization
+from kvloom.structured_output.options import (
+    check_structured_outputs_config,
+    structured_outputs_options,
+)
 
 #: --dtype names -> the torch dtype's attribute name (``getattr(torch, ...)``).
 DTYPES: dict[str, str] = {
@@ -73,7 +77,9 @@ class EngineArgs(BaseModel):
     )
     max_logprobs: int = Field(20, ge=0, le=20, description="The most logprobs a request may ask per token (0..20).")
     quantization: str | None = Field(
-        None, description="Weight quantization method; none is supported yet (only the default, no quantization)."
+        None, description="Quantization method (vLLM's names): by default the checkpoint's quantization_config "
+        "chooses it; a NAME such as fp8 quantizes an unquantized checkpoint while loading, or picks the method of a "
+        "quantized one; 'none' runs the weights as stored (a GGUF file dequantized)."
     )
     runner: Literal["auto", "generate", "pooling"] = Field("auto", description="Generate text or pool embeddings.")
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(None, description="Pooling for embeddings.")
@@ -155,6 +161,15 @@ class EngineArgs(BaseModel):
     structured_outputs_backend: str = Field(
         "xgrammar", description="Structured-output (guided decoding) backend: xgrammar or a plugin's name."
     )
+    reasoning_parser: str | None = Field(
+        None, description="How a reasoning model's reasoning is told from its answer: deepseek_r1, qwen3 or a "
+        "kvloom.reasoning_parsers plugin's name. Chat responses then carry it in `reasoning`, and a structured "
+        "output's grammar applies once the reasoning has ended."
+    )
+    structured_outputs_config: dict[str, Any] | None = Field(
+        None, description="vLLM's structured-output options, a JSON object with the keys backend, reasoning_parser "
+        "and enable_in_reasoning (true: the grammar also binds the reasoning)."
+    )
     # ---- observability
     # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
     disable_log_stats: bool = Field(
@@ -202,8 +217,20 @@ class EngineArgs(BaseModel):
             raise ValueError("cudagraph_capture_sizes must be positive batch sizes")
         return sorted(set(v))
 
+    @field_validator("structured_outputs_config")
+    @classmethod
+    def _structured_outputs_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_structured_outputs_config(v)
+
+    def structured_outputs_options(self) -> tuple[str, str | None, bool]:
+        """(backend, reasoning parser, enable_in_reasoning) of the flat flags and
+        ``structured_outputs_config`` (a ``ValueError`` when the two disagree)."""
+        return structured_outputs_options(self.structured_outputs_backend, self.reasoning_parser,
+                                          self.structured_outputs_config)  # fmt: skip
+
     @model_validator(mode="after")
     def _check(self) -> "EngineArgs":
+        self.structured_outputs_options()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running request must be able to get one token per step.
             raise ValueError(

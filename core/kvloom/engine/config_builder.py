@@ -41,7 +41,6 @@ from kvloom.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
-    StructuredOutputsConfig,
 )
 from kvloom.engine.arg_utils import DTYPES, EngineArgs
 from kvloom.engine.attention_config import attention_config, backend_problems
@@ -50,8 +49,9 @@ from kvloom.engine.parallel_checks import check_tensor_parallel
 from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.llama import sliding_window_of
-from kvloom.models.registry import ModelRegistry
-from kvloom.quantization import check_checkpoint_quantization
+from kvloom.models.registry import ModelRegistry, is_classification_architecture
+from kvloom.quantization.selection import quantization_for_engine
+from kvloom.structured_output.options import structured_outputs_config
 
 if TYPE_CHECKING:
     from kvloom.loader.model_source import ModelSource
@@ -101,7 +101,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             disable_log_stats=args.disable_log_stats, log_stats_interval=args.log_stats_interval
         ),
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
-        structured_outputs=StructuredOutputsConfig(backend=args.structured_outputs_backend),
+        structured_outputs=structured_outputs_config(*args.structured_outputs_options()),
     )
     _let_platform_and_plugins_adjust(config, model_limit)
     if config.parallel.data_parallel_size > 1:  # now, naming the flag, if the machine cannot hold the replicas
@@ -118,7 +118,6 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
     """The model section, and the longest ``max_model_len`` the model allows (its own
     limit, capped by a sliding window): the platform and plugins may not go past it."""
     hf_config = load_hf_config(source)
-    check_checkpoint_quantization(hf_config, source.path)
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
     dtype = resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name)
@@ -141,11 +140,16 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
         seed=args.seed,
         runner=runner,
         pooling_type=args.pooling_type or "LAST",
-        normalize=True if args.normalize is None else args.normalize,
+        # A classification head's logits are scores, not directions: not normalised by default.
+        normalize=not is_classification_architecture(architecture) if args.normalize is None else args.normalize,
         io_processor_plugin=args.io_processor_plugin or getattr(hf_config, "io_processor_plugin", None),
         chat_template=resolve_chat_template(args.chat_template),
         generation_defaults=generation_defaults(args.generation_config, source.path),
         max_logprobs=args.max_logprobs,
+        quantization=quantization_for_engine(
+            hf_config, args.quantization, platform, dtype, tensor_parallel_size=args.tensor_parallel_size,
+            gguf=source.kind == "gguf", model=source.path,
+        ),
     )
     return model, model_limit
 

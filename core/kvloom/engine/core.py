@@ -23,6 +23,7 @@ from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.model_limits import ModelLimits, check_against_model
 from kvloom.outputs import EngineCoreOutputs, ModelRunnerOutput, PendingModelRunnerOutput
+from kvloom.platforms.worker import WorkerBase
 from kvloom.request import EngineCoreRequest, Request, RequestStatus
 from kvloom.sample.metadata import check_sampling_state
 from kvloom.sampling_params import SamplingParams
@@ -30,7 +31,6 @@ from kvloom.scheduler.output import SchedulerOutput
 from kvloom.scheduler.scheduler import Scheduler
 from kvloom.structured_output.manager import StructuredOutputManager
 from kvloom.utils import cdiv
-from kvloom.platforms.worker import WorkerBase
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class EngineCore:
             config.structured_outputs.backend,
             config.model.vocab_size,
             tokenizer_loader=functools.partial(get_tokenizer, config.model),
+            reasoning_parser=config.structured_outputs.reasoning_parser,
+            enable_in_reasoning=config.structured_outputs.enable_in_reasoning,
         )
         self.scheduler = Scheduler(
             config.scheduler,

@@ -16,6 +16,7 @@ from kvloom.config import EngineConfig
 from kvloom.inputs import PromptType, RequestInput
 from kvloom.model_limits import ModelLimits, check_against_model
 from kvloom.request import EngineCoreRequest
+from kvloom.sample.logits_processors import parse_extra_args
 from kvloom.sampling_params import PoolingParams, SamplingParams, check_unicode
 from kvloom.structured_output.registry import validate_structured_outputs
 
@@ -85,6 +86,7 @@ class InputProcessor:
                 raise ValueError("structured_outputs: the engine runs without a tokenizer (skip_tokenizer_init), "
                                  "which grammars need")  # fmt: skip
             validate_structured_outputs(params.structured_outputs, self.config.structured_outputs.backend)
+        parse_extra_args(params.extra_args)  # each logits processor checks its own value
 
     def process(self, request: RequestInput) -> tuple[EngineCoreRequest, str | None]:
         """Validate and tokenize ``request``: the ``EngineCoreRequest`` and the prompt's text."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from kvloom.executor.ray import import_ray
+from kvloom.models.interface import supports_pp, supports_tp
 from kvloom.models.registry import ModelRegistry
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def check_pipeline_parallel(args: EngineArgs, model: ModelConfig, model_cls: typ
     """``--pipeline-parallel-size`` above 1: a model that splits its layers, at most one
     stage per layer, and none of the features that stages do not carry yet."""
     pp = args.pipeline_parallel_size
-    if not getattr(model_cls, "supports_pipeline_parallel", False) or model.runner != "generate":
+    if not supports_pp(model_cls) or model.runner != "generate":
         raise ValueError(
             f"pipeline_parallel_size: {model.architecture} ({model.runner} runner) cannot be split into pipeline "
             "stages yet (allowed: 1); the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral generators can"
@@ -58,7 +59,7 @@ def check_pipeline_parallel(args: EngineArgs, model: ModelConfig, model_cls: typ
 
 def _check_tensor_parallel_size(args: EngineArgs, model: ModelConfig, model_cls: type) -> None:
     tp = args.tensor_parallel_size
-    if not getattr(model_cls, "supports_tensor_parallel", False) or model.runner != "generate":
+    if not supports_tp(model_cls) or model.runner != "generate":
         raise ValueError(
             f"tensor_parallel_size: {model.architecture} ({model.runner} runner) has no tensor-parallel layers yet "
             f"(allowed: 1); the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral generators have"

@@ -274,7 +274,7 @@ def output_decoders() -> dict[bytes, MsgpackDecoder]:
 def _benchmark(num_requests: int = 256, repeat: int = 300) -> None:  # pragma: no cover - a tool
     import time
 
-    from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+    from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
     from kvloom.outputs import EngineCoreOutput, TokenLogprobs
     from kvloom.request import EngineCoreEvent, EngineCoreEventType
 

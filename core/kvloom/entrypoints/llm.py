@@ -25,8 +25,11 @@ from kvloom.outputs import (
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from kvloom.pooling.io_processors import as_prompt_list, load_io_processor
+from kvloom.pooling.score import ScorePlan, score_pairs
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -167,6 +170,27 @@ class LLM:
             EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
             for o in outputs
         ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Score text pairs (vLLM's ``LLM.score``): ``data_1`` (one text, or a list as long as
+        ``data_2``) against ``data_2``. A cross-encoder (a ``*ForSequenceClassification``
+        model with one label) reads each pair as one prompt and gives sigmoid(logit); an
+        embedding model gives the cosine of the two texts' embeddings."""
+        plan = ScorePlan(self.config, self.get_tokenizer(), score_pairs(data_1, data_2, ("data_1", "data_2")))
+        prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in plan.prompts]
+        outs = self._encode(prompts, PoolingParams(), use_tqdm, lora_request)
+        scores = plan.scores([o.outputs.data for o in outs])
+        return [
+            ScoringRequestOutput("-".join(outs[j].request_id for j in plan.sources(i)), ScoringOutput(score),
+                                 [t for j in plan.sources(i) for t in outs[j].prompt_token_ids])
+            for i, score in enumerate(scores)
+        ]  # fmt: skip
 
     # ------------------------------------------------------------------ engine loop
     def _run(

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvloom.deprecation import warn_deprecated
+from kvloom.deprecation import Deprecation
 from kvloom.distributed.communicator import allreduce_mode
 from kvloom.distributed.parallel_state import output_rank
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
@@ -165,8 +165,8 @@ def make_worker(config: EngineConfig) -> WorkerBase:
     params = inspect.signature(worker_cls.__init__).parameters
     if "model_runner_cls" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return worker_cls(config, platform, model_runner_cls=ModelRunner)
-    warn_deprecated(f"{worker_cls.__qualname__}.__init__ without model_runner_cls",
-                    "__init__(config, platform, *, model_runner_cls=None)", "1.1", "2.0")  # fmt: skip
+    Deprecation(f"{worker_cls.__qualname__}.__init__ without model_runner_cls",
+                "__init__(config, platform, *, model_runner_cls=None)", "2.0").warn()
     worker = worker_cls(config, platform)
     worker.model_runner_cls = ModelRunner
     return worker
@@ -188,6 +188,6 @@ def as_pending(result: PendingModelRunnerOutput | ModelRunnerOutput | None) -> P
     with a deprecation warning, until 2.0."""
     if result is None or isinstance(result, PendingModelRunnerOutput):
         return result
-    warn_deprecated("a worker step returning ModelRunnerOutput", "return a PendingModelRunnerOutput "
-                    "(PendingModelRunnerOutput.done(output) for a finished step)", "1.1", "2.0")  # fmt: skip
+    Deprecation("a worker step returning ModelRunnerOutput", "a PendingModelRunnerOutput "
+                "(PendingModelRunnerOutput.done(output) for a finished step)", "2.0").warn()
     return PendingModelRunnerOutput.done(result)

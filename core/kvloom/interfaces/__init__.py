@@ -18,7 +18,9 @@ example packages):
   ``BlockSizeSpec``;
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
   ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
-  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``; the shortest run a split-KV
+  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``, with the range checks of its
+  fields (``check_launch_fields``), its resolution (``resolve_kernel_config``) and
+  ``next_power_of_2``; the shortest run a split-KV
   decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
@@ -37,25 +39,35 @@ example packages):
   (``ModelRegistry``, ``LoRAResolverRegistry``);
 - structured-output backends: ``StructuredOutputBackend``, ``StructuredOutputGrammar``,
   ``StructuredOutputsParams``; tool-call parsers: ``ToolParser``, ``ExtractedToolCalls``,
-  ``ParsedToolCall`` (``docs/structured_outputs.md``);
+  ``ParsedToolCall`` (``docs/structured_outputs.md``); reasoning parsers:
+  ``ReasoningParser``, ``ReasoningState``, ``ReasoningStream``, ``ReasoningDelta``;
+- logits processors: ``LogitsProcessor``, ``LogitsProcessorRow``; endpoint plugins:
+  ``EndpointPlugin`` (handlers raise ``APIError`` for a client's mistake);
 - IO processors: ``IOProcessor``, ``PromptType``, ``PoolingParams``, ``SamplingParams``,
   ``PoolingRequestOutput``;
 - stat loggers: ``StatLoggerBase`` and the stats it records: ``SchedulerStats``,
   ``PrefixCacheStats``, ``IterationStats``, ``FinishedRequestStats``;
 - LoRA resolvers: ``LoRAResolver``, ``LoRARequest``, ``read_adapter_config``,
   ``validate_adapter_config``, ``LoRAAdapterError`` (the ``ValueError`` those two raise),
-  ``ADAPTER_CONFIG_FILE``.
+  ``ADAPTER_CONFIG_FILE``;
+- quantization methods (``docs/quantization.md``): ``QuantizationMethod`` (declarations,
+  ``validate``, ``layer_method``), ``QuantizationSelectorConfig``, ``LayerKind``,
+  ``LayerInfo``; per layer ``LayerQuantMethod`` and its kinds ``LinearQuantMethod``,
+  ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
+  ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
+  code of the experts for a method's own weights: ``fused_moe_torch``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
 declares the version it was written for, as a literal of its own::
 
-    KVLOOM_PLUGIN_API = "1.0"
+    KVLOOM_PLUGIN_API = "1.1"
 
-kvloom refuses a plugin whose major version differs, with a message naming both.
+kvloom refuses a plugin whose major version differs, or whose minor version is newer than
+kvloom's, with a message naming both (``docs/plugins.md``, "Compatibility").
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvloom.attention.backend import (
     AttentionBackend,
@@ -70,9 +82,14 @@ from kvloom.attention.backend import (
     MultipleOf,
     effective_decode_graphs,
 )
-from kvloom.attention.kernel_overrides import parse_kernel_overrides
+from kvloom.attention.kernel_overrides import (
+    check_launch_fields,
+    next_power_of_2,
+    parse_kernel_overrides,
+    resolve_kernel_config,
+)
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
-from kvloom.attention.mla import (
+from kvloom.attention.mla_backend import (
     MLA_DECODE,
     MLA_PREFILL,
     MLAAttentionBackend,
@@ -86,7 +103,6 @@ from kvloom.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
-    CUDAGraphMode,
     DeviceConfig,
     EngineConfig,
     LoadConfig,
@@ -96,29 +112,48 @@ from kvloom.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvloom.cudagraph_mode import CUDAGraphMode
+from kvloom.deprecation import Deprecation, deprecated_attributes
 from kvloom.distributed.communicator import TPCommunicator, allreduce_mode
+from kvloom.entrypoint_plugin import EndpointPlugin
+from kvloom.entrypoints.openai.errors import APIError
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
+from kvloom.layers.fused_moe import fused_moe_torch
+from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.models.registry import ModelRegistry
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.platforms.worker import ModelRunnerProtocol, Worker, WorkerBase
 from kvloom.plugins import PLUGIN_API_VERSION
+from kvloom.quantization.layer_methods import (
+    EmbeddingQuantMethod,
+    FusedMoEQuantMethod,
+    LayerQuantMethod,
+    LinearQuantMethod,
+    ParamLayout,
+    add_quantized_parameter,
+    remove_quantized_parameter,
+)
+from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod, QuantizationSelectorConfig
+from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "APIError",
     "MLA_DECODE",
     "MLA_PREFILL",
     "MLAAttentionBackend",
@@ -143,6 +178,7 @@ __all__ = [
     "CompilationConfig",
     "DeviceCapability",
     "DeviceConfig",
+    "EndpointPlugin",
     "EngineConfig",
     "ExtractedToolCalls",
     "FinishedRequestStats",
@@ -150,6 +186,8 @@ __all__ = [
     "IterationStats",
     "LoRAAdapterError",
     "LoRAConfig",
+    "LogitsProcessor",
+    "LogitsProcessorRow",
     "LoRAMapping",
     "LoRARequest",
     "LoRAResolver",
@@ -168,6 +206,10 @@ __all__ = [
     "PoolingRequestOutput",
     "PrefixCacheStats",
     "PromptType",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningState",
+    "ReasoningStream",
     "SamplingParams",
     "SchedulerConfig",
     "SchedulerStats",
@@ -180,14 +222,30 @@ __all__ = [
     "Worker",
     "WorkerBase",
     "allreduce_mode",
+    "check_launch_fields",
     "copy_rows_skipping_invalid",
     "effective_decode_graphs",
     "hookimpl",
     "min_split_tiles",
+    "next_power_of_2",
     "parse_kernel_overrides",
     "read_adapter_config",
+    "resolve_kernel_config",
     "validate_adapter_config",
     "write_kv_default_layout",
+    # quantization methods
+    "EmbeddingQuantMethod",
+    "FusedMoEQuantMethod",
+    "LayerInfo",
+    "LayerKind",
+    "LayerQuantMethod",
+    "LinearQuantMethod",
+    "ParamLayout",
+    "QuantizationMethod",
+    "QuantizationSelectorConfig",
+    "add_quantized_parameter",
+    "fused_moe_torch",
+    "remove_quantized_parameter",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):
@@ -238,9 +296,10 @@ string (re-registering the same target is a no-op; another target overrides, wit
 warning), ``is_supported(architecture)``, ``get_supported_archs()``."""
 
 PLUGIN_API_VERSION: str
-"""The plugin API this kvloom provides (``"1.0"``). A plugin module declares the version it
-was written for as a literal, ``KVLOOM_PLUGIN_API = "1.0"``; a different major version is
-refused, a newer minor version loads with a warning."""
+"""The plugin API this kvloom provides (``"1.1"``). A plugin module declares the version it
+was written for as a literal, ``KVLOOM_PLUGIN_API = "1.1"``; a different major version is
+refused, and so is a newer minor version (the plugin may use what this kvloom lacks); an older
+minor version of the same major loads."""
 
 PromptType: type
 """What a prompt may be: text, ``{"prompt_token_ids": [...]}`` (with an optional
@@ -252,14 +311,15 @@ hookimpl: "HookimplMarker"
 ``kvloom_update_engine_config(config)``); pluggy checks each against kvloom's specs when it loads."""
 
 
-def __getattr__(name: str) -> Any:
-    """Deprecated names, imported on first use (the face itself imports no engine module)."""
-    if name == "ModelRunner":
-        from kvloom.deprecation import warn_deprecated
 
-        warn_deprecated("kvloom.interfaces.ModelRunner (the runner class)", "kvloom.interfaces.ModelRunnerProtocol "
-                        "(the methods a worker may call; the worker is handed its runner class)", "1.1", "1.2")  # fmt: skip
-        from kvloom.worker.model_runner import ModelRunner
+def _model_runner_class() -> object:
+    from kvloom.worker.model_runner import ModelRunner
 
-        return ModelRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return ModelRunner
+
+
+# Names that left the face, imported on first use (the face itself imports no engine module).
+__getattr__ = deprecated_attributes(__name__, {
+    "ModelRunner": (Deprecation("kvloom.interfaces.ModelRunner", "kvloom.interfaces.ModelRunnerProtocol (the methods "
+                                "a worker may call; the worker is handed its runner class)", "1.2"), _model_runner_class),
+})  # fmt: skip

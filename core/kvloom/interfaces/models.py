@@ -28,12 +28,19 @@ an ``MLAAttention`` (HF module names, the latent cache, both phases) from ``MLAD
 (``config.model.mla_dims``), ``config.attention.backend`` (decode) and
 ``config.attention.prefill_backend``; ``deepseek_softmax_scale`` is DeepSeek's softmax
 scale with its YaRN correction.
+What a model class may declare beyond the contract (pipeline and tensor parallelism,
+LoRA on merged projections, stacked checkpoint parameters, lazy weights) is a protocol each:
+``SupportsPP``, ``SupportsTP``, ``SupportsLoRA``, ``HasStackedParams``,
+``SupportsLazyWeights``; the engine reads them through ``supports_pp``, ``supports_tp``,
+``supports_lazy_weights``, ``get_packed_modules_mapping``, ``get_stacked_params`` and
+``get_checkpoint_tensor_filter``, which a model's tests can call too.
 ``kvloom.testing.load_model`` and ``kvloom.testing.forward_context`` run a model class in
 a test, outside the engine.
 """
 
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention, MLADims
+from kvloom.attention.mla_backend import MLADims
+from kvloom.attention.mla_layer import MLAAttention
 from kvloom.config import EngineConfig
 from kvloom.layers.activation import SiluAndMul, get_gated_activation
 from kvloom.layers.fused_moe import FusedMoE, select_experts
@@ -42,13 +49,27 @@ from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.loader.lazy_tensor import LazyTensor, materialize
+from kvloom.models.interface import (
+    HasStackedParams,
+    SupportsLazyWeights,
+    SupportsLoRA,
+    SupportsPP,
+    SupportsTP,
+    get_checkpoint_tensor_filter,
+    get_packed_modules_mapping,
+    get_stacked_params,
+    supports_lazy_weights,
+    supports_pp,
+    supports_tp,
+)
 from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 __all__ = [
     "Attention",
     "EngineConfig",
     "FusedMoE",
+    "HasStackedParams",
     "LLAMA_STACKED_PARAMS",
     "LMHead",
     "LazyTensor",
@@ -64,14 +85,24 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",
+    "SupportsLazyWeights",
+    "SupportsLoRA",
+    "SupportsPP",
+    "SupportsTP",
     "VocabEmbedding",
     "deepseek_softmax_scale",
+    "get_checkpoint_tensor_filter",
     "get_gated_activation",
+    "get_packed_modules_mapping",
     "get_rope_parameters",
+    "get_stacked_params",
     "load_checkpoint_weights",
     "materialize",
     "packed_modules_mapping",
     "select_experts",
+    "supports_lazy_weights",
+    "supports_pp",
+    "supports_tp",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from kvloom.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvloom.kv_cache.hashing import get_hash_function, update_block_hashes
 from kvloom.kv_cache.single_type_manager import SINGLE_TYPE_MANAGERS
-from kvloom.metrics.stats import PrefixCacheStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats
 from kvloom.request import Request
 
 

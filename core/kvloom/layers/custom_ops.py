@@ -12,7 +12,7 @@ the torch code's results for the dtypes the platform enables it for: bit-identic
 ``silu_and_mul``, ``rotary_qk`` and the residual sum of ``fused_add_rms_norm``; the norms
 within 2 ulp in float16/bfloat16 (the squares may be summed in another order) and 1e-5
 relative in float32; ``qk_norm_rotary``, a norm and a rotation, within
-``QK_NORM_ROTARY_TOLERANCES`` (``kvloom.testing.reference``) of its torch code, relative
+``QK_NORM_ROTARY_TOLERANCES`` (``kvloom.testing.custom_ops``) of its torch code, relative
 to the largest value (the norm's ulps carried through the rotation). ``lora_delta`` and
 ``fused_moe`` are the exceptions: ``fused_moe`` (grouped GEMMs over the experts) matches
 its float64 definition to the dtype's tolerance, as its torch code does. ``lora_delta``:

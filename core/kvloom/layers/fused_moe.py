@@ -10,7 +10,7 @@ parameters, in the layout the grouped kernels read:
 Checkpoints store one tensor per expert and projection (``experts.3.gate_proj.weight``,
 Mixtral's ``experts.3.w1.weight``); ``FusedMoE.checkpoint_shards`` names them and
 ``FusedMoE.weight_loader`` copies each into its slice, so the generic loader
-(``kvloom.models.utils.load_checkpoint_weights``) stacks the experts at load time.
+(``kvloom.models.weights.load_checkpoint_weights``) stacks the experts at load time.
 
 The expert computation is the custom op ``fused_moe`` (``kvloom.layers.custom_ops``): a
 platform may replace ``fused_moe_torch`` (tokens grouped by expert, one GEMM per expert
@@ -26,11 +26,17 @@ every rank (the router is replicated); each rank's ``fused_moe`` then yields a p
 of every token's weighted expert outputs, and one all-reduce after the combine adds them,
 not one per expert. The ``fused_moe`` op takes the weights as given: it reads ``I/tp``
 from their shapes.
+
+Quantization: built while the model loader quantizes the model, the layer asks the method
+for its ``FusedMoEQuantMethod`` (``quant_method``, None when unquantized), which creates
+the expert parameters (``w13_weight``, ``w13_weight_scale``, ``w2_weight``, ...: ``w13_`` /
+``w2_`` plus the checkpoint tensor's suffix, so ``experts.3.up_proj.weight_scale`` loads
+into ``w13_weight_scale``), and computes the experts instead of the ``fused_moe`` op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +45,9 @@ from torch import nn
 from kvloom.distributed import parallel_state
 from kvloom.layers.custom_ops import get_custom_op
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
+from kvloom.quantization.context import layer_quant_method
+from kvloom.quantization.layer_methods import FusedMoEQuantMethod, Span, cdiv, load_per_shard, load_region
+from kvloom.quantization.method import LayerKind
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 #: HF's DeepSeek-V3 adds this to the sum of the chosen sigmoid scores before dividing.
@@ -159,6 +168,7 @@ def fused_moe_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    down_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The torch code of the ``fused_moe`` op, HF transformers' arithmetic:
 
@@ -169,6 +179,8 @@ def fused_moe_torch(
     gate/up GEMM, SiLU-and-mul and down GEMM on its rows; the weighted rows are added into
     the output expert by expert (ascending), each product rounded to ``hidden``'s dtype
     first, as HF's ``index_add_``. Reads the group sizes on the host (not for CUDA graphs).
+    ``down_input`` (not part of the op) transforms each expert's down-projection input
+    rows first: a W8A8 quantization method's activation quantization.
     """
     num_tokens, top_k = topk_ids.shape
     intermediate = w2.shape[-1]
@@ -190,6 +202,8 @@ def fused_moe_torch(
         start += count
         gate_up = F.linear(hidden[rows], w13[expert])
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        if down_input is not None:
+            act = down_input(act)
         expert_out = F.linear(act, w2[expert]) * weights[:, None]
         out.index_add_(0, rows, expert_out.to(out.dtype))
     return out
@@ -264,12 +278,20 @@ class FusedMoE(nn.Module):
         self.expert_weight_names = tuple(expert_weight_names)
         self.prefix = prefix
         dtype = params_dtype or torch.get_default_dtype()
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
-        )
+        self.params_dtype = dtype
+        self.quant_method: FusedMoEQuantMethod | None = layer_quant_method(  # type: ignore[assignment]
+            LayerKind.FUSED_MOE, prefix, input_size=hidden_size, output_sizes=(self.full_intermediate_size,),
+            tp_size=self.tp_size, num_experts=num_experts,
+        )  # fmt: skip
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
+        else:
+            self.w13_weight = nn.Parameter(
+                torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+            )
+            self.w2_weight = nn.Parameter(
+                torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+            )
         if use_correction_bias:
             self.e_score_correction_bias: nn.Parameter | None = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False
@@ -282,23 +304,28 @@ class FusedMoE(nn.Module):
     def checkpoint_shards(self, param_name: str) -> list[tuple[str, str | None]]:
         """The checkpoint tensors that make up the parameter ``param_name`` of this module:
         ``(name relative to the module, shard for weight_loader)``; read by
-        ``kvloom.models.utils.checkpoint_names`` (HF name = ``<module name>.<relative name>``)."""
+        ``kvloom.models.weights.checkpoint_names`` (HF name = ``<module name>.<relative name>``)."""
         gate, up, down = self.expert_weight_names
-        if param_name == "w13_weight":
-            return [(f"{e}.{name}.weight", f"{e}.{kind}") for e in range(self.num_experts)
+        # w13_<suffix> / w2_<suffix>: the experts' <suffix> tensors ("weight", "weight_scale", ...).
+        projection, _, suffix = param_name.partition("_")
+        if projection == "w13" and suffix:
+            return [(f"{e}.{name}.{suffix}", f"{e}.{kind}") for e in range(self.num_experts)
                     for name, kind in ((gate, "gate"), (up, "up"))]  # fmt: skip
-        if param_name == "w2_weight":
-            return [(f"{e}.{down}.weight", f"{e}.down") for e in range(self.num_experts)]
+        if projection == "w2" and suffix:
+            return [(f"{e}.{down}.{suffix}", f"{e}.down") for e in range(self.num_experts)]
         if param_name == "e_score_correction_bias" and self.e_score_correction_bias is not None:
             return [("e_score_correction_bias", None)]
         raise KeyError(f"{self.prefix or 'FusedMoE'}: no parameter {param_name!r}")
 
-    def expert_slice(self, param: nn.Parameter, shard: str) -> torch.Tensor:
-        """The view of ``param`` that the shard ``"<expert>.<gate|up|down>"`` fills."""
+    def _expert_of(self, shard: str) -> tuple[int, str]:
         expert_str, _, kind = shard.partition(".")
         if not expert_str.isdigit() or not 0 <= int(expert_str) < self.num_experts:
             raise ValueError(f"{self.prefix}: expert id in shard {shard!r} must be in [0, {self.num_experts})")
-        expert = int(expert_str)
+        return int(expert_str), kind
+
+    def expert_slice(self, param: nn.Parameter, shard: str) -> torch.Tensor:
+        """The view of ``param`` that the shard ``"<expert>.<gate|up|down>"`` fills."""
+        expert, kind = self._expert_of(shard)
         inter = self.intermediate_size
         if param is self.w13_weight and kind in ("gate", "up"):
             return param.data[expert, :inter] if kind == "gate" else param.data[expert, inter:]
@@ -318,11 +345,44 @@ class FusedMoE(nn.Module):
                              f"expected {expected}")  # fmt: skip
         return loaded.narrow(dim, self.tp_rank * self.intermediate_size, self.intermediate_size)
 
+    def load_by_layout(self, name: str, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None) -> None:
+        """Copy an expert's checkpoint tensor into the quantized parameter ``name`` by its
+        ``ParamLayout`` (of one expert's slice): gate rows then up rows (each from its own
+        block), this rank's intermediate range, one value per projection."""
+        if shard is None:
+            raise ValueError(f"{self.prefix}.{name}: an expert tensor needs a shard (<expert>.gate|up|down)")
+        expert, kind = self._expert_of(shard)
+        if kind not in ("gate", "up", "down") or (kind == "down") != name.startswith("w2_"):
+            raise ValueError(f"{self.prefix}: shard {shard!r} does not belong to {name}")
+        layout, target = self.quant_layouts[name], param.data[expert]
+        what = f"{self.prefix}.{name} (shard {shard})"
+        if layout.per_shard:
+            load_per_shard(target, 1 if kind == "up" else 0, loaded, what)
+            return
+        rank_start = self.tp_rank * self.intermediate_size
+        out = inp = None
+        if kind != "down" and layout.output_dim is not None:
+            block, dim = layout.output_block, layout.output_dim
+            expected = cdiv(self.full_intermediate_size, block)
+            if loaded.dim() <= dim or loaded.shape[dim] != expected:
+                raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected} "
+                                 f"entries along dim {dim}")  # fmt: skip
+            dst = cdiv(self.intermediate_size, block) if kind == "up" else 0
+            out = Span(rank_start, self.intermediate_size, dst)
+        if kind == "down" and layout.input_dim is not None and self.tp_size > 1:
+            inp = Span(rank_start, self.intermediate_size, 0)
+        load_region(target, loaded, layout, out, inp, what)
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor into ``param``: an expert's projection into its slice
         (shard ``"<expert>.gate"``, ``"<expert>.up"``, ``"<expert>.down"``; under tensor
         parallelism only this rank's part of it, the only part read of a lazy handle), or
-        the whole correction bias (no shard)."""
+        the whole correction bias (no shard). A quantized layer's expert parameters go to
+        its method (``FusedMoEQuantMethod.load_weight``)."""
+        if self.quant_method is not None and param is not self.e_score_correction_bias:
+            name = next(n for n, p in self._parameters.items() if p is param)
+            self.quant_method.load_weight(self, name, param, loaded, shard)
+            return
         target = param.data if shard is None else self.expert_slice(param, shard)
         if shard is not None and self.tp_size > 1:
             loaded = self._this_rank(loaded, shard)
@@ -345,8 +405,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.select_experts(router_logits)
-        op = get_custom_op("fused_moe") or fused_moe_torch
-        out = op(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        else:
+            op = get_custom_op("fused_moe") or fused_moe_torch
+            out = op(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         # Each rank summed its slice of every expert's down projection: one all-reduce
         # for the whole layer (a no-op at tensor-parallel size 1).
         return parallel_state.all_reduce(out) if self.tp_size > 1 else out  # type: ignore[return-value]

@@ -16,6 +16,14 @@ layout from ``output_sizes`` / ``shard_names``.
 Parameters are created with ``torch.empty`` in the default dtype and device (the model
 loader sets both), so building a model does no initialisation work.
 
+Quantization: a layer built while the model loader quantizes the model
+(``kvloom.quantization.context``) asks the method for its ``LinearQuantMethod``
+(``quant_method``; ``None``, the default, is the plain float weight). The method then
+creates the weights (``weight`` in its own dtype, ``weight_scale``, ...), and the layer
+hands it the loading of those parameters and its forward; ``load_by_layout`` places each
+shard and cuts this rank's part by the parameter's ``ParamLayout``. ``quantizable=False``
+keeps a layer unquantized whatever the checkpoint says (MoE routers).
+
 Tensor parallelism (``parallel``): ``"replicated"`` (the default) keeps the whole weight on
 every rank; ``"column"`` keeps this rank's rows of every shard (``output_sizes`` are the
 local sizes, ``full_output_sizes`` the checkpoint's) and needs no collective; ``"row"``
@@ -35,6 +43,9 @@ from torch import nn
 
 from kvloom.distributed import parallel_state
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
+from kvloom.quantization.context import layer_quant_method
+from kvloom.quantization.layer_methods import LinearQuantMethod, Span, cdiv, load_per_shard, load_region
+from kvloom.quantization.method import LayerKind
 
 ParallelMode = Literal["replicated", "column", "row"]
 
@@ -62,11 +73,12 @@ class LinearBase(nn.Module):
         parallel: ParallelMode = "replicated",
         shard_starts: list[int] | None = None,
         local_output_sizes: list[int] | None = None,
+        quantizable: bool = True,
     ) -> None:
         """``output_sizes`` and ``input_size`` are the checkpoint's (whole) sizes. A column-
         parallel layer keeps ``output_sizes[i] / tp`` rows of shard ``i`` starting at row
         ``rank * that`` unless ``local_output_sizes`` / ``shard_starts`` say otherwise (the
-        replicated KV heads of ``QKVLinear``)."""
+        replicated KV heads of ``QKVLinear``). ``quantizable=False``: never quantized."""
         super().__init__()
         if len(output_sizes) != len(shard_names):
             raise ValueError(f"{prefix}: {len(output_sizes)} output sizes but {len(shard_names)} shard names")
@@ -88,7 +100,17 @@ class LinearBase(nn.Module):
         self.output_size = sum(output_sizes)
         self.shard_names = list(shard_names)
         self.prefix = prefix
-        self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)
+        self.params_dtype = torch.get_default_dtype()
+        self.quant_method: LinearQuantMethod | None = None
+        if quantizable:
+            self.quant_method = layer_quant_method(  # type: ignore[assignment]
+                LayerKind.LINEAR, prefix, input_size=self.full_input_size, output_sizes=self.full_output_sizes,
+                shard_names=self.shard_names, tp_size=self.tp_size,
+            )  # fmt: skip
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)
+        else:
+            self.quant_method.create_weights(self)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(torch.empty(self.output_size), requires_grad=False)
         else:
@@ -120,10 +142,52 @@ class LinearBase(nn.Module):
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
 
+    def output_blocks(self, block: int) -> int:
+        """Entries along the output of a parameter with ``block`` weight rows per entry:
+        each shard starts on an entry of its own (``ParamLayout``)."""
+        return sum(cdiv(n, block) for n in self.output_sizes)
+
+    def _shard_index(self, shard: str | None) -> int:
+        if shard is None:
+            if len(self.shard_names) != 1:
+                raise ValueError(f"{self.prefix}: a merged layer needs a shard name (one of {self.shard_names})")
+            return 0
+        self.shard_slice(shard)  # a KeyError naming the shards for an unknown one
+        return self.shard_names.index(shard)
+
+    def load_by_layout(self, name: str, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None) -> None:
+        """Copy a checkpoint tensor into the quantized parameter ``name`` by its
+        ``ParamLayout``: the shard's rows (each shard from its own block), this rank's
+        rows (column-parallel) or input columns (row-parallel), one value per shard."""
+        layout = self.quant_layouts[name]
+        index = self._shard_index(shard)
+        what = f"{self.prefix}.{name}" + ("" if shard is None else f" (shard {shard})")
+        if layout.per_shard:
+            load_per_shard(param.data, index, loaded, what)
+            return
+        out = inp = None
+        if layout.output_dim is not None:
+            block = layout.output_block
+            dst = sum(cdiv(n, block) for n in self.output_sizes[:index])
+            expected = cdiv(self.full_output_sizes[index], block)
+            if loaded.dim() <= layout.output_dim or loaded.shape[layout.output_dim] != expected:
+                raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected} "
+                                 f"entries along dim {layout.output_dim}")  # fmt: skip
+            start = self.shard_starts[index] if self.parallel == "column" else 0
+            out = Span(start, self.output_sizes[index], dst)
+        if layout.input_dim is not None and self.parallel == "row" and self.tp_size > 1:
+            inp = Span(self.tp_rank * self.input_size, self.input_size, 0)
+        load_region(param.data, loaded, layout, out, inp, what)
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: str | None = None) -> None:
         """Copy a checkpoint tensor (weight or bias) into ``param`` or into its shard:
         this rank's rows (column-parallel) or input columns (row-parallel) of it, read
-        from the file only then when ``loaded`` is a lazy handle."""
+        from the file only then when ``loaded`` is a lazy handle. A quantized layer's
+        own parameters go to its method (``LinearQuantMethod.load_weight``)."""
+        if self.quant_method is not None and param is not self.bias:
+            name = next(n for n, p in self._parameters.items() if p is param)
+            self.quant_method.load_weight(self, name, param, loaded, shard)
+            return
         if shard is None:
             if len(self.shard_names) != 1:
                 raise ValueError(f"{self.prefix}: a merged layer needs a shard name (one of {self.shard_names})")
@@ -140,18 +204,35 @@ class LinearBase(nn.Module):
             )
         target.copy_(materialize(loaded))
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as a plain ``[output_size, input_size]`` tensor in the model dtype:
+        ``weight`` itself, or the quantization method's dequantized reference (computed
+        on each call: for code that reads a projection's weight, such as MLA's absorbed
+        ``kv_b_proj``)."""
+        if self.quant_method is None:
+            return self.weight
+        return self.quant_method.dequantize(self).to(self.params_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel != "row" or self.tp_size == 1:
+        row_split = self.parallel == "row" and self.tp_size > 1
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, x, None if row_split else self.bias)
+        elif not row_split:
             return F.linear(x, self.weight, self.bias)
+        else:
+            out = F.linear(x, self.weight)
+        if not row_split:
+            return out
         # Each rank holds a slice of the input features: sum the partial products, then
         # add the bias once.
-        out = parallel_state.all_reduce(F.linear(x, self.weight))
+        out = parallel_state.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         sizes = self.output_size if len(self.output_sizes) == 1 else dict(zip(self.shard_names, self.output_sizes))
         tp = "" if self.tp_size == 1 else f", {self.parallel}-parallel rank {self.tp_rank}/{self.tp_size}"
-        return f"in={self.input_size}, out={sizes}, bias={self.bias is not None}{tp}"
+        quant = "" if self.quant_method is None else f", quant={type(self.quant_method).__name__}"
+        return f"in={self.input_size}, out={sizes}, bias={self.bias is not None}{tp}{quant}"
 
 
 class Linear(LinearBase):
@@ -159,9 +240,9 @@ class Linear(LinearBase):
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, prefix: str = "",
-        parallel: ParallelMode = "replicated",
+        parallel: ParallelMode = "replicated", quantizable: bool = True,
     ) -> None:  # fmt: skip
-        super().__init__(input_size, [output_size], bias, ["0"], prefix, parallel)
+        super().__init__(input_size, [output_size], bias, ["0"], prefix, parallel, quantizable=quantizable)
 
     accepts_lazy_weights = True
     """``weight_loader`` (``LinearBase``'s, with no shard) takes ``LazyTensor`` handles."""

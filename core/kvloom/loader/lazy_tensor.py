@@ -134,11 +134,11 @@ def materialize(x: CheckpointTensor) -> torch.Tensor:
 
 def accepts_lazy_weights(obj: object, method: str) -> bool:
     """Whether ``obj``'s ``method`` (``"weight_loader"`` of a module, ``"load_weights"`` of a
-    model) takes ``LazyTensor`` handles: the class that defines the method in effect sets
+    model; ``obj`` an instance or its class) takes ``LazyTensor`` handles: the class that defines the method in effect sets
     ``accepts_lazy_weights = True`` in its own body. A subclass that overrides the method
     (an out-of-tree model deriving from ``LlamaForCausalLM`` with its own ``load_weights``)
     thus gets whole tensors unless it declares the attribute itself."""
-    for cls in type(obj).__mro__:
+    for cls in (obj if isinstance(obj, type) else type(obj)).__mro__:
         if method in vars(cls):
             return vars(cls).get("accepts_lazy_weights", False) is True
     return False

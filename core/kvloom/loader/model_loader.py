@@ -11,6 +11,12 @@ are ``torch.empty``), then filled from the model source:
 * ``load_format == "dummy"``: random weights made on the device from ``model.seed``
   (the parameters are this rank's shards already: nothing else is made).
 
+A quantized model (``config.model.quantization``) is built inside the quantization's
+build context, so that its layers create the method's parameters
+(``kvloom.quantization.context``); checkpoint tensors such as ``weight_scale`` or
+``qweight`` then load into them by name like any weight, and once every weight is in,
+each quantized layer's method repacks its parameters (``process_weights_after_loading``).
+
 ``load_weights`` returns the names it loaded; every parameter must be among them (a
 model that loads too little is an error naming the weights, as in vLLM), except with
 dummy weights.
@@ -30,10 +36,16 @@ from torch import nn
 from kvloom.config import EngineConfig
 from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
-from kvloom.loader.lazy_tensor import CheckpointTensor, accepts_lazy_weights
+from kvloom.loader.lazy_tensor import CheckpointTensor
 from kvloom.loader.weight_utils import hf_dir_weights, initialize_dummy_weights
+from kvloom.models.interface import (
+    get_checkpoint_tensor_filter,
+    get_stacked_params,
+    supports_lazy_weights,
+)
 from kvloom.models.registry import ModelRegistry
-from kvloom.models.utils import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
+from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
+from kvloom.quantization.context import building_model, process_weights_after_loading
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +62,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def checkpoint_weight_names(model: nn.Module) -> list[str]:
     """The HF names ``model.load_weights`` expects (merged projections expanded)."""
-    return list(checkpoint_names(model, getattr(model, "stacked_params", ())))
+    return list(checkpoint_names(model, get_stacked_params(model)))
 
 
 def model_weights(
@@ -69,8 +81,8 @@ def model_weights(
         return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
     if kind == "hf":
         # A pipeline stage reads only its own tensors (the model says which are elsewhere).
-        skip = getattr(model, "checkpoint_tensor_elsewhere", None)
-        lazy = accepts_lazy_weights(model, "load_weights")
+        skip = get_checkpoint_tensor_filter(model)
+        lazy = supports_lazy_weights(model)
         return hf_dir_weights(config.model.model, config.load.load_format, origins, skip, lazy)
     raise ValueError(f"load.source_kind: {kind!r} is not a weight source (allowed: hf, gguf)")
 
@@ -81,14 +93,14 @@ MISSING_WEIGHTS_SHOWN = 10
 
 def check_all_weights_loaded(model: nn.Module, loaded: Iterable[str] | None, source: str) -> None:
     """Raise unless ``loaded`` (what ``model.load_weights`` returned) covers every
-    parameter of ``model`` (``kvloom.models.utils.weights_not_loaded``)."""
+    parameter of ``model`` (``kvloom.models.weights.weights_not_loaded``)."""
     name = type(model).__name__
     if loaded is None:
         raise TypeError(
             f"{name}.load_weights returned None; it must return the set of checkpoint weight names it "
             "loaded (kvloom's model contract), so that kvloom can check that every weight was loaded"
         )
-    stacked = getattr(model, "stacked_params", ())
+    stacked = get_stacked_params(model)
     missing, total = weights_not_loaded(model, loaded, stacked)
     if missing:
         shown = ", ".join(missing[:MISSING_WEIGHTS_SHOWN])
@@ -155,6 +167,16 @@ def _layer_ops(config: EngineConfig) -> dict[str, Callable[..., object]]:
     return ops
 
 
+def construct_model(model_cls: type[nn.Module], config: EngineConfig, device: torch.device) -> nn.Module:
+    """``model_cls(config)`` on ``device`` in the model dtype, its layers quantized by
+    ``config.model.quantization`` (parameters uninitialised)."""
+    stacked = getattr(model_cls, "stacked_params", ())
+    with default_dtype(config.model.dtype), device, building_model(config.model.quantization, stacked):
+        model = model_cls(config)
+    # Layers that allocate in their own way (or out-of-tree models) end up here too.
+    return model.to(device=device)
+
+
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     """The model of ``config`` on ``device`` in ``config.model.dtype``, weights loaded, in eval mode."""
     device = torch.device(device)
@@ -164,10 +186,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     model_cls = ModelRegistry.load_model_cls(architecture)
     start = time.perf_counter()
     set_custom_ops(_layer_ops(config))
-    with default_dtype(config.model.dtype), device:
-        model = model_cls(config)
-    # Layers that allocate in their own way (or out-of-tree models) end up here too.
-    model = model.to(device=device)
+    model = construct_model(model_cls, config, device)
     if config.load.load_format == "dummy":
         initialize_dummy_weights(model, seed=config.model.seed)
         source = "dummy weights"
@@ -181,6 +200,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
             files = [str(origins[name]) for name in exc.names if name in origins] or [source]
             raise UnusedCheckpointTensorsError(type(model).__name__, exc.names, files) from None
         check_all_weights_loaded(model, loaded, source)
+    process_weights_after_loading(model)
     model.eval()
     model.requires_grad_(False)
     logger.info(

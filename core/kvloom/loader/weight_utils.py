@@ -171,5 +171,9 @@ def initialize_dummy_weights(
         device = param.device
         if device not in generators:
             generators[device] = torch.Generator(device=device).manual_seed(seed)
-        if param.is_floating_point():
+        if param.dtype.itemsize == 1 and param.is_floating_point():
+            # 8-bit floats (fp8 quantized weights) have no uniform_: draw in float32.
+            values = torch.empty(param.shape, device=device).uniform_(low, high, generator=generators[device])
+            param.data.copy_(values)
+        elif param.is_floating_point():
             param.data.uniform_(low, high, generator=generators[device])

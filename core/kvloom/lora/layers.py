@@ -41,9 +41,11 @@ class LoRALinear(nn.Module):
         self.slice_names = list(slice_names)
         self.slices = [base_layer.shard_slice(s) for s in base_layer.shard_names]
         self.max_rank = max_rank
-        weight = base_layer.weight
+        # The activations' dtype: the weight's, or the model dtype of a quantized layer.
+        device = next(base_layer.parameters()).device
+        dtype = base_layer.weight.dtype if base_layer.quant_method is None else base_layer.params_dtype
         total_rank = len(self.slices) * max_rank
-        kwargs: dict[str, Any] = {"dtype": weight.dtype, "device": weight.device}
+        kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
         self.register_buffer("lora_a", torch.zeros(num_slots, total_rank, base_layer.input_size, **kwargs), False)
         self.register_buffer("lora_b", torch.zeros(num_slots, base_layer.output_size, total_rank, **kwargs), False)
 

@@ -27,6 +27,7 @@ from kvloom.lora.adapter import SUPPORTED_TARGET_MODULES, LoRAAdapter, LoRAAdapt
 from kvloom.lora.layers import LORA_EXTRA, LoRALinear
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
+from kvloom.models.interface import get_packed_modules_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def _slice_names(module_name: str, module: LinearBase, packed: dict[str, list[st
 def wrap_lora_layers(model: nn.Module, num_slots: int, max_rank: int) -> dict[str, LoRALinear]:
     """Replace every adaptable projection of ``model`` with a ``LoRALinear``; returns
     them by HF slice name (``model.layers.0.self_attn.q_proj`` -> its layer)."""
-    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    packed = get_packed_modules_mapping(model)
     targets: list[tuple[str, LinearBase, list[str]]] = []
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):

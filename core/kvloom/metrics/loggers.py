@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloom import plugins
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.metrics.stat_logger_base import StatLoggerBase
-from kvloom.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
+from kvloom.metrics.stats import IterationStats
 from kvloom.request import FinishReason
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig
-    from kvloom.metrics.stats import IterationStats, SchedulerStats
+    from kvloom.metrics.scheduler_stats import SchedulerStats
+    from kvloom.metrics.stats import IterationStats
 
 
 class StatLoggerBase(ABC):

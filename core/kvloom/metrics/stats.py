@@ -1,6 +1,5 @@
-"""Engine statistics: the scheduler's per-step ``SchedulerStats`` (made in the engine core,
-sent to the front end in ``EngineCoreOutputs``) and the front end's request and iteration
-statistics, computed from engine-core outputs.
+"""The front end's request and iteration statistics, computed from engine-core outputs
+(the scheduler's per-step ``SchedulerStats`` are in ``kvloom.metrics.scheduler_stats``).
 
 Request and iteration metrics are collected in the front end (off the engine core's hot loop), from what each
 ``EngineCoreOutputs`` carries:
@@ -35,45 +34,6 @@ from kvloom.request import EngineCoreEvent, EngineCoreEventType, FinishReason
 
 if TYPE_CHECKING:
     from kvloom.outputs import EngineCoreOutput
-
-
-# ----------------------------------------------------------------- engine core (scheduler)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups of one step (``reset``: the cache was reset in it)."""
-
-    requests: int = 0
-    """Requests whose prompt was looked up."""
-    queries: int = 0
-    """Tokens looked up."""
-    hits: int = 0
-    """Tokens found in the cache."""
-    reset: bool = False
-    """Whether the prefix cache was reset in this step."""
-
-
-@dataclass
-class SchedulerStats:
-    """The scheduler's state after one step."""
-
-    num_running_reqs: int = 0
-    """Requests running (scheduled) after the step."""
-    num_waiting_reqs: int = 0
-    """Requests waiting (queued or preempted) after the step."""
-    kv_cache_usage: float = 0.0
-    """Fraction of KV-cache blocks in use, 0..1."""
-    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    """The step's prefix-cache lookups."""
-    num_preemptions: int = 0
-    """Preemptions in this step."""
-    structured_output_compile_times: list[float] = field(default_factory=list)
-    """Seconds each grammar compiled since the last stats (structured outputs)."""
-    structured_output_cache_queries: int = 0
-    """Structured requests that looked their grammar up in the compiled-grammar cache."""
-    structured_output_cache_hits: int = 0
-    """Those that found it there (compiled, or compiling for another request)."""
 
 
 # ----------------------------------------------------------------- front end

@@ -1,6 +1,6 @@
 """DeepSeek-V2 (V2-Lite included) and DeepSeek-V3 (without its MTP layer).
 
-Attention is multi-head latent attention (``kvloom.attention.mla.MLAAttention``: the
+Attention is multi-head latent attention (``kvloom.attention.mla_layer.MLAAttention``: the
 latent cache, the absorbed decode and the decompressing prefill, each phase on its own
 selected backend). ``q_lora_rank`` None (V2-Lite: one ``q_proj``) or set (V2, V3:
 ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``). RoPE covers only the
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvloom.attention.mla import MLAAttention
+from kvloom.attention.mla_layer import MLAAttention
 from kvloom.config import EngineConfig
 from kvloom.layers.activation import get_gated_activation
 from kvloom.layers.fused_moe import FusedMoE
@@ -35,7 +35,7 @@ from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.models.llama import LlamaDecoderLayer, LlamaModel
-from kvloom.models.utils import load_checkpoint_weights
+from kvloom.models.weights import load_checkpoint_weights
 
 #: (merged module, checkpoint module, shard): gate/up of the dense MLPs and shared experts.
 DEEPSEEK_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (

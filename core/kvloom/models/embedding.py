@@ -20,7 +20,7 @@ from kvloom.config import EngineConfig
 from kvloom.models.llama import LlamaForCausalLM, LlamaModel
 from kvloom.models.qwen2 import Qwen2ForCausalLM
 from kvloom.models.qwen3 import Qwen3ForCausalLM
-from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 
 class LlamaEmbeddingModel(nn.Module):

@@ -41,7 +41,7 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
-from kvloom.models.utils import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 
 def _join(prefix: str, name: str) -> str:

@@ -53,7 +53,8 @@ class SparseMoeBlock(nn.Module):
         **fused_moe_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.gate = Linear(hidden_size, num_experts, bias=False, prefix=_join(prefix, "gate"))
+        # Routers stay in the model dtype in quantized checkpoints (fp8, compressed-tensors).
+        self.gate = Linear(hidden_size, num_experts, bias=False, prefix=_join(prefix, "gate"), quantizable=False)
         self.experts = FusedMoE(
             num_experts, top_k, hidden_size, intermediate_size, prefix=_join(prefix, "experts"), parallel=True,
             **fused_moe_kwargs,

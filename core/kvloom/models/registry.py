@@ -30,6 +30,11 @@ _BUILTIN_MODELS: dict[str, str] = {
     "MistralModel": "kvloom.models.embedding:LlamaEmbeddingModel",
     "Qwen2Model": "kvloom.models.embedding:Qwen2EmbeddingModel",
     "Qwen3Model": "kvloom.models.embedding:Qwen3EmbeddingModel",
+    # Decoders with a classification head (cross-encoders, rerankers; runner "pooling").
+    "LlamaForSequenceClassification": "kvloom.models.classification:LlamaForSequenceClassification",
+    "MistralForSequenceClassification": "kvloom.models.classification:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": "kvloom.models.classification:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification": "kvloom.models.classification:Qwen3ForSequenceClassification",
 }
 
 #: The embedding architecture that runs a causal LM with runner "pooling" (its LM head is
@@ -41,8 +46,8 @@ _POOLING_VARIANTS: dict[str, str] = {
     "Qwen3ForCausalLM": "Qwen3Model",
 }
 
-#: Architectures whose natural runner is pooling (embedding models).
-_POOLING_SUFFIXES = ("Model", "ForEmbedding", "EmbeddingModel")
+#: Architectures whose natural runner is pooling (embedding and classification models).
+_POOLING_SUFFIXES = ("Model", "ForEmbedding", "EmbeddingModel", "ForSequenceClassification")
 
 
 class _ModelRegistry:
@@ -97,3 +102,9 @@ class _ModelRegistry:
 
 #: The process-wide registry (vLLM's name).
 ModelRegistry = _ModelRegistry()
+
+
+def is_classification_architecture(architecture: str) -> bool:
+    """Whether ``architecture`` pools into a classification head's logits (HF's
+    ``*ForSequenceClassification``) instead of an embedding."""
+    return architecture.endswith("ForSequenceClassification")

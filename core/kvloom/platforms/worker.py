@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from kvloom.deprecation import warn_deprecated
+from kvloom.deprecation import Deprecation, deprecated_method
 from kvloom.distributed import parallel_state
 from kvloom.outputs import PendingModelRunnerOutput
 
@@ -38,6 +38,23 @@ logger = logging.getLogger(__name__)
 #: KV-cache budget on devices without a memory-utilisation notion (CPU), unless
 #: --kv-cache-memory says otherwise.
 DEFAULT_HOST_KV_CACHE_BYTES = 2 * 2**30
+
+
+class DeviceMemory(Protocol):
+    """The allocator calls a memory profile makes (``ModelRunnerProtocol.profile_peak_memory``);
+    the ``torch.cuda`` module has them."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work."""
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak from what is allocated now."""
+
+    def max_memory_allocated(self) -> int:
+        """The peak of allocated bytes since the reset."""
+
+    def empty_cache(self) -> None:
+        """Give cached, unused memory back to the device."""
 
 
 @runtime_checkable
@@ -64,7 +81,7 @@ class ModelRunnerProtocol(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's KV cache of ``num_blocks`` blocks."""
 
-    def profile_peak_memory(self, memory: object) -> int:
+    def profile_peak_memory(self, memory: DeviceMemory) -> int:
         """Torch's peak allocated bytes over a forward at the largest batch the scheduler
         can produce plus a sampler pass (``memory``: ``torch.cuda`` on CUDA); runs before
         ``initialize_kv_cache``."""
@@ -142,14 +159,14 @@ class WorkerBase(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support sampling a step after its forward "
                                   "(structured outputs with async scheduling)")  # fmt: skip
 
+    @deprecated_method(Deprecation("WorkerBase.execute_model_async", "WorkerBase.execute_model", "2.0"))
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingModelRunnerOutput | None:
-        """Deprecated since plugin API 1.1 (goes in 2.0): ``execute_model`` launches."""
-        warn_deprecated("WorkerBase.execute_model_async", "execute_model", "1.1", "2.0")
+        """Deprecated since plugin API 1.1: ``execute_model`` launches."""
         return self.execute_model(scheduler_output)
 
+    @deprecated_method(Deprecation("WorkerBase.sample_tokens_async", "WorkerBase.sample_tokens", "2.0"))
     def sample_tokens_async(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
-        """Deprecated since plugin API 1.1 (goes in 2.0): ``sample_tokens`` launches."""
-        warn_deprecated("WorkerBase.sample_tokens_async", "sample_tokens", "1.1", "2.0")
+        """Deprecated since plugin API 1.1: ``sample_tokens`` launches."""
         return self.sample_tokens(grammar_output)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

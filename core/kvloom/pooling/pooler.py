@@ -7,6 +7,7 @@ states, so pooling requests never read cached blocks (the scheduler enforces thi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,9 +19,11 @@ if TYPE_CHECKING:
 
 
 def pool_request(
-    config: "EngineConfig", state: "CachedRequestState", chunk: torch.Tensor, prompt_done: bool
+    config: "EngineConfig", state: "CachedRequestState", chunk: torch.Tensor, prompt_done: bool,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """Feed one prefill chunk's hidden states; returns the pooled vector after the last chunk."""
+    """Feed one prefill chunk's hidden states; returns the pooled vector after the last chunk
+    (a classification model's ``head`` turns it into the labels' logits first)."""
     params = state.pooling_params
     pooling_type = (params.pooling_type if params and params.pooling_type else config.model.pooling_type).upper()
     normalize = params.normalize if params and params.normalize is not None else config.model.normalize
@@ -44,6 +47,8 @@ def pool_request(
             return None
         pooled = chunk[-1].float()
 
+    if head is not None:
+        pooled = head(pooled)
     if params is not None and params.dimensions is not None:
         if params.dimensions > pooled.shape[-1]:
             raise ValueError(f"dimensions: {params.dimensions} exceeds the model's {pooled.shape[-1]}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvloom.logits_processor import LogitsProcessorRow
+from kvloom.sample.logits_processors import parse_extra_args
 from kvloom.sampling_params import SamplingParams
 
 #: Temperatures below this are greedy (same threshold as ``SamplingParams.greedy``).
@@ -115,6 +117,10 @@ class SamplingMetadata:
     #: (rows, token ids, values) added to the logits (logit_bias); None when no row has any.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    #: Logits processor plugins the rows asked for (``extra_args``): (name, rows [n] long,
+    #: the rows as the processor sees them); None when no row asked for one.
+    logits_processors: list[tuple[str, torch.Tensor, list[LogitsProcessorRow]]] | None = None
+
     #: Per row: top-N logprobs requested (0 = only the sampled token), or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     #: max over rows of num_logprobs, or None when no row wants logprobs.
@@ -130,7 +136,7 @@ class SamplingMetadata:
         depends on the tokens sampled so far (penalties count them; the min-tokens mask
         holds while a row has fewer outputs than ``min_tokens``, and once no row does it
         never comes back, as outputs only grow)."""
-        return self.no_penalties and self.min_tokens_mask is None
+        return self.no_penalties and self.min_tokens_mask is None and self.logits_processors is None
 
     @classmethod
     def build(
@@ -239,6 +245,19 @@ class SamplingMetadata:
                 torch.tensor(bias_ids, dtype=torch.long).to(device, non_blocking=True),
                 torch.tensor(bias_values, dtype=torch.float32).to(device, non_blocking=True),
             )
+
+        asked: dict[str, tuple[list[int], list[LogitsProcessorRow]]] = {}
+        for row, (p, prompt, out) in enumerate(zip(params, prompt_token_ids, output_token_ids)):
+            if p.extra_args:
+                for name, args in parse_extra_args(p.extra_args).items():
+                    rows, states = asked.setdefault(name, ([], []))
+                    rows.append(row)
+                    states.append(LogitsProcessorRow(args, prompt, out))
+        if asked:
+            meta.logits_processors = [
+                (name, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True), states)
+                for name, (rows, states) in asked.items()
+            ]
 
         meta.num_logprobs = [p.logprobs for p in params]
         requested = [n for n in meta.num_logprobs if n is not None]

@@ -6,6 +6,7 @@ Order of operations (vLLM's):
 1. penalties: repetition (on prompt + output tokens), then frequency and presence (on
    output tokens);
 2. min_tokens: EOS and stop token ids get -inf until the row has min_tokens outputs;
+   then the logits processor plugins, each on the rows that asked for it (``extra_args``);
 3. greedy rows: argmax of the processed logits;
 4. sampled rows: temperature -> top-k -> top-p -> min-p -> draw.
 
@@ -32,6 +33,7 @@ import torch
 
 from kvloom.layers.custom_ops import get_custom_op
 from kvloom.outputs import TokenLogprobs
+from kvloom.logits_processor import LogitsProcessor
 from kvloom.sample.metadata import SamplingMetadata
 
 
@@ -218,12 +220,13 @@ def random_sample_torch(logits: torch.Tensor, temperature: torch.Tensor, greedy:
 
 def _no_logit_processing(metadata: SamplingMetadata) -> bool:
     """Whether the batch asks for no logprobs and changes no logit (no logit_bias,
-    penalties or min_tokens): the raw logits decide alone."""
+    penalties, min_tokens or logits processors): the raw logits decide alone."""
     return (
         metadata.max_num_logprobs is None
         and metadata.logit_bias is None
         and metadata.no_penalties
         and metadata.min_tokens_mask is None
+        and metadata.logits_processors is None
     )
 
 
@@ -243,7 +246,25 @@ def _plain_temperature_batch(metadata: SamplingMetadata) -> bool:
 
 
 class Sampler:
-    """Samples one token per row of a float logits batch [B, V] (see module docstring)."""
+    """Samples one token per row of a float logits batch [B, V] (see module docstring).
+    ``logits_processors``: the logits processor plugins' instances, by name."""
+
+    def __init__(self, logits_processors: dict[str, LogitsProcessor] | None = None) -> None:
+        self.logits_processors = logits_processors or {}
+
+    def _apply_logits_processors(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Each processor changes, in one call, the rows that asked for it."""
+        assert metadata.logits_processors is not None
+        for name, rows, states in metadata.logits_processors:
+            processor = self.logits_processors.get(name)
+            if processor is None:
+                raise ValueError(f"extra_args.{name}: the logits processor {name!r} is not loaded in the model runner")
+            out = processor.apply(logits[rows], states)
+            if out.shape != (len(states), logits.shape[1]):
+                raise ValueError(f"logits processor {name!r} returned logits of shape {tuple(out.shape)} for "
+                                 f"{len(states)} rows of {logits.shape[1]} (expected the shape it was given)")  # fmt: skip
+            logits = logits.index_put((rows,), out.to(logits.dtype))
+        return logits
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2:
@@ -269,6 +290,8 @@ class Sampler:
             logits = apply_penalties(logits, metadata)
         if metadata.min_tokens_mask is not None:
             logits = logits.index_put(metadata.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
+        if metadata.logits_processors is not None:
+            logits = self._apply_logits_processors(logits, metadata)
 
         if metadata.all_greedy:
             sampled = logits.argmax(dim=1)

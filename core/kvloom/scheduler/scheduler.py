@@ -1,6 +1,8 @@
-"""The continuous-batching scheduler (vLLM V1's).
+"""The continuous-batching scheduler (vLLM V1's), behind ``SchedulerInterface``
+(``kvloom.scheduler.interface``: what the engine core calls).
 
-Every step, ``schedule()`` spends a token budget (``max_num_batched_tokens``):
+Every step, ``schedule()`` spends a token budget (``max_num_batched_tokens``) in three
+phases (``_schedule_running``, ``_schedule_waiting``, ``_step_output``):
 
 1. Running requests first, in order. Each gets the tokens it has not computed yet (one
    for a decode, plus its draft tokens; the rest of its prompt for a chunked prefill,
@@ -14,6 +16,8 @@ Every step, ``schedule()`` spends a token budget (``max_num_batched_tokens``):
    budget, ``max_num_seqs`` and the KV cache allow: prefix-cache lookup, then the rest
    of the prompt (chunked unless ``enable_chunked_prefill`` is off, in which case a
    prompt that does not fit the remaining budget waits).
+3. The step's output: the grammar bitmask of its structured requests (below) and the
+   requests finished since the last step, for the worker to drop.
 
 ``update_from_output()`` appends the tokens the runner sampled, applies stop conditions
 (EOS unless ``ignore_eos``, stop token ids, both only once ``min_tokens`` are out;
@@ -62,12 +66,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from kvloom.config import CacheConfig, SchedulerConfig
 from kvloom.kv_cache.manager import KVCacheManager
-from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestStatus
+from kvloom.scheduler.interface import SchedulerInterface
 from kvloom.scheduler.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
 from kvloom.scheduler.utils import check_stop
@@ -78,7 +84,24 @@ logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler:
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` has decided so far; each phase adds to it."""
+
+    token_budget: int
+    """Tokens the step may still schedule (``max_num_batched_tokens`` at the start)."""
+    now: float
+    """The step's timestamp for request events (0 without stats)."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+class Scheduler(SchedulerInterface):
+    """vLLM V1's continuous-batching scheduler (the module docstring tells the algorithm)."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -213,25 +236,29 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        token_budget = self.max_num_batched_tokens
+        step = _StepPlan(token_budget=self.max_num_batched_tokens, now=time.monotonic() if self.log_stats else 0.0)
+        self._schedule_running(step)
+        if not step.num_preempted:  # waiting requests would not fit: the cache is short already
+            self._schedule_waiting(step)
+        return self._step_output(step)
+
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Phase 1: the running requests, in order, each its next tokens; preempts when the
+        KV cache cannot hold them. A scheduled request's tokens count as computed at once
+        (the worker computes them before the next step); the data for the worker carries
+        the count before this step."""
+        token_budget = step.token_budget
         threshold = self.long_prefill_token_threshold
         max_model_len = self.max_model_len
-        num_scheduled_tokens: dict[str, int] = {}
-        spec_decode_tokens: dict[str, list[int]] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        num_preempted = 0
-        now = time.monotonic() if self.log_stats else 0.0
-        allocate_slots = kv.allocate_slots
+        num_scheduled_tokens = step.num_scheduled_tokens
+        spec_decode_tokens = step.spec_decode_tokens
+        cached_reqs = step.cached_reqs
+        allocate_slots = self.kv_cache_manager.allocate_slots
         async_scheduling = self.async_scheduling
         stop_limits = self._stop_limits
         pipeline, in_flight = self.pipeline_parallel, self._in_flight
 
-        # 1. Running requests (a copy: preemption removes from self.running). A scheduled
-        # request's tokens count as computed at once (the worker computes them before
-        # the next step); the data for the worker carries the count before this step.
-        for request in list(self.running):
+        for request in list(self.running):  # a copy: preemption removes from self.running
             if token_budget == 0:
                 break
             if request.status != _RUNNING:  # preempted earlier in this loop
@@ -263,9 +290,9 @@ class Scheduler:
                     token_budget += num_undone
                     victim.num_computed_tokens -= num_undone
                     spec_decode_tokens.pop(victim_id, None)
-                    cached_reqs = [c for c in cached_reqs if c.req_id != victim_id]
-                self._preempt(victim, now)
-                num_preempted += 1
+                    cached_reqs[:] = [c for c in cached_reqs if c.req_id != victim_id]
+                self._preempt(victim, step.now)
+                step.num_preempted += 1
                 if victim is request:
                     break
             if new_blocks is None:
@@ -284,87 +311,100 @@ class Scheduler:
                 num_spec = num_computed + num_new - len(request.all_token_ids)
                 if num_spec > 0:
                     spec_decode_tokens[request_id] = request.spec_token_ids[:num_spec]
+        step.token_budget = token_budget
 
-        # 2. Waiting requests, unless this step had to preempt (they would not fit).
-        # A waiting request whose adapter would exceed max_loras is set aside (it keeps
-        # its place in the queue) so that requests behind it can still run.
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Phase 2: waiting requests in queue order while the budget, ``max_num_seqs`` and the
+        KV cache allow. A request that cannot start yet but must not hold up the queue (its
+        adapter would exceed ``max_loras``, its grammar is compiling, a step of it is still
+        in flight) is set aside, keeping its place, so that the requests behind it can run."""
+        kv = self.kv_cache_manager
+        threshold = self.long_prefill_token_threshold
         skipped: list[Request] = []
         active_loras = (
             {r.lora_int_id for r in self.running if r.lora_request is not None} if self.max_loras is not None else set()
         )
-        if not num_preempted:
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting.peek()
-                if (
-                    self.max_loras is not None
-                    and request.lora_request is not None
-                    and request.lora_int_id not in active_loras
-                    and len(active_loras) >= self.max_loras
-                ):
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if (
+                self.max_loras is not None
+                and request.lora_request is not None
+                and request.lora_int_id not in active_loras
+                and len(active_loras) >= self.max_loras
+            ):
+                skipped.append(self.waiting.pop())
+                continue
+            if request.num_output_placeholders or (self.pipeline_parallel and request.request_id in self._in_flight):
+                skipped.append(self.waiting.pop())  # preempted with a step in flight: wait for its token
+                continue
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                assert self.structured_output_manager is not None
+                ready = self.structured_output_manager.grammar_ready(request)
+                if ready is False:  # still compiling: the requests behind it go on
                     skipped.append(self.waiting.pop())
                     continue
-                if request.num_output_placeholders or (pipeline and request.request_id in in_flight):
-                    skipped.append(self.waiting.pop())  # preempted with a step in flight: wait for its token
+                if ready is not True:  # failed to compile: this request fails alone
+                    self.waiting.pop()
+                    self._pending_outputs.append(self._fail_request(request, ready))
                     continue
-                if request.status == RequestStatus.WAITING_FOR_FSM:
-                    assert self.structured_output_manager is not None
-                    ready = self.structured_output_manager.grammar_ready(request)
-                    if ready is False:  # still compiling: the requests behind it go on
-                        skipped.append(self.waiting.pop())
-                        continue
-                    if ready is not True:  # failed to compile: this request fails alone
-                        self.waiting.pop()
-                        self._pending_outputs.append(self._fail_request(request, ready))
-                        continue
-                    request.status = RequestStatus.WAITING
-                computed_blocks, num_hits = kv.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hits
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                if num_new > token_budget:
-                    if not self.enable_chunked_prefill:
-                        break
-                    num_new = token_budget
-                new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hits)
-                if new_blocks is None:
-                    if self.running:
-                        break  # wait for running requests to free blocks
-                    self.waiting.pop()  # the whole cache is free and still too small
-                    self._finish_too_large(request)
-                    continue
-                self.waiting.pop()
-                if request.lora_request is not None:
-                    active_loras.add(request.lora_int_id)
-                if kv.enable_caching and not request.skip_prefix_cache_reading:
-                    kv.record_prefix_cache_query(request.num_tokens, num_hits)
-                self.running.append(request)
-                request.status = _RUNNING
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hits
-                if self.log_stats:
-                    request.record_event(EngineCoreEventType.SCHEDULED, now)
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=request.request_id,
-                        prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=list(request.output_token_ids),
-                        sampling_params=request.sampling_params,
-                        pooling_params=request.pooling_params,
-                        block_ids=kv.get_block_ids(request.request_id),
-                        num_computed_tokens=num_hits,
-                        lora_request=request.lora_request,
-                        eos_token_id=request.eos_token_id,
-                    )
-                )
-                request.num_computed_tokens = num_hits + num_new
-                num_scheduled_tokens[request.request_id] = num_new
-                token_budget -= num_new
-                if async_scheduling and num_hits + num_new >= request.num_tokens and request.request_id in stop_limits:
-                    request.num_output_placeholders += 1
-
+                request.status = RequestStatus.WAITING
+            computed_blocks, num_hits = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hits
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > step.token_budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = step.token_budget
+            if kv.allocate_slots(request, num_new, computed_blocks, num_hits) is None:
+                if self.running:
+                    break  # wait for running requests to free blocks
+                self.waiting.pop()  # the whole cache is free and still too small
+                self._finish_too_large(request)
+                continue
+            self.waiting.pop()
+            if request.lora_request is not None:
+                active_loras.add(request.lora_int_id)
+            self._start_running(request, step, num_hits, num_new)
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
+    def _start_running(self, request: Request, step: _StepPlan, num_hits: int, num_new: int) -> None:
+        """Move a waiting request, its blocks allocated, to the running batch of this step:
+        ``num_hits`` tokens from the prefix cache, ``num_new`` to compute."""
+        kv = self.kv_cache_manager
+        if kv.enable_caching and not request.skip_prefix_cache_reading:
+            kv.record_prefix_cache_query(request.num_tokens, num_hits)
+        self.running.append(request)
+        request.status = _RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hits
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.SCHEDULED, step.now)
+        step.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                pooling_params=request.pooling_params,
+                block_ids=kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hits,
+                lora_request=request.lora_request,
+                eos_token_id=request.eos_token_id,
+            )
+        )
+        request.num_computed_tokens = num_hits + num_new
+        step.num_scheduled_tokens[request.request_id] = num_new
+        step.token_budget -= num_new
+        if self.async_scheduling and num_hits + num_new >= request.num_tokens and request.request_id in self._stop_limits:
+            request.num_output_placeholders += 1
+
+    def _step_output(self, step: _StepPlan) -> SchedulerOutput:
+        """Phase 3: the step's ``SchedulerOutput``, with the grammar bitmask rows of its
+        structured requests and the requests finished since the last step; the requests it
+        sends into the pipeline are in flight until their results come back."""
+        num_scheduled_tokens = step.num_scheduled_tokens
         bitmask_rows: dict[str, int] = {}
         bitmask = None
         pending_tokens = False
@@ -378,7 +418,7 @@ class Scheduler:
             ]
             # Async scheduling: a sampling request counts this step's token as a placeholder;
             # one more means a token of the step in flight, which its bitmask must follow.
-            if async_scheduling and any(req.num_output_placeholders > 1 for req in sampling):
+            if self.async_scheduling and any(req.num_output_placeholders > 1 for req in sampling):
                 pending_tokens = True
                 bitmask_rows = {req.request_id: i for i, req in enumerate(sampling)}
             elif sampling:
@@ -386,14 +426,14 @@ class Scheduler:
                 bitmask_rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        if pipeline:
-            in_flight.update(num_scheduled_tokens)
+        if self.pipeline_parallel:
+            self._in_flight.update(num_scheduled_tokens)
         return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
-            scheduled_spec_decode_tokens=spec_decode_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
+            scheduled_spec_decode_tokens=step.spec_decode_tokens,
             finished_req_ids=finished_req_ids,
             structured_output_request_ids=bitmask_rows,
             grammar_bitmask=bitmask,
@@ -534,7 +574,7 @@ class Scheduler:
                 if req_id in self._structured:
                     manager = self.structured_output_manager
                     assert manager is not None
-                    if not manager.accept_tokens(req_id, new_token_ids):
+                    if not manager.accept_tokens(request, len(new_token_ids)):
                         outputs.append(self._fail_request(
                             request, f"structured outputs: the sampled tokens {new_token_ids} are not allowed by the "
                                      "request's grammar"))  # fmt: skip

@@ -13,6 +13,11 @@ request that samples in it (the runner masks the logits with it before sampling)
 its grammar terminates. A matcher always tracks the request's output tokens: before a
 row is filled, a matcher ahead of them (tokens dropped) is rolled back and one behind is
 advanced, so preemption, which keeps the output tokens, needs nothing more.
+
+With a reasoning parser (``--reasoning-parser``) the grammar binds only the answer after
+the reasoning, unless ``enable_in_reasoning``: until then the request's row allows every
+token (``reasoning_gate``), and its matcher follows the output tokens from the answer's
+start instead of all of them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar, clean_error
+from kvloom.structured_output.reasoning_gate import ReasoningGate
 from kvloom.structured_output.registry import get_backend_cls
 
 if TYPE_CHECKING:
@@ -54,11 +60,20 @@ class StructuredOutputManager:
         vocab_size: int,
         tokenizer_loader: Any,
         max_workers: int = 2,
+        reasoning_parser: str | None = None,
+        enable_in_reasoning: bool = False,
     ) -> None:
         """``tokenizer_loader()`` returns the model's tokenizer; it is called once, when
         the first structured request arrives (the engine core needs no tokenizer
-        otherwise)."""
+        otherwise). ``reasoning_parser``: the parser's name, whose grammar binds only the
+        answer unless ``enable_in_reasoning``."""
         self.backend_cls = get_backend_cls(backend_name)
+        self._reasoning_parser_cls = None
+        if reasoning_parser is not None and not enable_in_reasoning:
+            from kvloom.reasoning.registry import get_reasoning_parser_cls
+
+            self._reasoning_parser_cls = get_reasoning_parser_cls(reasoning_parser)
+        self._gate: ReasoningGate | None = None
         self.vocab_size = vocab_size
         self._tokenizer_loader = tokenizer_loader
         self._backend: StructuredOutputBackend | None = None
@@ -82,7 +97,16 @@ class StructuredOutputManager:
                                      "with skip_tokenizer_init)")  # fmt: skip
                 eos = tokenizer.eos_token_id
                 self._backend = self.backend_cls(tokenizer, self.vocab_size, [] if eos is None else [eos])
+                parser_cls = self._reasoning_parser_cls
+                self._gate = ReasoningGate(parser_cls(tokenizer) if parser_cls is not None else None)
             return self._backend
+
+    @property
+    def gate(self) -> ReasoningGate:
+        """Where each request's grammar starts (made with the backend)."""
+        self.backend  # noqa: B018 (makes the gate)
+        assert self._gate is not None
+        return self._gate
 
     def _compile(self, params: Any) -> Any:
         backend = self.backend
@@ -131,16 +155,17 @@ class StructuredOutputManager:
             self.grammars[request_id] = self.backend.new_grammar(future.result())
         except Exception as exc:  # a backend's matcher failing is this request's problem only
             return f"structured outputs: making the grammar matcher failed: {clean_error(exc)}"
+        self.gate.add(request)
         return True
 
     # ------------------------------------------------------------------ per step
-    def _sync(self, request: Request, grammar: StructuredOutputGrammar) -> None:
-        """Make the matcher's accepted tokens the request's output tokens."""
-        num_output = len(request.output_token_ids)
+    def _sync(self, request: Request, grammar: StructuredOutputGrammar, start: int) -> None:
+        """Make the matcher's accepted tokens the request's output tokens from ``start``."""
+        num_output = len(request.output_token_ids) - start
         ahead = grammar.num_processed_tokens - num_output
         if ahead > 0:
             grammar.rollback(ahead)
-        elif ahead < 0 and not grammar.accept_tokens(request.output_token_ids[num_output + ahead :]):
+        elif ahead < 0 and not grammar.accept_tokens(request.output_token_ids[start + num_output + ahead :]):
             raise RuntimeError(f"request {request.request_id}: its output tokens do not match its grammar")
 
     def grammar_bitmask(self, requests: list[Request]) -> tuple[dict[str, int], torch.Tensor | None]:
@@ -153,18 +178,29 @@ class StructuredOutputManager:
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = backend.allocate_bitmask(max(n, 16), self.vocab_size)
         bitmask = self._bitmask
+        gate = self.gate
         rows: dict[str, int] = {}
         for i, request in enumerate(requests):
-            grammar = self.grammars[request.request_id]
-            self._sync(request, grammar)
-            grammar.fill_bitmask(bitmask, i)
+            start = gate.answer_start(request)
+            if start is None:  # still reasoning: anything goes
+                bitmask[i].fill_(-1)
+            else:
+                grammar = self.grammars[request.request_id]
+                self._sync(request, grammar, start)
+                grammar.fill_bitmask(bitmask, i)
+                gate.widen(request, bitmask, i)
             rows[request.request_id] = i
         # A copy: the runner may still read it when the next step refills the buffer.
         return rows, bitmask[:n].clone()
 
-    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        """Advance the matcher of a request; False if a token is not allowed."""
-        return self.grammars[request_id].accept_tokens(token_ids)
+    def accept_tokens(self, request: Request, num_new: int) -> bool:
+        """Advance the matcher of ``request`` over its last ``num_new`` output tokens (those
+        of the answer: none while it reasons); False if a token is not allowed."""
+        start = self.gate.answer_start(request)
+        if start is None:
+            return True
+        output = request.output_token_ids
+        return self.grammars[request.request_id].accept_tokens(output[max(start, len(output) - num_new) :])
 
     def is_terminated(self, request_id: str) -> bool:
         return self.grammars[request_id].is_terminated()
@@ -179,6 +215,8 @@ class StructuredOutputManager:
     def free(self, request_id: str) -> None:
         self.grammars.pop(request_id, None)
         self._pending.pop(request_id, None)
+        if self._gate is not None:
+            self._gate.remove(request_id)
 
     def take_stats(self) -> StructuredOutputStats:
         """Compile times and cache lookups since the last call."""

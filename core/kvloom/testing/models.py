@@ -38,7 +38,8 @@ from torch import nn
 
 from kvloom.config import EngineConfig
 from kvloom.forward_context import set_forward_context
-from kvloom.loader.model_loader import default_dtype, model_weights
+from kvloom.loader.model_loader import construct_model, model_weights
+from kvloom.quantization.context import process_weights_after_loading
 
 __all__ = [
     "EOS_TOKEN",
@@ -64,11 +65,12 @@ def load_model(model_cls: type[nn.Module], config: EngineConfig, device: torch.d
     """``model_cls(config)`` built as the engine builds a model: on ``device`` in
     ``config.model.dtype``, its weights loaded by its ``load_weights`` from ``config``'s
     checkpoint (an HF directory or a GGUF file), in eval mode. The class need not be
-    registered. (The engine also installs the platform's custom ops; this does not.)"""
-    with default_dtype(config.model.dtype), torch.device(device):
-        model = model_cls(config)
-    model = model.to(device=device)
+    registered. A quantized checkpoint (``config.model.quantization``) is built and
+    repacked as the engine does. (The engine also installs the platform's custom ops;
+    this does not.)"""
+    model = construct_model(model_cls, config, torch.device(device))
     model.load_weights(model_weights(config, model))
+    process_weights_after_loading(model)
     return model.eval()
 
 

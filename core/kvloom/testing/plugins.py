@@ -1,5 +1,6 @@
-"""Plugins in a test: load them afresh, make a backend or platform class look installed,
-and see what attention backend selection would do.
+"""Plugins in a test: load them afresh, make a backend, platform or quantization method
+class look installed (or the installed methods absent), and see what attention backend
+selection would do.
 
 Everything here acts on this process's plugins only (what ``LLM``, the engine's config
 and ``run_cli`` see in this process), never on what is pip-installed.
@@ -14,12 +15,14 @@ from kvloom import plugins
 from kvloom.attention import selector
 from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig
 from kvloom.platforms.interface import Platform
+from kvloom.quantization.method import QuantizationMethod
 from kvloom_registry import PluginEntry
 
 __all__ = [
     "active_platform",
     "fresh_plugins",
     "installed_backend",
+    "installed_quantization_methods",
     "report_attention_backends",
     "select_attention_backend",
 ]
@@ -90,6 +93,22 @@ def active_platform(
             yield platform
         finally:
             plugins.set_platform_for_tests(previous)
+
+
+@contextmanager
+def installed_quantization_methods(*methods: type[QuantizationMethod]) -> Iterator[None]:
+    """Inside the block, ``methods`` (classes) are this process's quantization methods and
+    no others, as if their distributions alone declared ``kvloom.quantization_methods``
+    entry points (none: no method installed, to see what a user without the package
+    sees). Plugins load first if they have not."""
+    loaded = plugins.loaded_plugins()
+    group = plugins.QUANTIZATION_METHODS
+    before = loaded.group(group)
+    loaded.entries[group] = sorted((_entry(group, m.NAME, m, None, "0.0.0") for m in methods), key=lambda e: e.name)
+    try:
+        yield
+    finally:
+        loaded.entries[group] = before
 
 
 def _backends(backends: Iterable[type[AttentionBackend]] | None) -> dict[str, PluginEntry] | None:

@@ -23,7 +23,7 @@ import bisect
 import logging
 
 from kvloom.attention.backend import AttentionCGSupport
-from kvloom.config import CUDAGraphMode
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.forward_context import BatchDescriptor
 
 logger = logging.getLogger(__name__)

@@ -13,29 +13,19 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvloom.attention.backend import AttentionLayerSpec
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention, MLAMetadataBuilder
+from kvloom.attention.mla_layer import MLAAttention
+from kvloom.attention.mla_metadata import MLAMetadataBuilder
 from kvloom.config import EngineConfig
+from kvloom.platforms.worker import DeviceMemory
 
 logger = logging.getLogger(__name__)
-
-
-class DeviceMemory(Protocol):
-    """The allocator calls a memory profile makes; the ``torch.cuda`` module has them."""
-
-    def synchronize(self) -> None: ...
-
-    def reset_peak_memory_stats(self) -> None: ...
-
-    def max_memory_allocated(self) -> int: ...
-
-    def empty_cache(self) -> None: ...
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from kvloom.attention.layer import Attention
-from kvloom.attention.mla import MLAAttention
+from kvloom.attention.mla_layer import MLAAttention
 from kvloom.compilation.backend import PiecewiseBackend, compile_forward
 from kvloom.compilation.cache import use_compile_cache
 from kvloom.compilation.cuda_graph import CUDAGraphWrapper
@@ -53,13 +53,14 @@ from kvloom.loader.model_loader import get_model
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
+from kvloom.platforms.worker import DeviceMemory
 from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
 from kvloom.structured_output.bitmask import apply_grammar_bitmask
 from kvloom.utils import cdiv
 from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
 from kvloom.worker.input_batch import InputBatch
-from kvloom.worker.kv_cache_memory import DeviceMemory, KVCacheMemory, measure_peak_memory
+from kvloom.worker.kv_cache_memory import KVCacheMemory, measure_peak_memory
 from kvloom.worker.request_failures import RequestFailures
 from kvloom.worker.step_inputs import StepBatch, StepInputs
 from kvloom.worker.step_output import StepOutputs, UnsampledStep
@@ -104,7 +105,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req,
                                  self.block_size, device)  # fmt: skip
-        self.sampler = StepSampler(device, self.input_batch, self.failures)
+        self.sampler = StepSampler(device, config.model.vocab_size, self.input_batch, self.failures)
         self.outputs = StepOutputs(config, device, self.input_batch, self.failures, self.compute_logits)
         self._init_compilation()
         # A step launched without sampling (``pending_structured_output_tokens``): what
@@ -138,6 +139,7 @@ class ModelRunner:
         if not self.attn_layers:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
         self.kv_memory = KVCacheMemory(self.config, self.device, self.attn_layers)
+        self.outputs.classify = getattr(self.model, "classify", None)  # a classification model's head
         if self.config.lora.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config, self.device, self.max_num_tokens)
         if self.config.compilation.compile_model:

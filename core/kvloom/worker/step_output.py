@@ -66,6 +66,8 @@ class StepOutputs:
         self.input_batch = input_batch
         self.failures = failures
         self.compute_logits = compute_logits
+        #: A classification model's head over pooled hidden states (set once the model is loaded).
+        self.classify: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.pin_memory = device.type == "cuda"
         b = config.scheduler.max_num_seqs
         self._sampled_host = [torch.zeros(b, dtype=torch.int64, pin_memory=self.pin_memory) for _ in range(2)]
@@ -189,7 +191,7 @@ class StepOutputs:
             if s.pooling_params is not None and s.req_id not in self.failures:
                 chunk = hidden[start : start + n]
                 results[i] = self.failures.run(s.req_id, "pooling", pool_request, self.config, s, chunk,
-                                               done_prefill[i])  # fmt: skip
+                                               done_prefill[i], self.classify)  # fmt: skip
             start += n
         return results
 

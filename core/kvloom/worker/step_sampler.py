@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from kvloom.layers.custom_ops import get_custom_op
+from kvloom.sample.logits_processors import make_logits_processors
 from kvloom.sample.metadata import SamplingMetadata
 from kvloom.sample.sampler import Sampler, SamplerOutput
 from kvloom.sampling_params import SamplingParams
@@ -46,11 +47,13 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
 class StepSampler:
     """Samples the generating rows of a step's logits (see the module docstring)."""
 
-    def __init__(self, device: torch.device, input_batch: InputBatch, failures: RequestFailures) -> None:
+    def __init__(self, device: torch.device, vocab_size: int, input_batch: InputBatch, failures: RequestFailures) -> None:
         self.device = device
         self.input_batch = input_batch
         self.failures = failures
-        self.sampler = Sampler()
+        # The logits processor plugins, one instance each for this runner (requests ask
+        # for them through SamplingParams.extra_args).
+        self.sampler = Sampler(logits_processors=make_logits_processors(vocab_size, device))
         # The last step's sampling tensors while they hold for the same rows: keyed by the
         # input batch's version and the rows' request ids (``_sample_rows``).
         self._metadata: tuple[tuple[int, tuple[str, ...]], SamplingMetadata] | None = None

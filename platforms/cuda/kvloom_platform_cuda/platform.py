@@ -46,14 +46,16 @@ _FLASHINFER = BackendCandidate("FLASHINFER", "kvloom-backend-flashinfer")
 _TRITON_ATTN = BackendCandidate("TRITON_ATTN", "kvloom-backend-triton")
 _FLEX_ATTENTION = BackendCandidate("FLEX_ATTENTION", "kvloom-backend-flex-attention")
 
-_MLA_PROVIDER = "kvloom-backend-mla"
 _FLASHINFER_MLA = BackendCandidate("FLASHINFER_MLA", "kvloom-backend-flashinfer")  # beside FLASHINFER
-_CUTLASS_MLA = BackendCandidate("CUTLASS_MLA", _MLA_PROVIDER)
-_FLASH_ATTN_MLA = BackendCandidate("FLASH_ATTN_MLA", _MLA_PROVIDER)
-_FLASHMLA = BackendCandidate("FLASHMLA", _MLA_PROVIDER)
-_TRITON_MLA = BackendCandidate("TRITON_MLA", _MLA_PROVIDER)
-_FLASHMLA_SPARSE = BackendCandidate("FLASHMLA_SPARSE", _MLA_PROVIDER)
-_FLASHINFER_MLA_SPARSE = BackendCandidate("FLASHINFER_MLA_SPARSE", _MLA_PROVIDER)
+_TRITON_MLA = BackendCandidate("TRITON_MLA", "kvloom-backend-triton-mla")
+# vLLM's other MLA backends keep their place in its priority order; no first-party
+# distribution provides them yet, so their install hint names a future one.
+_UNWRITTEN_MLA_PROVIDER = "kvloom-backend-mla"
+_CUTLASS_MLA = BackendCandidate("CUTLASS_MLA", _UNWRITTEN_MLA_PROVIDER)
+_FLASH_ATTN_MLA = BackendCandidate("FLASH_ATTN_MLA", _UNWRITTEN_MLA_PROVIDER)
+_FLASHMLA = BackendCandidate("FLASHMLA", _UNWRITTEN_MLA_PROVIDER)
+_FLASHMLA_SPARSE = BackendCandidate("FLASHMLA_SPARSE", _UNWRITTEN_MLA_PROVIDER)
+_FLASHINFER_MLA_SPARSE = BackendCandidate("FLASHINFER_MLA_SPARSE", _UNWRITTEN_MLA_PROVIDER)
 
 STANDARD_BLACKWELL = (_FLASHINFER, _FLASH_ATTN, _TRITON_ATTN, _FLEX_ATTENTION)
 #: Measured on the H100 (see the module docstring): fastest first.

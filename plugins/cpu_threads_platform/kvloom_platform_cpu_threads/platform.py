@@ -11,27 +11,15 @@ wins over kvloom's built-in CPU platform, as every available out-of-tree platfor
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, WorkerBase
+from kvloom_platform_cpu_threads.threads import THREADS_ENV, configured_threads
 
 KVLOOM_PLUGIN_API = "1.0"
 
 logger = logging.getLogger(__name__)
-
-THREADS_ENV = "KVLOOM_CPU_THREADS_PLATFORM"
-
-
-def configured_threads() -> int | None:
-    """The thread count from ``KVLOOM_CPU_THREADS_PLATFORM``; None when unset."""
-    value = os.environ.get(THREADS_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{THREADS_ENV} must be a positive number of threads, got {value!r}")
-    return int(value)
 
 
 class CpuThreadsPlatform(Platform):

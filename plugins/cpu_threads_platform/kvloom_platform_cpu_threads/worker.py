@@ -8,7 +8,7 @@ import os
 import torch
 
 from kvloom.interfaces import Worker
-from kvloom_platform_cpu_threads.platform import configured_threads
+from kvloom_platform_cpu_threads.threads import configured_threads
 
 logger = logging.getLogger(__name__)
 

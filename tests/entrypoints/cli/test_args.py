@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvloom.config import CUDAGraphMode
+from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.engine.arg_utils import EngineArgs
 from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace, flag_name
 

@@ -2,7 +2,8 @@
 the server answers with no 5xx, never hangs, and leaves no request or KV block behind.
 
 Hypothesis generates request bodies over the OpenAI schemas (completions, chat
-completions, tokenize/detokenize, embeddings), mixing valid values with the edges and
+completions, tokenize/detokenize, embeddings, responses, score and rerank) and Anthropic's
+(messages, count_tokens), mixing valid values with the edges and
 the invalid (out-of-range numbers, huge integers, wrong types, unknown fields, lone UTF-16
 surrogates, token ids outside the vocabulary, too many sequences), plus raw hostile bodies
 (malformed and deeply nested JSON, long numbers, NaN, non-JSON content types, oversized
@@ -10,8 +11,8 @@ bodies) and clients that disconnect mid-stream. Each example is a batch of reque
 concurrently, so that valid and invalid requests share engine steps.
 
 Checks per response: status < 500, an answer within ``REQUEST_TIMEOUT_S``, a 4xx in
-OpenAI's error shape, a 200 well formed (choices for every prompt x n, streams ending in
-``[DONE]`` with no error event). At the end: /health is 200, /metrics shows no request
+OpenAI's error shape (Anthropic's on /v1/messages), a 200 well formed (choices for every
+prompt x n, streams ending in ``[DONE]`` (or the API's last event) with no error event). At the end: /health is 200, /metrics shows no request
 running or waiting and no KV block in use, and the server's log has no unhandled error.
 
 ``KVLOOM_FUZZ_EXAMPLES`` scales the number of examples (default: enough for more than
@@ -170,6 +171,44 @@ tokenize = st.one_of(
 detokenize = st.fixed_dictionaries({"tokens": st.one_of(token_ids, any_json)}, optional={"model": model})
 embedding = st.fixed_dictionaries({"input": prompt}, optional={"model": model, "dimensions": ints})
 
+# Issue 36's endpoints: OpenAI's Responses API, Anthropic's Messages API, score and rerank
+# (the served model generates text, so score and rerank check their bodies, then refuse).
+item = st.one_of(
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer"]), texts),
+                           "content": st.one_of(content, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": texts}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning", "x"]),
+                           "call_id": texts, "name": texts, "arguments": texts, "output": st.one_of(texts, any_json)}),
+    any_json,
+)  # fmt: skip
+responses = st.fixed_dictionaries(
+    {"input": st.one_of(texts, st.lists(item, max_size=3), any_json)},
+    optional={"model": model, "instructions": texts, "max_output_tokens": max_tokens, "temperature": floats,
+              "top_p": floats, "tools": any_json, "tool_choice": any_json, "stream": st.booleans(),
+              "store": st.booleans(), "previous_response_id": texts, "reasoning": any_json, "text": any_json,
+              "bogus_field": any_json},
+)  # fmt: skip
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"]),
+                           "text": texts, "id": texts, "name": texts, "input": any_json, "tool_use_id": texts,
+                           "content": st.one_of(texts, any_json)}),
+    any_json,
+)  # fmt: skip
+anthropic_message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant"]), texts),
+                                           "content": st.one_of(texts, st.lists(block, max_size=3), any_json)})
+messages = st.fixed_dictionaries(
+    {"messages": st.one_of(st.lists(anthropic_message, min_size=1, max_size=3), any_json), "max_tokens": max_tokens},
+    optional={"model": st.one_of(st.just(MODEL), model), "system": st.one_of(texts, any_json), "stop_sequences": stop,
+              "stream": st.booleans(), "temperature": floats, "top_p": floats, "top_k": ints, "tools": any_json,
+              "tool_choice": any_json, "thinking": any_json, "bogus_field": any_json},
+)  # fmt: skip
+text_or_texts = st.one_of(texts, st.lists(texts, max_size=4), any_json)
+score = st.fixed_dictionaries({"text_1": text_or_texts, "text_2": text_or_texts},
+                              optional={"model": model, "truncate_prompt_tokens": ints})  # fmt: skip
+rerank = st.fixed_dictionaries({"query": st.one_of(texts, any_json), "documents": text_or_texts},
+                               optional={"model": model, "top_n": ints, "return_documents": st.booleans()})  # fmt: skip
+
 # Requests valid in every field (so that they run in the engine with all kinds of sampling
 # state), each perhaps with one field replaced by an edge or invalid value.
 valid_prompt = st.one_of(
@@ -210,6 +249,20 @@ valid_chat = st.fixed_dictionaries(
      "max_completion_tokens": st.integers(2, 6)},
     optional={**valid_sampling, "logprobs": st.booleans(), "add_generation_prompt": st.booleans()},
 )  # fmt: skip
+valid_responses = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "input": st.one_of(st.text(max_size=30), st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=20)}), min_size=1, max_size=2)),
+     "max_output_tokens": st.integers(2, 6)},
+    optional={"instructions": st.text(max_size=20), "temperature": st.floats(0.0, 2.0), "stream": st.booleans(),
+              "store": st.booleans()},
+)  # fmt: skip
+valid_messages = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "max_tokens": st.integers(2, 6),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=20)}),
+                          min_size=1, max_size=2)},
+    optional={"system": st.text(max_size=20), "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+              "stream": st.booleans(), "temperature": st.floats(0.0, 1.0), "top_k": st.integers(1, VOCAB)},
+)  # fmt: skip
 edge_value = st.one_of(ints, floats, texts, st.none(), any_json)
 
 
@@ -236,6 +289,11 @@ schema_request = st.one_of(
     st.tuples(st.just("/tokenize"), tokenize),
     st.tuples(st.just("/detokenize"), detokenize),
     st.tuples(st.sampled_from(["/v1/embeddings", "/pooling"]), embedding),
+    st.tuples(st.just("/v1/responses"), st.one_of(responses, mutated(valid_responses))),
+    st.tuples(st.sampled_from(["/v1/messages", "/v1/messages", "/v1/messages/count_tokens"]),
+              st.one_of(messages, mutated(valid_messages))),
+    st.tuples(st.sampled_from(["/v1/score", "/score"]), score),
+    st.tuples(st.sampled_from(["/v1/rerank", "/rerank", "/v2/rerank"]), rerank),
 )
 
 hostile_body = st.one_of(
@@ -254,7 +312,7 @@ content_type = st.sampled_from(["application/json", "application/json", "applica
                                 "application/xml"])  # fmt: skip
 hostile_request = st.tuples(
     st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/pooling",
-                     "/v1/embeddings"]),
+                     "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/score", "/rerank"]),
     hostile_body,
     content_type,
 )  # fmt: skip
@@ -272,14 +330,25 @@ def check_response(path: str, body: Any, response: httpx.Response, streamed: byt
     status = response.status_code
     STATS[f"status {status}"] += 1
     assert status < 500, f"{path} {str(body)[:400]!r} -> {status} {response.text[:400]}"
+    anthropic = path.startswith("/v1/messages")
     if status >= 400:
-        error = json.loads(streamed if streamed is not None else response.content)["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
-        ERRORS[f"{status} {error['param'] or error['code']}"] += 1
+        body = json.loads(streamed if streamed is not None else response.content)
+        error = body["error"]
+        if anthropic:  # Anthropic's shape
+            assert body["type"] == "error" and set(error) == {"type", "message"} and error["message"]
+        else:
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        ERRORS[f"{status} {error.get('param') or error.get('code') or error['type']}"] += 1
         return
     if streamed is not None:
-        assert streamed.endswith(b"data: [DONE]\n\n"), streamed[-200:]
-        assert b'"server_error"' not in streamed, streamed[:400]
+        last = streamed.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]  # the last event
+        if path == "/v1/responses":
+            assert last.startswith((b"event: response.completed", b"event: response.incomplete")), last[:300]
+        elif anthropic:
+            assert last.startswith(b"event: message_stop"), last[:300]
+        else:
+            assert streamed.endswith(b"data: [DONE]\n\n"), streamed[-200:]
+        assert b'"server_error"' not in streamed and b"event: error" not in streamed, streamed[:400]
         STATS["streams"] += 1
         return
     data = response.json()
@@ -291,6 +360,12 @@ def check_response(path: str, body: Any, response: httpx.Response, streamed: byt
     elif path == "/v1/chat/completions" and isinstance(body, dict):
         assert len(data["choices"]) == body.get("n", 1)
         STATS["chats ok"] += 1
+    elif path == "/v1/responses":
+        assert data["object"] == "response" and data["status"] in ("completed", "incomplete")
+        STATS["responses ok"] += 1
+    elif path == "/v1/messages":
+        assert data["type"] == "message" and data["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence")
+        STATS["messages ok"] += 1
 
 
 def send(client: httpx.Client, path: str, body: Any, content_type: str | None = "application/json",

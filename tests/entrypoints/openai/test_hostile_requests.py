@@ -319,3 +319,55 @@ def test_a_stream_whose_client_is_gone_before_it_starts_aborts_its_requests(engi
 
     asyncio.run(run())
     assert sorted(closed) == sorted({r for r in closed}) and len(set(closed)) == 2, closed
+
+
+# ----------------------------------------------------------------- the newer endpoints
+
+#: Issue 36's endpoints, each with a body it accepts.
+NEW_ENDPOINTS = [
+    ("/v1/responses", {"input": "w5", "max_output_tokens": 2}),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "w5"}]}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "w5"}]}),
+    ("/v1/score", {"text_1": "w5", "text_2": ["w6"]}),
+    ("/score", {"text_1": "w5", "text_2": ["w6"]}),
+    ("/v1/rerank", {"query": "w5", "documents": ["w6"]}),
+    ("/rerank", {"query": "w5", "documents": ["w6"]}),
+    ("/v2/rerank", {"query": "w5", "documents": ["w6"]}),
+]
+
+
+def error_message(response: httpx.Response, status: int) -> str:
+    """The message of an error in OpenAI's shape, or Anthropic's on /v1/messages."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    if response.request.url.path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    else:
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body", NEW_ENDPOINTS)
+def test_the_new_endpoints_refuse_what_the_others_refuse(engine: FakeAsyncLLM, path: str, body: dict) -> None:
+    client = TestClient(build_app(engine, api_key="k", log_stats=False, limits=ServerLimits(max_request_body_bytes=4096)),
+                        raise_server_exceptions=False)  # fmt: skip
+    auth = {"Authorization": "Bearer k"}
+    assert "API key" in error_message(client.post(path, json=body), 401)
+    assert "nest more than 64 levels deep" in error_message(raw_post(client, path, b"[" * 200 + b"]" * 200, **auth), 400)
+    digits = json.dumps(body).encode()[:-1] + b', "x": ' + b"9" * 500 + b"}"
+    assert "a number has 500 characters" in error_message(raw_post(client, path, digits, **auth), 400)
+    surrogate = json.dumps({**body, "model": "\ud800"}, ensure_ascii=True).encode()
+    assert "UTF-16 surrogate" in error_message(raw_post(client, path, surrogate, **auth), 400)
+    big = json.dumps({**body, "user": "x" * 5000}).encode()
+    assert "Request body too large" in error_message(raw_post(client, path, big, **auth), 413)
+    plain = raw_post(client, path, json.dumps(body).encode(), "text/plain", **auth)
+    assert plain.status_code == 415 and not engine.requests
+    assert error_message(post(client, path, [body], headers=auth), 400)  # a list is no request
+
+
+def test_a_bad_stream_on_the_new_endpoints_is_a_400_before_any_event(client: TestClient) -> None:
+    responses = post(client, "/v1/responses", {"input": "w5", "stream": True, "max_output_tokens": 1000})
+    assert "max_output_tokens: 1000 is too large" in error_message(responses, 400)
+    messages = post(client, "/v1/messages", {"max_tokens": 1000, "stream": True,
+                                             "messages": [{"role": "user", "content": "w5"}]})  # fmt: skip
+    assert "max_tokens: 1000 is too large" in error_message(messages, 400)

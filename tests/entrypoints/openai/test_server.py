@@ -12,7 +12,8 @@ from pydantic import BaseModel
 
 from kvloom.entrypoints.openai.api_server import build_app
 from kvloom.metrics.loggers import PrometheusStatLogger
-from kvloom.metrics.stats import IterationStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import SchedulerStats
+from kvloom.metrics.stats import IterationStats
 from kvloom.sampling_params import RequestOutputKind
 from tests.helpers.serve_fakes import (
     FakeAsyncLLM,

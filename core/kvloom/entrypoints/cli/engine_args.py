@@ -9,6 +9,7 @@ accept the same engine flags and a new field is a new flag without further work:
 * ``list[int]`` fields: one or more values (``--x 1 2 4`` or ``--x 1,2,4``); ``list[str]``:
   one or more values;
 * ``dict[str, str]`` fields: ``name=path`` pairs (``--lora-modules a=/p/a b=/p/b``);
+  ``dict[str, Any]`` fields: a JSON object (``--structured-outputs-config '{"enable_in_reasoning": true}'``);
 * ``optimization_level`` also answers to ``-O0`` .. ``-O3``, ``kv_cache_memory`` to vLLM's
   ``--kv-cache-memory-bytes``.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import types
 import typing
 from typing import Any, Literal
@@ -59,6 +61,16 @@ def _parse_key_value(text: str) -> tuple[str, str]:
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
     return name, value
+
+
+def _parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r}")
+    return value
 
 
 def _parse_int_list_item(text: str) -> list[int]:
@@ -133,6 +145,9 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field: FieldInfo) -> N
     elif origin is dict and typing.get_args(inner) == (str, str):
         group.add_argument(*flags, type=_parse_key_value, nargs="+", action=_KeyValuesToDict,
                            metavar="NAME=PATH", help=_help(field), **common)  # fmt: skip
+    elif origin is dict and typing.get_args(inner) == (str, Any):
+        # vLLM's *-config flags: a JSON object ('{"enable_in_reasoning": true}').
+        group.add_argument(*flags, type=_parse_json_object, metavar="JSON", help=_help(field), **common)
     elif origin in (typing.Union, types.UnionType) and set(typing.get_args(inner)) <= {int, str}:
         # e.g. kv_cache_memory: int | str ("4GiB"); EngineArgs parses the string.
         group.add_argument(*flags, type=str, help=_help(field), **common)

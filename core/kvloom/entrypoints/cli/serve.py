@@ -29,7 +29,8 @@ MAX_API_SERVER_COUNT = 64
 
 DESCRIPTION = """\
 Start the OpenAI-compatible API server (POST /v1/completions, /v1/chat/completions,
-GET /v1/models, /health, /version, /metrics, POST /tokenize, /detokenize).
+/v1/responses, /v1/messages (Anthropic's API), /v1/embeddings, /v1/score, /v1/rerank,
+GET /v1/models, /health, /ping, /version, /metrics, POST /tokenize, /detokenize).
 MODEL is an HF model directory or a .gguf file; without one, the built-in
 SmolLM2-135M-Instruct is served."""
 

@@ -52,7 +52,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _works("--seed", "1"),
     _works("--load-format", "safetensors"),
     _works("--trust-remote-code", note="accepted; kvloom runs no code from model repositories"),
-    _not_yet("--quantization", "fp8", note="every method: kvloom runs unquantized checkpoints (and GGUF, dequantized)"),
+    _works("--quantization", "none", note="fp8 (online, and fp8 checkpoints) and compressed-tensors (fp8 formats) "
+           "through the quantization-method plugins kvloom-quant-fp8 / kvloom-quant-compressed-tensors; a quantized "
+           "checkpoint's quantization_config chooses its method without the flag; none keeps weights as stored "
+           "(GGUF dequantized); docs/quantization.md"),
     _works("--generation-config", "vllm"),
     _works("--chat-template", "{{ messages }}"),
     _works("--max-logprobs", "5"),
@@ -71,7 +74,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _not_yet("--rope-theta", "10000"),
     _not_yet("--disable-sliding-window"),
     _not_yet("--override-generation-config", "{}"),
-    _not_yet("--logits-processors", "x"),
+    _not_yet("--logits-processors", "x", note="install the processor as a kvloom.logits_processors entry point"),
     _not_yet("--enable-prompt-embeds"),
     _not_yet("--task", "generate", note="use --runner"),
     _not_yet("--convert", "embed"),
@@ -122,7 +125,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _not_yet("--kv-transfer-config", "{}"),
     _not_yet("--kv-events-config", "{}"),
     _not_yet("--enable-sleep-mode"),
-    _not_yet("--structured-outputs-config", "{}", note="use --structured-outputs-backend"),
+    _works("--structured-outputs-config", '{"enable_in_reasoning": true}',
+           note="a JSON object with backend, reasoning_parser, enable_in_reasoning"),
     _not_yet("--guided-decoding-backend", "xgrammar"),
     _not_yet("--limit-mm-per-prompt", "{}", note="kvloom serves text-only models"),
     _not_yet("--mm-processor-kwargs", "{}", note="kvloom serves text-only models"),
@@ -176,7 +180,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _works("--tool-call-parser", "hermes", note="hermes, llama3_json or a kvloom.tool_parsers plugin"),
     _not_yet("--tool-parser-plugin", "plugin.py", note="install the parser as a kvloom.tool_parsers entry point"),
     _not_yet("--tool-server", "demo", note="tool calling"),
-    _not_yet("--reasoning-parser", "deepseek_r1"),
+    _works("--reasoning-parser", "deepseek_r1", note="deepseek_r1, qwen3 or a kvloom.reasoning_parsers plugin"),
     _not_yet("--log-config-file", "logging.json", note="kvloom's level is KVLOOM_LOGGING_LEVEL"),
     _not_yet("--lora-modules-json", "{}"),
 )

@@ -44,7 +44,16 @@ from kvloom.engine.async_llm import AsyncLLM
 from kvloom.entrypoints.openai.error_handlers import install_error_handlers
 from kvloom.entrypoints.openai.limits import ServerLimits
 from kvloom.entrypoints.openai.request_guard import RequestGuard
-from kvloom.entrypoints.openai.routers import chat, completions, lora, models, operations, pooling, tokenization
+from kvloom.entrypoints.openai.routers import (
+    chat,
+    completions,
+    extra_endpoints,
+    lora,
+    models,
+    operations,
+    pooling,
+    tokenization,
+)
 from kvloom.entrypoints.openai.routers.shared import ServerContext, server_context
 from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.entrypoints.openai.serving_models import OpenAIServingModels
@@ -75,7 +84,7 @@ def build_app(
     docs: dict[str, Any] = no_docs if frontend.disable_fastapi_docs else {}
     app = FastAPI(title="kvloom OpenAI-compatible API", version=kvloom.__version__,
                   lifespan=functools.partial(_lifespan, log_stats=log_stats), **docs)  # fmt: skip
-    app.state.context = ServerContext(
+    app.state.kvloom = ServerContext(
         engine=engine, models=OpenAIServingModels(engine), limits=limits, options=frontend, api_key=api_key
     )
     app.add_middleware(RequestGuard, max_body_bytes=limits.body_limit(engine.config.model.max_model_len))
@@ -89,6 +98,7 @@ def build_app(
     lora.attach_router(app)
     tokenization.attach_router(app)
     operations.attach_router(app)
+    extra_endpoints.attach_router(app)  # last: /ping, score, rerank, responses, messages, endpoint plugins
     return app
 
 

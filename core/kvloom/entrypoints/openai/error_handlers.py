@@ -1,5 +1,6 @@
-"""How an error becomes an HTTP response: always OpenAI's body ``{"error": {message, type,
-param, code}}`` (``errors.APIError``), never FastAPI's own shapes.
+"""How an error becomes an HTTP response: OpenAI's body ``{"error": {message, type, param,
+code}}`` (``errors.APIError``), or Anthropic's on its API (``/v1/messages``), never FastAPI's
+own shapes.
 
 ``install_error_handlers(app)`` turns an ``APIError`` into its response, FastAPI's
 validation errors and Starlette's HTTP errors (404, 405) into OpenAI's 400 / status, and
@@ -18,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvloom.entrypoints.anthropic.protocol import ANTHROPIC_PATH
+from kvloom.entrypoints.anthropic.protocol import error_body as anthropic_error_body
 from kvloom.entrypoints.openai.errors import APIError, from_validation_errors, internal_error
 
 logger = logging.getLogger(__name__)
@@ -26,9 +29,11 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_SCOPE_KEY = "kvloom.request_id"
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """``error`` in OpenAI's body, or in Anthropic's on Anthropic's API (``path``)."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == HTTPStatus.UNAUTHORIZED else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    body = anthropic_error_body(error.status, error.message) if path.startswith(ANTHROPIC_PATH) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def request_id_of(request: Request) -> str:
@@ -44,19 +49,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(from_validation_errors(exc.errors()))
+    return error_response(from_validation_errors(exc.errors()), request.url.path)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(APIError(str(exc.detail), status=exc.status_code))
+    return error_response(APIError(str(exc.detail), status=exc.status_code), request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     request_id = request_id_of(request)
     logger.error("Unhandled error serving %s %s (request id %s)", request.method, request.url.path, request_id,
                  exc_info=exc)  # fmt: skip
-    return error_response(internal_error(request_id))
+    return error_response(internal_error(request_id), request.url.path)

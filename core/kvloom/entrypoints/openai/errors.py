@@ -40,6 +40,7 @@ class APIError(Exception):
         self.type = type or _default_type(self.status)
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's error body: ``{"error": {message, type, param, code}}``."""
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
@@ -58,6 +59,16 @@ def engine_dead_error(request_id: str) -> APIError:
     return APIError(f"The engine core died while serving request {request_id}; the server is shutting down "
                     "(the cause is in the server log)", status=HTTPStatus.INTERNAL_SERVER_ERROR,
                     code="engine_error")  # fmt: skip
+
+
+def renamed_fields(error: APIError, names: dict[str, str]) -> APIError:
+    """``error`` with the field it names renamed by ``names`` (``{"max_completion_tokens":
+    "max_tokens"}``): the errors of an API served through another in the outer API's words."""
+    for inner, outer in names.items():
+        if error.param == inner or error.message.startswith(inner + ":"):
+            return APIError(outer + error.message.removeprefix(inner), status=error.status, param=outer,
+                            code=error.code, type=error.type)  # fmt: skip
+    return error
 
 
 def _default_type(status: int) -> str:

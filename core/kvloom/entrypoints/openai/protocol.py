@@ -204,9 +204,23 @@ class SamplingRequest(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    """Arguments of logits processor plugins, ``{processor name: value}`` (vLLM's field; the
+    engine's ``SamplingParams.extra_args``)."""
     # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
     logits_processors: Any = None
     bad_words: Any = None
+
+    @field_validator("vllm_xargs")
+    @classmethod
+    def _check_vllm_xargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from kvloom.sample.logits_processors import parse_extra_args
+
+        try:
+            parse_extra_args(value, "vllm_xargs")
+        except ValueError as exc:  # the error's location already names the field
+            raise ValueError(str(exc).removeprefix("vllm_xargs.")) from None
+        return value
 
     @model_validator(mode="after")
     def _check_not_built_sampling(self) -> "SamplingRequest":
@@ -297,6 +311,7 @@ class SamplingRequest(OpenAIRequest):
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs,
+            "extra_args": self.vllm_xargs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
@@ -522,6 +537,8 @@ class ChatCompletionRequest(SamplingRequest):
     """none: no call; auto (the default with tools): the model may call (needs the
     server's --enable-auto-tool-choice and --tool-call-parser); required: at least one
     call; a named function: that call. required and named calls are grammar-enforced."""
+    include_reasoning: bool = True
+    """With --reasoning-parser: whether the reply carries the reasoning (vLLM's field)."""
     # Features not built yet (NOT_BUILT_CHAT).
     functions: Any = None
     function_call: Any = None
@@ -587,6 +604,10 @@ class DeltaToolCall(OpenAIResponse):
 class ChatMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
+    """The model's reasoning (with --reasoning-parser; vLLM's field)."""
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    """The same, under the name DeepSeek's API and older vLLM use."""
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
     """Present when the reply calls tools."""
 
@@ -625,6 +646,8 @@ class ChatCompletionResponse(OpenAIResponse):
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -57,7 +57,7 @@ class RequestGuard:
 
         problem = self._refuse(scope["method"], headers)
         if problem is not None:
-            await error_response(problem)(scope, receive, send_with_id)
+            await error_response(problem, scope.get("path", ""))(scope, receive, send_with_id)
             return
         limit, received = self.max_body_bytes, 0
 
@@ -84,7 +84,7 @@ class RequestGuard:
                          request_id, exc_info=exc)  # fmt: skip
             if started:
                 raise  # too late for a response of ours; the server closes the connection
-            await error_response(internal_error(request_id))(scope, receive, send_with_id)
+            await error_response(internal_error(request_id), scope.get("path", ""))(scope, receive, send_with_id)
 
     def _refuse(self, method: str, headers: dict[bytes, bytes]) -> APIError | None:
         if method not in ("POST", "PUT", "PATCH"):

@@ -1,5 +1,5 @@
 """MLA cases of the conformance suite: an MLA backend's kernels
-(``kvloom.attention.mla.MLAAttentionImpl``) against a float64 reference on fresh random
+(``kvloom.attention.mla_backend.MLAAttentionImpl``) against a float64 reference on fresh random
 data, with DeepSeek-V2/V3's dims (16 heads, ``kv_lora_rank`` 512, rope 64, nope 128,
 v 128; MLA kernels are often built for exactly these).
 
@@ -36,7 +36,7 @@ from kvloom.attention.backend import (
     CommonAttentionMetadata,
     dtype_name,
 )
-from kvloom.attention.mla import MLA_DECODE, MLA_PREFILL, MLADims
+from kvloom.attention.mla_backend import MLA_DECODE, MLA_PREFILL, MLADims
 from kvloom.testing.conformance.outcome import Outcome
 from kvloom.testing.reference import attend, relative_error
 from kvloom.utils import cdiv

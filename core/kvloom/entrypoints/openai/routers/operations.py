@@ -4,7 +4,6 @@ vLLM: supervisors and scrapers call them)."""
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import prometheus_client
@@ -13,8 +12,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 import kvloom
-from kvloom.entrypoints.openai.error_handlers import error_response
-from kvloom.entrypoints.openai.errors import APIError
+from kvloom.entrypoints.openai.ping import health_response
 from kvloom.entrypoints.openai.routers.shared import server_context
 from kvloom.metrics.loggers import PrometheusStatLogger, multiprocess_metrics_dir
 
@@ -32,12 +30,7 @@ def attach_router(app: FastAPI) -> None:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
-    try:
-        await server_context(raw.app).engine.check_health()
-    except Exception as exc:
-        logger.error("Health check failed: %s", exc)
-        return error_response(APIError(f"Engine is not healthy: {exc}", status=HTTPStatus.SERVICE_UNAVAILABLE))
-    return Response(status_code=HTTPStatus.OK)
+    return await health_response(server_context(raw.app).engine)
 
 
 @router.get("/version")

@@ -1,7 +1,7 @@
 """What every router shares: the server's context, the API-key check, reading a body
 under the request limits, and answering a request until its client disconnects.
 
-``build_app`` puts one ``ServerContext`` on ``app.state.context`` before it attaches the
+``build_app`` puts one ``ServerContext`` on ``app.state.kvloom`` before it attaches the
 routers; a router's ``attach_router(app)`` builds its serving object from it, and its
 handlers find both through ``request.app.state``.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -35,30 +35,52 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass(frozen=True)
 class ServerContext:
-    """What every router may use (``app.state.context``)."""
+    """What every router, and every endpoint plugin, may use (``app.state.kvloom``)."""
 
     engine: AsyncLLM
+    """The engine (``generate``, ``encode``, ``tokenizer``, ``config``)."""
     models: OpenAIServingModels
     """The served model and its LoRA adapters (every endpoint resolves ``model`` here)."""
     limits: ServerLimits
+    """What one request may ask (``--max-sequences-per-request``, ...)."""
     options: FrontendOptions
+    """The front-end flags (response role, tool-call parser, ...)."""
     api_key: str | None
-    """With a key, the endpoints that run model code need ``Authorization: Bearer <key>``."""
+    """With a key, the endpoints that run model code need it (``require_api_key``)."""
+
+    async def read_body(self, request: Request, model: type[T]) -> T:
+        """The JSON body validated as the pydantic ``model`` (limits applied; a 400 naming the field)."""
+        return await read_body(request, model)
+
+    async def read_json(self, request: Request) -> Any:
+        """The JSON body, limits applied."""
+        return await read_json(request)
+
+    async def respond(self, request: Request, work: Awaitable[Any]) -> Response:
+        """``await``s ``work`` unless the client goes away (then its engine requests are
+        aborted): a response model as JSON, an async iterator of strings as server-sent events."""
+        return await answer(request, work)
+
+    async def serve(self, request: Request, model: type[T], handler: Callable[[T], Awaitable[Any]]) -> Response:
+        """The body validated as ``model``, given to ``handler``, its result answered (``respond``)."""
+        return await answer(request, handler(await read_body(request, model)))
 
 
 def server_context(app: FastAPI) -> ServerContext:
-    return app.state.context
+    return app.state.kvloom
 
 
 async def require_api_key(request: Request) -> None:
-    """The dependency of every router whose endpoints run model code."""
+    """The dependency of every router whose endpoints run model code: a 401 unless the
+    request carries the key as ``Authorization: Bearer KEY`` (OpenAI's clients) or
+    ``x-api-key: KEY`` (Anthropic's); nothing to check without a key."""
     api_key = server_context(request.app).api_key
     if api_key is None:
         return
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>')",
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+    if not secrets.compare_digest(given.encode(), api_key.encode()):
+        raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                        status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key")  # fmt: skip
 
 

@@ -1,0 +1,129 @@
+"""The optional capabilities of a model class, and how the engine reads them.
+
+Every model implements the model contract (``kvloom.interfaces.models``: ``forward``,
+``compute_logits``, ``load_weights``). Beyond it, a model declares what else it can do with
+class attributes; each capability is a ``Protocol`` here, so that a model author reads in
+one place what to declare and a type checker can hold a model class to it:
+
+- ``SupportsPP``: pipeline parallelism (``supports_pipeline_parallel = True``);
+- ``SupportsTP``: tensor parallelism (``supports_tensor_parallel = True``);
+- ``SupportsLoRA``: LoRA on merged projections (``packed_modules_mapping``);
+- ``HasStackedParams``: merged projections loaded from HF's separate ones (``stacked_params``);
+- ``SupportsLazyWeights``: ``load_weights`` takes lazy safetensors handles
+  (``accepts_lazy_weights = True`` in the class that defines ``load_weights``).
+
+The engine never reads these attributes itself: it asks the helpers below
+(``supports_pp(model_cls)``, ...), which take a model class or instance and give the
+answer for a model that declares nothing (no capability, nothing merged). A model need not
+subclass the protocols: declaring the attributes is enough (Llama, and every model built on
+it, declares them all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+from kvloom.loader.lazy_tensor import accepts_lazy_weights
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvloom.distributed.pipeline import IntermediateTensors
+    from kvloom.loader.lazy_tensor import CheckpointTensor
+
+
+class SupportsPP(Protocol):
+    """A model that can be split into pipeline stages (``--pipeline-parallel-size`` > 1).
+
+    On stage ``p`` of ``P`` it builds only its share of the decoder layers
+    (``kvloom.distributed.pipeline.stage_layer_range``), the embedding on the first stage and
+    the final norm and LM head on the last, and loads only their checkpoint tensors."""
+
+    supports_pipeline_parallel: ClassVar[Literal[True]]
+    """Declares the capability; the engine refuses ``pipeline_parallel_size`` > 1 without it."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The stage's forward: ``intermediate_tensors`` is the previous stage's output (None
+        on the first stage); every stage but the last returns ``IntermediateTensors``."""
+        ...
+
+    def checkpoint_tensor_elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another stage only (never read here)."""
+        ...
+
+
+class SupportsTP(Protocol):
+    """A model whose layers split over tensor-parallel ranks (``--tensor-parallel-size`` > 1):
+    heads, MLP columns and vocabulary, through kvloom's parallel ``Linear`` layers."""
+
+    supports_tensor_parallel: ClassVar[Literal[True]]
+    """Declares the capability; the engine refuses ``tensor_parallel_size`` > 1 without it."""
+
+
+class SupportsLoRA(Protocol):
+    """A model with merged projections that LoRA adapters (trained on HF's separate ones) can
+    adapt slice by slice. A model without merged projections needs no declaration."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]]
+    """Merged module -> the HF modules it holds, in shard order (``{"qkv_proj": ["q_proj",
+    "k_proj", "v_proj"], ...}``; ``kvloom.interfaces.models.packed_modules_mapping`` builds it
+    from ``stacked_params``)."""
+
+
+class HasStackedParams(Protocol):
+    """A model whose merged projections load from HF's separate checkpoint tensors."""
+
+    stacked_params: ClassVar[tuple[tuple[str, str, str], ...]]
+    """``(merged module, HF module, shard)`` triples (``LLAMA_STACKED_PARAMS``): the loader
+    expands them to the HF names it expects and to count what was loaded."""
+
+
+class SupportsLazyWeights(Protocol):
+    """A model whose ``load_weights`` takes safetensors tensors as ``LazyTensor`` handles, so
+    that each tensor-parallel rank reads only its slices (``kvloom.loader.lazy_tensor``)."""
+
+    accepts_lazy_weights: ClassVar[Literal[True]]
+    """Declares the capability, in the class body that defines ``load_weights`` (a subclass
+    that overrides ``load_weights`` gets whole tensors unless it declares it again)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Load HF-named tensors or handles (``materialize`` reads a handle); the names loaded."""
+        ...
+
+
+def supports_pp(model: object) -> bool:
+    """Whether ``model`` (a model class or instance) declares ``SupportsPP``."""
+    return bool(getattr(model, "supports_pipeline_parallel", False))
+
+
+def supports_tp(model: object) -> bool:
+    """Whether ``model`` (a model class or instance) declares ``SupportsTP``."""
+    return bool(getattr(model, "supports_tensor_parallel", False))
+
+
+def supports_lazy_weights(model: object) -> bool:
+    """Whether ``model``'s ``load_weights`` takes ``LazyTensor`` handles (``SupportsLazyWeights``,
+    declared by the class that defines ``load_weights``)."""
+    return accepts_lazy_weights(model, "load_weights")
+
+
+def get_packed_modules_mapping(model: object) -> dict[str, list[str]]:
+    """``model``'s ``SupportsLoRA.packed_modules_mapping`` (a copy), or ``{}`` (nothing merged)."""
+    return dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+
+def get_stacked_params(model: object) -> Sequence[tuple[str, str, str]]:
+    """``model``'s ``HasStackedParams.stacked_params``, or ``()`` (nothing merged)."""
+    return getattr(model, "stacked_params", ())
+
+
+def get_checkpoint_tensor_filter(model: object) -> Callable[[str], bool] | None:
+    """``model``'s ``SupportsPP.checkpoint_tensor_elsewhere`` (the checkpoint tensors its
+    pipeline stage skips), or None: it reads every tensor."""
+    return getattr(model, "checkpoint_tensor_elsewhere", None)

@@ -1,0 +1,155 @@
+"""The ``compressed-tensors`` method: llm-compressor's checkpoint format.
+
+The ``quantization_config`` (``config.json``) names ``config_groups``, each with
+``targets`` (module class names such as ``Linear``, module names, or ``re:`` regular
+expressions over module names), the quantization of its ``weights`` and
+``input_activations``, and a ``format`` (else the top-level one); ``ignore`` lists the
+modules left unquantized (names or ``re:`` expressions). A module takes the first group
+whose targets match it, a name before a regular expression before a class name.
+
+Formats read: ``float-quantized`` (fp8 e4m3 weights, ``weight_scale`` per tensor ``[1]``,
+per channel ``[out, 1]`` or per block; activations dynamic per token or per group, static
+per tensor with ``input_scale``, or none: W8A16). Other formats (``pack-quantized`` int4,
+``mxfp4-pack-quantized``, ``naive-quantized``, ...) are refused naming them; a KV-cache
+scheme and sparsity too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvloom_quant_fp8 import Fp8Scheme
+from kvloom_quant_fp8.method import layer_method_for
+
+from kvloom.interfaces import LayerInfo, LayerKind, LayerQuantMethod, QuantizationMethod
+
+FORMATS = ("float-quantized",)
+#: compressed-tensors strategies -> ``Fp8Scheme``'s names.
+WEIGHT_STRATEGIES = ("tensor", "channel", "block")
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    """One of ``config_groups``: its targets and the fp8 scheme of the modules it takes."""
+
+    name: str
+    targets: tuple[str, ...]
+    scheme: Fp8Scheme
+
+
+def _fp8_args(args: dict[str, Any], where: str) -> None:
+    if args.get("type") != "float" or args.get("num_bits") != 8:
+        raise ValueError(f"{where}: type {args.get('type')!r} with num_bits {args.get('num_bits')!r} is not supported "
+                         "(allowed: float with num_bits 8, fp8)")  # fmt: skip
+    if args.get("symmetric", True) is not True:
+        raise ValueError(f"{where}.symmetric: False is not supported (allowed: True)")
+
+
+def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Fp8Scheme:
+    where = f"config_groups.{name}"
+    fmt = group.get("format") or default_format
+    if fmt not in FORMATS:
+        raise ValueError(f"{where}.format: {fmt!r} is not supported (allowed: {', '.join(FORMATS)}; int4 and mxfp4 "
+                         "formats need a kvloom quantization method that reads them)")  # fmt: skip
+    weights = group.get("weights") or {}
+    if not isinstance(weights, dict):
+        raise ValueError(f"{where}.weights: {weights!r} (allowed: an object)")
+    _fp8_args(weights, f"{where}.weights")
+    strategy = weights.get("strategy")
+    if strategy not in WEIGHT_STRATEGIES:
+        raise ValueError(f"{where}.weights.strategy: {strategy!r} (allowed: {', '.join(WEIGHT_STRATEGIES)})")
+    if weights.get("dynamic"):
+        raise ValueError(f"{where}.weights.dynamic: True is not supported (allowed: False)")
+    block = None
+    if strategy == "block":
+        structure = weights.get("block_structure")
+        valid = isinstance(structure, list) and len(structure) == 2
+        if not (valid and all(isinstance(b, int) and b > 0 for b in structure)):
+            raise ValueError(f"{where}.weights.block_structure: {structure!r} (allowed: two positive ints)")
+        block = (structure[0], structure[1])
+    acts = group.get("input_activations")
+    activations = None
+    if acts is not None:
+        if not isinstance(acts, dict):
+            raise ValueError(f"{where}.input_activations: {acts!r} (allowed: an object or null)")
+        _fp8_args(acts, f"{where}.input_activations")
+        kind = (acts.get("strategy"), bool(acts.get("dynamic")))
+        activations = {("token", True): "token", ("group", True): "group", ("tensor", False): "tensor"}.get(kind)
+        if activations is None:
+            raise ValueError(f"{where}.input_activations: strategy {kind[0]!r} with dynamic {kind[1]} is not supported "
+                             "(allowed: token or group dynamic, tensor static)")  # fmt: skip
+        if activations == "group" and (block is None or acts.get("group_size") != block[1]):
+            raise ValueError(f"{where}.input_activations.group_size: {acts.get('group_size')!r} (allowed: the "
+                             "weights' block width, with block weights)")  # fmt: skip
+    return Fp8Scheme(strategy, activations, block)
+
+
+def target_rank(target: str, module: str) -> int | None:
+    """How closely ``target`` names checkpoint module ``module``: 0 by name, 1 by a ``re:``
+    expression, 2 by the class ``Linear`` (every module kvloom asks about is a linear
+    projection or an expert's); None: not at all."""
+    if target.startswith("re:"):
+        return 1 if re.match(target[3:], module) else None
+    if target == module:
+        return 0
+    return 2 if target == "Linear" else None
+
+
+class CompressedTensorsMethod(QuantizationMethod):
+    """compressed-tensors checkpoints (``float-quantized``: fp8 W8A8 / W8A16)."""
+
+    NAME = "compressed-tensors"
+    checkpoint_formats = {"compressed-tensors": FORMATS}
+    layer_kinds = (LayerKind.LINEAR, LayerKind.FUSED_MOE)
+    weight_dtype = "float8_e4m3fn (per-tensor, per-channel or block scales)"
+    activation_dtype = "float8_e4m3fn (dynamic per token or group, static per tensor) or the model dtype (W8A16)"
+
+    def __init__(self, quantization_config: dict[str, Any] | None) -> None:
+        super().__init__(quantization_config)
+        config = self.quantization_config
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"quantization_status: {status!r} is not supported (allowed: compressed; save the model "
+                             "with its compressor)")  # fmt: skip
+        for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+            if config.get(field):
+                raise ValueError(f"{field}: {config[field]!r} is not supported yet (allowed: none)")
+        groups = config.get("config_groups") or {}
+        if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+            raise ValueError(f"config_groups: {groups!r} (allowed: a dict of at least one group, each a dict)")
+        for name, group in groups.items():
+            targets = group.get("targets")
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise ValueError(f"config_groups.{name}.targets: {targets!r} (allowed: a list of names)")
+        self.groups = [
+            ConfigGroup(name, tuple(group.get("targets") or ()), _scheme(name, group, config.get("format")))
+            for name, group in groups.items()
+        ]
+        self.ignore: list[str] = config.get("ignore") or []
+        if not isinstance(self.ignore, list) or not all(isinstance(n, str) for n in self.ignore):
+            raise ValueError(f"ignore: {self.ignore!r} (allowed: a list of module names or re: expressions)")
+
+    def _group_of(self, module: str) -> ConfigGroup | None:
+        """The group that takes checkpoint module ``module`` (None: ignored or untargeted)."""
+        if any(target_rank(pattern, module) in (0, 1) for pattern in self.ignore):
+            return None
+        ranked = [(rank, index) for index, group in enumerate(self.groups) for target in group.targets
+                  if (rank := target_rank(target, module)) is not None]  # fmt: skip
+        return self.groups[min(ranked)[1]] if ranked else None
+
+    def layer_method(self, layer: LayerInfo) -> LayerQuantMethod | None:
+        # Experts are targeted one projection at a time: ask for the first expert's gate.
+        modules = [f"{p}.0.gate_proj" if layer.kind is LayerKind.FUSED_MOE else p for p in layer.checkpoint_prefixes]
+        groups = {m: self._group_of(m) for m in modules}
+        if len({id(g) for g in groups.values()}) > 1:
+            raise ValueError(f"{layer.prefix}: its checkpoint modules fall in different config groups or are partly "
+                             f"ignored ({', '.join(f'{m}: {g.name if g else None}' for m, g in groups.items())}); "
+                             "kvloom runs them as one GEMM")  # fmt: skip
+        group = next(iter(groups.values()))
+        return None if group is None else layer_method_for(layer, group.scheme)
+
+    def describe(self) -> str:
+        return "compressed-tensors: " + "; ".join(f"{g.name} ({', '.join(g.targets)}): {g.scheme.describe()}"
+                                                  for g in self.groups)  # fmt: skip
