@@ -1,145 +1,137 @@
 #!/usr/bin/env python3
-"""Download a peer engine and everything it requires that the GPU image lacks, as wheels
-for CPython 3.12 on manylinux x86-64 (run on the CPU machine, which has pip access).
+"""Download a peer engine and everything it requires that the GPU image must keep its own of, as wheels for
+CPython 3.12 on manylinux x86-64 (run on the CPU machine, which has pip access).
 
     python3 benchmarks/peers/fetch_closure.py --out .sglang/wheels "sglang==0.5.15.post1" flashinfer-cubin==0.6.12
 
-Each requirement is downloaded with ``pip download --no-deps`` and its wheel's own
-``Requires-Dist`` lines are followed (markers evaluated for Linux x86-64 and Python 3.12,
-extras honoured), except for the packages the GPU image already has (``IMAGE``: torch and
-everything its CUDA 13 wheel depends on, triton, transformers and its dependencies, ...),
-which must not be replaced. The first version that satisfies a name wins; a later
-specifier it does not satisfy is reported. Writes ``closure.json`` beside the wheels
-(every wheel, its size, who required it, and what could not be fetched) and prints the
-total size.
+The asked packages are downloaded alone, then pip resolves the requirements their wheels declare for that target
+(``pip download`` with its resolver: the versions fit each other); ``--without NAME`` leaves out a requirement that
+no version on the index satisfies (recorded: the peer runs without it unless it imports it), then the wheels of the GPU image's CUDA stack are dropped (``CUDA_STACK``: torch 2.11.0+cu130 and the CUDA
+libraries it loads, triton), which the peer must use as the image has them: the peer's site holds everything else,
+first on its ``PYTHONPATH``. A peer that pins torch to another version than the image's is refused. Writes
+``closure.json`` beside the wheels (every wheel and its size, what was dropped) and prints the total size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-#: What the GPU image has (torch 2.11.0+cu130 and its dependencies, triton 3.6,
-#: transformers and its dependencies, the test tools): never downloaded, never replaced.
-IMAGE = frozenset(canonicalize_name(n) for n in (
-    "torch", "triton", "transformers", "tokenizers", "safetensors", "huggingface-hub", "hf-xet", "numpy",
-    "filelock", "fsspec", "jinja2", "markupsafe", "networkx", "sympy", "mpmath", "typing-extensions", "setuptools",
-    "packaging", "pyyaml", "regex", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "tqdm",
-    "pluggy", "prometheus-client", "pytest", "httpx", "httpcore", "anyio", "sniffio", "h11", "uvloop",
-    "cuda-bindings", "cuda-pathfinder", "cuda-toolkit",
-))  # fmt: skip
-#: Prefixes of the CUDA runtime wheels torch brings (nvidia-cublas-cu13, nvidia-nccl-cu13, ...).
-IMAGE_PREFIXES = ("nvidia-cublas", "nvidia-cuda-", "nvidia-cudnn-cu", "nvidia-cufft", "nvidia-cufile",
-                  "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse", "nvidia-nccl", "nvidia-nvjitlink",
-                  "nvidia-nvtx", "nvidia-nvshmem")  # fmt: skip
+#: The torch the GPU image has: a peer must pin this one (its CUDA stack is the image's).
+IMAGE_TORCH = "2.11.0"
+#: The GPU image's CUDA stack: torch, triton and the CUDA runtime wheels torch loads; never carried or replaced.
+CUDA_STACK = frozenset(canonicalize_name(n) for n in ("torch", "triton", "cuda-bindings", "cuda-pathfinder",
+                                                      "cuda-toolkit"))  # fmt: skip
+CUDA_STACK_PREFIXES = ("nvidia-cublas", "nvidia-cuda-", "nvidia-cudnn-cu", "nvidia-cufft", "nvidia-cufile",
+                       "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse", "nvidia-nccl", "nvidia-nvjitlink",
+                       "nvidia-nvtx", "nvidia-nvshmem")  # fmt: skip
 
 PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
             *[x for p in ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                           "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64",
                           "any") for x in ("--platform", p)]]  # fmt: skip
+
+
 ENVIRONMENT = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
                "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-               "implementation_name": "cpython", "platform_python_implementation": "CPython"}  # fmt: skip
+               "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}  # fmt: skip
 
 
-def in_image(name: str) -> bool:
+def in_cuda_stack(name: str) -> bool:
     name = canonicalize_name(name)
-    return name in IMAGE or name.startswith(IMAGE_PREFIXES)
+    return name in CUDA_STACK or name.startswith(CUDA_STACK_PREFIXES)
 
 
-def applies(marker: Marker | None, extras: set[str]) -> bool:
-    if marker is None:
-        return True
-    return any(marker.evaluate({**ENVIRONMENT, "extra": extra}) for extra in (extras or {""}))
+_MISSING = re.compile(r"No matching distribution found for ([A-Za-z0-9_.\-]+)==([^\s;]+)")
 
 
-def requirements_of(wheel: Path) -> list[str]:
+def _stub_wheel(folder: Path, name: str, version: str) -> None:
+    """A wheel with metadata only: it stands, during resolution, for a CUDA-stack package the index lacks (the
+    image has its own; CUDA-stack wheels are dropped from what is carried)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{name.replace('-', '_')}-{version}"
+    files = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}  # fmt: skip
+    files[f"{dist}.dist-info/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{dist}.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+
+
+def _pip_download(args: list[str], into: str, stubs: Path) -> None:
+    """``pip download`` of ``args`` into ``into``; a CUDA-stack package the index lacks is stubbed and tried again."""
+    for _ in range(40):
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *PLATFORM, "--find-links", str(stubs),
+                               "-d", into, *args], capture_output=True, text=True, check=False)  # fmt: skip
+        if done.returncode == 0:
+            return
+        missing = _MISSING.search(done.stdout + done.stderr)
+        if missing is None or not in_cuda_stack(missing.group(1)):
+            break
+        _stub_wheel(stubs, missing.group(1), missing.group(2))
+    raise SystemExit(f"pip download {' '.join(args)[:300]} failed for CPython 3.12 on manylinux x86-64:\n"
+                     f"{(done.stdout + done.stderr)[-4000:]}")  # fmt: skip
+
+
+def declared_requirements(wheel: Path) -> list[Requirement]:
+    """The wheel's ``Requires-Dist`` that apply on Linux x86-64 with Python 3.12, no extras."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        text = z.read(meta).decode("utf-8", errors="replace")
-    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+        lines = z.read(meta).decode("utf-8", errors="replace").splitlines()
+    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in lines if line.startswith("Requires-Dist:")]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(ENVIRONMENT)]
 
 
-def _pip_download(specs: list[str], out: Path) -> bool:
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d", str(out),
-                           *specs], capture_output=True, text=True, check=False)  # fmt: skip
-    return done.returncode == 0
-
-
-def download(specs: list[str], out: Path) -> dict[str, Path | None]:
-    """``pip download --no-deps`` of ``specs`` into ``out`` (one pip call; one per spec when
-    that fails, to find the culprits): each spec's wheel, or None."""
-    if not _pip_download(specs, out) and len(specs) > 1:
-        for spec in specs:
-            _pip_download([spec], out)
-    wheels = {parse_wheel_filename(w.name)[0]: w for w in sorted(out.glob("*.whl"), key=lambda w: w.stat().st_mtime)}
-    return {spec: wheels.get(canonicalize_name(Requirement(spec).name)) for spec in specs}
-
-
-def fetch(roots: list[str], out: Path) -> dict:
+def fetch(specs: list[str], out: Path, without: list[str] = ()) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    have: dict[str, tuple[str, Path]] = {}  # name -> (version, wheel)
-    required_by: dict[str, list[str]] = {}
-    conflicts, missing = [], []
-    wave: list[tuple[str, str]] = [(spec, "(asked)") for spec in roots]
-    while wave:  # breadth first: one pip call per wave of new names
-        fresh: dict[str, tuple[Requirement, str]] = {}
-        for spec, parent in wave:
-            req = Requirement(spec)
-            name = canonicalize_name(req.name)
-            if in_image(name):
+    left_out = {canonicalize_name(n) for n in without}
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        asked, stubs = Path(tmp) / "asked", Path(tmp) / "stubs"
+        _pip_download(["--no-deps", *specs], str(asked), stubs)
+        wanted = [r for wheel in sorted(asked.glob("*.whl")) for r in declared_requirements(wheel)
+                  if canonicalize_name(r.name) not in left_out]  # fmt: skip
+        _pip_download([str(Requirement(f"{r.name}{'[' + ','.join(sorted(r.extras)) + ']' if r.extras else ''}"
+                                       f"{r.specifier}")) for r in wanted], tmp, stubs)  # fmt: skip
+        for wheel in asked.glob("*.whl"):
+            shutil.move(str(wheel), Path(tmp) / wheel.name)
+        kept, dropped = [], []
+        for wheel in sorted(Path(tmp).glob("*.whl")):
+            name, version = parse_wheel_filename(wheel.name)[:2]
+            if name == "torch" and str(version).split("+")[0] != IMAGE_TORCH:
+                raise SystemExit(f"{specs} need torch {version}; the GPU image has {IMAGE_TORCH}: it cannot run there")
+            if in_cuda_stack(name):
+                dropped.append(f"{name} {version}")
                 continue
-            required_by.setdefault(name, []).append(parent)
-            if name in have:
-                version = have[name][0]
-                if req.specifier and not req.specifier.contains(version, prereleases=True):
-                    conflicts.append(f"{parent} wants {spec}, have {name} {version}")
-            elif name in fresh:
-                fresh[name][0].extras.update(req.extras)
-            else:
-                fresh[name] = (req, parent)
-        wave = []
-        got = download([f"{req.name}{req.specifier}" for req, _ in fresh.values()], out)
-        for (req, parent), wheel in zip(fresh.values(), got.values()):
-            if wheel is None:
-                missing.append(f"{req} (for {parent}): no wheel for CPython 3.12 on manylinux x86-64")
-                continue
-            name, version = canonicalize_name(req.name), str(parse_wheel_filename(wheel.name)[1])
-            have[name] = (version, wheel)
-            print(f"{name} {version} ({wheel.stat().st_size / 2**20:.1f} MiB) for {parent}", flush=True)
-            for dep in requirements_of(wheel):
-                dep_req = Requirement(dep)
-                if applies(dep_req.marker, set(req.extras)):
-                    extras = f"[{','.join(sorted(dep_req.extras))}]" if dep_req.extras else ""
-                    wave.append((f"{dep_req.name}{extras}{dep_req.specifier}", f"{name} {version}"))
-    wheels = sorted(((w.name, w.stat().st_size) for _, w in have.values()), key=lambda x: -x[1])
-    total = sum(size for _, size in wheels)
-    summary = {"asked": roots, "total_bytes": total, "wheels": [{"file": f, "bytes": s} for f, s in wheels],
-               "required_by": required_by, "conflicts": conflicts, "missing": missing,
-               "image_packages_left_out": sorted(IMAGE)}  # fmt: skip
+            kept.append((wheel.name, wheel.stat().st_size))
+            shutil.move(str(wheel), out / wheel.name)
+    kept.sort(key=lambda x: -x[1])
+    total = sum(size for _, size in kept)
+    summary = {"asked": specs, "left_out": sorted(left_out), "total_bytes": total,
+               "wheels": [{"file": f, "bytes": s} for f, s in kept], "dropped_image_cuda_stack": dropped}  # fmt: skip
     (out.parent / "closure.json").write_text(json.dumps(summary, indent=1))
-    print(f"{len(wheels)} wheels, {total / 2**20:.0f} MiB; largest: "
-          + ", ".join(f"{f} {s / 2**20:.0f} MiB" for f, s in wheels[:6]))
-    for line in conflicts + missing:
-        print(f"WARNING: {line}")
+    print(f"{len(kept)} wheels, {total / 2**20:.0f} MiB (the image's CUDA stack left out: {len(dropped)} wheels); "
+          "largest: " + ", ".join(f"{f} {s / 2**20:.0f} MiB" for f, s in kept[:8]))
     return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="Folder for the wheels (an ignored one).")
+    parser.add_argument("--without", action="append", default=[], metavar="NAME",
+                        help="A declared requirement to leave out (no version on the index satisfies it).")  # fmt: skip
     parser.add_argument("specs", nargs="+", help="What to fetch, e.g. vllm==0.26.0")
     args = parser.parse_args()
-    summary = fetch(args.specs, args.out)
-    sys.exit(1 if summary["missing"] else 0)
+    fetch(args.specs, args.out, args.without)
 
 
 if __name__ == "__main__":

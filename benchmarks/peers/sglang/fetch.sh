@@ -15,6 +15,6 @@ FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.6.12}
 cd "$(dirname "$0")/../../.."
 grep -qx '/.sglang/' .gitignore || { echo "fetch.sh: /.sglang/ must be in .gitignore" >&2; exit 1; }
 rm -rf .sglang && mkdir -p .sglang/wheels
-python3 benchmarks/peers/fetch_closure.py --out .sglang/wheels "sglang==$SGLANG_VERSION" \
-  "flashinfer-cubin==$FLASHINFER_VERSION"
+python3 benchmarks/peers/fetch_closure.py --out .sglang/wheels ${SGLANG_WITHOUT:+--without $SGLANG_WITHOUT} \
+  "sglang==$SGLANG_VERSION" "flashinfer-cubin==$FLASHINFER_VERSION"
 bash benchmarks/peers/pieces.sh pack sglang "$SGLANG_VERSION"

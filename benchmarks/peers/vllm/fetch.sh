@@ -12,5 +12,8 @@ VLLM_VERSION=${VLLM_VERSION:-0.26.0}
 cd "$(dirname "$0")/../../.."
 grep -qx '/.vllm/' .gitignore || { echo "fetch.sh: /.vllm/ must be in .gitignore" >&2; exit 1; }
 rm -rf .vllm && mkdir -p .vllm/wheels
-python3 benchmarks/peers/fetch_closure.py --out .vllm/wheels "vllm==$VLLM_VERSION"
+# llguidance >= 1.7 (the `guidance` structured-output backend, imported only when a request asks for it) is not on
+# every index yet: VLLM_WITHOUT="llguidance" leaves it out where pip finds none.
+python3 benchmarks/peers/fetch_closure.py --out .vllm/wheels ${VLLM_WITHOUT:+--without $VLLM_WITHOUT} \
+  "vllm==$VLLM_VERSION"
 bash benchmarks/peers/pieces.sh pack vllm "$VLLM_VERSION"
