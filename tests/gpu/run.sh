@@ -3,7 +3,7 @@
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, serving, select, select-nofi, tune, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
-# peers-stash, peers.
+# peers-stash, peers, defaults.
 #   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
 #                by benchmarks/peers/{vllm,sglang}/fetch.sh) in /tmp; once all pieces of one are there, install it
 #                (vLLM 0.26.0 into /tmp/vsite, SGLang 0.5.15.post1 into /tmp/sgsite; stash_install.sh, which also
@@ -24,6 +24,14 @@
 #                (stage tune uses its own folder). PEERS_KVLOOM_EXTRA="FLAGS" (serving only) runs a second kvloom
 #                server with FLAGS added, -> $OUT/peers/kvloom-LABEL_serving.json (LABEL: PEERS_KVLOOM_LABEL).
 #                Page: python benchmarks/peers/report.py DIR... (CPU machine) -> docs/benchmarks/peers_h200.md.
+#   defaults     issue 35's compact check, kvloom at its defaults only (no backend or scheduling flags, no peer;
+#                < 4 min on one H200): the offline nano-vllm workload once (benchmarks/peers/bench_offline.py
+#                --repeats 1, Qwen3-0.6B shape, dummy bf16 weights) and kvloom serve at concurrency 64 with 500
+#                prompts of 512 in / 256 out through kvloom bench serve (benchmarks/peers/bench_serving.py --runs 64:500
+#                --clients kvloom; start-to-healthy timed) -> $OUT/defaults/kvloom_{offline,serving}.json and
+#                summary.json; prints output tok/s, TTFT p50, TPOT p50, ITL p50/p99 and start time
+#                (benchmarks/peers/defaults_summary.py). Needs .whl and the carried folder .benchtok;
+#                DEFAULTS_SERVING_ARGS adds flags to bench_serving.py.
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
@@ -250,6 +258,17 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
   return $status
 }
 
+defaults() {  # issue 35: kvloom at its defaults, offline and served at concurrency 64, results in $OUT/defaults
+  local dir=$OUT/defaults
+  mkdir -p "$dir"
+  log "defaults: offline"
+  python3 benchmarks/peers/bench_offline.py --engine kvloom --repeats 1 --out "$dir/kvloom_offline.json" 2>&1 | tail -5
+  log "defaults: served, concurrency 64"
+  python3 benchmarks/peers/bench_serving.py --engine kvloom --tokenizer .benchtok --runs 64:500 --clients kvloom \
+    ${DEFAULTS_SERVING_ARGS:-} --out "$dir/kvloom_serving.json" 2>&1 | tail -5
+  python3 benchmarks/peers/defaults_summary.py "$dir"
+}
+
 # A call of peers-stash stages alone stashes what it carries and needs no kvloom install (nor .whl).
 ab_setup() {  # the base tree's kvloom packages in /tmp/site-base (wheels: the shared /tmp/site)
   [ -f /tmp/site-base/.kvloom-installed ] && return 0
@@ -371,6 +390,7 @@ write_qwen3_config(Path('/tmp/tune-models/qwen3-0.6b-shape')); write_llama3_conf
       done ;;
     peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
     ab) ab || log "ab failed" ;;
+    defaults) defaults ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac
