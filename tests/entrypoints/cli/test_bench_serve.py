@@ -19,7 +19,7 @@ from kvloom.entrypoints.cli.bench_serve_metrics import format_report, prefix_cac
 from kvloom.entrypoints.cli.main import main
 from kvloom.entrypoints.openai.api_server import build_app
 from kvloom.metrics.loggers import PrometheusStatLogger
-from kvloom.metrics.stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from tests.helpers.serve_fakes import FakeAsyncLLM, ServerThread
 
 
