@@ -176,9 +176,9 @@ def table(result: dict[str, Any], num_prompts: int) -> str:
              "| offline step at that batch, ms | TPOT / step |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, key, s in [(label, key, s) for label, runs in result["served"].items() for key, s in runs.items()]:
         step = result["offline"].get(key if key != "inf" else num_prompts, {}).get("step_ms")
-        tpot = s["tpot_ms"]["p50"]
+        tpot = s["tpot_ms"]["median"]
         lines.append(f"| {label} | {key} | {s['completed']} ({s['failed']} failed) | {s['output_throughput']:.0f} | "
-                     f"{s['output_throughput'] / full['output_tok_s']:.2f} | {s['ttft_ms']['p50']:.1f} | {tpot:.2f} | "
+                     f"{s['output_throughput'] / full['output_tok_s']:.2f} | {s['ttft_ms']['median']:.1f} | {tpot:.2f} | "
                      f"{s['itl_ms']['p99']:.1f} | {f'{step:.2f}' if step else '-'} | "
                      f"{f'{tpot / step:.2f}' if step else '-'} |")  # fmt: skip
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Decode step time at batch 1 and 64 on the Llama-3-8B shape, vLLM or kvloom, by the same code (``--engine``).
+"""Decode step time at batch 1, 16 and 64 on the Llama-3-8B shape, vLLM, SGLang or kvloom, by the same code
+(``--engine``; SGLang through ``engines.SGLangLLM``).
 
 The quantity is the one of kvloom's benchmarks/bench_decode_roofline.py: the wall time of one decode step (every
 request decoding one token, context about 1,024 tokens) while the batch runs, with dummy bf16 weights. That script
@@ -16,6 +17,7 @@ contexts ``context + N1 .. context + N2`` (their mean is recorded; bench_decode_
 the median of ``--repeats`` calls. The config is bench_decode_roofline's ``write_llama3_config``.
 
     PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_decode.py --engine vllm --out $OUT/peers/vllm_decode.json
+    PYTHONPATH=/tmp/sgsite python3 benchmarks/peers/bench_decode.py --engine sglang --out $OUT/peers/sglang_decode.json
     python3 benchmarks/peers/bench_decode.py --engine kvloom --out $OUT/peers/kvloom_decode.json
 """
 
@@ -52,9 +54,9 @@ def step_by_difference(times_short: list[float], times_long: list[float], n_shor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", required=True, help="vllm or kvloom")
+    parser.add_argument("--engine", required=True, help="vllm, sglang or kvloom")
     parser.add_argument("--out", required=True, help="JSON file to write.")
-    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=CONTEXT, help=f"Prompt tokens (default {CONTEXT}).")
     parser.add_argument(
         "--short",

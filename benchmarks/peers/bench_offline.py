@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""nano-vllm's offline workload on vLLM or kvloom, by the same code (``--engine``).
+"""nano-vllm's offline workload on vLLM, SGLang or kvloom, by the same code (``--engine``; SGLang through
+``engines.SGLangLLM``).
 
 The workload is imported from benchmarks/bench_offline_nanovllm.py (``workload()``: the prompts, output lengths
 and seed; ``write_qwen3_config()``: the Qwen3-0.6B shape), so both engines get byte-identical prompts and the same
@@ -9,6 +10,7 @@ cache, then time ``--repeats`` full runs of the 256 sequences (prefix cache rese
 produce every expected output token.
 
     PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_offline.py --engine vllm --out $OUT/peers/vllm_offline.json
+    PYTHONPATH=/tmp/sgsite python3 benchmarks/peers/bench_offline.py --engine sglang --out $OUT/peers/sglang_offline.json
     python3 benchmarks/peers/bench_offline.py --engine kvloom --out $OUT/peers/kvloom_offline.json
 """
 
@@ -32,7 +34,7 @@ log = logging.getLogger("peers.offline")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", required=True, help="vllm or kvloom")
+    parser.add_argument("--engine", required=True, help="vllm, sglang or kvloom")
     parser.add_argument("--out", required=True, help="JSON file to write.")
     parser.add_argument("--repeats", type=int, default=2, help="Timed runs of the whole workload (default 2).")
     parser.add_argument("--num-seqs", type=int, default=256)

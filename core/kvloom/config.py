@@ -42,10 +42,15 @@ class ModelConfig(_Section):
     skip_tokenizer_init: bool
     """No tokenizer: prompts are token ids and outputs carry no text."""
     served_model_name: str
-    """The model's name in the API (``model`` of requests, ``/v1/models``, the startup line,
-    stat loggers, what LoRA resolvers receive): ``--served-model-name``, else the model
-    directory's name (``/srv/models/Llama-3.2-1B`` -> ``Llama-3.2-1B``), the ``.gguf``
-    file's stem, or ``SmolLM2-135M-Instruct`` for the default model."""
+    """The model's name in the API (reported as ``model`` in responses, first in
+    ``/v1/models``, the startup line, stat loggers, what LoRA resolvers receive): the first
+    ``--served-model-name``, else the model argument as given (vLLM's rule:
+    ``kvloom serve /srv/models/Llama-3.2-1B`` -> ``/srv/models/Llama-3.2-1B``, ``org/name``
+    -> ``org/name``), or ``SmolLM2-135M-Instruct`` for the default model."""
+    served_model_names: list[str] = Field(default_factory=list)
+    """Every name requests may use for the model (``--served-model-name a b``), starting
+    with ``served_model_name``; each is listed by ``/v1/models``. Empty (a config built by
+    hand): ``served_model_name`` alone."""
     hf_config: Any  # transformers.PretrainedConfig
     """The checkpoint's ``transformers.PretrainedConfig`` (from ``config.json``, or converted
     from GGUF metadata); a model reads its own fields from it."""
@@ -189,7 +194,9 @@ class SchedulerConfig(_Section):
     policy: Literal["fcfs", "priority"]
     """Queue order: first come first served, or by request priority."""
     async_scheduling: bool = False
-    """Schedule step n+1 while step n runs on the device."""
+    """Schedule step n+1 while step n runs on the device. Resolved: ``EngineArgs``'
+    ``async_scheduling=None`` (auto) is on where ``Platform.supports_async_scheduling``
+    and without pipeline parallelism (``config_builder.resolve_async_scheduling``)."""
 
 
 class ParallelConfig(_Section):

@@ -125,7 +125,8 @@ def cuda_config(capability: DeviceCapability | None, **overrides: Any) -> Attent
 
 # ---------------------------------------------------------------------- the seed's tables
 
-STANDARD_AMPERE_HOPPER = ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]
+# kvloom's measured order below SM 10 (docs/benchmarks/gpu_h100.md; vLLM's: FLASH_ATTN, FLASHINFER, TRITON_ATTN).
+STANDARD_AMPERE_HOPPER = ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION"]
 STANDARD_BLACKWELL = ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
 MLA_AMPERE_HOPPER = ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA_SPARSE"]
 MLA_BLACKWELL = ["FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA",
@@ -169,7 +170,7 @@ def test_missing_backends_name_their_pip_package() -> None:
 
 
 @pytest.mark.parametrize(
-    ("capability", "expected"), [(SM80, "FLASH_ATTN"), (SM90, "FLASH_ATTN"), (SM100, "FLASHINFER"), (SM75, "FLASHINFER")]
+    ("capability", "expected"), [(SM80, "TRITON_ATTN"), (SM90, "TRITON_ATTN"), (SM100, "FLASHINFER"), (SM75, "TRITON_ATTN")]
 )
 def test_first_valid_in_priority_order(capability: DeviceCapability, expected: str) -> None:
     dtype = torch.float16 if capability == SM75 else torch.bfloat16  # Turing has no bf16
@@ -177,7 +178,11 @@ def test_first_valid_in_priority_order(capability: DeviceCapability, expected: s
     assert result.selected.NAME == expected
     assert result.block_size == 16
     if capability == SM75:  # Turing: FlashAttention needs SM 8.0
-        assert result.candidates[0].reasons == ("compute capability 7.5 not supported (supports 8.0..any)",)
+        assert result.candidates[1].reasons == ("compute capability 7.5 not supported (supports 8.0..any)",)
+    # Without TRITON_ATTN, FLASH_ATTN is next on Ampere/Hopper.
+    if capability in (SM80, SM90):
+        others = entries(*[b for b in STANDARD_FAKES if b.NAME != "TRITON_ATTN"])
+        assert select_attention_backend(CudaPlatform, cuda_config(capability), backends=others).selected.NAME == "FLASH_ATTN"
 
 
 def test_bfloat16_on_turing_is_refused_by_every_backend() -> None:
@@ -187,7 +192,7 @@ def test_bfloat16_on_turing_is_refused_by_every_backend() -> None:
 
 
 def test_float32_falls_through_to_triton() -> None:
-    result = select_attention_backend(CudaPlatform, cuda_config(SM90, dtype=torch.float32), backends=ALL_FAKES)
+    result = select_attention_backend(CudaPlatform, cuda_config(SM100, dtype=torch.float32), backends=ALL_FAKES)
     assert result.selected.NAME == "TRITON_ATTN"
     for invalid in result.candidates[:2]:
         assert invalid.reasons == ("dtype float32 not supported (supports float16, bfloat16)",)
@@ -268,11 +273,11 @@ def test_no_valid_backend_lists_every_candidate_and_reason() -> None:
     assert lines[0].startswith("No valid attention backend found for platform cuda (device cuda, capability 9.0): ")
     assert "head_size=512, dtype=float32" in lines[0]
     assert lines[1:] == [
-        "  1. FLASH_ATTN (kvloom-backend-flash-attn): dtype float32 not supported (supports float16, bfloat16); "
+        "  1. TRITON_ATTN (kvloom-backend-triton): head size 512 not supported (supports 1..256)",
+        "  2. FLASH_ATTN (kvloom-backend-flash-attn): dtype float32 not supported (supports float16, bfloat16); "
         "head size 512 not supported (supports 1..256)",
-        "  2. FLASHINFER (kvloom-backend-flashinfer): dtype float32 not supported (supports float16, bfloat16); "
+        "  3. FLASHINFER (kvloom-backend-flashinfer): dtype float32 not supported (supports float16, bfloat16); "
         "head size 512 not supported (supports 64, 128, 256)",
-        "  3. TRITON_ATTN (kvloom-backend-triton): head size 512 not supported (supports 1..256)",
         "  4. FLEX_ATTENTION (kvloom-backend-flex-attention): not installed (pip install kvloom-backend-flex-attention)",
     ]
 
@@ -284,7 +289,7 @@ def test_out_of_tree_backends_rank_after_the_platform_list() -> None:
     backends = entries(*STANDARD_FAKES, oot_b, oot_a)
     result = select_attention_backend(CudaPlatform, cuda_config(SM90), backends=backends)
     assert [c.name for c in result.candidates] == STANDARD_AMPERE_HOPPER + ["OOT_A", "OOT_B"]
-    assert result.selected.NAME == "FLASH_ATTN"  # a valid listed backend outranks them
+    assert result.selected.NAME == "TRITON_ATTN"  # a valid listed backend outranks them
     # Nothing listed supports head size 512: the first valid out-of-tree backend wins.
     result = select_attention_backend(CudaPlatform, cuda_config(SM90, head_size=512), backends=backends)
     assert result.selected.NAME == "OOT_A"
@@ -306,24 +311,26 @@ def test_backends_for_other_devices_are_invalid_candidates() -> None:
 
 
 def test_excluded_backends_say_kvloom_plugins_left_them_out() -> None:
-    installed = entries(*STANDARD_FAKES[1:])
-    excluded = [entries(STANDARD_FAKES[0])["FLASH_ATTN"]]
+    installed = entries(*[b for b in STANDARD_FAKES if b.NAME != "TRITON_ATTN"])
+    excluded = [entries(STANDARD_FAKES[2])["TRITON_ATTN"]]
     result = select_backend(CudaPlatform, cuda_config(SM90), None, installed, excluded)
     first = result.candidates[0]
     assert (first.name, first.status, first.reasons) == (
-        "FLASH_ATTN",
+        "TRITON_ATTN",
         "excluded",
-        ("installed (kvloom-backend-flash-attn 0.0.test) but KVLOOM_PLUGINS does not list it",),
+        ("installed (kvloom-backend-triton 0.0.test) but KVLOOM_PLUGINS does not list it",),
     )
-    assert result.selected.NAME == "FLASHINFER"
+    assert result.selected.NAME == "FLASH_ATTN"
 
 
 def test_report_never_raises_on_selection_errors_and_has_the_json_shape() -> None:
     report = report_attention_backends(CudaPlatform, cuda_config(SM90), requested="FLASHMLA", backends=ALL_FAKES)
     assert report.selected is None and report.error.startswith("Selected backend FLASHMLA is not valid")
     data = report.to_json()
-    assert set(data) == {"platform", "selected", "candidates", "block_size"}
-    assert all(set(c) == {"name", "priority", "valid", "reasons", "distribution", "version"} for c in data["candidates"])
+    assert set(data) == {"platform", "selected", "candidates", "block_size", "order", "tune_created"}
+    assert (data["order"], data["tune_created"]) == ("platform", None)
+    assert all(set(c) == {"name", "priority", "valid", "reasons", "distribution", "version", "measured_ms"}
+               for c in data["candidates"])  # fmt: skip
     ok = report_attention_backends(CudaPlatform, cuda_config(SM100), backends=ALL_FAKES)
     assert (ok.selected, ok.block_size, ok.error) == ("FLASHINFER", 16, None)
 

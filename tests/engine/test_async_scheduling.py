@@ -3,20 +3,24 @@ step n's tokens reach the host, and nothing a user sees changes.
 
 On the CPU the device work is synchronous, so these tests check correctness, not overlap:
 the same tokens, finish reasons, logprobs and seeded samples as the synchronous engine,
-under chunked prefill, preemption, prefix caching, stops, penalties and aborts; that two
-steps really are in flight; and the scheduler's placeholder bookkeeping on its own.
+under chunked prefill, preemption, prefix caching, stops, every sampling feature (penalties
+included, which count the token in flight on the device), LoRA, structured outputs,
+pooling and aborts; that two steps really are in flight; how the default is resolved; and
+the scheduler's placeholder bookkeeping on its own.
 """
 
 from __future__ import annotations
 
 import pytest
-from tests.helpers.model_fixtures import hf_greedy_tokens, random_prompts, tiny_model_dir
-from tests.helpers.fake_model import make_configs
 
-from kvloom import LLM, SamplingParams
+from kvloom import LLM, SamplingParams, StructuredOutputsParams
+from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput
 from kvloom.request import Request, RequestStatus
 from kvloom.scheduler.scheduler import Scheduler
+from tests.helpers.fake_model import make_configs
+from tests.helpers.lora_fixtures import make_adapter
+from tests.helpers.model_fixtures import hf_greedy_tokens, random_prompts, tiny_model_dir
 
 PROMPTS = random_prompts(320)
 
@@ -44,7 +48,8 @@ def llama_hf() -> list[list[int]]:
         pytest.param({"enable_prefix_caching": False, "block_size": 5}, id="odd-block-no-caching"),
     ],
 )
-def test_greedy_tokens_equal_hf(engine_kwargs, llama_hf):
+def test_greedy_tokens_equal_hf(engine_kwargs, llama_hf, monkeypatch):
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # (the engine core process: test_async_llm_streams...)
     llm = _llm(async_scheduling=True, **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert [t for t, _ in _run(llm, params)] == llama_hf
@@ -80,8 +85,25 @@ def test_two_steps_are_in_flight_and_inputs_come_from_the_device(monkeypatch):
     assert not core._in_flight and not core.has_work()
 
 
-def test_stops_lengths_and_finish_reasons_match_sync():
-    sync, asy = _llm(), _llm(async_scheduling=True)
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, LoRARequest]:
+    base, root = tiny_model_dir("llama"), tmp_path_factory.mktemp("adapters")
+    return {name: LoRARequest(name, i + 1, str(make_adapter(base, root / name, seed=i + 1, r=8)))
+            for i, name in enumerate(("a1", "a2"))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[bool, LLM]:
+    """The synchronous and the async-scheduling engine (forced on: the CPU platform's
+    default is off), LoRA on, in this process (the tests' spies reach the core)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+        kwargs = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+        return {False: _llm(async_scheduling=False, **kwargs), True: _llm(async_scheduling=True, **kwargs)}
+
+
+def test_stops_lengths_and_finish_reasons_match_sync(engines):
+    sync, asy = engines[False], engines[True]
     base = _run(sync, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     # Stop on a token each sequence produces mid-way; different max_tokens per request.
     params = [
@@ -99,25 +121,92 @@ def test_stops_lengths_and_finish_reasons_match_sync():
     assert _run(asy, held) == _run(sync, held)
 
 
-def test_penalties_seeds_and_logprobs_match_sync():
-    sync, asy = _llm(), _llm(async_scheduling=True)
-    penalised = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5,
-                               frequency_penalty=0.5, presence_penalty=0.3)
-    assert _run(asy, penalised) == _run(sync, penalised)
-    # A batch mixing penalised and plain requests (the plain ones must not change either).
-    mixed = [penalised if i % 2 else SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-             for i in range(len(PROMPTS))]
-    assert _run(asy, mixed) == _run(sync, mixed)
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
-    assert _run(asy, seeded) == _run(sync, seeded)
-    with_logprobs = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    a = sync.generate({"prompt_token_ids": PROMPTS[2]}, with_logprobs, use_tqdm=False)[0]
-    b = asy.generate({"prompt_token_ids": PROMPTS[2]}, with_logprobs, use_tqdm=False)[0]
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-        assert x.keys() == y.keys()
-        assert all(x[k].logprob == pytest.approx(y[k].logprob, abs=1e-5) for k in x)
-    assert len(b.prompt_logprobs) == len(PROMPTS[2])
+def _every_feature(sync: LLM, adapters: dict[str, LoRARequest]) -> tuple[list, list[SamplingParams], list]:
+    """One batch (prompts, params, LoRA requests) using every sampling feature at once;
+    stop strings and stop tokens are cut from the synchronous engine's greedy text."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS] * 3
+    greedy = sync.generate(prompts[:5], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+    text, tokens = greedy[0].outputs[0].text, greedy[1].outputs[0].token_ids
+    penalties = {"repetition_penalty": 1.4, "frequency_penalty": 0.6, "presence_penalty": 0.4}
+    seeded = {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "min_p": 0.02}
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **penalties),
+        SamplingParams(seed=3, max_tokens=24, ignore_eos=True, **seeded, **penalties),
+        SamplingParams(seed=4, max_tokens=24, ignore_eos=True, **seeded),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=16, ignore_eos=True, frequency_penalty=0.8),
+        SamplingParams(temperature=0, max_tokens=24, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=12, stop_token_ids=[tokens[2]]),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={tokens[3]: 4.0}),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=1.0),  # + LoRA a1
+        SamplingParams(seed=6, max_tokens=24, ignore_eos=True, **seeded, repetition_penalty=1.3),  # + LoRA a2
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,9}\."),
+                       frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=24),  # EOS may end it
+    ]
+    loras = [None] * 8 + [adapters["a1"], adapters["a2"], None, None]
+    return prompts[: len(params)], params, loras
+
+
+def _outputs(llm: LLM, prompts: list, params: list[SamplingParams], loras: list) -> list:
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    result = []
+    for out in outs:
+        for c in out.outputs:
+            logprobs = [{t: round(lp.logprob, 4) for t, lp in step.items()} for step in c.logprobs or []]
+            result.append((list(c.token_ids), c.text, c.finish_reason, logprobs))
+        prompt_lps = [{t: round(lp.logprob, 4) for t, lp in step.items()} if step else None
+                      for step in out.prompt_logprobs or []]  # fmt: skip
+        result.append(prompt_lps)
+    return result
+
+
+def test_every_sampling_feature_overlaps_and_samples_as_sync(engines, adapters, monkeypatch):
+    """Penalties, seeded top-k/top-p/min-p, logprobs and prompt logprobs, n > 1, stop
+    strings and tokens, min_tokens, logit_bias, LoRA and structured outputs in one batch:
+    the async-scheduling engine gives the synchronous engine's tokens, texts, finish
+    reasons and logprobs, keeping two steps in flight all along; penalties count the
+    tokens still in flight on the device."""
+    sync, asy = engines[False], engines[True]
+    prompts, params, loras = _every_feature(sync, adapters)
+    expected = _outputs(sync, prompts, params, loras)
+    assert {o[2] for o in expected if isinstance(o, tuple)} >= {"stop", "length"}
+
+    core = asy.llm_engine.engine_core.core
+    inputs = core.worker.runner.inputs
+    depths, counted = [], []
+    launch, in_flight = core.worker.execute_model, inputs.in_flight_tokens
+
+    def spy_launch(so):
+        pending = launch(so)
+        depths.append(len(core._in_flight) + 1)
+        return pending
+
+    def spy_in_flight(states):
+        held = in_flight(states)
+        counted.append(0 if held is None else len(held[0]))
+        return held
+
+    monkeypatch.setattr(core.worker, "execute_model", spy_launch)
+    monkeypatch.setattr(inputs, "in_flight_tokens", spy_in_flight)
+    assert _outputs(asy, prompts, params, loras) == expected
+    # Two steps in flight for most of the run (no synchronous fallback for penalties), and
+    # the penalised rows' tokens in flight were counted on the device.
+    assert depths.count(2) >= len(depths) - 4
+    assert max(counted) >= 5
+
+
+def test_pooling_and_chunked_prefill_under_async_scheduling(monkeypatch):
+    """A pooling model (no sampled tokens, results once its prompt is done) beside itself
+    with async scheduling, prompts chunked across steps: the same embeddings."""
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    kwargs = {"runner": "pooling", "pooling_type": "MEAN", "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    sync = [o.outputs.embedding for o in _llm(**kwargs).embed(prompts, use_tqdm=False)]
+    asy = [o.outputs.embedding for o in _llm(async_scheduling=True, **kwargs).embed(prompts, use_tqdm=False)]
+    for a, b in zip(asy, sync):
+        assert a == pytest.approx(b, abs=1e-5)
 
 
 def test_abort_while_a_step_is_in_flight_keeps_the_others(llama_hf, monkeypatch):
@@ -142,15 +231,37 @@ def test_abort_while_a_step_is_in_flight_keeps_the_others(llama_hf, monkeypatch)
     assert [t for t, _ in _run(llm, params)] == llama_hf
 
 
-def test_async_scheduling_flag_reaches_the_scheduler():
+def test_async_scheduling_is_resolved_per_platform_and_parallelism(monkeypatch, caplog):
+    """``--async-scheduling`` / ``--no-async-scheduling`` as given; unset, on where the
+    platform's device runs asynchronously (CUDA), off on the CPU and with pipeline stages;
+    the outcome and why are logged."""
     import argparse
+    import logging
 
+    from kvloom.engine.config_builder import resolve_async_scheduling
     from kvloom.entrypoints.cli.engine_args import add_engine_args, engine_args_from_namespace
+    from kvloom.platforms.interface import Platform
 
     parser = add_engine_args(argparse.ArgumentParser())
-    args = engine_args_from_namespace(parser.parse_args(["--model", "m", "--async-scheduling"]))
-    assert args.async_scheduling is True
-    assert engine_args_from_namespace(parser.parse_args(["--model", "m"])).async_scheduling is False
+
+    def parsed(*flags: str) -> bool | None:
+        return engine_args_from_namespace(parser.parse_args(["--model", "m", *flags])).async_scheduling
+
+    assert (parsed("--async-scheduling"), parsed("--no-async-scheduling"), parsed()) == (True, False, None)
+    gpu = type("Gpu", (), {"name": "gpu", "supports_async_scheduling": True})
+    cpu = type("Cpu", (), {"name": "cpu", "supports_async_scheduling": False})
+    assert Platform.supports_async_scheduling is False  # an out-of-tree platform opts in
+    with caplog.at_level(logging.INFO, logger="kvloom.engine.config_builder"):
+        assert resolve_async_scheduling(None, gpu, 1) is True
+        assert "Async scheduling on (default: platform gpu runs the device asynchronously" in caplog.text
+        assert resolve_async_scheduling(None, gpu, 2) is False  # pipeline stages keep their micro-batches
+        assert "pipeline parallelism keeps 2 micro-batches in flight" in caplog.text
+        assert resolve_async_scheduling(None, cpu, 1) is False
+        assert resolve_async_scheduling(False, gpu, 1) is False
+        assert resolve_async_scheduling(True, cpu, 1) is True  # forced: correct, nothing to overlap
+        assert "nothing to overlap" in caplog.text
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
+    assert _llm().config.scheduler.async_scheduling is False  # the CPU platform's default
     assert _llm(async_scheduling=True).config.scheduler.async_scheduling is True
 
 
@@ -209,18 +320,6 @@ def test_scheduler_keeps_the_token_of_a_request_preempted_while_in_flight():
     so3 = s.schedule()  # resumed: prompt and its token recomputed
     assert so3.scheduled_new_reqs[0].output_token_ids == [4]
     assert so3.num_scheduled_tokens["a"] + so3.scheduled_new_reqs[0].num_computed_tokens == 4
-
-
-def test_penalised_requests_turn_scheduling_ahead_off():
-    s = _scheduler()
-    s.add_request(Request("a", [1, 2], SamplingParams(temperature=0, max_tokens=5)))
-    s.schedule()
-    assert s.can_schedule_ahead()
-    s.add_request(Request("b", [1, 2], SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.2)))
-    s.schedule()
-    assert not s.can_schedule_ahead()
-    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
-    assert s.can_schedule_ahead()
 
 
 def test_sync_engine_is_unchanged_by_the_flag_default():

@@ -113,9 +113,10 @@ def test_what_the_backend_cannot_serve_is_refused(where: str) -> None:
 def test_the_startup_line_names_the_served_model(caplog: pytest.LogCaptureFixture) -> None:
     model = str(tiny_model_dir("llama"))
     with caplog.at_level("INFO", logger="kvloom.engine.config_builder"):
-        assert resolve_engine_config(model=model, dtype="float32").model.served_model_name == "llama"  # the dir's name
+        # vLLM's rule: the model argument exactly as given.
+        assert resolve_engine_config(model=model, dtype="float32").model.served_model_name == model
         resolve_engine_config(model=model, dtype="float32", served_model_name="my-alias")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvloom config:")]
     assert [line.split()[2:4] for line in lines] == [
-        ["model=llama", "served_model_name=llama"], ["model=llama", "served_model_name=my-alias"]
+        ["model=llama", f"served_model_name={model}"], ["model=llama", "served_model_name=my-alias"]
     ]  # fmt: skip

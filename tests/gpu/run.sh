@@ -2,24 +2,36 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
-# peers-stash, peers.
-#   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
-#                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
-#                (benchmarks/peers/vllm/stash_install.sh). Needs neither .whl nor setup: a call with only
+# decode, offline, serving, select, select-nofi, tune, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
+# peers-stash, peers, defaults.
+#   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
+#                by benchmarks/peers/{vllm,sglang}/fetch.sh) in /tmp; once all pieces of one are there, install it
+#                (vLLM 0.26.0 into /tmp/vsite, SGLang 0.5.15.post1 into /tmp/sgsite; stash_install.sh, which also
+#                checks that its LLM/Engine and server import). Needs neither .whl nor setup: a call with only
 #                peers-stash stages skips setup and gguf. Idempotent.
-#   peers        the peers side by side (issue 20): for each workload of PEERS_ARGS (default "offline decode
-#                serving"), each engine of PEERS_ENGINES (default "vllm kvloom", in that order) back to back:
-#                offline = benchmarks/peers/bench_offline.py (nano-vllm's workload), decode =
-#                benchmarks/peers/bench_decode.py (Llama-3-8B shape, batch 1 and 64, generate-difference method;
+#   peers        the peers side by side (issues 20, 35): for each workload of PEERS_ARGS (default "offline decode
+#                serving"), each engine of PEERS_ENGINES (default "vllm kvloom"; "sglang kvloom" in a lease with
+#                SGLang: each peer beside a kvloom run of the same lease), every engine at its defaults, back to
+#                back: offline = benchmarks/peers/bench_offline.py (nano-vllm's workload), decode =
+#                benchmarks/peers/bench_decode.py (Llama-3-8B shape, batch 1/16/64, generate-difference method;
 #                for kvloom also benchmarks/bench_decode_roofline.py's engine-step method), serving =
-#                benchmarks/peers/bench_serving.py (each engine's OpenAI server, kvloom's bench client, 1,000
-#                requests 512 in / 256 out, all at once and at --max-concurrency 64; needs .benchtok)
-#                -> $OUT/peers/ENGINE_WORKLOAD.json and $OUT/peers/peers_WORKLOADS.log. vLLM needs peers-stash
-#                done on this warm machine. vLLM's server takes ~4 min to start: one workload per call.
-#                PEERS_KVLOOM_EXTRA="FLAGS" (serving only) runs a second kvloom server with FLAGS added to its
-#                own, -> $OUT/peers/kvloom-LABEL_serving.json (LABEL: PEERS_KVLOOM_LABEL, default "variant").
-#                Tables: python benchmarks/peers/report.py DIR (on the CPU machine).
+#                benchmarks/peers/bench_serving.py (each engine's OpenAI server; vLLM's client and kvloom's; all at
+#                once and at concurrency 16/64/256 with 1,000 requests of 512 in / 256 out, concurrency 1 with 64;
+#                PEERS_SERVING_ARGS adds flags, e.g. "--warm-start --repeats 3 --runs 64:1000"; needs .benchtok)
+#                -> $OUT/peers/ENGINE_WORKLOAD.json (each with its lease: host and boot id) and
+#                $OUT/peers/peers_WORKLOADS.log. A peer needs peers-stash done on this warm machine. A peer's
+#                server takes minutes to start: one workload per call. KVLOOM_CACHE_DIR stays empty of tunes
+#                (stage tune uses its own folder). PEERS_KVLOOM_EXTRA="FLAGS" (serving only) runs a second kvloom
+#                server with FLAGS added, -> $OUT/peers/kvloom-LABEL_serving.json (LABEL: PEERS_KVLOOM_LABEL).
+#                Page: python benchmarks/peers/report.py DIR... (CPU machine) -> docs/benchmarks/peers_h200.md.
+#   defaults     issue 35's compact check, kvloom at its defaults only (no backend or scheduling flags, no peer;
+#                < 4 min on one H200): the offline nano-vllm workload once (benchmarks/peers/bench_offline.py
+#                --repeats 1, Qwen3-0.6B shape, dummy bf16 weights) and kvloom serve at concurrency 64 with 500
+#                prompts of 512 in / 256 out through kvloom bench serve (benchmarks/peers/bench_serving.py --runs 64:500
+#                --clients kvloom; start-to-healthy timed) -> $OUT/defaults/kvloom_{offline,serving}.json and
+#                summary.json; prints output tok/s, TTFT p50, TPOT p50, ITL p50/p99 and start time
+#                (benchmarks/peers/defaults_summary.py). Needs .whl and the carried folder .benchtok;
+#                DEFAULTS_SERVING_ARGS adds flags to bench_serving.py.
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
@@ -65,6 +77,9 @@
 #                come back); on this machine: cat the pieces > .fawhl/<the wheel's name>.whl
 #   fa-install   install a flash-attn wheel built earlier and carried in .fawhl/ (~60 MiB: carry it
 #                alone), instead of building it again; stops the run if flash_attn does not import.
+#   tune         `kvloom backends tune` (issue 35) on the Qwen3-0.6B and Llama-3-8B shapes in bf16: every valid
+#                backend's decode (batch 1/16/64/256) and mixed steps -> $OUT/tune/*.json; its cache goes to
+#                /tmp/kvloom-tune-cache, never to KVLOOM_CACHE_DIR (the peers run at an empty cache: no prior tune).
 #   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
 #                FLASHINFER and FLASH_ATTN: the selection without those two.
 #   ab           issue 34's same-speed check: the tree carried as .base/tree.tar.gz (git archive of the base commit,
@@ -206,40 +221,52 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
   mkdir -p "$dir"
   # vLLM's compile cache in /tmp (kept between calls on a warm machine, as kvloom's KVLOOM_CACHE_DIR); no usage
   # reports (the machine has no network)
-  export VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+  export VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 SGLANG_DISABLE_TELEMETRY=1
   for w in $workloads; do
     case $w in offline|decode|serving) ;; *) log "peers: unknown workload '$w' (allowed: offline decode serving)"; return 2 ;; esac
   done
   for e in ${PEERS_ENGINES:-vllm kvloom}; do
-    case $e in vllm|kvloom) ;; *) log "peers: unknown engine '$e' (allowed: vllm kvloom)"; return 2 ;; esac
+    case $e in vllm|sglang|kvloom) ;; *) log "peers: unknown engine '$e' (allowed: vllm sglang kvloom)"; return 2 ;; esac
   done
+  declare -A site=([vllm]=/tmp/vsite [sglang]=/tmp/sgsite)
   for w in $workloads; do
     for e in ${PEERS_ENGINES:-vllm kvloom}; do
-      if [ $e = vllm ] && [ ! -f /tmp/vsite/.installed ]; then
-        log "peers: vLLM is not installed on this machine (stage peers-stash with every .vllm/pN); $w skipped"
+      if [ $e != kvloom ] && [ ! -f ${site[$e]}/.installed ]; then
+        log "peers: $e is not installed on this machine (stage peers-stash with every .$e/pN); $w skipped"
         status=1; continue
       fi
       log "peers: $e $w"
       case $e/$w in
-        vllm/serving|kvloom/serving)
+        */serving)
           python3 benchmarks/peers/bench_serving.py --engine $e --tokenizer .benchtok --out "$dir/${e}_serving.json" \
+            ${PEERS_SERVING_ARGS:-} \
           && if [ $e = kvloom ] && [ -n "${PEERS_KVLOOM_EXTRA:-}" ]; then  # a second kvloom server: a variant
-            python3 benchmarks/peers/bench_serving.py --engine kvloom --tokenizer .benchtok \
+            python3 benchmarks/peers/bench_serving.py --engine kvloom --tokenizer .benchtok ${PEERS_SERVING_ARGS:-} \
               --extra-flags="$PEERS_KVLOOM_EXTRA" --out "$dir/kvloom-${PEERS_KVLOOM_LABEL:-variant}_serving.json"
           fi ;;
-        vllm/*)  # vLLM's own modules alone on the path
-          PYTHONPATH=/tmp/vsite python3 benchmarks/peers/bench_$w.py --engine vllm \
-            --out "$dir/vllm_$w.json" ;;
+        vllm/*|sglang/*)  # the peer's own modules alone on the path
+          PYTHONPATH=${site[$e]} python3 benchmarks/peers/bench_$w.py --engine $e --out "$dir/${e}_$w.json" ;;
         kvloom/*) python3 benchmarks/peers/bench_$w.py --engine kvloom --out "$dir/kvloom_$w.json" ;;
       esac || { log "peers: $e $w FAILED"; status=1; }
       if [ $e/$w = kvloom/decode ]; then  # kvloom's in-engine step timing of the same quantity, as a cross-check
-        python3 benchmarks/bench_decode_roofline.py --backend TRITON_ATTN --modes graphs+async --batches 1,64 \
+        python3 benchmarks/bench_decode_roofline.py --backend TRITON_ATTN --modes graphs+async --batches 1,16,64 \
           --out /tmp/peers-decode-steps && cp /tmp/peers-decode-steps/decode_roofline.json "$dir/kvloom_decode_steps.json" \
           || { log "peers: kvloom decode (engine steps) FAILED"; status=1; }
       fi
     done
   done
   return $status
+}
+
+defaults() {  # issue 35: kvloom at its defaults, offline and served at concurrency 64, results in $OUT/defaults
+  local dir=$OUT/defaults
+  mkdir -p "$dir"
+  log "defaults: offline"
+  python3 benchmarks/peers/bench_offline.py --engine kvloom --repeats 1 --out "$dir/kvloom_offline.json" 2>&1 | tail -5
+  log "defaults: served, concurrency 64"
+  python3 benchmarks/peers/bench_serving.py --engine kvloom --tokenizer .benchtok --runs 64:500 --clients kvloom \
+    ${DEFAULTS_SERVING_ARGS:-} --out "$dir/kvloom_serving.json" 2>&1 | tail -5
+  python3 benchmarks/peers/defaults_summary.py "$dir"
 }
 
 # A call of peers-stash stages alone stashes what it carries and needs no kvloom install (nor .whl).
@@ -314,6 +341,21 @@ for i in "${!stages[@]}"; do
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLASHINFER_MLA]"
       python3 benchmarks/bench_mla_decode.py --out "$OUT/mla" ${MLA_ARGS:-} 2>&1 | tail -40 ;;
     select-nofi) select_nofi ;;
+    tune)
+      mkdir -p "$OUT/tune"
+      python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from bench_offline_nanovllm import write_qwen3_config
+from bench_decode_roofline import write_llama3_config
+write_qwen3_config(Path('/tmp/tune-models/qwen3-0.6b-shape')); write_llama3_config(Path('/tmp/tune-models/llama3-8b-shape'))" \
+        || { log "tune: cannot write the model configs"; continue; }
+      for m in qwen3-0.6b-shape llama3-8b-shape; do
+        log "tune: $m"
+        KVLOOM_CACHE_DIR=/tmp/kvloom-tune-cache kvloom backends tune /tmp/tune-models/$m --dtype bfloat16 --json \
+          > "$OUT/tune/$m.json" || log "tune: $m FAILED"
+        KVLOOM_CACHE_DIR=/tmp/kvloom-tune-cache kvloom backends --model /tmp/tune-models/$m --dtype bfloat16 | tail -12
+      done ;;
     moe)
       run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
       python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;
@@ -340,9 +382,15 @@ for i in "${!stages[@]}"; do
           --backend TRITON_ATTN --batches 1,16,64 --modes graphs+async+tp2 2>&1 \
           | tee "$OUT/allreduce/decode_$mode/log.txt" | grep -E "all-reduce through|graphs\+|step ms" | tail -8
       done ;;
-    peers-stash) bash benchmarks/peers/vllm/stash_install.sh || log "peers-stash failed" ;;
+    peers-stash)
+      for peer in vllm sglang; do
+        if ls -d .$peer/p* >/dev/null 2>&1 || [ -d /tmp/$peer-stash ]; then
+          bash benchmarks/peers/$peer/stash_install.sh || log "peers-stash: $peer failed"
+        fi
+      done ;;
     peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
     ab) ab || log "ab failed" ;;
+    defaults) defaults ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

@@ -252,8 +252,40 @@ def test_async_scheduling_matches_sync(smollm2, smollm2_prompts, backend):
     """Async scheduling changes when the host works, not what the device computes."""
     _need(backend)
     prompts = smollm2_prompts[:5]
-    sync = _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend)
+    sync = _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend, async_scheduling=False)
     assert _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend, async_scheduling=True) == sync
+    # The CUDA default (no flag) is async scheduling.
+    assert _kvloom_tokens(smollm2, prompts, 48, "bfloat16", backend) == sync
+
+
+def test_penalties_and_seeds_overlap_on_cuda(smollm2, smollm2_prompts, monkeypatch):
+    """Penalised and seeded requests keep async scheduling's overlap on CUDA (the token in
+    flight is counted on the device) and sample exactly the synchronous engine's tokens."""
+    from kvloom import LLM, SamplingParams
+
+    _need("TRITON_ATTN")
+    monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")  # the spy reads the core
+    prompts = [{"prompt_token_ids": p} for p in smollm2_prompts[:6]]
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, top_p=0.95, max_tokens=48, ignore_eos=True,
+                             repetition_penalty=1.2, frequency_penalty=0.3 * (i % 3), presence_penalty=0.2)
+              for i in range(len(prompts))]  # fmt: skip
+    results, depths = {}, []
+    for flag in (False, True):
+        llm = LLM(smollm2, dtype="bfloat16", attention_backend="TRITON_ATTN", kv_cache_memory=KV_MEMORY,
+                  async_scheduling=flag)  # fmt: skip
+        core = llm.llm_engine.engine_core.core
+        launch = core.worker.execute_model
+
+        def spy(so, core=core, launch=launch):
+            pending = launch(so)
+            depths.append(len(core._in_flight) + 1)
+            return pending
+
+        core.worker.execute_model = spy
+        results[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        _free(llm)
+    assert results[True] == results[False]
+    assert depths.count(2) >= 40  # the async engine kept two steps in flight
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -27,6 +27,7 @@ def make_config(
     policy: str = "fcfs",
     lora_modules: dict[str, str] | None = None,
     num_blocks: int | None = 100,
+    served_model_names: list[str] | None = None,
 ) -> EngineConfig:
     from types import SimpleNamespace
 
@@ -37,6 +38,7 @@ def make_config(
         tokenizer=None,
         skip_tokenizer_init=False,
         served_model_name=served_model_name,
+        served_model_names=served_model_names or [],
         hf_config=SimpleNamespace(vocab_size=len(WordTokenizer.WORDS), hidden_size=16),
         architecture="LlamaForCausalLM",
         dtype=torch.float32,

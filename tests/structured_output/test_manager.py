@@ -193,7 +193,6 @@ def test_async_scheduling_defers_the_bitmask_of_a_step_behind_an_in_flight_token
     first = scheduler.schedule()  # the prefills: every token known, the bitmask filled now
     assert list(first.num_scheduled_tokens) == ["s", "p"]
     assert not first.pending_structured_output_tokens and first.grammar_bitmask is not None
-    assert scheduler.can_schedule_ahead()  # structured requests no longer force synchronous steps
     second = scheduler.schedule()  # behind the prefill's token, still in flight
     assert second.pending_structured_output_tokens and second.grammar_bitmask is None
     assert set(second.structured_output_request_ids) == {"s"}

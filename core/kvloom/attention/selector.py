@@ -17,6 +17,11 @@ Candidates, highest priority first:
 An explicitly requested backend is validated the same way; if it is invalid, selection
 fails with its reasons and never falls back to another backend.
 
+Measured order (``attention/tuning.py``): where ``kvloom backends tune`` cached a tune for
+this device and configuration, the valid candidates it measured come first, fastest
+first, then the others in the order above; each report carries its measured time. An
+explicitly requested backend is never replaced by a faster one.
+
 Block size (docs/attention_backends.md): a block size the user set is part of the
 configuration, so a backend that cannot serve it is invalid with a reason naming the sizes
 it accepts ("block size 16 not supported (supports multiples of 256)") and selection moves
@@ -26,6 +31,7 @@ decides the size (``AttentionBackend.preferred_block_size``): ``SelectionResult.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +40,7 @@ from kvloom_registry import PLUGINS_ENV, PluginEntry, PluginLoadError
 
 from kvloom import plugins
 from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig, dtype_name
+from kvloom.attention.tuning import BackendTune, find_tune
 from kvloom.platforms.interface import Platform
 
 
@@ -57,6 +64,7 @@ class CandidateReport:
     version: str | None  # None when not installed
     installed: bool  # a loaded plugin provides it
     excluded: bool = False  # installed, but KVLOOM_PLUGINS left it out
+    measured_ms: float | None = None  # its score in the tune that ordered the candidates, if any
 
     @property
     def status(self) -> str:
@@ -73,6 +81,7 @@ class CandidateReport:
             "reasons": list(self.reasons),
             "distribution": self.distribution,
             "version": self.version,
+            "measured_ms": self.measured_ms,
         }
 
 
@@ -84,6 +93,7 @@ class SelectionResult:
     selected: type[AttentionBackend]
     candidates: list[CandidateReport]
     block_size: int
+    tune: BackendTune | None = None  # the measurement that ordered the candidates, if any
 
 
 @dataclass(frozen=True)
@@ -97,12 +107,15 @@ class SelectionReport:
     block_size: int | None
     error: str | None = None
     requested: str | None = None
+    tune: BackendTune | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "platform": self.platform,
             "selected": self.selected,
             "block_size": self.block_size,
+            "order": "tune" if self.tune is not None else "platform",
+            "tune_created": self.tune.created if self.tune is not None else None,
             "candidates": [c.to_json() for c in self.candidates],
         }
 
@@ -136,8 +149,10 @@ def rank_candidates(
     config: AttentionSelectorConfig,
     installed: Mapping[str, PluginEntry],
     excluded: Sequence[PluginEntry] = (),
+    tune: BackendTune | None = None,
 ) -> list[CandidateReport]:
-    """Every candidate in priority order, each validated (see the module docstring)."""
+    """Every candidate in priority order, each validated; with ``tune``, the valid ones it
+    measured first, fastest first (see the module docstring)."""
     order: dict[str, str | None] = {}  # name -> provider (None: not in the platform's list)
     if config.use_mla and config.mla_phase == "prefill":
         listed = platform.get_mla_prefill_backend_priority(config.device_capability)
@@ -166,7 +181,17 @@ def rank_candidates(
         else:
             reason = f"not installed (pip install {provider})"
             reports.append(CandidateReport(name, priority, False, (reason,), provider, None, False))
-    return reports
+    return reports if tune is None else order_by_tune(reports, tune)
+
+
+def order_by_tune(reports: list[CandidateReport], tune: BackendTune) -> list[CandidateReport]:
+    """``reports`` (in platform order) with the valid candidates ``tune`` measured first,
+    fastest first, then the rest in their order; priorities renumbered, times attached."""
+    times = {name: tune.total_ms(name) for name in (r.name for r in reports)}
+    measured = sorted((r for r in reports if r.valid and times[r.name] is not None), key=lambda r: times[r.name])
+    rest = [r for r in reports if not (r.valid and times[r.name] is not None)]
+    return [dataclasses.replace(r, priority=i, measured_ms=times[r.name])
+            for i, r in enumerate([*measured, *rest], start=1)]  # fmt: skip
 
 
 def _unknown_backend_message(
@@ -197,10 +222,12 @@ def select_backend(
     requested: str | None,
     installed: Mapping[str, PluginEntry],
     excluded: Sequence[PluginEntry] = (),
+    tune: BackendTune | None = None,
 ) -> SelectionResult:
     """Select a backend; raises ``BackendSelectionError`` (a ``ValueError``) when the
-    requested backend is unknown or invalid, or when no candidate is valid."""
-    candidates = rank_candidates(platform, config, installed, excluded)
+    requested backend is unknown or invalid, or when no candidate is valid. ``tune``
+    orders the valid candidates by measurement (never overriding ``requested``)."""
+    candidates = rank_candidates(platform, config, installed, excluded, tune)
     if requested is not None:
         if requested not in installed:
             raise BackendSelectionError(_unknown_backend_message(requested, candidates, installed))
@@ -217,7 +244,7 @@ def select_backend(
             raise BackendSelectionError(_no_valid_message(platform, config, candidates))
         chosen = installed[first_valid.name].target
     block_size = config.block_size if config.block_size is not None else chosen.preferred_block_size()
-    return SelectionResult(selected=chosen, candidates=candidates, block_size=block_size)
+    return SelectionResult(selected=chosen, candidates=candidates, block_size=block_size, tune=tune)
 
 
 def report_backends(
@@ -226,19 +253,21 @@ def report_backends(
     requested: str | None,
     installed: Mapping[str, PluginEntry],
     excluded: Sequence[PluginEntry] = (),
+    tune: BackendTune | None = None,
 ) -> SelectionReport:
     """Like ``select_backend`` but a selection failure is returned in ``error``."""
     try:
-        result = select_backend(platform, config, requested, installed, excluded)
+        result = select_backend(platform, config, requested, installed, excluded, tune)
     except BackendSelectionError as exc:
         return SelectionReport(
             platform=platform.name,
             config=config,
             selected=None,
-            candidates=rank_candidates(platform, config, installed, excluded),
+            candidates=rank_candidates(platform, config, installed, excluded, tune),
             block_size=None,
             error=str(exc),
             requested=requested,
+            tune=tune,
         )
     return SelectionReport(
         platform=platform.name,
@@ -247,6 +276,7 @@ def report_backends(
         candidates=result.candidates,
         block_size=result.block_size,
         requested=requested,
+        tune=tune,
     )
 
 
@@ -259,19 +289,33 @@ def _installed(backends: Mapping[str, PluginEntry] | None) -> tuple[Mapping[str,
     return plugins.attention_backends(), plugins.excluded(plugins.ATTENTION_BACKENDS)
 
 
+def _tune(
+    platform: type[Platform], config: AttentionSelectorConfig, backends: Mapping[str, PluginEntry] | None,
+    tune: BackendTune | None,
+) -> BackendTune | None:
+    """The tune that orders the candidates: the one given, else over the loaded plugins the
+    cached one for this device and configuration (none for injected backends)."""
+    if tune is not None or backends is not None:
+        return tune
+    return find_tune(platform, config)
+
+
 def select_attention_backend(
     platform: type[Platform],
     selector_config: AttentionSelectorConfig,
     requested: str | None = None,
     *,
     backends: Mapping[str, PluginEntry] | None = None,
+    tune: BackendTune | None = None,
 ) -> SelectionResult:
     """Pick the attention backend for ``selector_config`` on ``platform`` among the loaded
     backends (or ``backends``, NAME -> entry, when given). ``requested`` is the user's
-    ``attention_backend`` (None = by priority). Raises ``BackendSelectionError`` (a
-    ``ValueError``) with every reason."""
+    ``attention_backend`` (None = by priority: by the cached tune of this device when
+    there is one, or by ``tune``). Raises ``BackendSelectionError`` (a ``ValueError``) with
+    every reason."""
     installed, excluded = _installed(backends)
-    return select_backend(platform, selector_config, requested, installed, excluded)
+    return select_backend(platform, selector_config, requested, installed, excluded,
+                          _tune(platform, selector_config, backends, tune))  # fmt: skip
 
 
 def report_attention_backends(
@@ -280,10 +324,12 @@ def report_attention_backends(
     requested: str | None = None,
     *,
     backends: Mapping[str, PluginEntry] | None = None,
+    tune: BackendTune | None = None,
 ) -> SelectionReport:
     """The priority table and the selection outcome, without raising on selection errors."""
     installed, excluded = _installed(backends)
-    return report_backends(platform, selector_config, requested, installed, excluded)
+    return report_backends(platform, selector_config, requested, installed, excluded,
+                           _tune(platform, selector_config, backends, tune))  # fmt: skip
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:

@@ -100,7 +100,10 @@ class EngineArgs(BaseModel):
         "huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub)."
     )
     skip_tokenizer_init: bool = Field(False, description="Serve token ids only; no tokenizer files needed.")
-    served_model_name: str | None = Field(None, description="Model name reported by the API.")
+    served_model_name: list[str] | None = Field(
+        None, description="Model name(s) the API answers to (vLLM's rule): the first is reported in responses, all "
+        "are accepted in requests and listed by /v1/models; default: the model argument as given."
+    )
     dtype: DTypeName = Field("auto", description="Weight and activation dtype.")
     max_model_len: int | None = Field(None, ge=1, description="Max prompt + output tokens per request.")
     seed: int = Field(0, ge=0, description="Seed for weight init (dummy) and unseeded sampling.")
@@ -137,8 +140,10 @@ class EngineArgs(BaseModel):
     long_prefill_token_threshold: int = Field(0, ge=0, description="Cap per-request prefill chunk (0 = off).")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Queue order.")
-    async_scheduling: bool = Field(
-        False, description="Schedule step n+1 while step n runs on the device (overlaps host work)."
+    async_scheduling: bool | None = Field(
+        None, description="Schedule step n+1 while step n runs on the device (overlaps host work). Default (auto): "
+        "on where the platform's device runs asynchronously from the host (CUDA) and without pipeline parallelism, "
+        "off elsewhere (the CPU); --no-async-scheduling turns it off."
     )
     # ---- parallel
     tensor_parallel_size: int = Field(
@@ -224,6 +229,20 @@ class EngineArgs(BaseModel):
         if n <= 0:
             raise ValueError("kv_cache_memory must be positive")
         return n
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _served_names(cls, v: object) -> object:
+        if isinstance(v, str):  # LLM(served_model_name="x"): one name
+            v = [v]
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("give at least one name")
+            if any(not isinstance(name, str) or not name.strip() for name in v):
+                raise ValueError(f"names must be non-empty strings, got {v!r}")
+            if len(set(v)) != len(v):
+                raise ValueError(f"names must differ, got {v!r}")
+        return v
 
     @field_validator("quantization")
     @classmethod

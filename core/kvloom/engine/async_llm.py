@@ -5,7 +5,10 @@ batching). Each ``generate``/``encode`` call registers a ``RequestOutputCollecto
 the output processor (``Frontend.add_request(..., queue=...)``); one output-handler task
 runs ``process_outputs`` on every engine step and the outputs land in the collectors,
 which the calls await. So there is one path from the engine to a caller, with no routing
-table here. n > 1 is handled below this class: the front end fans the request out
+table here. Streams get one step's tokens per output while their readers keep up: the
+handler lets them run between steps; a reader that falls behind, or every reader while
+the handler itself is more than ``CATCH_UP_LAG_S`` behind the engine, gets the steps it
+missed merged into one output (``RequestOutputCollector``), nothing lost. n > 1 is handled below this class: the front end fans the request out
 (``ParentRequest``) and the collector receives the merged outputs under the caller's
 request id.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -37,6 +41,11 @@ from kvloom.outputs import PoolingRequestOutput, RequestOutput
 from kvloom.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+#: The front end behind the engine by more than this (seconds): it stops letting streams
+#: send between steps, so each stream's missed steps merge into one event until it caught
+#: up (its per-step work then falls with the number of events).
+CATCH_UP_LAG_S = 0.02
 
 
 class AsyncLLM:
@@ -96,6 +105,13 @@ class AsyncLLM:
                 _, to_abort = self.frontend.process(core_outputs)
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
+                if not self._behind(core_outputs.timestamp):
+                    # Let the streams woken by this step send its tokens before the next
+                    # step's outputs land: a step message already waiting is read without
+                    # yielding, and its tokens would merge into the unread ones (two tokens
+                    # per event, issue 35). A stream that still holds an output then is
+                    # one whose client does not keep up; only its outputs merge.
+                    await asyncio.sleep(0)
         except Exception as e:  # wake every waiting request with the error
             if isinstance(e, EngineDeadError):
                 logger.error("AsyncLLM: %s", e)
@@ -108,6 +124,15 @@ class AsyncLLM:
                     callback(e)
                 except Exception:
                     logger.exception("An on_engine_dead callback failed")
+
+    @staticmethod
+    def _behind(timestamp: float) -> bool:
+        """Whether the outputs made at ``timestamp`` (the engine core's monotonic clock,
+        which processes on one machine share) are more than ``CATCH_UP_LAG_S`` old: the
+        front end is falling behind the engine, and its streams coalesce (fewer, larger
+        events) until it caught up. An unknown or implausible age counts as not behind."""
+        lag = time.monotonic() - timestamp
+        return timestamp > 0 and CATCH_UP_LAG_S < lag < 60.0
 
     def on_engine_dead(self, callback: Callable[[BaseException], Any]) -> None:
         """Call ``callback(error)`` in the event loop once the engine has died (after

@@ -31,6 +31,10 @@ def attention_config(args: EngineArgs, platform: type[Platform], model: ModelCon
     selector = selector_config(platform, model, args.kv_cache_dtype, args.block_size)
     selection = select_attention_backend(platform, selector, requested=args.attention_backend)
     backend = selection.selected
+    if selection.tune is not None and args.attention_backend is None:
+        measured = ", ".join(f"{c.name} {c.measured_ms:.3f} ms" for c in selection.candidates if c.measured_ms is not None)
+        logger.info("Attention backend %s: the fastest valid one measured by `kvloom backends tune` (%s; %s)",
+                    backend.NAME, selection.tune.created, measured)  # fmt: skip
     prefill_backend = None
     if model.use_mla:
         # MLA models get a second backend for the prefill phase, chosen the same way; it

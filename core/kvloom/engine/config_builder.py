@@ -76,7 +76,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         logger.info("--trust-remote-code: kvloom runs no code from model repositories; the flag changes nothing")
     attention, block_size = attention_config(args, platform, model)
     cache = _cache_config(args, block_size)
-    scheduler = _scheduler_config(args, model.max_model_len)
+    scheduler = _scheduler_config(args, model.max_model_len, platform)
     compilation = resolve_compilation(
         args, platform, attention.backend, scheduler.max_num_batched_tokens, use_mla=model.use_mla
     )
@@ -123,6 +123,8 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
     architecture = ModelRegistry.resolve_architecture(architectures, model=source.path)
     dtype = resolve_dtype(args.dtype, hf_config, platform.supported_dtypes, platform.name)
     model_limit = _model_length_limit(args.max_model_len, hf_config)
+    # vLLM's rule: the names given, else the model argument exactly as typed.
+    served_names = list(args.served_model_name or [args.model if args.model is not None else source.display_name])
     runner = args.runner
     if runner == "auto":
         runner = "pooling" if ModelRegistry.is_pooling_architecture(architecture) else "generate"
@@ -130,7 +132,8 @@ def _model_config(args: EngineArgs, platform: type[Platform], source: ModelSourc
         model=source.path,
         tokenizer=source.tokenizer_path,
         skip_tokenizer_init=args.skip_tokenizer_init,
-        served_model_name=args.served_model_name or source.display_name,
+        served_model_name=served_names[0],
+        served_model_names=served_names,
         hf_config=hf_config,
         architecture=architecture,
         dtype=dtype,
@@ -243,8 +246,8 @@ def _cache_config(args: EngineArgs, block_size: int) -> CacheConfig:
     )
 
 
-def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
-    """The scheduler section; its token budget per step."""
+def _scheduler_config(args: EngineArgs, max_model_len: int, platform: type[Platform]) -> SchedulerConfig:
+    """The scheduler section; its token budget per step and whether steps overlap."""
     if args.enable_chunked_prefill:
         max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     else:
@@ -264,8 +267,31 @@ def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill,
         policy=args.scheduling_policy,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=resolve_async_scheduling(args.async_scheduling, platform, args.pipeline_parallel_size),
     )
+
+
+def resolve_async_scheduling(requested: bool | None, platform: type[Platform], pipeline_parallel_size: int) -> bool:
+    """``--async-scheduling`` / ``--no-async-scheduling`` as given; without either (None),
+    on where the platform's device runs asynchronously from the host
+    (``Platform.supports_async_scheduling``) and there is one pipeline stage (pipeline
+    parallelism keeps its micro-batches in flight instead; an explicit
+    ``--async-scheduling`` with it was refused by ``check_pipeline_parallel``). Logs the
+    outcome and why."""
+    if requested is not None:
+        value = requested
+        why = "--async-scheduling" if requested else "--no-async-scheduling"
+        if requested and not platform.supports_async_scheduling:
+            why += f" (platform {platform.name} runs steps synchronously: correct, nothing to overlap)"
+    elif pipeline_parallel_size > 1:
+        value = False
+        why = f"default: pipeline parallelism keeps {pipeline_parallel_size} micro-batches in flight instead"
+    elif platform.supports_async_scheduling:
+        value, why = True, f"default: platform {platform.name} runs the device asynchronously from the host"
+    else:
+        value, why = False, f"default: platform {platform.name} runs steps synchronously, nothing to overlap"
+    logger.info("Async scheduling %s (%s)", "on" if value else "off", why)
+    return value
 
 
 # ---------------------------------------------------------------------- the platform's and plugins' adjustments

@@ -185,7 +185,9 @@ class EngineCore:
     def _step_async(self) -> EngineCoreOutputs:
         """One step with up to two in flight: launch step n+1 behind step n, then wait
         for step n and apply its tokens. The host's scheduling and input preparation
-        then overlap the device's work instead of following it.
+        then overlap the device's work instead of following it. Every request overlaps:
+        what sampling reads of the token still in flight (penalties' counts, placeholders
+        in the inputs) the runner takes from the device.
 
         Structured outputs: when a structured request of step n+1 has its token of step n
         still in flight (``pending_structured_output_tokens``), only the forward of n+1 is
@@ -194,9 +196,7 @@ class EngineCore:
         n+1 while the host waits for step n and fills the bitmask."""
         in_flight, scheduler = self._in_flight, self.scheduler
         unsampled: SchedulerOutput | None = None
-        if not in_flight or (
-            len(in_flight) < 2 and scheduler.has_unfinished_requests() and scheduler.can_schedule_ahead()
-        ):
+        if not in_flight or (len(in_flight) < 2 and scheduler.has_unfinished_requests()):
             scheduler_output = scheduler.schedule()
             if scheduler_output.is_empty() and len(in_flight) == 0:
                 self.structured_output_manager.wait_for_compile(0.01)  # as in step()
@@ -206,7 +206,7 @@ class EngineCore:
                     raise RuntimeError("a step's structured outputs wait for tokens, but no step is in flight")
                 unsampled = scheduler_output
             in_flight.append((scheduler_output, pending))
-            if len(in_flight) == 1 and not scheduler_output.is_empty() and scheduler.can_schedule_ahead():
+            if len(in_flight) == 1 and not scheduler_output.is_empty():
                 # The pipeline was empty: keep this step running, schedule the next behind it.
                 return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output, pending = in_flight.popleft()

@@ -106,6 +106,20 @@ def core_state(core: Any) -> dict[str, Any]:
     }
 
 
+def host_conditions(core: Any) -> dict[str, Any]:
+    """The conditions the engine core's process computes under (its worker's, at tensor-
+    parallel size 1): torch's intra-op threads and the CPUs it may run on. What a
+    comparison against another engine must give that engine too (``kvloom bench
+    throughput --compare-hf``)."""
+    import torch
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS (macOS)
+        cpus = list(range(os.cpu_count() or 1))
+    return {"torch_threads": torch.get_num_threads(), "cpu_affinity": cpus, "pid": os.getpid()}
+
+
 #: The utility calls a front end may make, by name: EngineCore methods, and functions
 #: taking the core first.
 UTILITY_METHODS: dict[str, Any] = {
@@ -114,6 +128,7 @@ UTILITY_METHODS: dict[str, Any] = {
     "list_loras": None,
     "reset_prefix_cache": None,
     "core_state": core_state,
+    "host_conditions": host_conditions,
 }
 
 

@@ -51,12 +51,9 @@ def check_pipeline_parallel(args: EngineArgs, model: ModelConfig, model_cls: typ
     if pp > layers:
         raise ValueError(f"pipeline_parallel_size: {pp} stages for the model's {layers} layers "
                          f"(allowed: 1..{layers}, at least one layer per stage)")  # fmt: skip
-    for flag, value, allowed in (
-        ("async_scheduling", args.async_scheduling, False),
-    ):
-        if value != allowed:
-            raise ValueError(f"{flag}: {value!r} is not supported with pipeline_parallel_size {pp} yet "
-                             f"(allowed: {allowed!r}); the stages keep {pp} micro-batches in flight instead")  # fmt: skip
+    if args.async_scheduling:  # None (auto) resolves to off with pipeline stages
+        raise ValueError(f"async_scheduling: True is not supported with pipeline_parallel_size {pp} yet (allowed: "
+                         f"False, or unset); the stages keep {pp} micro-batches in flight instead")  # fmt: skip
     _check_no_unsupported_features(args, f"pipeline_parallel_size {pp}")
 
 

@@ -73,6 +73,15 @@ class Platform(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     """Whether the worker can capture and replay CUDA graphs. False: the engine runs
     eagerly (cudagraph_mode NONE) whatever the user asked for."""
+    supports_async_scheduling: ClassVar[bool] = False
+    """Whether the device runs a step asynchronously from the host (a launch returns
+    before the device's work is done, as CUDA kernels do), so that async scheduling
+    overlaps the host's scheduling and input preparation with the device's step: the
+    default (``--async-scheduling`` not given) turns it on here, without pipeline
+    parallelism. Declare it only when the worker's ``execute_model`` returns before the
+    device finishes and it implements ``sample_tokens`` (structured outputs need it under
+    async scheduling). False (the CPU): steps are synchronous by default; an explicit
+    ``--async-scheduling`` still runs, correct but with nothing to overlap."""
     dist_backend: ClassVar[str] = "gloo"
     """The torch.distributed backend the tensor-parallel ranks of this platform talk over
     ("gloo" on the CPU, "nccl" on CUDA; an out-of-tree platform names its own, e.g. "hccl")."""

@@ -34,9 +34,11 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def _pad_token_lists(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
-    """[B, max_len] long tensor of the rows, right-padded with ``pad``."""
+    """[B, max_len] long tensor of the rows, right-padded with ``pad``. A placeholder (-1:
+    a token still in flight under async scheduling, which the runner counts on the
+    device) becomes ``pad`` too."""
     width = max(max((len(r) for r in rows), default=0), 1)
-    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
+    padded = [[t if t >= 0 else pad for t in r] + [pad] * (width - len(r)) for r in rows]
     return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
 
 
@@ -98,7 +100,9 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
-    #: [B, V] int32 counts of each token in the output so far (penalties only).
+    #: [B, V] int32 counts of each token in the output so far (penalties only). Built from
+    #: the host's tokens; the runner adds a token still in flight on the device
+    #: (``StepSampler``), so the counts are those of synchronous steps.
     output_token_counts: torch.Tensor | None = None
     #: [B, V] bool, token appears in the prompt (repetition penalty only).
     prompt_token_mask: torch.Tensor | None = None

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvloom.metrics.stats import SchedulerStats
+    from kvloom.metrics.scheduler_stats import SchedulerStats
     from kvloom.outputs import EngineCoreOutputs, ModelRunnerOutput
     from kvloom.request import Request, RequestStatus
     from kvloom.scheduler.output import GrammarOutput, SchedulerOutput
@@ -88,11 +88,6 @@ class SchedulerInterface(ABC):
     def has_requests(self) -> bool:
         """Whether a step has anything to do: unfinished requests, or finished ones whose
         ids or final outputs are not reported yet. The engine core steps while it is true."""
-
-    @abstractmethod
-    def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the previous step's tokens are back
-        (async scheduling): False while a running request needs all its tokens on the host."""
 
     @abstractmethod
     def make_stats(self) -> SchedulerStats:

@@ -35,9 +35,8 @@ the device, so a running request's newest token is not known yet: it is counted 
 device). A request is not scheduled past its ``max_tokens``/``max_model_len`` limit by
 placeholders; one that stops on EOS or a stop token may have one more step in flight,
 whose token is dropped. ``update_from_output()`` then also accepts tokens for requests
-preempted since their step was scheduled. Requests whose sampling reads their previous
-tokens (presence, frequency and repetition penalties) need the host to know every token:
-while one is running, ``can_schedule_ahead()`` is false and the core steps synchronously.
+preempted since their step was scheduled. Every sampling feature overlaps: penalties
+count the token in flight on the device (``kvloom.worker.step_sampler``).
 
 Structured outputs (``kvloom.structured_output``): a request with ``structured_outputs``
 waits in ``WAITING_FOR_FSM`` (set aside, keeping its place in the queue, while the others
@@ -155,9 +154,6 @@ class Scheduler(SchedulerInterface):
         # Per generating request: (token ids that may stop it, token count that ends it),
         # so that the common step needs no full stop check.
         self._stop_limits: dict[str, tuple[frozenset[int], int]] = {}
-        # Requests whose sampling reads their earlier output tokens (penalties): with
-        # async scheduling none of them may run while a step is in flight.
-        self._needs_host_tokens: set[str] = set()
         # Structured outputs: None = refused (the engine core passes its manager).
         self.structured_output_manager = structured_output_manager
         self._structured: set[str] = set()  # ids of requests with a grammar
@@ -184,8 +180,6 @@ class Scheduler(SchedulerInterface):
             if request.max_tokens is not None:
                 max_num_tokens = min(max_num_tokens, num_prompt_tokens + request.max_tokens)
             self._stop_limits[request.request_id] = (frozenset(stop_token_ids), max_num_tokens)
-            if params.uses_penalties:
-                self._needs_host_tokens.add(request.request_id)
             if params.structured_outputs is not None:
                 if self.structured_output_manager is None:
                     raise ValueError(f"request {request.request_id!r}: structured outputs are not enabled in this scheduler")
@@ -231,13 +225,6 @@ class Scheduler(SchedulerInterface):
 
     def has_unfinished_requests(self) -> bool:
         return len(self.waiting) + len(self.running) > 0
-
-    def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the previous one's tokens are
-        back (async scheduling): no running request needs all its tokens on the host."""
-        if not self._needs_host_tokens:
-            return True
-        return not any(r.request_id in self._needs_host_tokens for r in self.running)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -531,6 +518,7 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         stop_limits = self._stop_limits
         any_finished = False
+        step_starts: dict[str, int] | None = None  # pooling requests: where this step's tokens began
 
         for i, req_id in enumerate(req_ids):
             if req_id not in num_scheduled_tokens:
@@ -558,7 +546,12 @@ class Scheduler(SchedulerInterface):
             finished = False
             pooled = None
             if request.pooling_params is not None:
-                if request.num_computed_tokens >= request.num_tokens:  # prompt complete
+                # Whether this step completed the prompt: with async scheduling a later chunk
+                # may be scheduled already, so the request's own count can be ahead of it.
+                if step_starts is None:
+                    scheduled = (*scheduler_output.scheduled_new_reqs, *scheduler_output.scheduled_cached_reqs)
+                    step_starts = {d.req_id: d.num_computed_tokens for d in scheduled}
+                if step_starts[req_id] + num_scheduled_tokens[req_id] >= request.num_tokens:  # prompt complete
                     pooled = pooler_output[i] if pooler_output is not None else None
                     if pooled is None:
                         raise RuntimeError(f"the model runner returned no pooler output for request {req_id!r}")
@@ -630,7 +623,6 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._stop_limits.pop(request.request_id, None)
-        self._needs_host_tokens.discard(request.request_id)
         if request.request_id in self._structured:
             self._structured.discard(request.request_id)
             assert self.structured_output_manager is not None

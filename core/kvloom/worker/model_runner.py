@@ -380,11 +380,11 @@ class ModelRunner:
         # A request still prefilling its prompt produces no token this step.
         done_prefill = [seq_len >= s.num_tokens for seq_len, s in zip(batch.seq_lens.tolist(), states)]
         gen_idx = [i for i, s in enumerate(states) if s.sampling_params is not None]
-        self.inputs.forget_sampled()
         tokens = None
         if gen_idx:
             assert logits is not None
-            out, gen_idx = self.sampler.sample(logits, states, gen_idx)
+            out, gen_idx = self.sampler.sample(logits, states, gen_idx, self.inputs.in_flight_tokens)
+        self.inputs.forget_sampled()
         if gen_idx:
             tokens = self.outputs.copy_to_host(out, gen_idx, done_prefill, states)
             self.inputs.record_sampled(out.sampled_token_ids, tokens.placeholders.rows, tokens.sample_rows)

@@ -174,6 +174,24 @@ class StepInputs:
         self._prev_sampled = sampled
         self._prev_sampled_of_row[rows] = sample_rows
 
+    def in_flight_tokens(self, states: list[CachedRequestState]) -> tuple[list[int], torch.Tensor] | None:
+        """The newest token of each of ``states`` that is still in flight (its outputs end
+        in the placeholder -1): (indices into ``states``, the tokens on the device, from the
+        last step's sampled tensor); None when none is. Call before ``forget_sampled``.
+
+        The indices go to the device from pageable memory without waiting for the stream
+        (as the sampling tensors do): the pinned staging buffers may still feed a copy of
+        the step in flight."""
+        held = [j for j, s in enumerate(states) if s.output_token_ids and s.output_token_ids[-1] < 0]
+        if not held:
+            return None
+        src = self._prev_sampled_of_row[[states[j].row for j in held]]
+        if (missing := np.flatnonzero(src < 0)).size:
+            req_id = states[held[int(missing[0])]].req_id
+            raise RuntimeError(f"request {req_id} has an output token that no step in flight samples")
+        assert self._prev_sampled is not None
+        return held, self._prev_sampled[torch.from_numpy(src).to(self.device, non_blocking=True)]
+
     def forget_sampled(self) -> None:
         """No step in flight samples tokens the next step reads."""
         self._prev_sampled = None

@@ -5,6 +5,12 @@ failures, and the warm-ups that compile the sampler's kernels before the first r
 Seeds: the noise for output token k of a seeded request depends only on (seed, k), so a
 seeded request gives the same tokens whatever batch it is in and across preemptions.
 
+Async scheduling: a request's newest token may still be on its way to the host (a
+placeholder -1 in its outputs). Penalties count it all the same: the counts are built from
+the host's tokens and the token in flight is added on the device (``InFlightTokens``,
+``StepInputs.in_flight_tokens``), so penalised requests sample exactly as in synchronous
+steps and keep the overlap.
+
 Isolation: a batch whose sampling fails is sampled again row by row to find the
 requests at fault; they fail (``RequestFailures``), the others are sampled again with
 the same noise. A failure no single row reproduces is the step's own and propagates.
@@ -13,6 +19,7 @@ the same noise. A failure no single row reproduces is the step's own and propaga
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +32,11 @@ from kvloom.worker.input_batch import CachedRequestState, InputBatch
 from kvloom.worker.request_failures import RequestFailures
 
 logger = logging.getLogger(__name__)
+
+
+#: ``StepInputs.in_flight_tokens``: for a batch's request states, (indices of those whose
+#: newest token is in flight, those tokens on the device), or None.
+InFlightTokens = Callable[[list[CachedRequestState]], "tuple[list[int], torch.Tensor] | None"]
 
 
 def step_seed(seed: int, num_output_tokens: int) -> int:
@@ -55,16 +67,17 @@ class StepSampler:
         return gen
 
     def sample(
-        self, logits: torch.Tensor, states: list[CachedRequestState], gen_idx: list[int]
+        self, logits: torch.Tensor, states: list[CachedRequestState], gen_idx: list[int], in_flight: InFlightTokens
     ) -> tuple[SamplerOutput, list[int]]:
         """Sample the rows ``gen_idx`` of ``logits``; returns the sampler's output and the
-        rows it covers (those of requests that did not fail)."""
+        rows it covers (those of requests that did not fail). ``in_flight`` gives the
+        tokens still in flight that penalties count."""
         try:
-            return self._sample_rows(logits, states, gen_idx), gen_idx
+            return self._sample_rows(logits, states, gen_idx, in_flight), gen_idx
         except Exception:
             run = self.failures.run
-            at_fault = [i for i in gen_idx
-                        if run(states[i].req_id, "sampling", self._sample_rows, logits, states, [i]) is None]  # fmt: skip
+            at_fault = [i for i in gen_idx if run(states[i].req_id, "sampling", self._sample_rows, logits, states,
+                                                  [i], in_flight) is None]  # fmt: skip
             if not at_fault:
                 raise
             logger.warning("Sampling failed for requests %s; sampling the rest of the batch again",
@@ -72,9 +85,11 @@ class StepSampler:
             kept = [i for i in gen_idx if i not in at_fault]
             if not kept:
                 return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), None, []), []
-            return self._sample_rows(logits, states, kept), kept
+            return self._sample_rows(logits, states, kept, in_flight), kept
 
-    def _sample_rows(self, logits: torch.Tensor, states: list[CachedRequestState], rows: list[int]) -> SamplerOutput:
+    def _sample_rows(
+        self, logits: torch.Tensor, states: list[CachedRequestState], rows: list[int], in_flight: InFlightTokens
+    ) -> SamplerOutput:
         gen_states = [states[i] for i in rows]
         for s in gen_states:
             if s.generator is not None:
@@ -95,6 +110,8 @@ class StepSampler:
                 eos_token_ids=[s.eos_token_id for s in gen_states],
             )
             self._metadata = (key, metadata) if metadata.reusable else None
+            if metadata.output_token_counts is not None:
+                _count_in_flight(metadata.output_token_counts, in_flight(gen_states))
         gen_logits = logits if len(rows) == len(states) else logits[torch.as_tensor(rows, device=logits.device)]
         # In the LM head's dtype: the sampler casts to float32 itself, except on its
         # random_sample fast path, which reads the logits as they are.
@@ -133,3 +150,13 @@ class StepSampler:
             greedy = torch.zeros(rows, dtype=torch.bool, device=logits.device)
             op(logits[:rows], temperature, None)
             op(logits[:rows], temperature, greedy)
+
+
+def _count_in_flight(counts: torch.Tensor, held: tuple[list[int], torch.Tensor] | None) -> None:
+    """Add the tokens still in flight to the penalties' ``counts`` ([B, V]) on the device:
+    row ``held[0][k]`` gets one more of token ``held[1][k]`` (at most one per row)."""
+    if held is None:
+        return
+    rows, tokens = held
+    index = torch.tensor(rows, dtype=torch.long).to(counts.device, non_blocking=True)
+    counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)

@@ -27,6 +27,9 @@ class CpuPlatform(Platform):
     # slower on most processors and less accurate.
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     supports_cuda_graphs = False
+    # torch on the CPU computes while the host waits: a step is done when its launch
+    # returns, so async scheduling has nothing to overlap (off unless --async-scheduling).
+    supports_async_scheduling = False
 
     @classmethod
     def is_available(cls) -> bool:

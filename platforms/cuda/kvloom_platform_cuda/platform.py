@@ -1,17 +1,28 @@
-"""The CUDA platform: NVIDIA GPUs, with vLLM's attention backend priority lists.
+"""The CUDA platform: NVIDIA GPUs, with attention backend priority lists.
 
-Priorities (1 = tried first), from vLLM's "Attention Backend Feature Support" tables:
+Priorities (1 = tried first); vLLM's "Attention Backend Feature Support" tables, except
+the standard order below SM 10, which is kvloom's measured one:
 
 ============  ==========================================================================
 Standard      SM 10.x: FLASHINFER, FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION
-              otherwise (Ampere/Hopper, SM 8.x-9.x): FLASH_ATTN, FLASHINFER,
-              TRITON_ATTN, FLEX_ATTENTION
+              otherwise (Ampere/Hopper, SM 8.x-9.x, and unknown): TRITON_ATTN,
+              FLASH_ATTN, FLASHINFER, FLEX_ATTENTION
 MLA           SM 10.x: FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA, FLASHMLA, TRITON_MLA,
               FLASHMLA_SPARSE, FLASHINFER_MLA_SPARSE
               otherwise: FLASH_ATTN_MLA, FLASHMLA, FLASHINFER_MLA, TRITON_MLA,
               FLASHMLA_SPARSE
 MLA prefill   FLASH_ATTN_MLA, FLASHINFER_MLA, TRITON_MLA (any capability)
 ============  ==========================================================================
+
+Why TRITON_ATTN first below SM 10 (vLLM puts FLASH_ATTN, then FLASHINFER, first): on the
+H100 (SM 9.0), nano-vllm's offline workload (Qwen3-0.6B shape, 256 sequences, CUDA graphs)
+ran at 15,030 output tok/s with TRITON_ATTN, 14,053 with FLASH_ATTN and 9,804 with
+FLASHINFER under async scheduling (12,888 / 12,125 / 9,703 without), all in one run
+(``docs/benchmarks/gpu_h100.md`` section 1, ``data/h100_offline_nanovllm_all_backends.json``):
+FLASHINFER's per-step host work (a full ``plan()``) costs it most at small batches. No
+Ampere (SM 8.x) measurement exists; it keeps the Hopper order. Where ``kvloom backends
+tune`` measured this device and model shape, its cached times order the valid backends
+instead (``kvloom.attention.tuning``).
 
 Each backend's own declarations (compute capability, head sizes, ...) then decide
 whether it is valid; the list only fixes the order. Each entry names the distribution
@@ -47,7 +58,8 @@ _FLASHMLA_SPARSE = BackendCandidate("FLASHMLA_SPARSE", _UNWRITTEN_MLA_PROVIDER)
 _FLASHINFER_MLA_SPARSE = BackendCandidate("FLASHINFER_MLA_SPARSE", _UNWRITTEN_MLA_PROVIDER)
 
 STANDARD_BLACKWELL = (_FLASHINFER, _FLASH_ATTN, _TRITON_ATTN, _FLEX_ATTENTION)
-STANDARD_DEFAULT = (_FLASH_ATTN, _FLASHINFER, _TRITON_ATTN, _FLEX_ATTENTION)
+#: Measured on the H100 (see the module docstring): fastest first.
+STANDARD_DEFAULT = (_TRITON_ATTN, _FLASH_ATTN, _FLASHINFER, _FLEX_ATTENTION)
 MLA_BLACKWELL = (
     _FLASHINFER_MLA,
     _CUTLASS_MLA,
@@ -70,6 +82,9 @@ class CudaPlatform(Platform):
     builtin = True
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_cuda_graphs = True
+    # Kernel launches return before the GPU is done: async scheduling (on by default here)
+    # prepares step n+1 on the host while step n runs.
+    supports_async_scheduling = True
     dist_backend = "nccl"
     ray_device_key = "GPU"
     # -O1..-O3 compile the model, as vLLM's levels do: piecewise CUDA graphs for the steps

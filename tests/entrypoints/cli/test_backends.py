@@ -38,7 +38,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     ("args", "expected"),
     [
         (["--device-capability", "10.0"], ["FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]),
-        (["--device-capability", "sm90"], ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"]),
+        (["--device-capability", "sm90"], ["TRITON_ATTN", "FLASH_ATTN", "FLASHINFER", "FLEX_ATTENTION"]),
         (["--device-capability", "80", "--use-mla", "--head-size", "576"],
          ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA_SPARSE"]),
     ],
@@ -48,7 +48,7 @@ def test_cuda_table_with_simulated_capability(capsys: pytest.CaptureFixture[str]
     assert report["platform"] == "cuda"
     assert [(c["priority"], c["name"]) for c in report["candidates"][: len(expected)]] == list(enumerate(expected, 1))
     for c in report["candidates"]:
-        assert set(c) == {"name", "priority", "valid", "reasons", "distribution", "version"}
+        assert set(c) == {"name", "priority", "valid", "reasons", "distribution", "version", "measured_ms"}
         assert c["valid"] == (c["reasons"] == [])
         assert c["name"] != report["selected"] or c["valid"]
 
@@ -56,7 +56,7 @@ def test_cuda_table_with_simulated_capability(capsys: pytest.CaptureFixture[str]
 def test_json_shape_on_the_active_platform(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["backends", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"platform", "device_name", "selected", "block_size", "candidates"}
+    assert set(report) == {"platform", "device_name", "selected", "block_size", "candidates", "order", "tune_created"}
     assert report["platform"] == plugins.current_platform().name
     assert report["device_name"] == plugins.current_platform().get_device_name()
     assert code == (0 if report["selected"] else 1)

@@ -26,6 +26,13 @@ absent, so the CUDA priorities can be inspected on a laptop.
 
 ``kvloom backends test NAME`` runs the backend conformance suite against an installed
 backend (``kvloom.testing.conformance``); exit status 0 when it passes.
+
+``kvloom backends tune MODEL`` (a CUDA GPU) times every valid backend for the model's
+attention on this device and caches the result; where such a tune exists for the
+configuration (``--model`` gives the heads it is keyed by), the table lists the valid
+backends it measured first, fastest first, with their measured step times, and says that
+the order came from the tune (``--json``: ``"order": "tune"`` and each candidate's
+``measured_ms``); the engine selects the same way.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ def register_subparser(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run_backends)
 
-    sub = parser.add_subparsers(dest="backends_command", metavar="{test}")
+    sub = parser.add_subparsers(dest="backends_command", metavar="{test,tune}")
     test = sub.add_parser(
         "test",
         help="run the backend conformance suite against an installed backend",
@@ -104,6 +111,9 @@ def register_subparser(subparsers: Any) -> None:
     test.add_argument("--device", choices=("cpu", "cuda"), default=None, help="device (default: the active platform's)")
     test.add_argument("--quick", action="store_true", help="a reduced set of cases")
     test.set_defaults(func=run_backend_test)
+    from kvloom.entrypoints.cli import backends_tune
+
+    backends_tune.register(sub, _DTYPE_CHOICES, build_selector_config)
 
 
 def _positive(value: int | None, flag: str) -> None:
@@ -215,7 +225,8 @@ def _print_table(
         highlight=False,
     )
     table = Table(title=f"{title} in priority order", title_justify="left")
-    for column in ("#", "Backend", "Status", "Distribution", "Version"):
+    measured = report.tune is not None
+    for column in ("#", "Backend", "Status", "Distribution", "Version", *(("Measured ms",) if measured else ())):
         table.add_column(column, no_wrap=True)
     table.add_column("Reasons", overflow="fold")
     colors = {"valid": "green", "invalid": "red", "excluded": "yellow", "not installed": "yellow"}
@@ -223,10 +234,19 @@ def _print_table(
         status = f"[{colors[c.status]}]{c.status}[/]"
         if c.name == report.selected:
             status += " [bold](selected)[/]"
-        table.add_row(
-            str(c.priority), c.name, status, c.distribution or "-", c.version or "-", "\n".join(c.reasons) or "-"
-        )
+        time = (f"{c.measured_ms:.3f}" if c.measured_ms is not None else "not measured",) if measured else ()
+        table.add_row(str(c.priority), c.name, status, c.distribution or "-", c.version or "-", *time,
+                      "\n".join(c.reasons) or "-")  # fmt: skip
     console.print(table)
+    if report.tune is not None:
+        tune = report.tune
+        console.print(f"Order: measured by `kvloom backends tune` ({tune.created}, {tune.num_layers} layers of "
+                      f"{tune.model or 'the model'}): valid backends fastest first, then the platform's order; "
+                      "ms = one step of every layer's attention over its decode and mixed cases",
+                      soft_wrap=True, highlight=False)  # fmt: skip
+    else:
+        console.print("Order: the platform's (no `kvloom backends tune` result for this device and configuration)",
+                      soft_wrap=True, highlight=False)  # fmt: skip
     if report.selected is not None and config.mla_phase == "prefill":
         # The prefill phase never reads the paged cache: no block size of its own.
         console.print(f"Selected: [bold]{report.selected}[/]")

@@ -4,8 +4,12 @@
 
 Prompts are random token ids (seeded), every request generates exactly ``--output-len``
 tokens (greedy, EOS ignored). With ``--compare-hf`` the same prompts go through HF
-transformers' ``generate`` (same weights, same dtype, batched) in the same process, so the
-two numbers come from one run on one machine. Importable: ``run_throughput(...)``.
+transformers' ``generate`` (same weights, same dtype, batched) right after, on the same
+machine, under the same conditions as kvloom's engine: a process of its own with the
+engine core's torch thread count and CPU affinity (read from the engine core, which the
+CPU platform sizes by the idle cores: ``KVLOOM_CPU_THREADS`` fixes it). Both conditions
+are printed and saved with the numbers; a comparison whose conditions differ is refused.
+Importable: ``run_throughput(...)``.
 """
 
 from __future__ import annotations
@@ -29,22 +33,69 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int = 
     return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def _hf_model(config: Any) -> Any:
+def _hf_model(model_info: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = Path(config.model.model)
-    kwargs: dict[str, Any] = {"dtype": config.model.dtype}
+    path = Path(model_info["model"])
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, model_info["dtype"])}
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs).eval()
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    return model.to(torch.device(config.device.device_type))
+    return model.to(torch.device(model_info["device_type"]))
 
 
-def run_hf(config: Any, prompts: list[list[int]], output_len: int, batch_size: int) -> dict[str, Any]:
+def _conditions() -> dict[str, Any]:
     import torch
 
-    model = _hf_model(config)
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS (macOS)
+        cpus = list(range(os.cpu_count() or 1))
+    return {"torch_threads": torch.get_num_threads(), "cpu_affinity": cpus, "pid": os.getpid()}
+
+
+def _run_hf_under(conditions: dict[str, Any], model: dict[str, Any], prompts: list[list[int]], output_len: int,
+                  batch_size: int, results: Any) -> None:  # fmt: skip
+    """The HF run's process: first the engine core's CPU affinity and torch threads."""
+    import torch
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, conditions["cpu_affinity"])
+    torch.set_num_threads(conditions["torch_threads"])
+    try:
+        results.put(run_hf(model, prompts, output_len, batch_size))
+    except BaseException as exc:
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def run_hf_like_the_engine(
+    conditions: dict[str, Any], model: dict[str, Any], prompts: list[list[int]], output_len: int, batch_size: int
+) -> dict[str, Any]:
+    """``run_hf`` in a process of its own under ``conditions`` (the engine core's);
+    refuses to return numbers made under other conditions."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    process = ctx.Process(target=_run_hf_under, args=(conditions, model, prompts, output_len, batch_size, results))
+    process.start()
+    result = results.get()
+    process.join()
+    if "error" in result:
+        raise RuntimeError(f"the HF run failed: {result['error']}")
+    same = {k: result["conditions"][k] for k in ("torch_threads", "cpu_affinity")}
+    if same != {k: conditions[k] for k in ("torch_threads", "cpu_affinity")}:
+        raise RuntimeError(f"HF ran under {same}, not the engine's {conditions}: the comparison would be unequal")
+    return result
+
+
+def run_hf(model_info: dict[str, Any], prompts: list[list[int]], output_len: int, batch_size: int) -> dict[str, Any]:
+    """HF ``generate`` over ``prompts`` in this process (``model_info``: ``model``, ``dtype``,
+    ``device_type``), with the conditions it ran under."""
+    import torch
+
+    model = _hf_model(model_info)
     device = next(model.parameters()).device
     # warm-up, untimed
     with torch.no_grad():
@@ -66,7 +117,7 @@ def run_hf(config: Any, prompts: list[list[int]], output_len: int, batch_size: i
             generated += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     wall = time.perf_counter() - start
     return {"wall_s": wall, "output_tokens": generated, "output_tok_s": generated / wall,
-            "input_tok_s": sum(map(len, prompts)) / wall, "batch_size": batch_size}
+            "input_tok_s": sum(map(len, prompts)) / wall, "batch_size": batch_size, "conditions": _conditions()}
 
 
 def run_throughput(
@@ -84,6 +135,7 @@ def run_throughput(
 
     llm = LLM(**engine_kwargs)
     config = llm.config
+    conditions = llm.llm_engine.call_utility("host_conditions")
     prompts = make_prompts(num_prompts, input_len, config.model.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     try:
@@ -107,11 +159,12 @@ def run_throughput(
         "input_len": input_len,
         "output_len": output_len,
         "kvloom": {"wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
-                   "input_tok_s": num_prompts * input_len / wall},
+                   "input_tok_s": num_prompts * input_len / wall, "conditions": conditions},
     }
     if compare_hf:
         del llm, outs
-        result["hf"] = run_hf(config, prompts, output_len, hf_batch_size or num_prompts)
+        model_info = {"model": config.model.model, "dtype": result["dtype"], "device_type": config.device.device_type}
+        result["hf"] = run_hf_like_the_engine(conditions, model_info, prompts, output_len, hf_batch_size or num_prompts)
         result["speedup_output_tok_s"] = result["kvloom"]["output_tok_s"] / result["hf"]["output_tok_s"]
     return result
 
@@ -133,6 +186,23 @@ def machine_description() -> str:
     return desc
 
 
+def describe_conditions(conditions: dict[str, Any]) -> str:
+    cpus = conditions["cpu_affinity"]
+    return f"{conditions['torch_threads']} torch threads on CPUs {_ranges(cpus)} (process {conditions['pid']})"
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, cpu in enumerate(cpus):
+        if start is None:
+            start = cpu
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            parts.append(str(start) if start == cpu else f"{start}-{cpu}")
+            start = None
+    return ",".join(parts)
+
+
 def to_markdown(result: dict[str, Any], command: str) -> str:
     k = result["kvloom"]
     lines = [
@@ -143,6 +213,8 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
         f"- Command: `{command}`",
         f"- Workload: {result['num_prompts']} prompts x {result['input_len']} random tokens in, "
         f"{result['output_len']} tokens out (greedy, EOS ignored)",
+        *(f"- Conditions, {name}: {describe_conditions(result[key]['conditions'])}"
+          for key, name in (("kvloom", "kvloom's engine core"), ("hf", "HF transformers")) if key in result),
         "",
         "| engine | wall (s) | input tok/s | output tok/s |",
         "|---|---|---|---|",
@@ -186,6 +258,9 @@ def run(ns: argparse.Namespace) -> int:
     result = run_throughput(engine_kwargs, ns.num_prompts, ns.input_len, ns.output_len, ns.compare_hf,
                             ns.hf_batch_size, ns.bench_seed)
     print(json.dumps(result, indent=2))
+    for key, name in (("kvloom", "kvloom's engine core"), ("hf", "HF transformers")):
+        if key in result:
+            print(f"{name}: {describe_conditions(result[key]['conditions'])}")
     if ns.json_path:
         Path(ns.json_path).write_text(json.dumps(result, indent=2) + "\n")
     if ns.markdown:

@@ -92,7 +92,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _works("--long-prefill-token-threshold", "512"),
     _works("--enable-chunked-prefill"),
     _works("--scheduling-policy", "priority"),
-    _works("--async-scheduling"),
+    _works("--async-scheduling", note="on by default where the device runs asynchronously (CUDA), as in vLLM; "
+           "--no-async-scheduling turns it off"),
+    _works("--no-async-scheduling"),
     _works("--tensor-parallel-size", "2", note="one machine, mp executor; Llama/Qwen families"),
     _works("--pipeline-parallel-size", "2", note="one machine, mp executor, eager; Llama/Qwen families"),
     _works("--data-parallel-size", "2"),

@@ -238,7 +238,7 @@ class OpenAIServingChat(OpenAIServing):
             messages.append(message)
         return ChatCompletionResponse(
             id=request_id,
-            model=request.model or self.model_name,
+            model=self.models.response_name(request.model),
             choices=[
                 ChatCompletionResponseChoice(
                     index=i,
@@ -278,7 +278,7 @@ class OpenAIServingChat(OpenAIServing):
         """The chunks of an admitted request's stream, as they come (the usage chunk last,
         when ``stream_options.include_usage`` asks); an engine failure is raised."""
         request, request_id, prompt, outputs, mode = run.request, run.request_id, run.prompt, run.outputs, run.mode
-        model = request.model or self.model_name
+        model = self.models.response_name(request.model)
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])

@@ -162,7 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         _extend(choice.logprobs, logprobs)
         return CompletionResponse(
             id=request_id,
-            model=request.model or self.model_name,
+            model=self.models.response_name(request.model),
             choices=[
                 CompletionResponseChoice(
                     index=i,
@@ -182,7 +182,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, request_id: str, prompts: list[Prompt], outputs: PromptOutputs
     ) -> AsyncIterator[str]:
         n = request.n
-        model = request.model or self.model_name
+        model = self.models.response_name(request.model)
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         try:

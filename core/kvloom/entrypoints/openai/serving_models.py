@@ -38,6 +38,8 @@ class OpenAIServingModels:
         self.engine = engine
         config = engine.config
         self.base_model_name = config.model.served_model_name
+        #: Every name of the base model (``--served-model-name a b``), the reported one first.
+        self.base_model_names = list(config.model.served_model_names or [self.base_model_name])
         self.model_root = config.model.model
         self.max_model_len = config.model.max_model_len
         self.enable_lora = config.lora.enable_lora
@@ -60,7 +62,12 @@ class OpenAIServingModels:
 
     # ------------------------------------------------------------------ lookup
     def is_base_model(self, name: str | None) -> bool:
-        return name is None or name == self.base_model_name
+        return name is None or name in self.base_model_names
+
+    def response_name(self, requested: str | None) -> str:
+        """The ``model`` a response reports (vLLM's rule): the first served name for the base
+        model whichever of its names the request used, else the adapter's name."""
+        return self.base_model_name if self.is_base_model(requested) else str(requested)
 
     def known(self, name: str | None) -> LoRARequest | None:
         """The adapter a known model name selects (None = the base model); 404 otherwise."""
@@ -97,7 +104,7 @@ class OpenAIServingModels:
         raise self._not_found(name, resolvers)
 
     def _not_found(self, name: str, resolvers: list[str] | None = None) -> APIError:
-        available = ", ".join([self.base_model_name, *self.lora_requests])
+        available = ", ".join([*self.base_model_names, *self.lora_requests])
         asked = f" (LoRA adapter not found by the resolvers: {', '.join(resolvers)})" if resolvers else ""
         return APIError(f"The model `{name}` does not exist{asked}. Available models: {available}",
                         status=HTTPStatus.NOT_FOUND, param="model", code="model_not_found")  # fmt: skip
@@ -130,7 +137,8 @@ class OpenAIServingModels:
         del self.lora_requests[name]
 
     def model_list(self) -> ModelList:
-        cards = [ModelCard(id=self.base_model_name, root=self.model_root, max_model_len=self.max_model_len)]
+        cards = [ModelCard(id=name, root=self.model_root, max_model_len=self.max_model_len)
+                 for name in self.base_model_names]  # fmt: skip
         for name, lora in self.lora_requests.items():
             cards.append(ModelCard(id=name, root=lora.lora_path, parent=self.base_model_name,
                                    max_model_len=self.max_model_len))  # fmt: skip

@@ -109,12 +109,12 @@ class OpenAIServingPooling(OpenAIServing):
         request_id, vectors, usage = await self._pool(request, "embd")
         fmt = request.encoding_format
         data = [EmbeddingData(index=i, embedding=encode_vector(v, fmt)) for i, v in enumerate(vectors)]
-        return EmbeddingResponse(id=request_id, model=request.model or self.model_name, data=data, usage=usage)
+        return EmbeddingResponse(id=request_id, model=self.models.response_name(request.model), data=data, usage=usage)
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
         request_id, vectors, usage = await self._pool(request, "pool")
         data = [PoolingData(index=i, data=encode_vector(v, request.encoding_format)) for i, v in enumerate(vectors)]
-        return PoolingResponse(id=request_id, model=request.model or self.model_name, data=data, usage=usage)
+        return PoolingResponse(id=request_id, model=self.models.response_name(request.model), data=data, usage=usage)
 
     async def create_io_processor_pooling(self, request: IOProcessorRequest) -> IOProcessorResponse:
         processor = self.io_processor

@@ -249,7 +249,7 @@ class OpenAIServingResponses:
             tool_choice = tool_choice.model_dump()
         return ResponseObject(
             id=response_id, status=status or ("incomplete" if incomplete else "completed"),
-            model=request.model or self.chat.model_name, output=output.items, usage=usage,
+            model=self.chat.models.response_name(request.model), output=output.items, usage=usage,
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
             temperature=request.temperature, top_p=request.top_p,
             tools=[t.model_dump(exclude_none=True) for t in request.tools or []], tool_choice=tool_choice,

@@ -67,7 +67,7 @@ class OpenAIServingScore(OpenAIServingPooling):
         except ValueError as exc:
             raise APIError(str(exc), param=str(exc).split(":", 1)[0]) from None
         request_id, scores, tokens = await self._score(request.model, pairs, request.truncate_prompt_tokens, "text_2")
-        return ScoreResponse(id=request_id, model=request.model or self.model_name,
+        return ScoreResponse(id=request_id, model=self.models.response_name(request.model),
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
 
@@ -81,7 +81,7 @@ class OpenAIServingScore(OpenAIServingPooling):
         results = [RerankResult(index=i, relevance_score=scores[i],
                                 document=RerankDocument(text=request.documents[i]) if request.return_documents else None)
                    for i in ranked]  # fmt: skip
-        return RerankResponse(id=request_id.replace("score", "rerank", 1), model=request.model or self.model_name,
+        return RerankResponse(id=request_id.replace("score", "rerank", 1), model=self.models.response_name(request.model),
                               usage=RerankUsage(total_tokens=tokens), results=results)  # fmt: skip
 
 
