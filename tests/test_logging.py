@@ -55,7 +55,7 @@ def test_llm_logs_its_start_and_generate_shows_token_rates():
     assert re.search(r"\[core\.py:\d+\] Model loading took \d+\.\d+ s", err), err
     assert "KV cache size: 256 tokens (16 blocks of 16); maximum concurrency for 64 tokens per request: 4.00x" in err
     assert re.search(r"Engine core ready in \d+\.\d s \(\d+ KV blocks\): load \d+\.\d s, KV-cache sizing", err), err
-    assert re.search(r"LLM engine for llama ready in \d+\.\d+ s", err), err
+    assert re.search(r"LLM engine for \S*/llama ready in \d+\.\d+ s", err), err
     assert re.search(r"est\. speed input: \d+\.\d\d toks/s, output: \d+\.\d\d toks/s", err), err
     assert "torch_dtype" not in err
 

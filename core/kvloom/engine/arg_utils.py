@@ -302,7 +302,7 @@ class EngineArgs(BaseModel):
 
 def _describe(exc: ValidationError) -> str:
     """kvloom's message for a ``ValidationError`` of ``EngineArgs``, fields by their Python names."""
-    from kvloom.entrypoints.cli.engine_args import describe_validation_error
+    from kvloom.entrypoints.cli.validation import describe_validation_error
 
     return describe_validation_error(exc, EngineArgs, str)
 

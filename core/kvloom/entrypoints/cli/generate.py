@@ -38,7 +38,7 @@ def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
     the flag and its allowed range (``--top-p: ... (allowed range: 0.0 < top_p <= 1.0)``)."""
     from pydantic import ValidationError
 
-    from kvloom.entrypoints.cli.engine_args import describe_validation_error
+    from kvloom.entrypoints.cli.validation import describe_validation_error
     from kvloom.sampling_params import SamplingParams
 
     try:
