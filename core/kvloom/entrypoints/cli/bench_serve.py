@@ -19,10 +19,10 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import numpy as np
+if TYPE_CHECKING:  # httpx and numpy load when the benchmark runs: `kvloom generate` builds this parser too
+    import httpx
 
 # Words for the random prompt text; what matters is a realistic token mix.
 _WORDS = (
@@ -141,6 +141,8 @@ async def make_prompts(
 
 
 async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    import httpx
+
     result = RequestResult()
     body = {
         "model": model,
@@ -190,6 +192,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or args.num_prompts
     rng = random.Random(args.seed)
+    import httpx
+
     async with httpx.AsyncClient(
         base_url=base_url,
         headers=headers,
@@ -238,6 +242,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def _stats_ms(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    import numpy as np
+
     array = np.asarray(values, dtype=np.float64) * 1000.0
     return {
         "mean": float(array.mean()),
