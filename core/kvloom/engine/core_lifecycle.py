@@ -49,6 +49,54 @@ logger = logging.getLogger(__name__)
 #: How long shutdown waits for the engine core process to exit before terminating it.
 SHUTDOWN_TIMEOUT_S = 10.0
 
+#: What the fork server imports once, so that an engine core forked from it starts with
+#: them loaded: torch and the engine (through ``core_proc`` and ``core``), and the part of
+#: transformers that unpickling the model's config needs (every model config class of
+#: transformers 5 imports ``type_validators``, which pulls in ``torch.distributed.tensor``:
+#: about a second on the CPU). A module that a transformers version lacks is skipped.
+FORKSERVER_PRELOAD = [
+    "kvloom.engine.core_proc",
+    "kvloom.engine.core",
+    "kvloom.worker.model_runner",
+    "transformers.configuration_utils",
+    "transformers.utils.type_validators",
+]
+
+
+def forks_engine_cores(config: EngineConfig) -> bool:
+    """Whether engine core processes fork from the fork server (``multiprocessing``'s
+    ``forkserver``, its imports done once): on the CPU, one replica, POSIX. Elsewhere they
+    are spawned, a fresh interpreter each: a GPU process must not inherit anything that
+    touched the device, and a data-parallel replica's environment is set before it
+    imports torch."""
+    return (
+        config.device.platform.device_type == "cpu"
+        and config.parallel.data_parallel_size == 1
+        and "forkserver" in multiprocessing.get_all_start_methods()
+    )
+
+
+def prestart_engine_core_server(config: EngineConfig) -> None:
+    """Start the fork server now where ``config``'s engine cores fork from it, so that its
+    imports (``FORKSERVER_PRELOAD``: a second interpreter importing torch, seconds on a
+    small CPU) overlap the rest of this process's start (the tokenizer) instead of
+    following it. Idempotent."""
+    if not forks_engine_cores(config):
+        return
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    with main_module_not_reimported():
+        multiprocessing.forkserver.ensure_running()
+
+
+def process_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing`` context an engine core process starts from."""
+    if forks_engine_cores(config):
+        prestart_engine_core_server(config)
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
+
 
 def notify_engine_death(ctx: zmq.Context, output_address: str, description: str) -> None:
     """Tell the client reading ``output_address`` that an engine core died: send ``DEAD``
@@ -82,20 +130,28 @@ class EngineCoreProcessHandle:
         clients: list[ClientAddresses],
         engine_index: int = 0,
     ) -> None:
-        spawn = multiprocessing.get_context("spawn")
+        context = process_context(config)
         # The engine core reads the other end: end of file when this process is gone.
-        death_reader, self._death_writer = spawn.Pipe(duplex=False)
+        death_reader, self._death_writer = context.Pipe(duplex=False)
         level, fmt = parent_logging()
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
         replicas = config.parallel.data_parallel_size
         env = config.device.platform.data_parallel_env(engine_index, replicas) if replicas > 1 else {}
-        self.process = spawn.Process(
+        self.process = context.Process(
             target=run_engine_core,
             name=f"kvloom-engine-core-{engine_index}",
-            kwargs=dict(config=config, log_stats=log_stats, input_addresses=[c.input for c in clients],
-                        output_addresses=[c.output for c in clients], engine_index=engine_index,
-                        death_pipe=death_reader, log_level=level, log_format=fmt, env=env),  # fmt: skip
+            kwargs=dict(
+                config=config,
+                log_stats=log_stats,
+                input_addresses=[c.input for c in clients],
+                output_addresses=[c.output for c in clients],
+                engine_index=engine_index,
+                death_pipe=death_reader,
+                log_level=level,
+                log_format=fmt,
+                env=env,
+            ),  # fmt: skip
             # A daemonic process may not start processes: with tensor-parallel worker
             # processes the core is not daemonic and ends through its death pipe instead.
             daemon=config.parallel.distributed_executor_backend != "mp",

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:  # xgrammar loads with the first structured request, not with every engine
+    import xgrammar as xgr
 
 from kvloom.sampling_params import StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar, clean_error
@@ -87,6 +89,8 @@ class XgrammarBackend(StructuredOutputBackend):
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
         kind = params.kind
         try:
             if kind == "json":
@@ -106,6 +110,8 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(f"structured_outputs.{kind}: invalid {kind}: {clean_error(exc)[:500]}") from None
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         # The manager caches compiled grammars itself (and counts hits for the metrics).
@@ -131,4 +137,6 @@ class XgrammarBackend(StructuredOutputBackend):
         raise ValueError(f"structured_outputs: unknown kind {kind!r}")
 
     def new_grammar(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
+        import xgrammar as xgr
+
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))

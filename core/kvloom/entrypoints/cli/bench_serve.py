@@ -35,9 +35,10 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # httpx loads when the benchmark runs: `kvloom generate` builds this parser too
+    import httpx
 
 from kvloom.entrypoints.cli.bench_serve_metrics import (
     RequestResult,
@@ -212,6 +213,8 @@ async def send_request(
     client: httpx.AsyncClient, body: dict[str, Any], clock: Callable[[], float] = time.perf_counter
 ) -> RequestResult:
     """Stream one completion; times as ``bench_serve_metrics`` defines them."""
+    import httpx
+
     result = RequestResult()
     result.start = start = last = clock()
     first = True
@@ -249,6 +252,8 @@ async def send_request(
 
 
 async def _metrics_text(client: httpx.AsyncClient) -> str | None:
+    import httpx
+
     try:
         response = await client.get("/metrics")
     except httpx.HTTPError:
@@ -257,6 +262,8 @@ async def _metrics_text(client: httpx.AsyncClient) -> str | None:
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or args.num_prompts

@@ -26,8 +26,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 #: (hits counter, queries counter) per server family, as each names them at ``/metrics``;
 #: SGLang counts queries as prompt tokens and sums its hits over ``cache_source`` labels.
 PREFIX_CACHE_COUNTERS: dict[str, tuple[str, str]] = {
@@ -73,6 +71,8 @@ def stats_ms(values: list[float]) -> dict[str, float]:
     """mean, median, p90, p99 of ``values`` (seconds) in milliseconds; zeros when empty."""
     if not values:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    import numpy as np  # loaded when a report is made: `kvloom generate` builds the bench parser too
+
     array = np.asarray(values, dtype=np.float64) * 1000.0
     return {
         "mean": float(array.mean()),
