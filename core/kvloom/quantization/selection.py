@@ -184,7 +184,8 @@ def resolve_quantization(
     """The quantization method that runs ``hf_config``'s checkpoint (a GGUF file when
     ``gguf``), built from its ``quantization_config`` and valid on ``selector``'s platform;
     None: the weights run as stored. Every refusal is a ``ValueError`` naming the method."""
-    quant_config = None if gguf else checkpoint_quantization_config(hf_config)
+    # A GGUF file has no quantization_config: its method gets the format's name alone.
+    quant_config = {"quant_method": GGUF_FORMAT} if gguf else checkpoint_quantization_config(hf_config)
     checkpoint_format = GGUF_FORMAT if gguf else quantization_method(hf_config)
     cls = choose_method(checkpoint_format, requested, methods, excluded, model)
     if cls is None:

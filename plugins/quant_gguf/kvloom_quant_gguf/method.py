@@ -6,8 +6,8 @@ layers, the token embedding and the LM head (tied or not) keep the file's block 
 repacked once (``layers``) for the int8-activation kernels (``kernels``). The GGUF
 loader hands it each tensor as stored (``GGUFTensor``); norms stay float.
 
-A GGUF file carries no ``quantization_config``: ``__init__`` gets ``None``. Tests pass
-``{"quant_method": "gguf", "ggml_type": "Q4_K"}`` to choose the type the format writer
+A GGUF file carries no ``quantization_config``: ``__init__`` gets ``{"quant_method":
+"gguf"}``. Tests pass ``{"quant_method": "gguf", "ggml_type": "Q4_K"}`` to choose the type the format writer
 (``checkpoint_tensors``) writes, and may pass ``"activation_bits"`` (8 or 16; the default
 is ``$KVLOOM_GGUF_ACTIVATION_BITS``, else 16).
 """
@@ -49,8 +49,7 @@ class GgufMethod(QuantizationMethod):
     required_modules = {"gguf": "gguf"}
 
     def __init__(self, quantization_config: dict[str, Any] | None) -> None:
-        # GGUF files have no quantization_config; the base class refuses None for non-online methods.
-        self.quantization_config = dict(quantization_config or {})
+        super().__init__(quantization_config)
         name = self.quantization_config.get("ggml_type", DEFAULT_WRITER_TYPE.name)
         allowed = ", ".join(t.name for t in WRITABLE)
         if not isinstance(name, str) or name not in GGMLQuantizationType.__members__:

@@ -19,7 +19,7 @@ EACH_FORMAT = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantiz
 
 
 def _method(ggml_type: str, bits: int) -> GgufMethod:
-    return GgufMethod({"ggml_type": ggml_type, "activation_bits": bits})
+    return GgufMethod({"quant_method": "gguf", "ggml_type": ggml_type, "activation_bits": bits})
 
 
 CASES = [
