@@ -6,7 +6,8 @@
   built on the device in the run dtype, weights loaded (or dummy).
 * ``weight_utils``: safetensors / ``.bin`` iterators and dummy weights.
 * ``gguf_loader``: HF-named GGUF tensors, dequantized (with a dequantized-weight cache) or
-  as stored for a quantization method that reads GGUF; ``gguf_file``: a GGUF file's tensor
-  table, its tensors as stored (``GGUFTensor``) and its content key.
+  as stored for a quantization method that reads GGUF; ``gguf_header``: a GGUF
+  file's metadata and tensor table; ``gguf_file``: its tensors as stored (``GGUFTensor``);
+  ``gguf_metadata``: its content id, cache directory and HF config/tokenizer.
 * ``tokenizer.get_tokenizer(model_config)``.
 """

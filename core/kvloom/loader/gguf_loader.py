@@ -1,7 +1,7 @@
 """Weights from a GGUF file, renamed to HF names: dequantized, or as stored.
 
-* The tensor table is read with ``kvloom.loader.gguf_file.read_tensor_table`` and the
-  tensors from the memory-mapped file.
+* The file's header is read by ``gguf_header`` (milliseconds; gguf-py's ``GGUFReader``
+  takes seconds over a vocabulary), its data memory-mapped (``gguf_file.tensor_rows``).
 * Names: llama.cpp's (``blk.0.attn_q.weight``) are mapped to HF's
   (``model.layers.0.self_attn.q_proj.weight``) with gguf-py's own tensor-name table, for
   exactly the HF names the model asks for, as transformers' GGUF loader does.
@@ -15,7 +15,8 @@
   float32). Dequantizing takes seconds, so the dequantized tensors of files up to
   ``GGUF_WEIGHT_CACHE_MAX_BYTES`` are cached once as safetensors next to the converted
   config (``model_source.gguf_cache_dir``); ``KVLOOM_GGUF_WEIGHT_CACHE=0`` turns the
-  cache off. The cache is keyed by the file's path, size and mtime.
+  cache off. The cache is keyed by the file's content (``gguf_metadata.gguf_cache_dir``):
+  one copy per file, whichever environment or path reads it.
 * ``raw=True`` (the model's quantization method claims ``"gguf"``): every 2-D tensor comes
   as a ``GGUFTensor`` (its GGML type and raw bytes; a lazy tensor that dequantizes when a
   plain weight loader materializes it), 1-D tensors (norms, biases) as float32 tensors.
@@ -28,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +37,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kvloom.loader.gguf_file import (
-    GGUFTensor,
-    GGUFTensorInfo,
-    dequantize_rows,
-    gguf_content_key,
-    read_tensor_table,
-    tensor_rows,
-)
+from kvloom.loader.gguf_file import GGUFTensor, dequantize_rows, tensor_rows
+from kvloom.loader.gguf_header import GGUFTensorInfo, read_gguf_header
+from kvloom.loader.gguf_metadata import gguf_content_id
 from kvloom.loader.lazy_tensor import CheckpointTensor
 from kvloom.loader.model_source import gguf_cache_dir
 
@@ -93,12 +90,12 @@ class _GGUFWeights:
     """The tensors of one GGUF file that a model uses, by HF name."""
 
     def __init__(self, path: Path, hf_config: Any, hf_names: list[str]) -> None:
-        table = read_tensor_table(path)
-        arch_name = str(table.metadata.get("general.architecture", ""))
+        self.header = header = read_gguf_header(path)
+        arch_name = header.architecture
         self.path = path
         self.name_map = gguf_to_hf_names(arch_name, hf_config.num_hidden_layers, hf_names)
-        self.tensors = [info for info in table.tensors if info.name in self.name_map]
-        for info in table.tensors:
+        self.tensors = [info for info in header.tensors if info.name in self.name_map]
+        for info in header.tensors:
             if info.name not in self.name_map:
                 logger.debug("GGUF tensor %s is not used by the model", info.name)
         self.unpermute_heads: dict[str, int] = {}
@@ -117,12 +114,18 @@ class _GGUFWeights:
                 return unpermute_qk(rows, n_head)
         return rows
 
+    def _stored_rows(self, info: GGUFTensorInfo) -> np.ndarray:
+        try:
+            return tensor_rows(self.data, self.header, info)
+        except ValueError as e:  # a truncated file or an unknown type: name the file
+            raise ValueError(f"model: {self.path}: {e}") from None
+
     def rows(self, info: GGUFTensorInfo) -> np.ndarray:
         """The stored rows of ``info``'s (2-D or larger) tensor, in HF's row order."""
-        return self._in_hf_order(info, tensor_rows(self.data, info))
+        return self._in_hf_order(info, self._stored_rows(info))
 
     def dequantized(self, info: GGUFTensorInfo) -> torch.Tensor:
-        weights = dequantize_rows(tensor_rows(self.data, info), info.ggml_type, info.shape[-1]).reshape(info.shape)
+        weights = dequantize_rows(self._stored_rows(info), info.ggml_type, info.shape[-1]).reshape(info.shape)
         return torch.from_numpy(np.ascontiguousarray(self._in_hf_order(info, weights)))
 
     def raw(self, info: GGUFTensorInfo, content_key: str) -> GGUFTensor | torch.Tensor:
@@ -141,7 +144,7 @@ def gguf_weights(
     hf_names = list(hf_names)
     if raw:
         file = _GGUFWeights(path, hf_config, hf_names)
-        content_key = gguf_content_key(path)
+        content_key = gguf_content_id(path)
         logger.info("Reading the GGUF weights of %s as stored (%d tensors)", path.name, len(file.tensors))
         for info in file.tensors:
             yield file.name_map[info.name], file.raw(info, content_key)
@@ -154,14 +157,14 @@ def gguf_weights(
         logger.info("Loading dequantized GGUF weights of %s from %s", path.name, cache_file)
         wanted = set(hf_names)
         with safe_open(str(cache_file), framework="pt", device="cpu") as f:
-            for name in f:
+            for name in f.keys():
                 if name in wanted:
                     yield name, f.get_tensor(name)
         return
 
     logger.info("Dequantizing GGUF weights of %s", path.name)
     file = _GGUFWeights(path, hf_config, hf_names)
-    size = sum(int(np.prod(t.shape)) * 4 for t in file.tensors)
+    size = sum(prod(t.shape) * 4 for t in file.tensors)
     if use_cache and size > GGUF_WEIGHT_CACHE_MAX_BYTES:
         logger.info(
             "Not caching %.1f GiB of dequantized GGUF weights (limit %.1f GiB)",

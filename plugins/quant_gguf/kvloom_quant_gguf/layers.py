@@ -11,7 +11,7 @@ TQ*, ...; dequantized at load, logged). Each segment's tensors are parameters of
 them with the embedding.
 
 Repacking is cached per layer under ``KVLOOM_CACHE_DIR/gguf-repacked/<file content key>/``
-(``gguf_file.gguf_content_key``: the same file anywhere shares it), keyed again by the
+(``GGUFTensor.content_key``, the file's SHA-256: the same file anywhere shares it), keyed again by the
 layer's tensors and the layout version; a later load reads the segments from there
 without touching the file's weights.
 
