@@ -131,6 +131,21 @@ static inline void store_tile(const __m256 *acc, int mr, float *out, int64_t ldo
     }
 }
 
+/* acc[r] += scale * dx * dot + min * (sum of the block's activations) for one U4 block
+   (its 8 rows' scales then mins at wp; sx holds scale * sum per 16 features). */
+static inline __attribute__((always_inline)) void add_u4_block(
+    __m256 *acc, const int mr, const __m256i *dot, const float *wp, const float *dx, const float *sx, int64_t B,
+    int64_t b)
+{
+    const __m256 sc = _mm256_loadu_ps(wp), mn = _mm256_loadu_ps(wp + 8);
+    for (int r = 0; r < mr; r++) {
+        const __m256 d = _mm256_mul_ps(sc, _mm256_set1_ps(dx[r * B + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), d, acc[r]);
+        const float s = sx[r * 2 * B + 2 * b] + sx[r * 2 * B + 2 * b + 1];
+        acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s), acc[r]);
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_u4(
     const int mr, int64_t B, int64_t K, const int8_t *qx, const float *dx, const float *sx,
     const uint8_t *wc, const float *wp, float *out, int64_t ldo, int ncols)
@@ -152,14 +167,10 @@ static inline __attribute__((always_inline)) void tile_u4(
                 hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(hi, bcast4(a + 16)));
             }
         }
-        const __m256 sc = _mm256_loadu_ps(wp + b * 16), mn = _mm256_loadu_ps(wp + b * 16 + 8);
-        for (int r = 0; r < mr; r++) {
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], ones));
-            const __m256 d = _mm256_mul_ps(sc, _mm256_set1_ps(dx[r * B + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[r]);
-            const float s = sx[r * 2 * B + 2 * b] + sx[r * 2 * B + 2 * b + 1];
-            acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s), acc[r]);
-        }
+        __m256i dot[MR];
+        for (int r = 0; r < mr; r++)
+            dot[r] = _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], ones));
+        add_u4_block(acc, mr, dot, wp + b * 16, dx, sx, B, b);
     }
     store_tile(acc, mr, out, ldo, ncols);
 }
@@ -260,14 +271,9 @@ static inline __attribute__((always_inline)) void tile16_u4(
                 s23[r] = _mm256_add_epi32(s23[r], _mm256_add_epi32(_mm256_madd_epi16(l23, al), _mm256_madd_epi16(h23, ah)));
             }
         }
-        const __m256 sc = _mm256_loadu_ps(wp + b * 16), mn = _mm256_loadu_ps(wp + b * 16 + 8);
-        for (int r = 0; r < mr; r++) {
-            const __m256i dot = _mm256_hadd_epi32(s01[r], s23[r]);
-            const __m256 d = _mm256_mul_ps(sc, _mm256_set1_ps(dx[r * B + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[r]);
-            const float s = sx[r * 2 * B + 2 * b] + sx[r * 2 * B + 2 * b + 1];
-            acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s), acc[r]);
-        }
+        __m256i dot[MR];
+        for (int r = 0; r < mr; r++) dot[r] = _mm256_hadd_epi32(s01[r], s23[r]);
+        add_u4_block(acc, mr, dot, wp + b * 16, dx, sx, B, b);
     }
     store_tile(acc, mr, out, ldo, ncols);
 }
