@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -153,7 +154,7 @@ def to_markdown(results: dict[str, dict[str, dict[str, float]]], model: str, thr
     for name, by_workload in results.items():
         cells = [by_workload["decode batch 1"]["decode_tok_s"], by_workload["decode batch 16"]["decode_tok_s"],
                  by_workload["prefill 512"]["prefill_tok_s"]]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join("-" if c != c else f"{c:.1f}" for c in cells) + " |")
+        lines.append(f"| {name} | " + " | ".join("-" if math.isnan(c) else f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines) + "\n\n"
 
 

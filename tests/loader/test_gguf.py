@@ -127,7 +127,9 @@ def test_raw_tensors_are_the_stored_bytes_in_hf_row_order(tmp_path, monkeypatch)
         if tensor.dim() == 1:
             assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
             continue
-        assert isinstance(tensor, GGUFTensor) and tensor.raw.dtype == np.uint8 and tensor.raw.shape[0] == tensor.shape[0]
+        assert (
+            isinstance(tensor, GGUFTensor) and tensor.raw.dtype == np.uint8 and tensor.raw.shape[0] == tensor.shape[0]
+        )
         assert torch.equal(tensor.materialize(), expected[name]), name
         assert torch.equal(tensor.narrow(0, 3, 5).materialize(), expected[name][3:8]), name
     q = raw["model.layers.0.self_attn.q_proj.weight"]
