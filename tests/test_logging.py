@@ -61,7 +61,7 @@ def test_llm_logs_its_start_and_generate_shows_token_rates():
 
 
 def test_first_gguf_conversion_shows_progress_and_duration(tmp_path):
-    from tests.loader.test_gguf import write_tiny_gguf
+    from tests.helpers.gguf_fixtures import write_tiny_gguf
 
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_gguf(tiny_model_dir("llama"), gguf_path, "llama")

@@ -3,18 +3,16 @@ dequantized-weight cache, and the shipped SmolLM2 GGUF against HF's GGUF loader.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kvloom.loader import gguf_loader
 from kvloom.loader.gguf_loader import gguf_weights, unpermute_qk
 from kvloom.loader.model_loader import checkpoint_weight_names, get_model
 from kvloom.loader.model_source import default_model_path, gguf_cache_dir
 from kvloom.loader.tokenizer import get_tokenizer
+from tests.helpers.gguf_fixtures import llama_cpp_permute, write_tiny_gguf
 from tests.helpers.model_fixtures import (
     PagedRunner,
     assert_logits_close,
@@ -25,62 +23,6 @@ from tests.helpers.model_fixtures import (
 )
 
 gguf = pytest.importorskip("gguf")
-Q = gguf.GGMLQuantizationType
-
-#: Storage type per kind of tensor in the tiny files: every dequantizer kvloom relies on.
-QTYPES = {
-    "token_embd": Q.Q8_0,
-    "output": Q.Q4_1,
-    "attn_q": Q.F32,  # exact, so the un-permutation is checked bit for bit
-    "attn_k": Q.F32,
-    "attn_v": Q.F16,
-    "attn_output": Q.BF16,
-    "ffn_gate": Q.Q4_1,
-    "ffn_up": Q.Q8_0,
-    "ffn_down": Q.Q4_0,
-}
-
-
-def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to Q/K rows of llama-architecture models."""
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
-
-
-def write_tiny_gguf(model_dir: Path, path: Path, arch_name: str) -> dict[str, torch.Tensor]:
-    """Write the HF checkpoint of ``model_dir`` as a GGUF file the way llama.cpp would;
-    returns the HF-named tensors a correct reader must produce (quantization included)."""
-    config = load_hf_model(model_dir).config
-    state = {k: v.numpy() for k, v in load_file(model_dir / "model.safetensors").items()}
-    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
-    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), arch_name)
-    expected = {}
-    for hf_name, array in state.items():
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_base = name_map.get_name(base)
-        kind = gguf_base.split(".")[-1]
-        qtype = QTYPES.get(kind, Q.F32) if array.ndim == 2 else Q.F32
-        if array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-            qtype = Q.F16  # rows shorter than a quantization block: llama.cpp falls back too
-        stored = array
-        if arch_name == "llama" and kind == "attn_q":
-            stored = llama_cpp_permute(array, config.num_attention_heads)
-        elif arch_name == "llama" and kind == "attn_k":
-            stored = llama_cpp_permute(array, config.num_key_value_heads)
-        data = gguf.quants.quantize(stored, qtype)
-        writer.add_tensor(f"{gguf_base}.{suffix}", data, raw_dtype=qtype)
-        # Quantization acts within rows and the permutation moves whole rows, so the
-        # expected tensor is the row-wise quantize/dequantize round trip of the original.
-        expected[hf_name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).copy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -153,3 +95,46 @@ def test_smollm2_gguf_matches_hf_gguf_loader():
     expected = hf_logits(hf, ids)
     assert_logits_close(out, expected)
     assert tokenizer.decode(int(out[-1].argmax())).strip() == "The"
+
+
+def test_a_truncated_gguf_file_is_named_when_its_tensors_are_read(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny_model_dir("llama"), path, "llama")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size - 64])  # the header is whole, the data is not
+    config = make_test_engine_config(tiny_model_dir("llama"))
+    names = checkpoint_weight_names(get_model(config, "cpu"))
+    with pytest.raises(ValueError, match=r"cut.gguf: GGUF file is truncated: tensor .* ends past the end of the file"):
+        list(gguf_weights(cut, config.model.hf_config, names, raw=True))
+
+
+def test_raw_tensors_are_the_stored_bytes_in_hf_row_order(tmp_path, monkeypatch):
+    """What a GGUF quantization method gets: GGUFTensors (type, raw rows with llama.cpp's Q/K
+    permutation undone) that dequantize to what the float path gives; 1-D tensors as floats;
+    one content key per file, the same for a copy under another path."""
+    from kvloom.loader.gguf_file import GGUFTensor
+    from kvloom.loader.gguf_metadata import gguf_content_id
+
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tiny_model_dir("llama")
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(model_dir, path, "llama")
+    config = make_test_engine_config(model_dir)
+    names = checkpoint_weight_names(get_model(config, "cpu"))
+    raw = dict(gguf_weights(path, config.model.hf_config, names, raw=True))
+    assert raw.keys() == set(names)
+    for name, tensor in raw.items():
+        if tensor.dim() == 1:
+            assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
+            continue
+        assert (
+            isinstance(tensor, GGUFTensor) and tensor.raw.dtype == np.uint8 and tensor.raw.shape[0] == tensor.shape[0]
+        )
+        assert torch.equal(tensor.materialize(), expected[name]), name
+        assert torch.equal(tensor.narrow(0, 3, 5).materialize(), expected[name][3:8]), name
+    q = raw["model.layers.0.self_attn.q_proj.weight"]
+    assert q.gguf_name == "blk.0.attn_q.weight" and q.type_name == "F32"
+    copy = tmp_path / "elsewhere" / "copy.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert q.content_key == gguf_content_id(path) == gguf_content_id(copy)

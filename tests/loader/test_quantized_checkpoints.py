@@ -140,6 +140,23 @@ def test_the_chosen_method_must_accept_the_config_and_the_platform():
     assert isinstance(method, Online) and method.quantization_config == {}
 
 
+def test_a_gguf_method_that_cannot_run_here_leaves_gguf_files_dequantized(caplog):
+    """GGUF files run anywhere dequantized: a GGUF method the platform cannot run (a CPU
+    kernel on CUDA) is skipped with a log line, unless the user asked for it by name."""
+    reads_gguf = type("CpuGGUF", (ReadsFp8,), {"NAME": "stub-gguf", "checkpoint_formats": {"gguf": ()},
+                                               "supported_device_types": ("cpu",)})  # fmt: skip
+    cuda = QuantizationSelectorConfig("cuda", torch.bfloat16)
+    plain = type("Config", (), {})()
+    with caplog.at_level("INFO", logger="kvloom.quantization.selection"):
+        assert resolve_quantization(plain, None, cuda, {"stub-gguf": reads_gguf}, gguf=True) is None
+    assert "GGUF weights dequantized at load; 'stub-gguf' cannot run on the cuda platform: device type" in caplog.text
+    with pytest.raises(ValueError, match="'stub-gguf' cannot run this checkpoint on the cuda platform"):
+        resolve_quantization(plain, "stub-gguf", cuda, {"stub-gguf": reads_gguf}, gguf=True)
+    assert isinstance(resolve_quantization(plain, None, CPU, {"stub-gguf": reads_gguf}, gguf=True), reads_gguf)
+    with pytest.raises(ValueError, match="'gguf' needs the package kvloom-quant-gguf"):
+        choose_method("gguf", "gguf", {})
+
+
 @pytest.mark.parametrize("value", ["int3", "fp16"])
 def test_an_unknown_quantization_method_is_named_with_the_installed_ones(value):
     expected = rf"method '{value}' is not a quantization method kvloom knows \(installed quantization methods: stub-fp8"

@@ -55,7 +55,9 @@ example packages):
   ``LayerInfo``; per layer ``LayerQuantMethod`` and its kinds ``LinearQuantMethod``,
   ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
   ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
-  code of the experts for a method's own weights: ``fused_moe_torch``.
+  code of the experts for a method's own weights: ``fused_moe_torch``; a GGUF file's
+  tensors as stored, for a method claiming ``"gguf"``: ``GGUFTensor``; the on-disk cache
+  root for what a method derives once (repacked weights, built kernels): ``kvloom_cache_dir``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -122,6 +124,7 @@ from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
 from kvloom.layers.fused_moe import fused_moe_torch
+from kvloom.loader.gguf_file import GGUFTensor
 from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
 from kvloom.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_adapter_config
@@ -150,6 +153,7 @@ from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStat
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
+from kvloom.utils import kvloom_cache_dir
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -236,6 +240,7 @@ __all__ = [
     # quantization methods
     "EmbeddingQuantMethod",
     "FusedMoEQuantMethod",
+    "GGUFTensor",
     "LayerInfo",
     "LayerKind",
     "LayerQuantMethod",
@@ -245,6 +250,7 @@ __all__ = [
     "QuantizationSelectorConfig",
     "add_quantized_parameter",
     "fused_moe_torch",
+    "kvloom_cache_dir",
     "remove_quantized_parameter",
 ]
 

@@ -162,13 +162,19 @@ def tensor_data(mapped: np.ndarray, header: GGUFHeader, info: GGUFTensorInfo) ->
     as their values (torch order), block-quantized ones as bytes, ``[..., bytes per row]``."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
 
-    ggml_type = GGMLQuantizationType(info.ggml_type)
+    try:
+        ggml_type = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise ValueError(f"GGUF tensor {info.name} has GGML type {info.ggml_type}, unknown to the installed "
+                         "gguf package") from None  # fmt: skip
     start = header.data_offset + info.offset
     plain = _PLAIN_DTYPES.get(ggml_type.name)
-    if plain is not None:
-        return mapped[start : start + prod(info.shape) * plain.itemsize].view(plain).reshape(info.shape)
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    block_size, type_size = (1, plain.itemsize) if plain is not None else GGML_QUANT_SIZES[ggml_type]
     nbytes = prod(info.shape) * type_size // block_size
+    if start + nbytes > len(mapped):
+        raise ValueError(f"GGUF file is truncated: tensor {info.name} ends past the end of the file")
+    if plain is not None:
+        return mapped[start : start + nbytes].view(plain).reshape(info.shape)
     return mapped[start : start + nbytes].reshape(quant_shape_to_byte_shape(info.shape, ggml_type))
 
 

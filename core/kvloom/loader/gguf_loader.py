@@ -1,20 +1,26 @@
-"""Weights from a GGUF file, renamed to HF names and dequantized.
+"""Weights from a GGUF file, renamed to HF names: dequantized, or as stored.
 
 * The file's header is read by ``gguf_header`` (milliseconds; gguf-py's ``GGUFReader``
-  takes seconds over a vocabulary), its data memory-mapped; each tensor is dequantized
-  with ``gguf.quants.dequantize`` (Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32 -> float32).
+  takes seconds over a vocabulary), its data memory-mapped (``gguf_file.tensor_rows``).
 * Names: llama.cpp's (``blk.0.attn_q.weight``) are mapped to HF's
   (``model.layers.0.self_attn.q_proj.weight``) with gguf-py's own tensor-name table, for
   exactly the HF names the model asks for, as transformers' GGUF loader does.
 * llama.cpp's converter permutes the rows of the Q and K projections of ``llama``
   GGUF files (Llama, Mistral, SmolLM2...) from HF's "rotate half" RoPE layout to its
-  interleaved one; ``unpermute_qk`` undoes it (transformers does the same).
-* Dequantizing a file takes seconds (the metadata parse alone ~3 s for SmolLM2's
-  49k-token vocabulary), so the dequantized tensors of files up to
+  interleaved one; ``unpermute_qk`` undoes it (transformers does the same). GGML blocks
+  run along rows, so the permutation moves whole rows of blocks: it is undone on the
+  stored bytes as exactly as on floats.
+* ``raw=False`` (``--quantization none``, or no installed method reads GGUF): each tensor
+  is dequantized with ``gguf.quants.dequantize`` (Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32 ->
+  float32). Dequantizing takes seconds, so the dequantized tensors of files up to
   ``GGUF_WEIGHT_CACHE_MAX_BYTES`` are cached once as safetensors next to the converted
   config (``model_source.gguf_cache_dir``); ``KVLOOM_GGUF_WEIGHT_CACHE=0`` turns the
   cache off. The cache is keyed by the file's content (``gguf_metadata.gguf_cache_dir``):
   one copy per file, whichever environment or path reads it.
+* ``raw=True`` (the model's quantization method claims ``"gguf"``): every 2-D tensor comes
+  as a ``GGUFTensor`` (its GGML type and raw bytes; a lazy tensor that dequantizes when a
+  plain weight loader materializes it), 1-D tensors (norms, biases) as float32 tensors.
+  Nothing is dequantized or cached here: the method repacks and caches what it needs.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kvloom.loader.gguf_header import GGUFHeader, read_gguf_header, tensor_data
+from kvloom.loader.gguf_file import GGUFTensor, dequantize_rows, tensor_rows
+from kvloom.loader.gguf_header import GGUFTensorInfo, read_gguf_header
+from kvloom.loader.gguf_metadata import gguf_content_id
+from kvloom.loader.lazy_tensor import CheckpointTensor
 from kvloom.loader.model_source import gguf_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -77,30 +86,69 @@ def gguf_to_hf_names(arch_name: str, num_layers: int, hf_names: Iterable[str]) -
     return mapping
 
 
-def _dequantized_tensors(
-    path: Path, header: GGUFHeader, name_map: dict[str, str], unpermute_heads: dict[str, int]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+class _GGUFWeights:
+    """The tensors of one GGUF file that a model uses, by HF name."""
 
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    for tensor in header.tensors:
-        hf_name = name_map.get(tensor.name)
-        if hf_name is None:
-            logger.debug("GGUF tensor %s is not used by the model", tensor.name)
-            continue
-        weights = dequantize(tensor_data(mapped, header, tensor), tensor.ggml_type)
-        for marker, n_head in unpermute_heads.items():
-            if marker in tensor.name:
-                weights = unpermute_qk(weights, n_head)
-        if not weights.flags.writeable or not weights.flags.c_contiguous:
-            weights = np.array(weights, copy=True, order="C")  # F32 tensors are views of the mmap
-        yield hf_name, torch.from_numpy(weights)
+    def __init__(self, path: Path, hf_config: Any, hf_names: list[str]) -> None:
+        self.header = header = read_gguf_header(path)
+        arch_name = header.architecture
+        self.path = path
+        self.name_map = gguf_to_hf_names(arch_name, hf_config.num_hidden_layers, hf_names)
+        self.tensors = [info for info in header.tensors if info.name in self.name_map]
+        for info in header.tensors:
+            if info.name not in self.name_map:
+                logger.debug("GGUF tensor %s is not used by the model", info.name)
+        self.unpermute_heads: dict[str, int] = {}
+        if arch_name in PERMUTED_QK_ARCHITECTURES:
+            num_heads = hf_config.num_attention_heads
+            self.unpermute_heads = {
+                ".attn_q.": num_heads,
+                ".attn_k.": getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            }
+        with open(path, "rb") as f:
+            self.data = np.memmap(f, dtype=np.uint8, mode="r")
+
+    def _in_hf_order(self, info: GGUFTensorInfo, rows: np.ndarray) -> np.ndarray:
+        for marker, n_head in self.unpermute_heads.items():
+            if marker in info.name:
+                return unpermute_qk(rows, n_head)
+        return rows
+
+    def _stored_rows(self, info: GGUFTensorInfo) -> np.ndarray:
+        try:
+            return tensor_rows(self.data, self.header, info)
+        except ValueError as e:  # a truncated file or an unknown type: name the file
+            raise ValueError(f"model: {self.path}: {e}") from None
+
+    def rows(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The stored rows of ``info``'s (2-D or larger) tensor, in HF's row order."""
+        return self._in_hf_order(info, self._stored_rows(info))
+
+    def dequantized(self, info: GGUFTensorInfo) -> torch.Tensor:
+        weights = dequantize_rows(self._stored_rows(info), info.ggml_type, info.shape[-1]).reshape(info.shape)
+        return torch.from_numpy(np.ascontiguousarray(self._in_hf_order(info, weights)))
+
+    def raw(self, info: GGUFTensorInfo, content_key: str) -> GGUFTensor | torch.Tensor:
+        hf_name = self.name_map[info.name]
+        if len(info.shape) < 2:
+            return self.dequantized(info)
+        return GGUFTensor(hf_name, self.rows(info), info.ggml_type, info.shape, content_key, info.name, str(self.path))
 
 
-def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, float32 tensor)`` for each tensor of the GGUF file the model uses."""
+def gguf_weights(
+    path: str | Path, hf_config: Any, hf_names: Iterable[str], raw: bool = False
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """``(hf_name, tensor)`` for each tensor of the GGUF file the model uses: float32
+    tensors, or with ``raw`` ``GGUFTensor``s as stored (see the module docstring)."""
     path = Path(path)
     hf_names = list(hf_names)
+    if raw:
+        file = _GGUFWeights(path, hf_config, hf_names)
+        content_key = gguf_content_id(path)
+        logger.info("Reading the GGUF weights of %s as stored (%d tensors)", path.name, len(file.tensors))
+        for info in file.tensors:
+            yield file.name_map[info.name], file.raw(info, content_key)
+        return
     use_cache = os.environ.get("KVLOOM_GGUF_WEIGHT_CACHE", "1") != "0"
     cache_file = gguf_cache_dir(path) / _CACHE_FILE
     if use_cache and cache_file.is_file():
@@ -115,17 +163,8 @@ def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> I
         return
 
     logger.info("Dequantizing GGUF weights of %s", path.name)
-    header = read_gguf_header(path)
-    arch_name = header.architecture
-    name_map = gguf_to_hf_names(arch_name, hf_config.num_hidden_layers, hf_names)
-    unpermute_heads: dict[str, int] = {}
-    if arch_name in PERMUTED_QK_ARCHITECTURES:
-        num_heads = hf_config.num_attention_heads
-        unpermute_heads = {
-            ".attn_q.": num_heads,
-            ".attn_k.": getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        }
-    size = sum(prod(t.shape) * 4 for t in header.tensors if t.name in name_map)
+    file = _GGUFWeights(path, hf_config, hf_names)
+    size = sum(prod(t.shape) * 4 for t in file.tensors)
     if use_cache and size > GGUF_WEIGHT_CACHE_MAX_BYTES:
         logger.info(
             "Not caching %.1f GiB of dequantized GGUF weights (limit %.1f GiB)",
@@ -137,14 +176,17 @@ def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> I
     start = time.perf_counter()
     # The first load of a GGUF file dequantizes every tensor (tens of seconds for a small
     # model on a slow CPU): a progress bar says it is working, the log how long it took.
-    bar = tqdm(total=len(name_map), desc=f"Dequantizing {path.name}", unit="tensor", dynamic_ncols=True)
+    bar = tqdm(total=len(file.tensors), desc=f"Dequantizing {path.name}", unit="tensor", dynamic_ncols=True)
     with bar:
-        for name, tensor in _dequantized_tensors(path, header, name_map, unpermute_heads):
+        for info in file.tensors:
+            name, tensor = file.name_map[info.name], file.dequantized(info)
             bar.update(1)
             if use_cache:
                 collected[name] = tensor
             yield name, tensor
-    logger.info("Dequantized %d GGUF tensors of %s in %.1f s", len(name_map), path.name, time.perf_counter() - start)
+    logger.info(
+        "Dequantized %d GGUF tensors of %s in %.1f s", len(file.tensors), path.name, time.perf_counter() - start
+    )
     if use_cache and collected:
         _write_cache(cache_file, collected)
 

@@ -7,7 +7,8 @@ are ``torch.empty``), then filled from the model source:
 * ``load.source_kind == "hf"``: safetensors or ``.bin`` files of the HF directory
   (``load_format`` "auto", "safetensors" or "pt"); safetensors tensors reach a model that
   accepts them as lazy handles, of which each tensor-parallel rank reads its slices only;
-* ``"gguf"``: the GGUF file, dequantized (``kvloom.loader.gguf_loader``);
+* ``"gguf"``: the GGUF file (``kvloom.loader.gguf_loader``): its tensors as stored
+  (``GGUFTensor``) when the model's quantization method reads GGUF, else dequantized;
 * ``load_format == "dummy"``: random weights made on the device from ``model.seed``
   (the parameters are this rank's shards already: nothing else is made).
 
@@ -46,6 +47,7 @@ from kvloom.models.interface import (
 from kvloom.models.registry import ModelRegistry
 from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
 from kvloom.quantization.context import building_model, process_weights_after_loading
+from kvloom.quantization.selection import reads_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,13 @@ def model_weights(
     either way."""
     kind = config.load.source_kind
     if kind == "gguf":
-        return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model))
+        raw = reads_gguf(config.model.quantization)
+        if raw and not supports_lazy_weights(model):
+            logger.warning("%s does not take lazy checkpoint tensors: its GGUF weights are dequantized at load "
+                           "instead of read by quantization %r", type(model).__name__,
+                           config.model.quantization.NAME)  # fmt: skip
+            raw = False
+        return gguf_weights(config.model.model, config.model.hf_config, checkpoint_weight_names(model), raw=raw)
     if kind == "hf":
         # A pipeline stage reads only its own tensors (the model says which are elsewhere).
         skip = get_checkpoint_tensor_filter(model)

@@ -8,8 +8,10 @@ The rules (``resolve_quantization``), with the installed methods (the plugins of
    ``--quantization NAME`` may name that method (or pick among several that claim it) and
    nothing else. No installed method claims it: an error naming the package to install
    when kvloom has one (``FIRST_PARTY_METHODS``), else saying that kvloom cannot run it yet.
-2. A GGUF file runs with an installed method that claims ``"gguf"``; without one, or with
-   ``--quantization none``, its weights are dequantized at load (``kvloom.loader.gguf_loader``).
+2. A GGUF file runs with an installed method that claims ``"gguf"`` (its quantized types as
+   stored: ``kvloom-quant-gguf`` on the CPU); without one, when that method cannot run on
+   this platform (said in the log), or with ``--quantization none``, its weights are
+   dequantized at load (``kvloom.loader.gguf_loader``).
 3. An unquantized checkpoint runs unquantized, or, with ``--quantization NAME``, quantized
    while loading by the online method ``NAME``.
 4. ``--quantization none`` runs weights as stored, unquantized (refused for a checkpoint
@@ -50,7 +52,14 @@ VLLM_QUANTIZATION_METHODS: tuple[str, ...] = (
 FIRST_PARTY_METHODS: dict[str, str] = {
     "fp8": "kvloom-quant-fp8",
     "compressed-tensors": "kvloom-quant-compressed-tensors",
+    "gguf": "kvloom-quant-gguf",
 }
+
+
+def reads_gguf(method: QuantizationMethod | None) -> bool:
+    """Whether ``method`` reads GGUF files as stored (claims ``"gguf"``): the GGUF loader then
+    hands it the raw tensors instead of dequantizing them."""
+    return method is not None and GGUF_FORMAT in type(method).checkpoint_formats
 
 
 def check_requested_quantization(method: str | None) -> str | None:
@@ -146,6 +155,8 @@ def choose_method(
     if requested is not None:
         if requested in claiming:
             return methods[requested]
+        if requested not in methods:
+            raise ValueError(f"{where}quantization: " + _not_installed(requested, methods, excluded, "method"))
         raise ValueError(f"{where}quantization: the checkpoint is quantized with {checkpoint_format!r}, which "
                          f"{requested!r} does not read (allowed: {', '.join(claiming) or 'none installed'}, or no "
                          "--quantization)")  # fmt: skip
@@ -174,7 +185,8 @@ def resolve_quantization(
     """The quantization method that runs ``hf_config``'s checkpoint (a GGUF file when
     ``gguf``), built from its ``quantization_config`` and valid on ``selector``'s platform;
     None: the weights run as stored. Every refusal is a ``ValueError`` naming the method."""
-    quant_config = None if gguf else checkpoint_quantization_config(hf_config)
+    # A GGUF file has no quantization_config: its method gets the format's name alone.
+    quant_config = {"quant_method": GGUF_FORMAT} if gguf else checkpoint_quantization_config(hf_config)
     checkpoint_format = GGUF_FORMAT if gguf else quantization_method(hf_config)
     cls = choose_method(checkpoint_format, requested, methods, excluded, model)
     if cls is None:
@@ -184,6 +196,11 @@ def resolve_quantization(
     except ValueError as exc:
         raise ValueError(f"quantization {cls.NAME!r}: the checkpoint's quantization_config: {exc}") from None
     reasons = method.validate(selector)
+    if reasons and gguf and requested is None:
+        # GGUF files run anywhere dequantized: a GGUF method that cannot run here is not an error.
+        logger.info("Quantization: none (GGUF weights dequantized at load; %r cannot run on the %s platform: %s)",
+                    cls.NAME, selector.device_type, "; ".join(reasons))  # fmt: skip
+        return None
     if reasons:
         raise ValueError(f"quantization {cls.NAME!r} cannot run this checkpoint on the {selector.device_type} "
                          f"platform: {'; '.join(reasons)}")  # fmt: skip

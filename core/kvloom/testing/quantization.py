@@ -99,16 +99,20 @@ class QuantizationCase:
     """The rank built."""
     seed: int = 0
     """The seed of the case's weights and inputs."""
+    input_multiple: int = 1
+    """The layers' input features are rounded up to a multiple of this (a format whose
+    blocks run along the input, such as GGUF's 32 or 256 weights, cannot store others)."""
 
     def __str__(self) -> str:
         return f"{self.name}-{str(self.dtype).removeprefix('torch.')}"
 
 
 def quantization_cases(
-    method: QuantizationMethod, dtypes: tuple[torch.dtype, ...] | None = None
+    method: QuantizationMethod, dtypes: tuple[torch.dtype, ...] | None = None, input_multiple: int = 1
 ) -> list[QuantizationCase]:
     """The cases of ``method``: each layer kind it declares, in each of ``dtypes`` (default:
-    float32 and bfloat16 where declared), tensor-parallel ones when it declares support."""
+    float32 and bfloat16 where declared), tensor-parallel ones when it declares support;
+    input features rounded up to a multiple of ``input_multiple`` (``QuantizationCase``)."""
     dtypes = dtypes or tuple(d for d in (torch.float32, torch.bfloat16) if d in method.supported_dtypes)
     names: list[tuple[str, LayerKind, int, int]] = []
     if LayerKind.LINEAR in method.layer_kinds:
@@ -124,7 +128,8 @@ def quantization_cases(
     for kind in (LayerKind.EMBEDDING, LayerKind.LM_HEAD):
         if kind in method.layer_kinds:
             names.append((kind.value, kind, 1, 0))
-    return [QuantizationCase(f"{name}{f' tp{tp} rank{rank}' if tp > 1 else ''}", kind, dtype, tp, rank, seed)
+    return [QuantizationCase(f"{name}{f' tp{tp} rank{rank}' if tp > 1 else ''}", kind, dtype, tp, rank, seed,
+                             input_multiple)
             for seed, (name, kind, tp, rank) in enumerate(names) for dtype in dtypes]  # fmt: skip
 
 
@@ -141,25 +146,31 @@ def _rank(tp_size: int, tp_rank: int) -> Iterator[None]:
 
 def _build(method: QuantizationMethod, case: QuantizationCase) -> nn.Module:
     parallel = case.tp_size > 1
+
+    def inputs(n: int) -> int:
+        return -(-n // case.input_multiple) * case.input_multiple
+
     with _rank(case.tp_size, case.tp_rank), default_dtype(case.dtype), building_model(method, _STACKED):
         # Sizes are odd on purpose; tensor-parallel ones split on 256 rows/columns (any block up to 256).
         if case.name.startswith("linear"):
-            return Linear(200, 150, bias=True, prefix="model.layers.0.mlp.down_proj")
+            return Linear(inputs(200), 150, bias=True, prefix="model.layers.0.mlp.down_proj")
         if case.name.startswith("qkv"):
             if parallel:
-                return QKVLinear(512, 128, 4, 2, bias=True, prefix="model.layers.0.self_attn.qkv_proj", parallel=True)
-            return QKVLinear(160, 40, 3, 1, bias=True, prefix="model.layers.0.self_attn.qkv_proj")
+                return QKVLinear(inputs(512), 128, 4, 2, bias=True, prefix="model.layers.0.self_attn.qkv_proj",
+                                 parallel=True)  # fmt: skip
+            return QKVLinear(inputs(160), 40, 3, 1, bias=True, prefix="model.layers.0.self_attn.qkv_proj")
         if case.name.startswith("gate_up"):
             sizes, hidden = ([512, 512], 256) if parallel else ([176, 176], 144)
-            return MergedLinear(hidden, sizes, prefix="model.layers.0.mlp.gate_up_proj",
+            return MergedLinear(inputs(hidden), sizes, prefix="model.layers.0.mlp.gate_up_proj",
                                 parallel="column" if parallel else "replicated")  # fmt: skip
         if case.name.startswith("down"):
-            return Linear(512, 96, bias=True, prefix="model.layers.0.mlp.down_proj", parallel="row")
+            return Linear(inputs(512), 96, bias=True, prefix="model.layers.0.mlp.down_proj", parallel="row")
         if case.kind is LayerKind.FUSED_MOE:
-            inter = 512 if parallel else 80
-            return FusedMoE(4, 2, 144, inter, renormalize=True, prefix="model.layers.1.mlp.experts", parallel=parallel)
+            inter = 512 if parallel else inputs(80)
+            return FusedMoE(4, 2, inputs(144), inter, renormalize=True, prefix="model.layers.1.mlp.experts",
+                            parallel=parallel)  # fmt: skip
         cls = LMHead if case.kind is LayerKind.LM_HEAD else VocabEmbedding
-        return cls(300, 144, prefix="lm_head" if cls is LMHead else "model.embed_tokens")
+        return cls(300, inputs(144), prefix="lm_head" if cls is LMHead else "model.embed_tokens")
 
 
 def _load(layer: nn.Module, param_prefix: str, tensors: dict[str, torch.Tensor], shard: str | None) -> None:

@@ -1,0 +1,162 @@
+"""GGUF on the CPU: kvloom with kvloom-quant-gguf (the file's quantized weights as stored)
+against kvloom's dequantized float32 path (``--quantization none``), HF transformers (the
+same GGUF dequantized to float32) and, when ``llama_cpp`` imports, llama.cpp, all at the
+same thread count, on the default model unless ``--model`` says otherwise.
+
+Workloads (random prompt tokens, greedy, EOS ignored):
+
+* decode at batch 1 and batch 16: ``(time for N tokens - time for 1 token)`` per step,
+  so prefill is not counted;
+* prefill: one 512-token prompt, one output token.
+
+Usage: ``python benchmarks/bench_gguf_cpu.py [--model X.gguf] [--threads 2] [--markdown docs/benchmarks/cpu_gguf.md]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvloom.entrypoints.cli.bench_throughput import _hf_model, machine_description, make_prompts
+
+#: (name, prompts, input tokens, output tokens)
+WORKLOADS = (("decode batch 1", 1, 32, 33), ("decode batch 16", 16, 32, 17), ("prefill 512", 1, 512, 1))
+
+Runner = Callable[[list[list[int]], int], float]  # (prompts, output tokens) -> seconds
+
+
+def kvloom_runner(model: str | None, quantization: str | None) -> tuple[Runner, Any]:
+    from kvloom import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {"dtype": "float32", "quantization": quantization}
+    if model:
+        kwargs["model"] = model
+    llm = LLM(**kwargs)
+
+    def run(prompts: list[list[int]], output_len: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        llm.llm_engine.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run([[100, 200, 300]], 4)  # warm-up: kernels built, caches filled
+    return run, llm
+
+
+def hf_runner(config: Any) -> Runner:
+    model = _hf_model(config)
+
+    def run(prompts: list[list[int]], output_len: int) -> float:
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return time.perf_counter() - start
+
+    run([[100, 200, 300]], 2)
+    return run
+
+
+def llama_cpp_runner(path: str, threads: int) -> Runner | None:
+    """Batch-1 only: llama-cpp-python's high-level API decodes one sequence."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+
+    def run(prompts: list[list[int]], output_len: int) -> float:
+        if len(prompts) != 1:
+            return float("nan")
+        llm.reset()
+        start = time.perf_counter()
+        for i, _ in enumerate(llm.generate(prompts[0], top_k=1, temp=0.0)):
+            if i + 1 >= output_len:
+                break
+        return time.perf_counter() - start
+
+    return run
+
+
+def measure(run: Runner, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    if output_len == 1:
+        wall = run(prompts, 1)
+        return {"wall_s": wall, "prefill_tok_s": sum(map(len, prompts)) / wall}
+    first = run(prompts, 1)
+    wall = run(prompts, output_len)
+    return {"wall_s": wall, "decode_tok_s": len(prompts) * (output_len - 1) / (wall - first)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="A .gguf file (default: the default model).")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--markdown", default=None, help="Append the results here (with machine, date, command).")
+    ns = parser.parse_args()
+    torch.set_num_threads(ns.threads)
+
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    gguf_run, llm = kvloom_runner(ns.model, None)
+    config = llm.config
+    path = str(config.model.model)
+    engines: list[tuple[str, Callable[[], Runner | None]]] = [
+        ("kvloom, kvloom-quant-gguf", lambda: gguf_run),
+        ("kvloom, dequantized fp32 (--quantization none)", lambda: kvloom_runner(path, "none")[0]),
+    ]
+    if not ns.skip_hf:
+        engines.append(("HF transformers fp32", lambda: hf_runner(config)))
+    engines.append(("llama.cpp (llama-cpp-python, batch 1 only)", lambda: llama_cpp_runner(path, ns.threads)))
+    for name, make in engines:
+        run = make()
+        if run is None:
+            print(f"{name}: not installed, skipped", file=sys.stderr)
+            continue
+        results[name] = {}
+        for workload, n, input_len, output_len in WORKLOADS:
+            prompts = make_prompts(n, input_len, config.model.vocab_size)
+            results[name][workload] = measure(run, prompts, output_len)
+            print(f"{name} / {workload}: {results[name][workload]}", file=sys.stderr, flush=True)
+        del run
+    if ns.json_path:
+        Path(ns.json_path).write_text(json.dumps(results, indent=2) + "\n")
+    table = to_markdown(results, Path(path).name, ns.threads)
+    print(table)
+    if ns.markdown:
+        with open(ns.markdown, "a") as f:
+            f.write(table)
+    return 0
+
+
+def to_markdown(results: dict[str, dict[str, dict[str, float]]], model: str, threads: int) -> str:
+    lines = [
+        f"## {model}, {threads} threads",
+        "",
+        f"- Date: {datetime.date.today().isoformat()}",
+        f"- Machine: {machine_description()}",
+        f"- Command: `python {' '.join(sys.argv)}`",
+        "",
+        "| engine | decode batch 1 (tok/s) | decode batch 16 (tok/s) | prefill 512 (tok/s) |",
+        "|---|---|---|---|",
+    ]
+    for name, by_workload in results.items():
+        cells = [by_workload["decode batch 1"]["decode_tok_s"], by_workload["decode batch 16"]["decode_tok_s"],
+                 by_workload["prefill 512"]["prefill_tok_s"]]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join("-" if math.isnan(c) else f"{c:.1f}" for c in cells) + " |")
+    return "\n".join(lines) + "\n\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

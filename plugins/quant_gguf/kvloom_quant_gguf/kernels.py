@@ -1,0 +1,153 @@
+"""The C kernels (``kernels.c``), built once per machine, and their torch reference.
+
+``kernels.c`` is plain C with OpenMP (AVX2 intrinsics where the CPU has AVX2, portable C
+otherwise), compiled with the system C compiler (``$CC``, else ``cc``) on first use into
+``KVLOOM_CACHE_DIR/gguf-kernels/`` (a file named by the source, flags and compiler, so a
+change rebuilds it; about two seconds) and loaded with ``ctypes``. OpenMP is the runtime
+torch already loaded (``libgomp.so.1``), so the kernels and torch share one thread pool;
+they run on ``torch.get_num_threads()`` threads.
+
+``fake_quantize`` is the activation quantization the kernels apply (per row and 32
+features: ``d = max|x| / 127``, ``q = round(x / d)``), in torch: the method's
+``reference_input``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvloom.interfaces import kvloom_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+#: Activation quantization block (features per int8 scale).
+ACT_BLOCK = 32
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with (``$CC`` or ``cc``), or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def simd() -> str:
+    """``"avx2"`` where torch finds AVX2 (or AVX-512) on this CPU, else ``"portable"``."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "avx2" if capability in ("AVX2", "AVX512") else "portable"
+
+
+def _flags() -> list[str]:
+    vector = ["-mavx2", "-mfma", "-mf16c"] if simd() == "avx2" else []
+    # No FMA contraction of the scalar code: the reference (kvq_rows) is scale * code + min,
+    # two roundings, as torch computes it.
+    return ["-O3", *vector, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+@functools.cache
+def library_path() -> Path:
+    """Where the built library is cached for this source, these flags and this compiler."""
+    cc = compiler() or "cc"
+    try:
+        version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + version.encode()).hexdigest()[:16]
+    return kvloom_cache_dir() / "gguf-kernels" / f"kvloom_gguf_{simd()}_{key}.so"
+
+
+def problem() -> str | None:
+    """Why the kernels cannot be built here (no C compiler and no built library), or None."""
+    if compiler() is None and not library_path().is_file():
+        return (f"no C compiler to build the GGUF kernels ({os.environ.get('CC', 'cc')} not found; install gcc, "
+                "or run with --quantization none)")  # fmt: skip
+    return None
+
+
+def _build(target: Path) -> None:
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError(problem())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    logger.info("Building the GGUF CPU kernels (%s, once) into %s", simd(), target)
+    done = subprocess.run([cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the GGUF kernels with {cc} failed:\n{done.stderr[-4000:]}")
+    os.replace(tmp, target)  # atomic: a concurrent build ends with one complete file
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The kernels, built on first use (see the module docstring)."""
+    path = library_path()
+    if not path.is_file():
+        _build(path)
+    lib = ctypes.CDLL(str(path))
+    lib.kvq_quantize.argtypes = [_INT, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
+    lib.kvq_gemm.argtypes = [_INT, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
+    lib.kvq_rows.argtypes = [_INT, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
+    for fn in (lib.kvq_quantize, lib.kvq_gemm, lib.kvq_rows):
+        fn.restype = None
+    lib.kvq_code_bytes.argtypes = lib.kvq_param_floats.argtypes = [_INT]
+    lib.kvq_code_bytes.restype = lib.kvq_param_floats.restype = _I64
+    return lib
+
+
+class QuantizedActivations:
+    """``x [M, K]`` (float32, contiguous) quantized for the GEMMs: int8 or int16 codes
+    (``bits``), a scale per 32 features and ``scale * sum(codes)`` per 16, in one buffer."""
+
+    __slots__ = ("bits", "buffer", "cols", "dx", "qx", "rows", "sx")
+
+    def __init__(self, x: torch.Tensor, bits: int) -> None:
+        rows, cols = x.shape
+        blocks = cols // ACT_BLOCK
+        self.bits, self.rows, self.cols = bits, rows, cols
+        self.buffer = torch.empty(rows * cols * (bits // 8) + rows * blocks * 12, dtype=torch.uint8)
+        self.qx = self.buffer.data_ptr()
+        self.dx = self.qx + rows * cols * (bits // 8)
+        self.sx = self.dx + rows * blocks * 4
+        library().kvq_quantize(bits, rows, cols, x.data_ptr(), cols, self.qx, self.dx, self.sx,
+                               torch.get_num_threads())  # fmt: skip
+
+
+def gemm(fmt: int, acts: QuantizedActivations, codes: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x @ w.T`` for the ``n``-row weight ``(codes, params)`` of format ``fmt``;
+    ``out`` is a float32 ``[M, n]`` view whose rows may be strided (a shard's columns)."""
+    library().kvq_gemm(fmt, acts.bits, acts.rows, out.shape[1], acts.cols, acts.qx, acts.dx, acts.sx,
+                       codes.data_ptr(), params.data_ptr(), out.data_ptr(), out.stride(0),
+                       torch.get_num_threads())  # fmt: skip
+
+
+def rows(fmt: int, ids: torch.Tensor, cols: int, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """float32 ``[len(ids), cols]``: the weight rows ``ids`` (int64), dequantized."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), cols)
+    library().kvq_rows(fmt, ids.numel(), ids.data_ptr(), cols, codes.data_ptr(), params.data_ptr(), out.data_ptr(),
+                       torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` (float32) as the kernels see it: quantized to ``bits`` (8 or 16) per row and 32
+    features, and back."""
+    qmax = 127.0 if bits == 8 else 32767.0
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // ACT_BLOCK, ACT_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / qmax
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse).clamp(-qmax, qmax)
+    return (q * d).reshape(x.shape)

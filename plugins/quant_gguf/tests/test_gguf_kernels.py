@@ -1,0 +1,74 @@
+"""The GGUF method's pieces on fresh random data: ``formats.decode`` against gguf-py's own
+dequantizer (bit for bit, every type with a kernel), and the C kernels (GEMM and row
+gather, each kernel format, int8 and int16 activations, row counts off the tile size)
+against a float64 reference computed from the decoded weight and the activations as the
+kernels quantize them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from kvloom_quant_gguf import kernels
+from kvloom_quant_gguf.formats import DECODERS, FORMAT_NAMES, decode
+from kvloom_quant_gguf.layout import pack
+from kvloom_quant_gguf.writer import WRITABLE, quantize
+
+Q = GGMLQuantizationType
+#: Where the float16 super-block scales sit in the types without a writer (bytes).
+_F16_FIELDS = {Q.Q2_K: (80, 84), Q.Q3_K: (108, 110)}
+
+
+def _random_raw(ggml_type: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw rows of ``ggml_type``: random weights through the writer, or random blocks with
+    finite float16 scales for the types without one."""
+    if ggml_type in WRITABLE:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, ggml_type)
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, (rows * cols // block, type_size), dtype=np.uint8)
+    start, end = _F16_FIELDS[ggml_type]
+    scales = (rng.random((blocks.shape[0], (end - start) // 2)) * 0.01).astype(np.float16)
+    blocks[:, start:end] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("ggml_type", list(DECODERS), ids=lambda t: Q(t).name)
+def test_decode_is_exactly_gguf_dequantize(ggml_type: int) -> None:
+    rng = np.random.default_rng(ggml_type)
+    raw = _random_raw(Q(ggml_type), 9, 512, rng)
+    expected = dequantize(raw, Q(ggml_type)).reshape(9, 512)
+    np.testing.assert_array_equal(decode(raw, ggml_type, 512).dequantize(), expected)
+
+
+#: One type per kernel format (U4, U8 with groups of 16, S8) and one with a min per group.
+KERNEL_TYPES = (Q.Q4_K, Q.Q4_0, Q.Q6_K, Q.Q5_1, Q.Q3_K, Q.Q8_0)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_kernels_match_a_float64_reference(ggml_type: Q, bits: int) -> None:
+    problem = kernels.problem()
+    if problem:
+        pytest.skip(problem)
+    rng = np.random.default_rng(1000 * bits + ggml_type)
+    rows, cols = 37, 512  # 37: the last tile of 8 rows is partly padding
+    decoded = decode(_random_raw(ggml_type, rows, cols, rng), ggml_type, cols)
+    codes, params = pack(decoded)
+    weight64 = torch.from_numpy(decoded.dequantize()).double()
+
+    ids = torch.tensor([36, 0, 8, 7, 36])
+    gathered = kernels.rows(decoded.fmt, ids, cols, codes, params)
+    torch.testing.assert_close(gathered.double(), weight64[ids], rtol=1e-6, atol=0)
+
+    for m in (1, 5, 16):
+        x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
+        x[0, :32] = 0.0  # an all-zero activation block (scale 0)
+        full = torch.full((m, rows + 3), float("nan"))
+        out = full[:, 1 : rows + 1]  # strided rows, as a shard's columns of a merged output
+        kernels.gemm(decoded.fmt, kernels.QuantizedActivations(x, bits), codes, params, out)
+        assert full[:, 0].isnan().all() and full[:, rows + 1 :].isnan().all()  # nothing written past the shard
+        expected = kernels.fake_quantize(x, bits).double() @ weight64.T
+        error = (out.double() - expected).norm() / expected.norm()
+        assert error < 2e-6, f"{ggml_type.name} ({FORMAT_NAMES[decoded.fmt]}) int{bits} M={m}: {error:.2e}"
