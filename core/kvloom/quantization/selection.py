@@ -49,6 +49,9 @@ VLLM_QUANTIZATION_METHODS: tuple[str, ...] = (
 FIRST_PARTY_METHODS: dict[str, str] = {
     "fp8": "kvloom-quant-fp8",
     "compressed-tensors": "kvloom-quant-compressed-tensors",
+    "awq": "kvloom-quant-int4",
+    "gptq": "kvloom-quant-int4",
+    "mxfp4": "kvloom-quant-mxfp4",
 }
 
 
