@@ -16,7 +16,7 @@ Per projection ``[N, K]`` (``N`` output features, ``K`` input features, ``G`` gr
   in another order, so groups are not runs of ``group_size`` features).
 * **compressed-tensors** ``pack-quantized`` (``weights: {num_bits: 4, type: int}``):
   ``weight_packed`` int32 ``[N, K/8]`` packed along the input features, each value
-  ``signed + 8``; ``weight_scale`` ``[N, G]`` (``[N, 1]`` per channel);
+  ``signed + 8``; ``weight_scale`` ``[N, G]`` in the model's dtype (``[N, 1]`` per channel);
   ``weight_zero_point`` int32 ``[N/8, G]`` packed along the output features (asymmetric
   only); ``weight_shape`` ``[2]``; ``weight_g_idx`` ``[K]`` (``actorder: group``).
 
@@ -85,6 +85,16 @@ def fixed_permutation(k: int) -> torch.Tensor:
     on ``k`` only, so the shards of a merged layer (which share their input, and hence, in
     GPTQ, their Hessian and order) get the same one."""
     return torch.randperm(k, generator=torch.Generator().manual_seed(1000 + k))
+
+
+def exact_16_bit(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in bfloat16 or float16 when that holds each value exactly (the checkpoint
+    stored them so: half the bytes for the kernels to read), else as they are."""
+    for dtype in (torch.bfloat16, torch.float16):
+        narrowed = scales.to(dtype)
+        if torch.equal(narrowed.float(), scales.float()):
+            return narrowed
+    return scales
 
 
 class Int4Format(ABC):
@@ -236,11 +246,6 @@ class PackQuantizedFormat(Int4Format):
 
     name = "compressed-tensors pack-quantized"
 
-    def __init__(self, group_size: int, zero_point: bool, act_order: bool, scale_dtype: torch.dtype) -> None:
-        super().__init__(group_size, zero_point, act_order)
-        self.scale_dtype = scale_dtype
-        """The dtype the scales are held in (the checkpoint stores them in the model's dtype)."""
-
     def params(self, geo: Geometry) -> dict[str, ParamSpec]:
         group, g, cut = self.groups(geo)
         n, words = sum(geo.rows), sum(cdiv(r, PACK) for r in geo.rows)
@@ -248,7 +253,7 @@ class PackQuantizedFormat(Int4Format):
         specs: dict[str, ParamSpec] = {
             "weight_packed": ((n, cdiv(geo.cols, PACK)), torch.int32,
                               ParamLayout(output_dim=0, input_dim=1, input_block=PACK)),
-            "weight_scale": ((n, g), self.scale_dtype, ParamLayout(0, in_dim, input_block=group)),
+            "weight_scale": ((n, g), torch.float32, ParamLayout(0, in_dim, input_block=group)),
             "weight_shape": ((len(geo.rows), 2), torch.int64, ParamLayout(per_shard=True)),
         }  # fmt: skip
         if self.zero_point:
@@ -269,12 +274,12 @@ class PackQuantizedFormat(Int4Format):
         if self.zero_point:
             zeros = unpack_shards(tensors["weight_zero_point"], 0, geo.rows).t()
         g_idx = self._group_indices(tensors.get("weight_g_idx"), geo)
-        return Unpacked(q.contiguous(), tensors["weight_scale"].t().contiguous(), group,
+        return Unpacked(q.contiguous(), exact_16_bit(tensors["weight_scale"].t().contiguous()), group,
                         None if zeros is None else zeros.contiguous(), g_idx)  # fmt: skip
 
     def write(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         u, g_idx = self._write_groups(weight)
-        tensors = {"weight_packed": pack_int32(u.q.t(), 1), "weight_scale": u.scales.t().to(self.scale_dtype),
+        tensors = {"weight_packed": pack_int32(u.q.t(), 1), "weight_scale": u.scales.t().float(),
                    "weight_shape": torch.tensor(list(weight.shape))}  # fmt: skip
         if u.zeros is not None:
             tensors["weight_zero_point"] = pack_int32(u.zeros.t(), 0)
