@@ -53,7 +53,8 @@ example packages):
   ``LayerInfo``; per layer ``LayerQuantMethod`` and its kinds ``LinearQuantMethod``,
   ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
   ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
-  code of the experts for a method's own weights: ``fused_moe_torch``.
+  code of the experts for a method's own weights: ``fused_moe_torch`` (a lazy checkpoint
+  tensor ``load_weight`` gets is read with ``kvloom.interfaces.models.materialize``).
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it

@@ -63,6 +63,7 @@ from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod
 __all__ = [
     "DEFAULT_QUANT_TOLERANCES",
     "QuantizationCase",
+    "build_case_layer",
     "check_quantization_case",
     "quantization_cases",
     "run_quantization_conformance",
@@ -139,7 +140,11 @@ def _rank(tp_size: int, tp_rank: int) -> Iterator[None]:
         parallel_state._STATE = saved
 
 
-def _build(method: QuantizationMethod, case: QuantizationCase) -> nn.Module:
+def build_case_layer(method: QuantizationMethod, case: QuantizationCase) -> nn.Module:
+    """The kvloom layer of ``case`` (this rank's part, built as the model loader builds it,
+    inside ``method``'s build context), its quantized parameters created and not loaded:
+    for a method's own checks of loading paths the kit does not take (checkpoint tensors
+    stored another way, e.g. stacked experts). Layer kinds and sizes: see ``quantization_cases``."""
     parallel = case.tp_size > 1
     with _rank(case.tp_size, case.tp_rank), default_dtype(case.dtype), building_model(method, _STACKED):
         # Sizes are odd on purpose; tensor-parallel ones split on 256 rows/columns (any block up to 256).
@@ -197,7 +202,7 @@ def check_quantization_case(
     ``device``: where the layer is built and run (``"cuda"``: the method's GPU kernels;
     the random data are drawn on the host, so a case is the same data everywhere)."""
     with torch.device(device):
-        layer = _build(method, case)
+        layer = build_case_layer(method, case)
         qm = layer.quant_method
         assert qm is not None, f"{case}: {method.NAME} left the layer unquantized (layer_method returned None)"
         g = torch.Generator().manual_seed(case.seed)

@@ -14,7 +14,9 @@ Formats read:
   tensor with ``input_scale``, or none (W8A16): ``kvloom-quant-fp8``'s layers;
 * ``pack-quantized`` with 4-bit integer weights (W4A16): ``weight_packed``, group or
   channel ``weight_scale``, ``weight_zero_point`` when asymmetric, ``weight_g_idx`` for the
-  older ``actorder: group``: ``kvloom-quant-int4``'s layers.
+  older ``actorder: group``: ``kvloom-quant-int4``'s layers;
+* ``mxfp4-pack-quantized`` (MXFP4A16: e2m1 weights, e8m0 scales per 32): ``weight_packed``
+  uint8, ``weight_scale`` uint8: ``kvloom-quant-mxfp4``'s format on the same layers.
 
 Other formats (``naive-quantized``, ``nvfp4-pack-quantized``, ...) are refused naming them;
 a KV-cache scheme and sparsity too.
@@ -30,10 +32,11 @@ from kvloom_quant_fp8 import Fp8Scheme
 from kvloom_quant_fp8.method import layer_method_for
 from kvloom_quant_int4.formats import Int4Format, PackQuantizedFormat
 from kvloom_quant_int4.method import w4_layer_method
+from kvloom_quant_mxfp4 import Mxfp4Format
 
 from kvloom.interfaces import LayerInfo, LayerKind, LayerQuantMethod, QuantizationMethod
 
-FORMATS = ("float-quantized", "pack-quantized")
+FORMATS = ("float-quantized", "pack-quantized", "mxfp4-pack-quantized")
 #: compressed-tensors strategies -> ``Fp8Scheme``'s names.
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 #: ``actorder`` values of pack-quantized weights: those that store ``weight_g_idx``, and those that do not.
@@ -48,7 +51,7 @@ class ConfigGroup:
 
     name: str
     targets: tuple[str, ...]
-    scheme: Fp8Scheme | Int4Format
+    scheme: Fp8Scheme | Int4Format | Mxfp4Format
 
 
 def _fp8_args(args: dict[str, Any], where: str) -> None:
@@ -59,7 +62,7 @@ def _fp8_args(args: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}.symmetric: False is not supported (allowed: True)")
 
 
-def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Fp8Scheme | Int4Format:
+def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Fp8Scheme | Int4Format | Mxfp4Format:
     where = f"config_groups.{name}"
     fmt = group.get("format") or default_format
     if fmt not in FORMATS:
@@ -69,6 +72,8 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Fp8
         raise ValueError(f"{where}.weights: {weights!r} (allowed: an object)")
     if fmt == "pack-quantized":
         return _int4_format(where, weights, group.get("input_activations"))
+    if fmt == "mxfp4-pack-quantized":
+        return _mxfp4_format(where, weights, group.get("input_activations"))
     _fp8_args(weights, f"{where}.weights")
     strategy = weights.get("strategy")
     if strategy not in WEIGHT_STRATEGIES:
@@ -125,7 +130,19 @@ def _int4_format(where: str, weights: dict[str, Any], activations: object) -> In
     return PackQuantizedFormat(group_size, zero_point=not symmetric, act_order=actorder in ACTORDER_WITH_G_IDX)
 
 
-def _layer_method(layer: LayerInfo, scheme: Fp8Scheme | Int4Format) -> LayerQuantMethod | None:
+def _mxfp4_format(where: str, weights: dict[str, Any], activations: object) -> Mxfp4Format:
+    """An mxfp4-pack-quantized group's format (MXFP4A16 only)."""
+    kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
+    if kind != ("float", 4, "group", 32):
+        raise ValueError(f"{where}.weights: type, num_bits, strategy, group_size {kind} are not supported with "
+                         "mxfp4-pack-quantized (allowed: float, 4, group, 32)")  # fmt: skip
+    if activations is not None:
+        raise ValueError(f"{where}.input_activations: {activations!r} is not supported with MXFP4 weights (allowed: "
+                         "null, MXFP4A16)")  # fmt: skip
+    return Mxfp4Format()
+
+
+def _layer_method(layer: LayerInfo, scheme: Fp8Scheme | Int4Format | Mxfp4Format) -> LayerQuantMethod | None:
     if isinstance(scheme, Fp8Scheme):
         return layer_method_for(layer, scheme)
     return w4_layer_method(layer, scheme)
@@ -143,12 +160,13 @@ def target_rank(target: str, module: str) -> int | None:
 
 
 class CompressedTensorsMethod(QuantizationMethod):
-    """compressed-tensors checkpoints (``float-quantized``: fp8 W8A8 / W8A16; ``pack-quantized``: int4 W4A16)."""
+    """compressed-tensors checkpoints (``float-quantized``: fp8 W8A8 / W8A16; ``pack-quantized``: int4
+    W4A16; ``mxfp4-pack-quantized``: MXFP4A16)."""
 
     NAME = "compressed-tensors"
     checkpoint_formats = {"compressed-tensors": FORMATS}
     layer_kinds = (LayerKind.LINEAR, LayerKind.FUSED_MOE)
-    weight_dtype = "float8_e4m3fn (per-tensor, per-channel or block scales) or int4 (group or channel scales)"
+    weight_dtype = "float8_e4m3fn (per-tensor, per-channel or block scales), int4 (group or channel scales) or mxfp4"
     activation_dtype = "float8_e4m3fn (dynamic per token or group, static per tensor) or the model dtype (W8A16, W4A16)"
 
     def __init__(self, quantization_config: dict[str, Any] | None) -> None:

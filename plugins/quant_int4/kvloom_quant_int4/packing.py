@@ -82,13 +82,14 @@ def e2m1_to_float(q: torch.Tensor) -> torch.Tensor:
 
 
 def float_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """float values (already divided by their scale) -> the nearest e2m1 codes (ties to
-    the even code, as round-to-nearest-even), clamped to +-6."""
+    """float values (already divided by their scale) -> the nearest e2m1 codes, a tie to
+    the even code (round to nearest even), clamped to +-6."""
     mags = torch.tensor(E2M1_VALUES, device=x.device)
-    distance = (x.abs().float().unsqueeze(-1) - mags).abs()
-    # Prefer the lower (even-mantissa) code on a tie: nudge odd codes up a hair.
-    distance = distance + torch.tensor([0.0, 1e-6] * 4, device=x.device)
-    code = distance.argmin(dim=-1).to(torch.uint8)
+    midpoints = (mags[1:] + mags[:-1]) / 2
+    a = x.abs().float()
+    code = torch.bucketize(a, midpoints, right=True)  # midpoints <= a: a tie goes up
+    tie = (code > 0) & (a == midpoints[(code - 1).clamp(min=0)]) & (code % 2 == 1)
+    code = (code - tie.long()).to(torch.uint8)
     return torch.where(x < 0, code | 8, code)
 
 
