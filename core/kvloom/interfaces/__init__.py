@@ -17,7 +17,9 @@ example packages):
   ``AttentionSelectorConfig``, ``AttentionType``, ``AttentionCGSupport``, ``MultipleOf``,
   ``BlockSizeSpec``;
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
-  ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
+  ``copy_rows_skipping_invalid``; an fp8 KV cache (``AttentionImpl.k_scale`` / ``v_scale``):
+  ``FP8_KV_CACHE_DTYPES``, ``is_fp8_kv_cache``, ``quantize_kv``, ``dequantize_kv``,
+  ``inverse_kv_scale`` (what a write kernel multiplies by); environment overrides of a kernel configuration
   dataclass (``NAME=INT,...``): ``parse_kernel_overrides``; the shortest run a split-KV
   decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
@@ -82,6 +84,13 @@ from kvloom.attention.backend import (
     effective_decode_graphs,
 )
 from kvloom.attention.kernel_overrides import parse_kernel_overrides
+from kvloom.attention.kv_quant import (
+    FP8_KV_CACHE_DTYPES,
+    dequantize_kv,
+    inverse_kv_scale,
+    is_fp8_kv_cache,
+    quantize_kv,
+)
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
 from kvloom.attention.mla_backend import (
     MLA_DECODE,
@@ -147,6 +156,7 @@ from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolPar
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "FP8_KV_CACHE_DTYPES",
     "APIError",
     "MLA_DECODE",
     "MLA_PREFILL",
@@ -217,6 +227,10 @@ __all__ = [
     "WorkerBase",
     "allreduce_mode",
     "copy_rows_skipping_invalid",
+    "dequantize_kv",
+    "inverse_kv_scale",
+    "is_fp8_kv_cache",
+    "quantize_kv",
     "effective_decode_graphs",
     "hookimpl",
     "min_split_tiles",
@@ -244,6 +258,7 @@ __all__ = [
 # annotations below bind nothing; the values are the imports above.
 
 if TYPE_CHECKING:
+    import torch
     from pluggy import HookimplMarker
 
     from kvloom.lora.resolver import _LoRAResolverRegistry
@@ -263,6 +278,11 @@ MLA_PREFILL: str
 BlockSizeSpec: type
 """One entry of ``AttentionBackend.supported_block_sizes``: an exact ``int`` block size, or
 ``MultipleOf(n)``."""
+
+FP8_KV_CACHE_DTYPES: "dict[str, torch.dtype]"
+"""The ``--kv-cache-dtype`` values of an fp8 KV cache -> its torch dtype: ``fp8`` and
+``fp8_e4m3`` (``torch.float8_e4m3fn``), ``fp8_e5m2`` (``torch.float8_e5m2``). A backend
+that stores and reads them declares these names in ``supported_kv_cache_dtypes``."""
 
 CUSTOM_OP_SIGNATURES: dict[str, str]
 """The layer ops a platform may replace through ``Platform.custom_ops(config)``: op name ->

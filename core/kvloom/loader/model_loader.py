@@ -45,6 +45,7 @@ from kvloom.models.interface import (
 )
 from kvloom.models.registry import ModelRegistry
 from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
+from kvloom.attention.kv_quant import log_kv_cache_scales
 from kvloom.quantization.context import building_model, process_weights_after_loading
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
             raise UnusedCheckpointTensorsError(type(model).__name__, exc.names, files) from None
         check_all_weights_loaded(model, loaded, source)
     process_weights_after_loading(model)
+    log_kv_cache_scales(model, config.cache.cache_dtype)
     model.eval()
     model.requires_grad_(False)
     logger.info(
