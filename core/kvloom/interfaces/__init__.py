@@ -20,7 +20,9 @@ example packages):
   ``copy_rows_skipping_invalid``; an fp8 KV cache (``AttentionImpl.k_scale`` / ``v_scale``):
   ``FP8_KV_CACHE_DTYPES``, ``is_fp8_kv_cache``, ``quantize_kv``, ``dequantize_kv``,
   ``inverse_kv_scale`` (what a write kernel multiplies by); environment overrides of a kernel configuration
-  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``; the shortest run a split-KV
+  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``, with the range checks of its
+  fields (``check_launch_fields``), its resolution (``resolve_kernel_config``) and
+  ``next_power_of_2``; the shortest run a split-KV
   decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
@@ -83,7 +85,12 @@ from kvloom.attention.backend import (
     MultipleOf,
     effective_decode_graphs,
 )
-from kvloom.attention.kernel_overrides import parse_kernel_overrides
+from kvloom.attention.kernel_overrides import (
+    check_launch_fields,
+    next_power_of_2,
+    parse_kernel_overrides,
+    resolve_kernel_config,
+)
 from kvloom.attention.kv_quant import (
     FP8_KV_CACHE_DTYPES,
     dequantize_kv,
@@ -226,6 +233,7 @@ __all__ = [
     "Worker",
     "WorkerBase",
     "allreduce_mode",
+    "check_launch_fields",
     "copy_rows_skipping_invalid",
     "dequantize_kv",
     "inverse_kv_scale",
@@ -234,8 +242,10 @@ __all__ = [
     "effective_decode_graphs",
     "hookimpl",
     "min_split_tiles",
+    "next_power_of_2",
     "parse_kernel_overrides",
     "read_adapter_config",
+    "resolve_kernel_config",
     "validate_adapter_config",
     "write_kv_default_layout",
     # quantization methods
