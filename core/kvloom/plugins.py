@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 #: The plugin API version this kvloom provides. Plugins declare the version they target
 #: in KVLOOM_PLUGIN_API; a different major version is refused.
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 
 ATTENTION_BACKENDS = "kvloom.attention_backends"
 PLATFORM_PLUGINS = "kvloom.platform_plugins"

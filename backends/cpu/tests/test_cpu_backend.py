@@ -54,7 +54,7 @@ def test_registered_through_its_entry_point() -> None:
     assert ep.dist is not None and ep.dist.name == "kvloom-backend-cpu"
     import kvloom_backend_cpu
 
-    assert kvloom_backend_cpu.KVLOOM_PLUGIN_API == "1.0"
+    assert kvloom_backend_cpu.KVLOOM_PLUGIN_API == "1.2"
 
 
 def _config(**kw) -> AttentionSelectorConfig:
