@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvloom.attention.kv_quant import log_kv_cache_scales
 from kvloom.config import EngineConfig
 from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
@@ -45,7 +46,6 @@ from kvloom.models.interface import (
 )
 from kvloom.models.registry import ModelRegistry
 from kvloom.models.weights import UnusedCheckpointTensorsError, checkpoint_names, weights_not_loaded
-from kvloom.attention.kv_quant import log_kv_cache_scales
 from kvloom.quantization.context import building_model, process_weights_after_loading
 
 logger = logging.getLogger(__name__)
