@@ -166,7 +166,10 @@ class CacheConfig(_Section):
     num_gpu_blocks_override: int | None = Field(default=None, ge=1)
     """Force the number of KV-cache blocks (the worker's budget is not asked)."""
     cache_dtype: str
-    """KV-cache dtype: ``auto`` (the model dtype), ``float16``, ``bfloat16`` or ``float32``."""
+    """KV-cache dtype: ``auto`` (the model dtype), ``float16``, ``bfloat16``, ``float32``, or an
+    fp8 cache (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``: per-tensor k/v scales from the checkpoint
+    or 1.0, ``kvloom.attention.kv_quant``); a block's bytes follow it
+    (``kvloom.worker.kv_cache_memory.kv_cache_torch_dtype``)."""
     enable_prefix_caching: bool
     """Reuse the KV blocks of shared prompt prefixes."""
     prefix_caching_hash_algo: str

@@ -2,7 +2,7 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, tune, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
+# decode, offline, serving, select, select-nofi, tune, quant, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers, defaults.
 #   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
 #                by benchmarks/peers/{vllm,sglang}/fetch.sh) in /tmp; once all pieces of one are there, install it
@@ -35,6 +35,11 @@
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
+#   quant        the GPU tests (marker gpu) of the quantization plugins: plugins/quant_int4 (the W4A16 Triton
+#                GEMM and experts, e2m1 included: the conformance kit's AWQ/GPTQ cases on CUDA, Llama-3-8B shapes, CUDA-graph
+#                replay) and plugins/quant_fp8 (the kit's per-tensor dynamic/static, online per-channel and 128x128
+#                block cases on CUDA through torch._scaled_mm and the Triton block-scaled GEMM; the block GEMM at
+#                Llama-3-8B's MLP shape against the float64 product). Needs no carried model; ~1-2 min.
 #   mla          the GPU tests of backends/triton_mla (TRITON_MLA), of FLASHINFER_MLA, tests/gpu/test_mla_gpu.py (tiny
 #                DeepSeek-V2) and the MLA conformance of both, then benchmarks/bench_mla_decode.py (MLA decode
 #                alone vs copy bandwidth) -> $OUT/mla/mla_decode.json; MLA_ARGS adds flags.
@@ -356,6 +361,7 @@ write_qwen3_config(Path('/tmp/tune-models/qwen3-0.6b-shape')); write_llama3_conf
           > "$OUT/tune/$m.json" || log "tune: $m FAILED"
         KVLOOM_CACHE_DIR=/tmp/kvloom-tune-cache kvloom backends --model /tmp/tune-models/$m --dtype bfloat16 | tail -12
       done ;;
+    quant) run_pytest quant -m gpu plugins/quant_int4/tests plugins/quant_fp8/tests ;;
     moe)
       run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
       python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;

@@ -83,7 +83,7 @@ def _with_extra_tensor(model_dir: Path, name: str) -> Path:
     [
         ("fp8", "needs the package kvloom-quant-fp8 \\(pip install kvloom-quant-fp8"),
         ("compressed-tensors", "pip install kvloom-quant-compressed-tensors"),
-        ("gptq", "'gptq' is not supported by kvloom yet"),
+        ("gptq", "needs the package kvloom-quant-int4 \\(pip install kvloom-quant-int4"),
         ("bitsandbytes", "'bitsandbytes' is not supported by kvloom yet"),
     ],
 )

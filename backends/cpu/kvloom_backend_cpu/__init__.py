@@ -2,6 +2,6 @@
 
 from kvloom_backend_cpu.backend import CPUAttentionBackend
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 __all__ = ["CPUAttentionBackend", "KVLOOM_PLUGIN_API"]

@@ -6,7 +6,8 @@ contiguous chunk, so gathering a request's context is a block-granular ``index_s
 
 The builder (``builder.py``) plans each step once for all layers; the impl (``impl.py``)
 writes K/V and runs torch's ``scaled_dot_product_attention`` per decode group and per
-prefill request.
+prefill request. An fp8 KV cache (``--kv-cache-dtype fp8``) stores the quantized keys and
+values and upcasts them (times the layer's scale) as it reads them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class CPUAttentionBackend(AttentionBackend):
 
     NAME = "CPU_ATTN"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    supported_kv_cache_dtypes = ("auto",)
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     supported_block_sizes = (MultipleOf(1),)
     supported_head_sizes = None
     max_head_size = 256

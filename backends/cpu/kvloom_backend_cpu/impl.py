@@ -11,6 +11,11 @@
 
 torch's CPU SDPA kernel computes in the input dtype and accumulates the softmax and the
 products in fp32 for fp16/bf16 inputs, which is what we want for half dtypes.
+
+fp8 KV cache: the write stores ``quantize_kv(k, k_scale)`` (torch has no fp8 copies on the
+CPU, so the cache is moved as bytes), the reads upcast the gathered rows
+(``dequantize_kv``), and a prefill without context attends to its own keys and values
+as the cache holds them (quantized and back), like every later read.
 """
 
 from __future__ import annotations
@@ -18,11 +23,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvloom.interfaces import AttentionImpl
+from kvloom.interfaces import AttentionImpl, dequantize_kv, is_fp8_kv_cache, quantize_kv
 from kvloom_backend_cpu.builder import CPUAttentionMetadata, DecodeBatch, PrefillRequest
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as raw bytes (torch's CPU index ops do not take fp8), others as they are."""
+    return t.view(torch.uint8) if is_fp8_kv_cache(t) else t
+
+
 class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
+    impl_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
     def forward(
         self,
         query: torch.Tensor,
@@ -57,8 +69,10 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         else:
             new_keys, new_values = key.index_select(0, md.write_rows), value.index_select(0, md.write_rows)
         flat_shape = (-1, self.num_kv_heads, self.head_size)
-        key_cache.view(flat_shape).index_copy_(0, md.write_slots, new_keys)
-        value_cache.view(flat_shape).index_copy_(0, md.write_slots, new_values)
+        new_keys = _bytes(quantize_kv(new_keys, self.k_scale, key_cache.dtype))
+        new_values = _bytes(quantize_kv(new_values, self.v_scale, value_cache.dtype))
+        _bytes(key_cache).view(flat_shape).index_copy_(0, md.write_slots, new_keys)
+        _bytes(value_cache).view(flat_shape).index_copy_(0, md.write_slots, new_values)
 
     def _gather_blocks(
         self,
@@ -66,13 +80,23 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         value_cache: torch.Tensor,
         block_ids: torch.Tensor,
         md: CPUAttentionMetadata,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the given blocks, ``[len(block_ids), block_size, Hkv, D]`` each."""
+        """Copies of the given blocks, ``[len(block_ids), block_size, Hkv, D]`` each (an fp8
+        cache's upcast to the model dtype)."""
         shape = (2, block_ids.numel(), *key_cache.shape[1:])
-        buffer = md.workspace.get(shape, key_cache.dtype)
-        torch.index_select(key_cache, 0, block_ids, out=buffer[0])
-        torch.index_select(value_cache, 0, block_ids, out=buffer[1])
-        return buffer[0], buffer[1]
+        buffer = md.workspace.get(shape, _bytes(key_cache).dtype)
+        torch.index_select(_bytes(key_cache), 0, block_ids, out=buffer[0])
+        torch.index_select(_bytes(value_cache), 0, block_ids, out=buffer[1])
+        return self._upcast(buffer[0], key_cache, self.k_scale, dtype), self._upcast(buffer[1], value_cache,
+                                                                                     self.v_scale, dtype)
+
+    @staticmethod
+    def _upcast(rows: torch.Tensor, cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Rows gathered from ``cache`` (as bytes when it is fp8) in the model dtype ``dtype``."""
+        if not is_fp8_kv_cache(cache):
+            return rows
+        return dequantize_kv(rows.view(cache.dtype), scale, dtype)
 
     def _decode(
         self,
@@ -88,15 +112,17 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
             raise ValueError(
                 f"num_kv_heads: the metadata was planned for {batch.num_kv_heads} KV heads, this layer has {kv_heads}"
             )
-        buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), key_cache.dtype)
-        torch.index_select(key_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[0])
-        torch.index_select(value_cache.view(-1, self.head_size), 0, batch.kv_rows, out=buffer[1])
+        buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), _bytes(key_cache).dtype)
+        torch.index_select(_bytes(key_cache).view(-1, self.head_size), 0, batch.kv_rows, out=buffer[0])
+        torch.index_select(_bytes(value_cache).view(-1, self.head_size), 0, batch.kv_rows, out=buffer[1])
+        keys = self._upcast(buffer[0], key_cache, self.k_scale, query.dtype)
+        values = self._upcast(buffer[1], value_cache, self.v_scale, query.dtype)
         if batch.pad_rows.numel():
             # Slots never written (the cache is allocated uninitialised) may hold NaN.
-            buffer[0].index_fill_(0, batch.pad_rows, 0.0)
-            buffer[1].index_fill_(0, batch.pad_rows, 0.0)
-        keys = buffer[0].view(num, kv_heads, length, self.head_size)
-        values = buffer[1].view(num, kv_heads, length, self.head_size)
+            keys.index_fill_(0, batch.pad_rows, 0.0)
+            values.index_fill_(0, batch.pad_rows, 0.0)
+        keys = keys.view(num, kv_heads, length, self.head_size)
+        values = values.view(num, kv_heads, length, self.head_size)
         if batch.token_rows is None:
             q = query[batch.token_start : batch.token_start + num]
         else:
@@ -109,6 +135,12 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
             output[batch.token_start : batch.token_start + num] = out
         else:
             output.index_copy_(0, batch.token_rows, out)
+
+    def _as_cached(self, x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The step's own keys or values as the cache holds them (quantized and back for fp8)."""
+        if not is_fp8_kv_cache(cache):
+            return x
+        return dequantize_kv(quantize_kv(x, scale, cache.dtype), scale, x.dtype)
 
     def _prefill(
         self,
@@ -125,11 +157,11 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         gqa = self.num_heads != self.num_kv_heads
         if request.block_ids is None:
-            k = key[start:end].transpose(0, 1).unsqueeze(0)
-            v = value[start:end].transpose(0, 1).unsqueeze(0)
+            k = self._as_cached(key[start:end], key_cache, self.k_scale).transpose(0, 1).unsqueeze(0)
+            v = self._as_cached(value[start:end], value_cache, self.v_scale).transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            keys, values = self._gather_blocks(key_cache, value_cache, request.block_ids, md)
+            keys, values = self._gather_blocks(key_cache, value_cache, request.block_ids, md, query.dtype)
             k = keys.view(-1, self.num_kv_heads, self.head_size)[: request.seq_len].transpose(0, 1).unsqueeze(0)
             v = values.view(-1, self.num_kv_heads, self.head_size)[: request.seq_len].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(

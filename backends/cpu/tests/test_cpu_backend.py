@@ -14,11 +14,23 @@ from kvloom.interfaces import (
     AttentionLayerSpec,
     AttentionSelectorConfig,
     AttentionType,
+    FP8_KV_CACHE_DTYPES,
     CommonAttentionMetadata,
+    dequantize_kv,
+    quantize_kv,
 )
 from kvloom.interfaces.models import Attention
 from kvloom.testing import ConformanceCase, check_case, conformance_cases, forward_context, run_case
-from kvloom.testing.reference import PagedCache, PagedRequest, PagedRun, check_paged_case, place_requests
+from kvloom.testing.reference import (
+    PagedCache,
+    PagedRequest,
+    PagedRun,
+    check_paged_case,
+    make_paged_case,
+    place_requests,
+    reference_attention,
+    relative_error,
+)
 
 
 @pytest.mark.parametrize("case", conformance_cases(CPUAttentionBackend), ids=str)
@@ -42,7 +54,7 @@ def test_registered_through_its_entry_point() -> None:
     assert ep.dist is not None and ep.dist.name == "kvloom-backend-cpu"
     import kvloom_backend_cpu
 
-    assert kvloom_backend_cpu.KVLOOM_PLUGIN_API == "1.0"
+    assert kvloom_backend_cpu.KVLOOM_PLUGIN_API == "1.1"
 
 
 def _config(**kw) -> AttentionSelectorConfig:
@@ -53,17 +65,18 @@ def _config(**kw) -> AttentionSelectorConfig:
 def test_declared_support() -> None:
     assert CPUAttentionBackend.NAME == "CPU_ATTN"
     for ok in (_config(), _config(dtype=torch.bfloat16, block_size=7, head_size=80),
-               _config(dtype=torch.float16, block_size=1, head_size=256), _config(block_size=None)):
+               _config(dtype=torch.float16, block_size=1, head_size=256), _config(block_size=None),
+               _config(kv_cache_dtype="fp8"), _config(kv_cache_dtype="fp8_e5m2", dtype=torch.bfloat16)):
         assert CPUAttentionBackend.validate_configuration(ok) == []
     assert CPUAttentionBackend.preferred_block_size() == 16
     assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 3, 64) == (2, 10, 16, 3, 64)
     reasons = CPUAttentionBackend.validate_configuration(
-        _config(device_type="cuda", head_size=512, kv_cache_dtype="fp8", use_mla=True,
+        _config(device_type="cuda", head_size=512, kv_cache_dtype="int8", use_mla=True,
                 attn_type=AttentionType.ENCODER_ONLY, dtype=torch.float64)
     )
     joined = "; ".join(reasons)
     for expected in ("device type cuda not supported", "head size 512 not supported (supports 1..256)",
-                     "kv cache dtype fp8 not supported", "MLA not supported", "attention type encoder_only",
+                     "kv cache dtype int8 not supported", "MLA not supported", "attention type encoder_only",
                      "dtype float64 not supported"):
         assert expected in joined
 
@@ -71,7 +84,7 @@ def test_declared_support() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"sliding_window": 128}, "sliding_window"), ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
-     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"), ({"attn_type": AttentionType.ENCODER}, "attn_type"),
+     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"), ({"attn_type": AttentionType.ENCODER}, "attn_type"),
      ({"num_kv_heads": 3}, "num_kv_heads")],
 )
 def test_impl_refuses_what_it_does_not_implement(kwargs: dict, field: str) -> None:
@@ -175,3 +188,36 @@ def test_through_the_attention_layer() -> None:
         check = check_paged_case(step, PagedRun(out.view(step.query.shape), None, None))
         assert not check.problems, check.problems
         assert check.rel_error < 1e-5, check
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_cache_against_the_float64_reference(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """A mixed step (a fresh prompt, a chunked prefill over cached context, decodes) with an
+    fp8 KV cache and per-tensor scales: the cache holds exactly ``quantize_kv`` of the keys
+    and values, and the output matches float64 attention over the dequantized cache."""
+    fp8 = FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    k_scale, v_scale = 0.05, 0.03  # the random K/V (std 1) span beyond +-448 * scale: some saturate
+    case = make_paged_case(CPUAttentionBackend, [7, 5, 1, 1], [7, 12, 20, 9], num_heads=4, num_kv_heads=2,
+                           head_size=32, block_size=4, dtype=dtype, seed=3, fill="zeros")
+    cache = torch.empty(case.kv_cache.shape, dtype=fp8)
+    cache.view(torch.uint8).copy_(quantize_kv(case.kv_cache, k_scale, fp8).view(torch.uint8))  # the context
+    cache[1].view(torch.uint8).copy_(quantize_kv(case.kv_cache[1], v_scale, fp8).view(torch.uint8))
+    impl = CPUAttentionImpl(num_heads=4, head_size=32, scale=32**-0.5, num_kv_heads=2, kv_cache_dtype=kv_cache_dtype,
+                            attn_type=AttentionType.DECODER)
+    impl.k_scale, impl.v_scale = k_scale, v_scale
+    metadata = CPUAttentionMetadataBuilder(case.spec, "cpu", case.common.block_table.shape[1]).build(case.common)
+    output = torch.full(case.query.shape, float("nan"), dtype=dtype)
+    impl.forward(case.query, case.key, case.value, cache, metadata, output)
+
+    expected_k = quantize_kv(case.cache.expected_key_cache, k_scale, fp8)
+    expected_v = quantize_kv(case.cache.expected_value_cache, v_scale, fp8)
+    assert torch.equal(cache[0].view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(cache[1].view(torch.uint8), expected_v.view(torch.uint8))
+    reference = reference_attention(case.query, dequantize_kv(expected_k, k_scale, torch.float64),
+                                    dequantize_kv(expected_v, v_scale, torch.float64), case.common, 32**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    error = relative_error(output[: case.num_actual_tokens], reference)
+    assert error < tolerance
+    # The quantization is visible: against the unquantized K/V the error is far larger.
+    assert relative_error(output[: case.num_actual_tokens], case.expected_output) > 3 * error

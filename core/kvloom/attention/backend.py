@@ -263,7 +263,8 @@ class AttentionImpl(ABC, Generic[M]):
     impl_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     """Attention types this impl computes (others are refused by the constructor)."""
     impl_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
-    """KV-cache dtypes this impl reads and writes."""
+    """KV-cache dtypes this impl reads and writes (an fp8 cache: ``"fp8"``, ``"fp8_e4m3"``,
+    ``"fp8_e5m2"``, with ``k_scale`` / ``v_scale``)."""
     impl_supports_sliding_window: ClassVar[bool] = False
     """Whether this impl masks to a ``sliding_window`` (else a window is refused)."""
     impl_supports_logits_soft_cap: ClassVar[bool] = False
@@ -288,6 +289,11 @@ class AttentionImpl(ABC, Generic[M]):
         self.attn_type = attn_type
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        #: Per-tensor scales of an fp8 KV cache (``kvloom.attention.kv_quant``): the cache
+        #: holds ``fp8(k / k_scale)``. Set by the ``Attention`` layer from the checkpoint
+        #: once the weights are loaded (1.0 without); read by impls that declare fp8.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.queries_per_kv = num_heads // num_kv_heads
@@ -337,7 +343,9 @@ class AttentionBackend(ABC):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     """Model dtypes the kernels accept."""
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
-    """KV-cache dtypes ("auto" = same as the model dtype)."""
+    """KV-cache dtypes ("auto" = same as the model dtype; fp8 caches: ``"fp8"``,
+    ``"fp8_e4m3"``, ``"fp8_e5m2"``, which a backend declares only when its kernels write
+    and read them with the impl's ``k_scale`` / ``v_scale``: there is no fallback)."""
     supported_block_sizes: ClassVar[tuple[BlockSizeSpec, ...]] = (MultipleOf(16),)
     """Block sizes: exact ints and/or ``MultipleOf(n)``. When the user sets no block size
     the engine uses 16 if it is accepted, else the first entry (for a ``MultipleOf(n)``

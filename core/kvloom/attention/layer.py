@@ -50,6 +50,22 @@ class Attention(nn.Module):
         )
         # Bound by the model runner after the KV cache is allocated.
         self.kv_cache: torch.Tensor = torch.empty(0)
+        #: Which of the fp8 KV cache's scales the checkpoint gave (the rest stay 1.0).
+        self.kv_scales_loaded: set[str] = set()
+
+    def load_kv_scale(self, name: str, loaded: torch.Tensor) -> None:
+        """Load a checkpoint's per-tensor fp8 KV-cache scale: ``name`` ``"k_scale"``,
+        ``"v_scale"`` or ``"kv_scale"`` (both), a one-element tensor; the impl reads it
+        (``AttentionImpl.k_scale`` / ``v_scale``). A scale that is not a positive finite
+        number is an error naming the layer."""
+        if loaded.numel() != 1:
+            raise ValueError(f"{self.prefix}.{name}: a KV-cache scale is one value, got shape {tuple(loaded.shape)}")
+        value = float(loaded.reshape(()).float())
+        if not value > 0.0 or value == float("inf"):
+            raise ValueError(f"{self.prefix}.{name}: a KV-cache scale must be positive and finite, got {value}")
+        for which in ("k", "v") if name == "kv_scale" else (name[0],):
+            setattr(self.impl, f"{which}_scale", value)
+            self.kv_scales_loaded.add(f"{which}_scale")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]

@@ -131,7 +131,9 @@ class EngineArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Fraction of GPU memory to use.")
     kv_cache_memory: int | str | None = Field(None, description="KV-cache bytes (e.g. 4GiB); overrides the fraction.")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="Force the number of KV blocks.")
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="KV cache dtype.")
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV cache dtype (fp8: e4m3, half the bytes; scales from the checkpoint or 1.0)."
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
     prefix_caching_hash_algo: HashAlgo = Field("sha256", description="Block hash algorithm.")
     # ---- scheduler

@@ -17,7 +17,9 @@ example packages):
   ``AttentionSelectorConfig``, ``AttentionType``, ``AttentionCGSupport``, ``MultipleOf``,
   ``BlockSizeSpec``;
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
-  ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
+  ``copy_rows_skipping_invalid``; an fp8 KV cache (``AttentionImpl.k_scale`` / ``v_scale``):
+  ``FP8_KV_CACHE_DTYPES``, ``is_fp8_kv_cache``, ``quantize_kv``, ``dequantize_kv``,
+  ``inverse_kv_scale`` (what a write kernel multiplies by); environment overrides of a kernel configuration
   dataclass (``NAME=INT,...``): ``parse_kernel_overrides``, with the range checks of its
   fields (``check_launch_fields``), its resolution (``resolve_kernel_config``) and
   ``next_power_of_2``; the shortest run a split-KV
@@ -55,8 +57,9 @@ example packages):
   ``LayerInfo``; per layer ``LayerQuantMethod`` and its kinds ``LinearQuantMethod``,
   ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
   ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
-  code of the experts for a method's own weights: ``fused_moe_torch``; a GGUF file's
-  tensors as stored, for a method claiming ``"gguf"``: ``GGUFTensor``; the on-disk cache
+  code of the experts for a method's own weights: ``fused_moe_torch`` (a lazy checkpoint
+  tensor ``load_weight`` gets is read with ``kvloom.interfaces.models.materialize``); a GGUF
+  file's tensors as stored, for a method claiming ``"gguf"``: ``GGUFTensor``; the on-disk cache
   root for what a method derives once (repacked weights, built kernels): ``kvloom_cache_dir``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
@@ -89,6 +92,13 @@ from kvloom.attention.kernel_overrides import (
     next_power_of_2,
     parse_kernel_overrides,
     resolve_kernel_config,
+)
+from kvloom.attention.kv_quant import (
+    FP8_KV_CACHE_DTYPES,
+    dequantize_kv,
+    inverse_kv_scale,
+    is_fp8_kv_cache,
+    quantize_kv,
 )
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
 from kvloom.attention.mla_backend import (
@@ -157,6 +167,7 @@ from kvloom.utils import kvloom_cache_dir
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "FP8_KV_CACHE_DTYPES",
     "APIError",
     "MLA_DECODE",
     "MLA_PREFILL",
@@ -228,6 +239,10 @@ __all__ = [
     "allreduce_mode",
     "check_launch_fields",
     "copy_rows_skipping_invalid",
+    "dequantize_kv",
+    "inverse_kv_scale",
+    "is_fp8_kv_cache",
+    "quantize_kv",
     "effective_decode_graphs",
     "hookimpl",
     "min_split_tiles",
@@ -259,6 +274,7 @@ __all__ = [
 # annotations below bind nothing; the values are the imports above.
 
 if TYPE_CHECKING:
+    import torch
     from pluggy import HookimplMarker
 
     from kvloom.lora.resolver import _LoRAResolverRegistry
@@ -278,6 +294,11 @@ MLA_PREFILL: str
 BlockSizeSpec: type
 """One entry of ``AttentionBackend.supported_block_sizes``: an exact ``int`` block size, or
 ``MultipleOf(n)``."""
+
+FP8_KV_CACHE_DTYPES: "dict[str, torch.dtype]"
+"""The ``--kv-cache-dtype`` values of an fp8 KV cache -> its torch dtype: ``fp8`` and
+``fp8_e4m3`` (``torch.float8_e4m3fn``), ``fp8_e5m2`` (``torch.float8_e5m2``). A backend
+that stores and reads them declares these names in ``supported_kv_cache_dtypes``."""
 
 CUSTOM_OP_SIGNATURES: dict[str, str]
 """The layer ops a platform may replace through ``Platform.custom_ops(config)``: op name ->

@@ -305,6 +305,9 @@ class FusedMoE(nn.Module):
         """The checkpoint tensors that make up the parameter ``param_name`` of this module:
         ``(name relative to the module, shard for weight_loader)``; read by
         ``kvloom.models.weights.checkpoint_names`` (HF name = ``<module name>.<relative name>``)."""
+        stacked = self.quant_method.checkpoint_shards(self, param_name) if self.quant_method is not None else None
+        if stacked is not None:
+            return stacked
         gate, up, down = self.expert_weight_names
         # w13_<suffix> / w2_<suffix>: the experts' <suffix> tensors ("weight", "weight_scale", ...).
         projection, _, suffix = param_name.partition("_")

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvloom.attention.kv_quant import log_kv_cache_scales
 from kvloom.config import EngineConfig
 from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
@@ -209,6 +210,7 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
             raise UnusedCheckpointTensorsError(type(model).__name__, exc.names, files) from None
         check_all_weights_loaded(model, loaded, source)
     process_weights_after_loading(model)
+    log_kv_cache_scales(model, config.cache.cache_dtype)
     model.eval()
     model.requires_grad_(False)
     logger.info(

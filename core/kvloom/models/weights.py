@@ -160,6 +160,33 @@ def ignored_checkpoint_tensors(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "ignored_checkpoint_tensors", DEFAULT_IGNORED_CHECKPOINT_TENSORS))
 
 
+#: The names of a layer's per-tensor fp8 KV-cache scales in checkpoints.
+KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
+
+
+def kv_scale_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The attention layers that take KV-cache scales (``load_kv_scale``), by the module
+    names a checkpoint stores their scales under: the layer's own (``...self_attn.attn``)
+    and its parent's (``...self_attn``, where llm-compressor and AutoFP8 put them)."""
+    owners: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if callable(getattr(module, "load_kv_scale", None)):
+            owners[name] = module
+            owners.setdefault(name.rpartition(".")[0], module)
+    return owners
+
+
+def load_kv_scale(owners: dict[str, nn.Module], name: str, tensor: CheckpointTensor) -> bool:
+    """Load checkpoint tensor ``name`` into its attention layer when it is a KV-cache
+    scale (``<attention module>.k_scale`` / ``v_scale`` / ``kv_scale``); False otherwise."""
+    parent, _, leaf = name.rpartition(".")
+    owner = owners.get(parent) if leaf in KV_SCALE_NAMES else None
+    if owner is None:
+        return False
+    owner.load_kv_scale(leaf, materialize(tensor))  # type: ignore[operator]
+    return True
+
+
 def load_checkpoint_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, CheckpointTensor]],
@@ -183,6 +210,7 @@ def load_checkpoint_weights(
     """
     patterns = ignored_checkpoint_tensors(model) if ignored is None else tuple(ignored)
     targets = checkpoint_names(model, stacked)
+    kv_scale_owners = kv_scale_layers(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
@@ -190,6 +218,9 @@ def load_checkpoint_weights(
             target = targets.get(name)
             if target is None:
                 if name in tied_names or any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    continue
+                if load_kv_scale(kv_scale_owners, name, tensor):
+                    loaded.add(name)
                     continue
                 unexpected.append(name)
                 continue

@@ -222,6 +222,14 @@ class FusedMoEQuantMethod(LayerQuantMethod):
         computes with it (float32); ``x`` itself for weight-only methods."""
         return x.float()
 
+    def checkpoint_shards(self, layer: FusedMoE, param_name: str) -> list[tuple[str, str | None]] | None:
+        """The checkpoint tensors of the quantized parameter ``param_name``: ``(name relative
+        to the layer, shard)``, or ``None`` (the default): one per expert and projection,
+        ``<expert>.<gate|up|down name>.<suffix>`` with shard ``"<expert>.<gate|up|down>"``.
+        A format that stores the experts stacked (gpt-oss's ``gate_up_proj_blocks``) names
+        its tensors here (shard ``None``) and loads each whole in ``load_weight``."""
+        return None
+
 
 class EmbeddingQuantMethod(LayerQuantMethod):
     """The quantized table of a ``VocabEmbedding`` or ``LMHead`` (``[rows, dim]``)."""

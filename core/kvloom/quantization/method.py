@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -75,6 +76,20 @@ class LayerInfo:
     """The tensor-parallel ranks this layer is split over (1: not split)."""
     num_experts: int = 0
     """A ``FusedMoE``'s experts (0 for other kinds)."""
+
+    def ignored_by(self, names: Sequence[str]) -> bool:
+        """Whether a checkpoint's list of unquantized modules (``ignored_layers``,
+        ``modules_to_not_convert``) keeps this layer unquantized: each of its checkpoint
+        modules is named by the list (the same name, a parent of it, or its last parts:
+        ``lm_head``, ``mlp.gate``). A merged layer whose shards disagree cannot run (one
+        GEMM, one format): a ``ValueError`` naming them."""
+        flags = [any(p == n or p.startswith(n + ".") or p.endswith("." + n) for n in names)
+                 for p in self.checkpoint_prefixes]  # fmt: skip
+        if any(flags) and not all(flags):
+            kept = [p for p, flag in zip(self.checkpoint_prefixes, flags) if not flag]
+            raise ValueError(f"{self.prefix}: the checkpoint keeps some of its merged modules unquantized and "
+                             f"quantizes others ({', '.join(kept)}); kvloom runs them as one GEMM")  # fmt: skip
+        return all(flags)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ FIRST_PARTY_METHODS: dict[str, str] = {
     "fp8": "kvloom-quant-fp8",
     "compressed-tensors": "kvloom-quant-compressed-tensors",
     "gguf": "kvloom-quant-gguf",
+    "awq": "kvloom-quant-int4",
+    "gptq": "kvloom-quant-int4",
+    "mxfp4": "kvloom-quant-mxfp4",
 }
 
 

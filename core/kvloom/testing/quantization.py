@@ -63,6 +63,7 @@ from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod
 __all__ = [
     "DEFAULT_QUANT_TOLERANCES",
     "QuantizationCase",
+    "build_case_layer",
     "check_quantization_case",
     "quantization_cases",
     "run_quantization_conformance",
@@ -144,7 +145,11 @@ def _rank(tp_size: int, tp_rank: int) -> Iterator[None]:
         parallel_state._STATE = saved
 
 
-def _build(method: QuantizationMethod, case: QuantizationCase) -> nn.Module:
+def build_case_layer(method: QuantizationMethod, case: QuantizationCase) -> nn.Module:
+    """The kvloom layer of ``case`` (this rank's part, built as the model loader builds it,
+    inside ``method``'s build context), its quantized parameters created and not loaded:
+    for a method's own checks of loading paths the kit does not take (checkpoint tensors
+    stored another way, e.g. stacked experts). Layer kinds and sizes: see ``quantization_cases``."""
     parallel = case.tp_size > 1
 
     def inputs(n: int) -> int:
@@ -196,23 +201,31 @@ def _check(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float,
 
 
 def check_quantization_case(
-    method: QuantizationMethod, case: QuantizationCase, *, weight_rtol: float = 0.15, rtol: float | None = None
+    method: QuantizationMethod,
+    case: QuantizationCase,
+    *,
+    weight_rtol: float = 0.15,
+    rtol: float | None = None,
+    device: str | torch.device = "cpu",
 ) -> float:
     """Build, load and check one case (see the module docstring); an ``AssertionError``
-    names the case, the check and the error. Returns the forward's relative error."""
-    layer = _build(method, case)
-    qm = layer.quant_method
-    assert qm is not None, f"{case}: {method.NAME} left the layer unquantized (layer_method returned None)"
-    g = torch.Generator().manual_seed(case.seed)
+    names the case, the check and the error. Returns the forward's relative error.
+    ``device``: where the layer is built and run (``"cuda"``: the method's GPU kernels;
+    the random data are drawn on the host, so a case is the same data everywhere)."""
+    with torch.device(device):
+        layer = build_case_layer(method, case)
+        qm = layer.quant_method
+        assert qm is not None, f"{case}: {method.NAME} left the layer unquantized (layer_method returned None)"
+        g = torch.Generator().manual_seed(case.seed)
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g)
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, device="cpu").to(device)
 
-    if case.kind is LayerKind.LINEAR:
-        return _check_linear(layer, case, rand, weight_rtol, rtol)
-    if case.kind is LayerKind.FUSED_MOE:
-        return _check_moe(layer, case, rand, weight_rtol, rtol)
-    return _check_embedding(layer, case, rand, weight_rtol, rtol)
+        if case.kind is LayerKind.LINEAR:
+            return _check_linear(layer, case, rand, weight_rtol, rtol)
+        if case.kind is LayerKind.FUSED_MOE:
+            return _check_moe(layer, case, rand, weight_rtol, rtol)
+        return _check_embedding(layer, case, rand, weight_rtol, rtol)
 
 
 def _tolerance(kind: str, case: QuantizationCase, rtol: float | None) -> float:
@@ -287,7 +300,8 @@ def _check_embedding(layer, case, rand, weight_rtol, rtol) -> float:  # type: ig
     qm.process_weights_after_loading(layer)
     deq = qm.dequantize(layer)
     _check("dequantized table", deq, table, weight_rtol, case)
-    ids = torch.randint(0, layer.num_embeddings, (13,), generator=torch.Generator().manual_seed(case.seed))
+    ids = torch.randint(0, layer.num_embeddings, (13,), generator=torch.Generator().manual_seed(case.seed),
+                        device="cpu").to(deq.device)
     with torch.no_grad():
         looked_up = qm.embedding(layer, ids)
     _check("embedding", looked_up, deq[ids].double(), _tolerance("embedding", case, rtol), case)

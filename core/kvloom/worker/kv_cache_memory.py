@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvloom.attention.backend import AttentionLayerSpec
+from kvloom.attention.kv_quant import FP8_KV_CACHE_DTYPES
 from kvloom.attention.layer import Attention
 from kvloom.attention.mla_layer import MLAAttention
 from kvloom.attention.mla_metadata import MLAMetadataBuilder
@@ -26,6 +27,17 @@ from kvloom.config import EngineConfig
 from kvloom.platforms.worker import DeviceMemory
 
 logger = logging.getLogger(__name__)
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a KV cache of ``--kv-cache-dtype cache_dtype`` (``"auto"``: the
+    model's): what a block's bytes are counted in, so an fp8 cache holds twice the tokens
+    of a 16-bit one in the same memory."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[cache_dtype]
+    return getattr(torch, cache_dtype)
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,9 +73,8 @@ class KVCacheMemory:
         self.attn_layers = attn_layers
         self.backend = config.attention.backend
         self.block_size = config.cache.block_size
-        name = config.cache.cache_dtype
         #: ``--kv-cache-dtype``, or the model's for "auto".
-        self.dtype: torch.dtype = config.model.dtype if name == "auto" else getattr(torch, name)
+        self.dtype: torch.dtype = kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype)
 
     def bytes_per_block(self) -> int:
         """Bytes one KV-cache block takes over all attention layers (for sizing the cache)."""
@@ -109,9 +120,10 @@ class KVCacheMemory:
 
     def log_size(self, num_blocks: int) -> None:
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB, %s) for %d layers",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s) for %d layers",
             num_blocks,
             self.block_size,
+            num_blocks * self.block_size,
             num_blocks * self.bytes_per_block() / 2**30,
             str(self.dtype).removeprefix("torch."),
             len(self.attn_layers),

@@ -26,11 +26,11 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 import pytest
 import torch
-from interpreter_worker import interpreter_results as run_worker
-from interpreter_worker import print_results, record_case
 
 from kvloom.interfaces.models import select_experts
 from kvloom.testing import check_custom_op, custom_op_reference
+from kvloom.testing.interpreter import interpreter_results as run_worker
+from kvloom.testing.interpreter import print_results, record_case
 
 fused_moe_torch = custom_op_reference("fused_moe")
 
@@ -155,9 +155,9 @@ def test_cpu_tensors_rejected_outside_the_interpreter() -> None:
 def _run_worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_fused_ops import _patch_interpreter_bf16_rounding
+    from kvloom.testing.interpreter import patch_bf16_rounding
 
-    _patch_interpreter_bf16_rounding()
+    patch_bf16_rounding()
     fm = _fm()
     assert fm._INTERPRET
     torch.set_num_threads(1)

@@ -28,8 +28,9 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_worker import interpreter_results as run_worker
-from interpreter_worker import print_results, record_case
+
+from kvloom.testing.interpreter import interpreter_results as run_worker
+from kvloom.testing.interpreter import print_results, record_case
 
 EPS = 1e-6
 FP32_TOL = 1e-5
@@ -187,29 +188,11 @@ def _interp_case(fo, op: str, variant: str, dtype: torch.dtype, seed: int) -> di
             "contiguous": out_q.is_contiguous()}
 
 
-def _patch_interpreter_bf16_rounding() -> None:
-    """Make the interpreter's fp32 -> bf16 cast round to nearest even, as compiled Triton
-    does (the interpreter truncates). NaN/inf are not handled: the tests have none."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
-            lsb = (bits >> np.uint32(16)) & np.uint32(1)
-            rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
-            return interpreter.TensorHandle(rounded, tl.bfloat16)
-        return original(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-
-
 def _run_worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter_bf16_rounding()
+    from kvloom.testing.interpreter import patch_bf16_rounding
+
+    patch_bf16_rounding()
     from kvloom_platform_cuda import fused_ops as fo
 
     assert fo._INTERPRET

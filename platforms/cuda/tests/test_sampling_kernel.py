@@ -28,10 +28,10 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 import pytest
 import torch
-from interpreter_worker import interpreter_results as run_worker
-from interpreter_worker import print_results, record_case
 
 from kvloom.testing import check_custom_op
+from kvloom.testing.interpreter import interpreter_results as run_worker
+from kvloom.testing.interpreter import print_results, record_case
 
 #: Draws per sampled row in the interpreter (see the module docstring).
 INTERP_DRAWS = 200

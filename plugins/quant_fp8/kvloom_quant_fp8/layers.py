@@ -9,10 +9,12 @@ Parameters (names = the checkpoint tensors' suffixes):
 * ``input_scale`` ``[num_shards]``, static activation scales only (the largest of a
   merged layer's shards quantizes its input, as the kernels take one).
 
-Kernels (chosen once the weights are loaded, logged): on CUDA with compute capability 8.9
-or newer, per-tensor or per-channel weights with dynamic per-token activations run
-``torch._scaled_mm`` (rowwise scales; NOT YET TESTED ON A GPU); everything else,
-and every CPU run, runs the reference arithmetic in torch: the activation quantized and
+Kernels (chosen once the weights are loaded): on CUDA with compute capability 8.9 or
+newer, per-tensor or per-channel weights with dynamic per-token or static per-tensor
+activations run ``torch._scaled_mm`` (rowwise scales: a static scale is given to every
+row), and block-wise weights with per-token-group activations the Triton block-scaled
+GEMM (``block_gemm``); weight-only fp8 (no activation quantization), experts, and every
+CPU run take the reference arithmetic in torch: the activation quantized and
 dequantized (``ops.fake_quantize_activation``), the weight dequantized, a GEMM in the model
 dtype. Online quantization (``--quantization fp8`` of a float checkpoint) loads the float
 weight and quantizes it per channel after loading.
@@ -100,11 +102,17 @@ class Fp8Scheme:
         return tensors
 
 
-def _scaled_mm_ready(scheme: Fp8Scheme, device: torch.device) -> bool:
-    """Whether this layer runs ``torch._scaled_mm`` (see the module docstring)."""
-    if device.type != "cuda" or scheme.weights == "block" or scheme.activations != "token":
-        return False
-    return torch.cuda.get_device_capability(device) >= SCALED_MM_CAPABILITY
+def gpu_kernel(scheme: Fp8Scheme, weight: torch.Tensor) -> str | None:
+    """The kernel a linear layer of ``scheme`` runs on its fp8 ``weight [N, K]``'s device (see
+    the module docstring): ``"scaled_mm"``, ``"block"``, or None (the torch reference)."""
+    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) < SCALED_MM_CAPABILITY:
+        return None
+    if scheme.weights != "block" and scheme.activations in ("token", "tensor"):
+        # _scaled_mm needs both GEMM dimensions of the weight in multiples of 16.
+        return "scaled_mm" if weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 else None
+    if scheme.weights == "block" and scheme.activations == "group":
+        return "block"
+    return None
 
 
 class Fp8LinearMethod(LinearQuantMethod):
@@ -131,10 +139,15 @@ class Fp8LinearMethod(LinearQuantMethod):
             q, scale = ops.quantize_weight(layer.weight.data, "channel")
             add_quantized_parameter(layer, "weight", q, ParamLayout(0, 1))
             add_quantized_parameter(layer, s.scale_name, scale, ParamLayout(output_dim=0))
-        self.scaled_mm = _scaled_mm_ready(s, layer.weight.device)
-        if self.scaled_mm:
+        self.kernel = gpu_kernel(s, layer.weight)
+        if self.kernel == "scaled_mm":
             # One float32 scale per output row, the rowwise layout _scaled_mm reads.
             layer.__dict__["fp8_row_scales"] = self._row_scales(layer)
+        elif self.kernel == "block":
+            from kvloom_quant_fp8.block_gemm import row_block_scales
+
+            scale = getattr(layer, s.scale_name)
+            layer.__dict__["fp8_row_scales"] = row_block_scales(scale, layer.output_sizes, s.block[0])  # type: ignore[index]
 
     def _row_scales(self, layer: Any) -> torch.Tensor:
         scale = getattr(layer, self.scheme.scale_name).float()
@@ -153,10 +166,23 @@ class Fp8LinearMethod(LinearQuantMethod):
         return self.scheme.fake_quantize(x, getattr(layer, "input_scale", None))
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if getattr(self, "scaled_mm", False):
-            q, x_scale = ops.quantize_per_token(x)
+        kernel = getattr(self, "kernel", None)
+        if kernel == "block":
+            from kvloom_quant_fp8.block_gemm import fp8_block_linear
+
+            out = fp8_block_linear(x, layer.weight, layer.fp8_row_scales, self.scheme.block[1])  # type: ignore[index]
+            return out if bias is None else out + bias
+        if kernel == "scaled_mm":
+            x2 = x.reshape(-1, x.shape[-1])
+            if self.scheme.activations == "tensor":
+                # _scaled_mm takes rowwise scales on both sides or none: the static one on every row.
+                static = layer.input_scale.float().max()
+                q, x_scale = ops.to_fp8(x2, static), static.expand(x2.shape[0], 1).contiguous()
+            else:
+                q, x_scale = ops.quantize_per_token(x2)
             out = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.fp8_row_scales,
                                    out_dtype=x.dtype, use_fast_accum=True)  # fmt: skip
+            out = out.reshape(*x.shape[:-1], -1)
             return out if bias is None else out + bias
         xq = self.reference_input(layer, x).to(x.dtype)
         return F.linear(xq, self.dequantize(layer).to(x.dtype), bias)

@@ -17,7 +17,6 @@ linear layers and experts per output channel, activations per token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from kvloom.interfaces import LayerInfo, LayerKind, LayerQuantMethod, QuantizationMethod
@@ -25,23 +24,6 @@ from kvloom_quant_fp8.layers import Fp8LinearMethod, Fp8MoEMethod, Fp8Scheme
 
 #: The ``fmt`` values that name e4m3 (the only fp8 format these checkpoints use).
 E4M3_NAMES = (None, "e4m3", "float8_e4m3fn")
-
-
-def is_ignored(prefix: str, ignored: Sequence[str]) -> bool:
-    """Whether ``prefix`` (a checkpoint module name) is named by an ignore list: the same
-    name, a parent of it, or its last parts (``lm_head``, ``mlp.gate``)."""
-    return any(prefix == name or prefix.startswith(name + ".") or prefix.endswith("." + name) for name in ignored)
-
-
-def layer_ignored(layer: LayerInfo, ignored: Sequence[str]) -> bool:
-    """Whether every checkpoint module of ``layer`` is ignored; a merged layer whose
-    shards disagree cannot run (one GEMM, one format): a ``ValueError`` naming them."""
-    flags = [is_ignored(p, ignored) for p in layer.checkpoint_prefixes]
-    if any(flags) and not all(flags):
-        kept = [p for p, f in zip(layer.checkpoint_prefixes, flags) if not f]
-        raise ValueError(f"{layer.prefix}: the checkpoint keeps some of its merged modules unquantized and "
-                         f"quantizes others ({', '.join(kept)}); kvloom runs them as one GEMM")  # fmt: skip
-    return all(flags)
 
 
 def layer_method_for(layer: LayerInfo, scheme: Fp8Scheme) -> LayerQuantMethod | None:
@@ -95,7 +77,7 @@ class Fp8Method(QuantizationMethod):
         self.scheme = Fp8Scheme("block", "group", (block[0], block[1]), scale_name="weight_scale_inv")
 
     def layer_method(self, layer: LayerInfo) -> LayerQuantMethod | None:
-        if layer_ignored(layer, self.ignored):
+        if layer.ignored_by(self.ignored):
             return None
         return layer_method_for(layer, self.scheme)
 

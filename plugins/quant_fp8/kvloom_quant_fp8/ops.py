@@ -56,6 +56,16 @@ def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, group)
 
 
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(fp8 [M, K], float32 scales [M, ceil(K / group)])``, one scale per
+    row and ``group`` consecutive features."""
+    k = x.shape[-1]
+    g = _grouped(x.float(), group)
+    scale = amax_scale(g.abs().amax(dim=-1, keepdim=True))
+    q = to_fp8(g, scale).reshape(*x.shape[:-1], -1)[..., :k].contiguous()
+    return q, scale.squeeze(-1).contiguous()
+
+
 def fake_quantize_activation(x: torch.Tensor, kind: str | None, group: int = 128,
                              static_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``x`` quantized to fp8 and dequantized again, in float32: ``kind`` ``"token"``
@@ -67,10 +77,8 @@ def fake_quantize_activation(x: torch.Tensor, kind: str | None, group: int = 128
         q, scale = quantize_per_token(x)
         return q.float() * scale
     if kind == "group":
-        g = _grouped(x.float(), group)
-        scale = amax_scale(g.abs().amax(dim=-1, keepdim=True))
-        out = (to_fp8(g, scale).float() * scale).reshape(*x.shape[:-1], -1)
-        return out[..., : x.shape[-1]]
+        q, scale = quantize_per_token_group(x, group)
+        return q.float() * scale.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]
     if kind == "tensor":
         if static_scale is None:
             raise ValueError("static per-tensor activation quantization needs the checkpoint's input_scale")

@@ -1,8 +1,10 @@
-"""The Triton-interpreter run the CUDA kernel tests share: each test file runs its cases in
-one fresh process (``python <file> --worker``, which sets ``TRITON_INTERPRET=1`` before
-the kernels are defined, records each case with ``record_case`` and ends with
-``print_results``), so the interpreter never leaks into the test process, and the
-parent's tests read the results (``interpreter_results``), one test per case."""
+"""The Triton-interpreter run that kernel tests share (the CUDA platform's, the
+quantization methods'): each test file runs its cases in one fresh process (``python
+<file> --worker``, which sets ``TRITON_INTERPRET=1`` before the kernels are defined,
+records each case with ``record_case`` and ends with ``print_results``), so the
+interpreter never leaks into the test process, and the parent's tests read the results
+(``interpreter_results``), one test per case. ``patch_bf16_rounding`` makes the
+interpreter's float32 -> bfloat16 cast round as compiled Triton does."""
 
 from __future__ import annotations
 
@@ -39,3 +41,23 @@ def record_case(results: dict, name: str, case: Callable[[], dict]) -> None:
 def print_results(results: dict) -> None:
     """In the worker, last: the line ``interpreter_results`` reads."""
     print(RESULTS_PREFIX + json.dumps(results), flush=True)
+
+
+def patch_bf16_rounding() -> None:
+    """In the worker: make the interpreter's fp32 -> bf16 cast round to nearest even, as
+    compiled Triton does (the interpreter truncates). NaN/inf are not handled."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            lsb = (bits >> np.uint32(16)) & np.uint32(1)
+            rounded = ((bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(np.uint16)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return original(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
