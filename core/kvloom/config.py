@@ -88,6 +88,12 @@ class ModelConfig(_Section):
         return getattr(self.hf_config, "text_config", None) or self.hf_config
 
     @property
+    def text_config(self) -> Any:
+        """The HF config of the text model: ``hf_config.text_config`` of a multimodal
+        checkpoint (Gemma 3's ``Gemma3ForConditionalGeneration``), else ``hf_config``."""
+        return self._text_config()
+
+    @property
     def num_layers(self) -> int:
         """``num_hidden_layers`` of the (text) config."""
         return self._text_config().num_hidden_layers

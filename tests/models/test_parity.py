@@ -134,21 +134,22 @@ def test_bfloat16_close_to_hf_bfloat16(arch_setup):
     assert agreement >= 0.9
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+def test_mistral_window_applies_at_every_length(tmp_path):
+    """No cap to the window: every layer attends within it at the full context."""
     model_dir = make_tiny_model("mistral", tmp_path, with_tokenizer=False, sliding_window=32)
-    with pytest.raises(NotImplementedError, match="sliding_window=32.*max_model_len <= 32"):
-        get_model(make_test_engine_config(model_dir), "cpu")
-    # A window at least as long as max_model_len never takes effect.
-    model = get_model(make_test_engine_config(model_dir, max_model_len=32), "cpu")
-    assert model.model.rotary_emb.cos_cache.shape[0] == 32
+    config = make_test_engine_config(model_dir)
+    model = get_model(config, "cpu")
+    assert config.model.max_model_len > 32
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [32] * len(model.model.layers)
 
 
-def test_qwen2_sliding_layers_are_refused(tmp_path):
+def test_qwen2_windows_only_the_layers_from_max_window_layers(tmp_path):
     model_dir = make_tiny_model(
         "qwen2", tmp_path, with_tokenizer=False, use_sliding_window=True, sliding_window=16, max_window_layers=1
     )
-    with pytest.raises(NotImplementedError, match="layer 1 uses sliding-window"):
-        get_model(make_test_engine_config(model_dir), "cpu")
+    model = get_model(make_test_engine_config(model_dir), "cpu")
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows[0] is None and set(windows[1:]) == {16}
 
 
 def test_llama_attention_and_mlp_biases_match_hf(tmp_path):

@@ -205,11 +205,14 @@ def layer_type_of(hf_config: Any, layer_idx: int) -> str:
     return SLIDING_ATTENTION
 
 
-def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
-    """The sliding window of decoder layer ``layer_idx``, or None (not a sliding-window layer)."""
+def sliding_window_of(hf_config: Any, layer_idx: int, max_model_len: int | None = None) -> int | None:
+    """The sliding window of decoder layer ``layer_idx``, or None (not a sliding-window
+    layer, or a window of at least ``max_model_len`` tokens, which no query can exceed:
+    the layer is then full attention, e.g. Mistral-7B-v0.1's 4096 at ``--max-model-len 4096``)."""
     if layer_type_of(hf_config, layer_idx) != SLIDING_ATTENTION:
         return None
-    return int(_text_config(hf_config).sliding_window)
+    window = int(_text_config(hf_config).sliding_window)
+    return None if max_model_len is not None and window >= max_model_len else window
 
 
 def attention_chunk_size_of(hf_config: Any, layer_idx: int) -> int | None:
@@ -219,21 +222,22 @@ def attention_chunk_size_of(hf_config: Any, layer_idx: int) -> int | None:
     return int(_text_config(hf_config).attention_chunk_size)
 
 
-def layer_kv_cache_spec(hf_config: Any, layer_idx: int, block_size: int) -> KVCacheSpec:
-    """The ``KVCacheSpec`` of decoder layer ``layer_idx``."""
-    kind = layer_type_of(hf_config, layer_idx)
-    config = _text_config(hf_config)
-    if kind == SLIDING_ATTENTION:
-        return SlidingWindowSpec(block_size, sliding_window=int(config.sliding_window))
-    if kind == CHUNKED_ATTENTION:
-        return ChunkedLocalAttentionSpec(block_size, attention_chunk_size=int(config.attention_chunk_size))
+def layer_kv_cache_spec(hf_config: Any, layer_idx: int, block_size: int, max_model_len: int) -> KVCacheSpec:
+    """The ``KVCacheSpec`` of decoder layer ``layer_idx`` (a window or chunk of at least
+    ``max_model_len`` tokens never takes effect: full attention)."""
+    window = sliding_window_of(hf_config, layer_idx, max_model_len)
+    if window is not None:
+        return SlidingWindowSpec(block_size, sliding_window=window)
+    chunk = attention_chunk_size_of(hf_config, layer_idx)
+    if chunk is not None and chunk < max_model_len:
+        return ChunkedLocalAttentionSpec(block_size, attention_chunk_size=chunk)
     return FullAttentionSpec(block_size)
 
 
-def layer_kv_cache_specs(hf_config: Any, block_size: int) -> list[KVCacheSpec]:
+def layer_kv_cache_specs(hf_config: Any, block_size: int, max_model_len: int) -> list[KVCacheSpec]:
     """The spec of every decoder layer of the model (``num_hidden_layers`` of its text config)."""
     num_layers = _text_config(hf_config).num_hidden_layers
-    return [layer_kv_cache_spec(hf_config, i, block_size) for i in range(num_layers)]
+    return [layer_kv_cache_spec(hf_config, i, block_size, max_model_len) for i in range(num_layers)]
 
 
 def group_kv_cache_specs(specs: Sequence[KVCacheSpec]) -> KVCacheConfig:
@@ -258,14 +262,16 @@ def group_kv_cache_specs(specs: Sequence[KVCacheSpec]) -> KVCacheConfig:
     return KVCacheConfig(tuple(groups))
 
 
-def kv_cache_config_of(hf_config: Any, block_size: int, use_mla: bool = False) -> KVCacheConfig:
+def kv_cache_config_of(hf_config: Any, block_size: int, max_model_len: int, use_mla: bool = False) -> KVCacheConfig:
     """The model's KV-cache groups (MLA models: one full-attention group)."""
     if use_mla:
         num_layers = _text_config(hf_config).num_hidden_layers
         return KVCacheConfig((KVCacheGroupSpec(tuple(range(num_layers)), FullAttentionSpec(block_size)),))
-    return group_kv_cache_specs(layer_kv_cache_specs(hf_config, block_size))
+    return group_kv_cache_specs(layer_kv_cache_specs(hf_config, block_size, max_model_len))
 
 
 def engine_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
-    """The KV-cache groups of an engine's model at its block size."""
-    return kv_cache_config_of(config.model.hf_config, config.cache.block_size, config.model.use_mla)
+    """The KV-cache groups of an engine's model at its block size and ``max_model_len``."""
+    return kv_cache_config_of(
+        config.model.hf_config, config.cache.block_size, config.model.max_model_len, config.model.use_mla
+    )
