@@ -46,7 +46,7 @@ SPAWN = multiprocessing.get_context("spawn")
 def scheduler_output(num_requests: int, new_requests: int, prompt_len: int, step: int) -> SchedulerOutput:
     """A step of ``num_requests`` decoding requests and ``new_requests`` prefills."""
     cached = [
-        CachedRequestData(f"req-{i}", [1000 + i] if (i + step) % 16 == 0 else [], 128 + step)
+        CachedRequestData(f"req-{i}", ([1000 + i] if (i + step) % 16 == 0 else [],), 128 + step)
         for i in range(num_requests)
     ]
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256)
@@ -57,7 +57,7 @@ def scheduler_output(num_requests: int, new_requests: int, prompt_len: int, step
             [],
             params,
             None,
-            list(range(j * 1000, j * 1000 + prompt_len // 16 + 1)),
+            (list(range(j * 1000, j * 1000 + prompt_len // 16 + 1)),),
             0,
             eos_token_id=2,
         )

@@ -93,6 +93,12 @@ class ModelConfig(_Section):
         return getattr(self.hf_config, "text_config", None) or self.hf_config
 
     @property
+    def text_config(self) -> Any:
+        """The HF config of the text model: ``hf_config.text_config`` of a multimodal
+        checkpoint (Gemma 3's ``Gemma3ForConditionalGeneration``), else ``hf_config``."""
+        return self._text_config()
+
+    @property
     def num_layers(self) -> int:
         """``num_hidden_layers`` of the (text) config."""
         return self._text_config().num_hidden_layers
@@ -169,7 +175,7 @@ class CacheConfig(_Section):
     """KV-cache dtype: ``auto`` (the model dtype), ``float16``, ``bfloat16``, ``float32``, or an
     fp8 cache (``fp8`` = ``fp8_e4m3``, ``fp8_e5m2``: per-tensor k/v scales from the checkpoint
     or 1.0, ``kvloom.attention.kv_quant``); a block's bytes follow it
-    (``kvloom.worker.kv_cache_memory.kv_cache_torch_dtype``)."""
+    (``kvloom.attention.kv_quant.kv_cache_torch_dtype``)."""
     enable_prefix_caching: bool
     """Reuse the KV blocks of shared prompt prefixes."""
     prefix_caching_hash_algo: str

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
-# Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
+# Stages: setup and gguf (always first; idempotent), tests, e2e, hybrid, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, serving, select, select-nofi, tune, quant, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers, defaults.
 #   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
@@ -52,6 +52,10 @@
 #                vs PP=1 under mp and through Ray; a killed rank); needs a machine with two GPUs (nvidia-h100-x2).
 #                Each case builds two engines (~60-70 s on two H200s): the 13 cases do not fit one call's
 #                600 s; TP_K="EXPR" passes -k EXPR to pytest, e.g. TP_K=tp2_matches_tp1 then TP_K="not tp2_matches_tp1".
+#   hybrid       issue 38: tests/gpu/test_hybrid_gpu.py (tiny random Gemma 2 / Gemma 3 / gpt-oss built with
+#                transformers: fp32 greedy tokens equal HF's on the GPU, graphs / eager / chunked prefill, on each
+#                fp32 backend declaring the features), the TRITON_ATTN GPU tests and the conformance kit of
+#                TRITON_ATTN and FLEX_ATTENTION (its sliding-window, sinks and soft-cap scenarios run where declared).
 #   e2e          tests/gpu/test_e2e_gpu.py (needs the SmolLM2 GGUF parts: stage gguf); E2E_K="EXPR" passes -k EXPR.
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
@@ -324,6 +328,9 @@ for i in "${!stages[@]}"; do
     gguf) gguf ;;
     tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn" ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
+    hybrid) run_pytest hybrid tests/gpu/test_hybrid_gpu.py backends/triton/tests/test_triton_backend_gpu.py \
+        "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[TRITON_ATTN]" \
+        "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLEX_ATTENTION]" ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
     fa-export)

@@ -8,6 +8,13 @@ block table. Its next token is a deterministic function of the token history it 
 so a wrong block table, a stale prefix-cache hit or a lost block changes the output
 and the result no longer matches ``reference_generate``.
 
+Hybrid layouts (``windows``: one entry per KV-cache group, None for full attention, W for
+a sliding window of W positions): each group keeps its own block table and the runner
+writes every token into every group's blocks; a group "attends" to what its layers would
+read (the whole history, or the last W positions, read back through its table), and the
+next token is a function of all of them (``fake_next_token_of``). A window block given
+back too early (and reused) or a wrong hit in any group then changes the output.
+
 ``compute_slot_mapping`` is the slot rule written the plain way, one position at a time:
 an oracle for the model runner's vectorised slot mapping and the scheduler's block tables.
 ``step`` runs one scheduler step with a runner that samples a fixed token.
@@ -58,16 +65,27 @@ def fake_next_token(history: list[int]) -> int:
     return h % VOCAB
 
 
+def fake_next_token_of(history: list[int], windows: Sequence[int | None] = (None,)) -> int:
+    """The next token of a model whose KV-cache groups see ``history`` through ``windows``."""
+    if tuple(windows) == (None,):
+        return fake_next_token(history)
+    seen: list[int] = []
+    for window in windows:
+        seen += history if window is None else history[-window:]
+    return fake_next_token(seen)
+
+
 @dataclass
 class _RunnerRequest:
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group
     num_computed: int
     drafts: list[int] = field(default_factory=list)
 
 
 class FakeModelRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None] = (None,)) -> None:
+        self.windows = tuple(windows)
         self.block_size = block_size
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
         self.state: dict[str, _RunnerRequest] = {}
@@ -78,15 +96,17 @@ class FakeModelRunner:
             self.state.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.state, f"{new.req_id} sent as new while the runner still has it"
+            assert len(new.block_ids) == len(self.windows), (new.req_id, len(new.block_ids))
             self.state[new.req_id] = _RunnerRequest(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids), new.num_computed_tokens
+                new.prompt_token_ids + new.output_token_ids, [list(g) for g in new.block_ids], new.num_computed_tokens
             )
             if new.pooling_params is not None:
                 self.pooling.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             st = self.state[cached.req_id]
             assert st.num_computed == cached.num_computed_tokens, (cached.req_id, st.num_computed)
-            st.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(st.block_ids, cached.new_block_ids, strict=True):
+                table.extend(new_ids)
 
         # Write K/V of every scheduled token first (as every layer does before attention).
         bs = self.block_size
@@ -95,11 +115,11 @@ class FakeModelRunner:
             st.drafts = list(so.scheduled_spec_decode_tokens.get(req_id, []))
             seq = st.tokens + st.drafts
             assert st.num_computed + n <= len(seq), (req_id, st.num_computed, n, len(seq))
-            for pos, slot in zip(
-                range(st.num_computed, st.num_computed + n),
-                compute_slot_mapping(st.block_ids, st.num_computed, n, bs),
-            ):
-                self.kv[slot] = seq[pos]
+            for table in st.block_ids:
+                for pos, slot in zip(
+                    range(st.num_computed, st.num_computed + n), compute_slot_mapping(table, st.num_computed, n, bs)
+                ):
+                    self.kv[slot] = seq[pos]
 
         req_ids, sampled, pooled = [], [], []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -111,15 +131,14 @@ class FakeModelRunner:
                 pooled.append(None)
                 continue
             if req_id in self.pooling:
-                cache = self._read(st, st.num_computed)
                 sampled.append([])
-                pooled.append(torch.tensor([float(fake_next_token(cache))]))
+                pooled.append(torch.tensor([float(self._next_token(st, st.num_computed))]))
                 continue
             # Verify drafts: accept while they match what the model would produce.
             accepted = []
             base = len(st.tokens)
             for j in range(len(st.drafts) + 1):
-                token = fake_next_token(self._read(st, base + j))
+                token = self._next_token(st, base + j)
                 accepted.append(token)
                 if j == len(st.drafts) or st.drafts[j] != token:
                     break
@@ -129,18 +148,27 @@ class FakeModelRunner:
             pooled.append(None)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, pooler_output=pooled)
 
-    def _read(self, st: _RunnerRequest, length: int) -> list[int]:
-        slots = compute_slot_mapping(st.block_ids, 0, length, self.block_size)
-        return [self.kv[s] for s in slots]  # type: ignore[misc]
+    def _next_token(self, st: _RunnerRequest, length: int) -> int:
+        """The next token after the first ``length`` positions, from what each group reads."""
+        seen: list[int] = []
+        for table, window in zip(st.block_ids, self.windows):
+            start = 0 if window is None else max(0, length - window)
+            slots = compute_slot_mapping(table, 0, length, self.block_size)[start:]
+            seen += [self.kv[s] for s in slots]  # type: ignore[misc]
+        return fake_next_token(seen)
 
 
 def reference_generate(
-    prompt: list[int], params: SamplingParams, eos_token_id: int | None, max_model_len: int
+    prompt: list[int],
+    params: SamplingParams,
+    eos_token_id: int | None,
+    max_model_len: int,
+    windows: Sequence[int | None] = (None,),
 ) -> tuple[list[int], str]:
     """Greedy generation with the fake model and the documented stop rules."""
     tokens, out = list(prompt), []
     while True:
-        token = fake_next_token(tokens)
+        token = fake_next_token_of(tokens, windows)
         tokens.append(token)
         out.append(token)
         if len(out) >= params.min_tokens:

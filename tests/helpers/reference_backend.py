@@ -2,7 +2,8 @@
 
 Plain torch: write K/V through the slot mapping, then compute attention with the float64
 reference of ``kvloom.testing.reference`` (each request's whole sequence gathered from the
-block table, causal softmax) and round it to the model dtype. Slow and simple on purpose:
+block table, causal softmax; sliding windows, sinks and soft caps as the contract defines
+them) and round it to the model dtype. Slow and simple on purpose:
 model tests use it as the attention reference while the real backends are tested against
 the conformance suite.
 """
@@ -20,7 +21,7 @@ from kvloom.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from kvloom.testing.reference import reference_attention
+from kvloom.testing.reference import AttentionFeatures, reference_attention
 
 
 class ReferenceMetadataBuilder(AttentionMetadataBuilder[CommonAttentionMetadata]):
@@ -29,6 +30,10 @@ class ReferenceMetadataBuilder(AttentionMetadataBuilder[CommonAttentionMetadata]
 
 
 class ReferenceAttentionImpl(AttentionImpl[CommonAttentionMetadata]):
+    impl_supports_sliding_window = True
+    impl_supports_logits_soft_cap = True
+    impl_supports_sinks = True
+
     def forward(
         self,
         query: torch.Tensor,
@@ -48,7 +53,8 @@ class ReferenceAttentionImpl(AttentionImpl[CommonAttentionMetadata]):
         key_cache[blocks, offsets] = key[:n][write].to(key_cache.dtype)
         value_cache[blocks, offsets] = value[:n][write].to(value_cache.dtype)
 
-        output[:n] = reference_attention(query, key_cache, value_cache, md, self.scale).to(output)
+        features = AttentionFeatures(self.sliding_window, self.logits_soft_cap, self.sinks)
+        output[:n] = reference_attention(query, key_cache, value_cache, md, self.scale, features).to(output)
         return output
 
 
@@ -57,6 +63,9 @@ class ReferenceBackend(AttentionBackend):
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supported_block_sizes = (MultipleOf(1),)
     supported_device_types = ("cpu", "cuda")
+    supports_sliding_window = True
+    supports_sinks = True
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

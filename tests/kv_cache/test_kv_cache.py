@@ -23,6 +23,12 @@ def ids(blocks: list[KVCacheBlock]) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+def only(per_group: tuple[list[KVCacheBlock], ...]) -> list[KVCacheBlock]:
+    """The blocks of a one-group KVCacheManager's per-group tuple."""
+    assert len(per_group) == 1
+    return per_group[0]
+
+
 def make_request(req_id: str, prompt: list[int], **kwargs) -> Request:
     return Request(req_id, prompt, SamplingParams(max_tokens=16), **kwargs)
 
@@ -194,14 +200,14 @@ def test_hashes_are_reproducible_across_processes() -> None:
 def test_allocate_slots_grows_the_block_table_on_demand() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
     r = make_request("a", list(range(5)))
-    assert ids(kv.allocate_slots(r, 5)) == [0, 1]
+    assert ids(only(kv.allocate_slots(r, 5))) == [0, 1]
     r.num_computed_tokens = 5
     r.append_output_token_ids(5)
-    assert kv.allocate_slots(r, 1) == []  # position 5 fits block 1
+    assert kv.allocate_slots(r, 1) == ([],)  # position 5 fits block 1
     r.num_computed_tokens = 6
     r.append_output_token_ids([6, 7, 8])
-    assert ids(kv.allocate_slots(r, 3)) == [2]  # positions 6, 7 in block 1, 8 in a new one
-    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert ids(only(kv.allocate_slots(r, 3))) == [2]  # positions 6, 7 in block 1, 8 in a new one
+    assert kv.get_block_ids("a") == ([0, 1, 2],)
 
 
 def test_allocate_slots_refuses_without_side_effects() -> None:
@@ -238,7 +244,7 @@ def test_blocks_cached_for_tokens_never_computed_are_uncached_on_free() -> None:
     assert kv.block_pool.blocks[1].block_hash is not None
     again = make_request("b", list(range(6)) + [9])
     blocks, num_hits = kv.get_computed_blocks(again)
-    assert ids(blocks) == [0, 1] and num_hits == 4
+    assert ids(only(blocks)) == [0, 1] and num_hits == 4
 
 
 def test_draft_tokens_get_slots_but_are_not_cached() -> None:
@@ -249,7 +255,7 @@ def test_draft_tokens_get_slots_but_are_not_cached() -> None:
     r.append_output_token_ids(4)
     r.spec_token_ids = [5, 6, 7]
     new = kv.allocate_slots(r, 4)  # token 4 at position 3 plus three drafts
-    assert len(kv.get_block_ids("a")) == 4 and len(new) == 2
+    assert len(kv.get_block_ids("a")[0]) == 4 and len(new[0]) == 2
     cached = [b.block_hash is not None for b in kv.req_to_blocks["a"]]
     assert cached == [True, True, False, False]  # drafts may be rejected
 
@@ -261,16 +267,16 @@ def test_get_computed_blocks_always_leaves_one_token_to_compute() -> None:
     a.num_computed_tokens = 8
     same = make_request("b", list(range(8)))
     blocks, num_hits = kv.get_computed_blocks(same)
-    assert ids(blocks) == [0] and num_hits == 4  # not both blocks: the last token is recomputed
+    assert ids(only(blocks)) == [0] and num_hits == 4  # not both blocks: the last token is recomputed
     pooling = Request("p", list(range(8)), None, pooling_params=PoolingParams())
-    assert kv.get_computed_blocks(pooling) == ([], 0)
+    assert kv.get_computed_blocks(pooling) == (([],), 0)
 
 
 def test_prefix_caching_disabled_never_hits() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
     a = make_request("a", list(range(9)))
     kv.allocate_slots(a, 9)
-    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == (([],), 0)
     assert all(b.block_hash is None for b in kv.block_pool.blocks)
 
 
@@ -297,7 +303,7 @@ def test_compute_slot_mapping_three_prompt_example() -> None:
     tables = []
     for r in requests:
         kv.allocate_slots(r, r.num_tokens)
-        tables.append(kv.get_block_ids(r.request_id))
+        tables.append(kv.get_block_ids(r.request_id)[0])
     assert tables == [[1, 2], [3, 4], [5]]
     slot_mapping = []
     for r, table in zip(requests, tables):
@@ -309,8 +315,8 @@ def test_compute_slot_mapping_three_prompt_example() -> None:
     for r, table, token in zip(requests, tables, [14, 15, 16]):
         r.num_computed_tokens = r.num_tokens
         r.append_output_token_ids(token)
-        assert kv.allocate_slots(r, 1) == []  # all fit their last block
-        decode_slots += compute_slot_mapping(kv.get_block_ids(r.request_id), r.num_computed_tokens, 1, 4)
+        assert kv.allocate_slots(r, 1) == ([],)  # all fit their last block
+        decode_slots += compute_slot_mapping(kv.get_block_ids(r.request_id)[0], r.num_computed_tokens, 1, 4)
     assert [r.num_computed_tokens for r in requests] == [5, 7, 3]
     assert decode_slots == [9, 19, 23]
 

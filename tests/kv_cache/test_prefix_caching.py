@@ -45,19 +45,19 @@ def test_ten_block_timeline() -> None:
     # Time 1: an empty cache; 4 blocks, 3 full and cached, the 4th with 3 of 4 tokens.
     req0 = Request("req0", prompt0, SamplingParams())
     assert admit(kv, req0) == 0
-    assert kv.get_block_ids("req0") == [0, 1, 2, 3]
+    assert kv.get_block_ids("req0") == ([0, 1, 2, 3],)
     assert cached_ids(kv) == {0, 1, 2}
 
     # Time 2: a decoded token fills block 3 (cached); the next one needs block 4.
     decode(kv, req0, 115)
     assert cached_ids(kv) == {0, 1, 2, 3}
     decode(kv, req0, 116)
-    assert kv.get_block_ids("req0") == [0, 1, 2, 3, 4]
+    assert kv.get_block_ids("req0") == ([0, 1, 2, 3, 4],)
 
     # Time 3: 14 prompt tokens, the first 10 shared: only 2 blocks hit (the 3rd matches 2 of 4).
     req1 = Request("req1", prompt0[:10] + [200, 201, 202, 203], SamplingParams())
     assert admit(kv, req1) == 8
-    assert kv.get_block_ids("req1") == [0, 1, 5, 6]
+    assert kv.get_block_ids("req1") == ([0, 1, 5, 6],)
     assert [kv.block_pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
 
     # Time 4: req0 is freed: 2, 3, 4 go to the queue last-first (2 and 3 still cached);
@@ -75,7 +75,7 @@ def test_ten_block_timeline() -> None:
     old_hash_of_block_3 = kv.block_pool.blocks[3].block_hash
     req2 = Request("req2", prompt0[:12] + list(range(300, 317)), SamplingParams())
     assert admit(kv, req2) == 12
-    assert kv.get_block_ids("req2") == [0, 1, 2, 7, 8, 9, 4, 3]
+    assert kv.get_block_ids("req2") == ([0, 1, 2, 7, 8, 9, 4, 3],)
     assert free_queue(kv) == [6, 5]
     assert kv.block_pool.get_cached_block(old_hash_of_block_3) is None
 
@@ -88,20 +88,20 @@ def test_duplicated_blocks() -> None:
     r1 = Request("r1", [A, B, C, D, E, F], SamplingParams())
     admit(kv, r1)
     decode(kv, r1, G)  # Time 0: [0 (ABCD), 1 (EFG)]
-    assert kv.get_block_ids("r1") == [0, 1] and cached_ids(kv) == {0}
+    assert kv.get_block_ids("r1") == ([0, 1],) and cached_ids(kv) == {0}
     decode(kv, r1, H)  # Time 1: [0 (ABCD), 1 (EFGH)]
-    assert kv.get_block_ids("r1") == [0, 1] and cached_ids(kv) == {0, 1}
+    assert kv.get_block_ids("r1") == ([0, 1],) and cached_ids(kv) == {0, 1}
     decode(kv, r1, I)  # Time 2: [0 (ABCD), 1 (EFGH), 2 (I)]
-    assert kv.get_block_ids("r1") == [0, 1, 2] and cached_ids(kv) == {0, 1}
+    assert kv.get_block_ids("r1") == ([0, 1, 2],) and cached_ids(kv) == {0, 1}
     kv.free(r1)
 
     # Request 2: the same prompt; only ABCD can hit (the last token is always computed).
     r2 = Request("r2", [A, B, C, D, E, F], SamplingParams())
     assert admit(kv, r2) == 4
     decode(kv, r2, G)  # Time 0: [0 (ABCD), 3 (EFG)]
-    assert kv.get_block_ids("r2") == [0, 3] and cached_ids(kv) == {0, 1}
+    assert kv.get_block_ids("r2") == ([0, 3],) and cached_ids(kv) == {0, 1}
     decode(kv, r2, H)  # Time 1: [0 (ABCD), 3 (EFGH)]: block 3 duplicates block 1
-    assert kv.get_block_ids("r2") == [0, 3]  # append-only: not switched to block 1
+    assert kv.get_block_ids("r2") == ([0, 3],)  # append-only: not switched to block 1
     assert cached_ids(kv) == {0, 1, 3}
     efgh = kv.block_pool.blocks[1].block_hash
     assert kv.block_pool.blocks[3].block_hash == efgh
@@ -159,7 +159,7 @@ def test_requests_in_one_step_share_blocks_cached_in_that_step() -> None:
     scheduler.add_request(Request("b", prompt + [40], greedy(2)))
     so = scheduler.schedule()
     assert [r.num_computed_tokens for r in so.scheduled_new_reqs] == [0, 12]
-    blocks_a, blocks_b = (r.block_ids for r in so.scheduled_new_reqs)
+    blocks_a, blocks_b = (r.block_ids[0] for r in so.scheduled_new_reqs)
     assert blocks_b[:3] == blocks_a[:3]
     runner = FakeModelRunner(32, 4)
     out = scheduler.update_from_output(so, runner.execute_model(so))

@@ -7,9 +7,9 @@ import torch
 from kvloom_backend_cpu import CPUAttentionBackend
 from torch import nn
 
+from kvloom.attention.kv_quant import kv_cache_torch_dtype
 from kvloom.attention.layer import Attention
 from kvloom.models.weights import load_checkpoint_weights
-from kvloom.worker.kv_cache_memory import kv_cache_torch_dtype
 
 
 class _SelfAttn(nn.Module):

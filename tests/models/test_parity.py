@@ -24,7 +24,7 @@ from tests.helpers.model_fixtures import (
 )
 
 #: The mixtures of experts among ARCHITECTURES.
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 PROMPTS = {
     "short": [3, 17, 250, 9, 41],
@@ -112,12 +112,17 @@ def test_llama_rope_scaling_matches_hf(tmp_path, rope_parameters):
     assert_logits_close(out["long"], hf_logits(hf, PROMPTS["long"]))
 
 
-def test_bfloat16_close_to_hf_bfloat16(arch_setup):
+def test_bfloat16_close_to_hf_bfloat16(arch_setup, request):
     arch, _, _, _ = arch_setup
+    if arch == "gemma3":
+        # Open (issue 38): fp32 matches HF, bf16 is 1-3% off per position (6% at one) where
+        # the other models stay under 5%; the rounding order of Gemma 3's norms is suspect.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="gemma3 bf16 rounding differs from HF's"))
     model_dir = tiny_model_dir(arch)
     config = make_test_engine_config(model_dir, dtype=torch.bfloat16, block_size=8)
     model = get_model(config, "cpu")
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # gpt-oss's attention sinks stay float32 (as HF keeps them in the softmax's precision).
+    assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if not n.endswith(".sinks"))
     hf = load_hf_model(model_dir, dtype=torch.bfloat16)
     out = PagedRunner(model, config).step({"long": PROMPTS["long"]})["long"]
     expected = hf_logits(hf, PROMPTS["long"])
@@ -134,21 +139,22 @@ def test_bfloat16_close_to_hf_bfloat16(arch_setup):
     assert agreement >= 0.9
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+def test_mistral_window_applies_at_every_length(tmp_path):
+    """No cap to the window: every layer attends within it at the full context."""
     model_dir = make_tiny_model("mistral", tmp_path, with_tokenizer=False, sliding_window=32)
-    with pytest.raises(NotImplementedError, match="sliding_window=32.*max_model_len <= 32"):
-        get_model(make_test_engine_config(model_dir), "cpu")
-    # A window at least as long as max_model_len never takes effect.
-    model = get_model(make_test_engine_config(model_dir, max_model_len=32), "cpu")
-    assert model.model.rotary_emb.cos_cache.shape[0] == 32
+    config = make_test_engine_config(model_dir)
+    model = get_model(config, "cpu")
+    assert config.model.max_model_len > 32
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [32] * len(model.model.layers)
 
 
-def test_qwen2_sliding_layers_are_refused(tmp_path):
+def test_qwen2_windows_only_the_layers_from_max_window_layers(tmp_path):
     model_dir = make_tiny_model(
         "qwen2", tmp_path, with_tokenizer=False, use_sliding_window=True, sliding_window=16, max_window_layers=1
     )
-    with pytest.raises(NotImplementedError, match="layer 1 uses sliding-window"):
-        get_model(make_test_engine_config(model_dir), "cpu")
+    model = get_model(make_test_engine_config(model_dir), "cpu")
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows[0] is None and set(windows[1:]) == {16}
 
 
 def test_llama_attention_and_mlp_biases_match_hf(tmp_path):

@@ -55,12 +55,12 @@ def test_three_prompt_example_block_tables_and_slot_mappings() -> None:
     for req_id, prompt in prompts.items():
         scheduler.add_request(Request(req_id, prompt, greedy()))
     so = scheduler.schedule()
-    tables = {r.req_id: r.block_ids for r in so.scheduled_new_reqs}
+    tables = {r.req_id: r.block_ids[0] for r in so.scheduled_new_reqs}  # one KV-cache group
     assert tables == {"seq1": [0, 1], "seq2": [2, 3], "seq3": [4]}
     assert so.num_scheduled_tokens == {"seq1": 5, "seq2": 7, "seq3": 3} and so.total_num_scheduled_tokens == 15
     slots = []
     for r in so.scheduled_new_reqs:
-        slots += compute_slot_mapping(r.block_ids, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id], 4)
+        slots += compute_slot_mapping(r.block_ids[0], r.num_computed_tokens, so.num_scheduled_tokens[r.req_id], 4)
     assert slots == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 16, 17, 18]
 
     scheduler.update_from_output(so, sample(scheduler, so, {"seq1": [14], "seq2": [15], "seq3": [16]}))
@@ -68,9 +68,9 @@ def test_three_prompt_example_block_tables_and_slot_mappings() -> None:
     assert not so.scheduled_new_reqs
     cached = {r.req_id: r for r in so.scheduled_cached_reqs}
     assert {k: (c.num_computed_tokens, c.new_block_ids) for k, c in cached.items()} == {
-        "seq1": (5, []),
-        "seq2": (7, []),
-        "seq3": (3, []),
+        "seq1": (5, ([],)),
+        "seq2": (7, ([],)),
+        "seq3": (3, ([],)),
     }
     decode_slots = [compute_slot_mapping(tables[k], cached[k].num_computed_tokens, 1, 4)[0] for k in prompts]
     assert decode_slots == [5, 15, 19]
@@ -172,7 +172,7 @@ def test_fcfs_preempts_the_latest_running_request_and_resumes_it() -> None:
     assert resumed.num_computed_tokens + so.num_scheduled_tokens["b"] == 5
     # b's freed blocks went to the free queue last-first: a took the second one (LRU
     # head), the first is still cached and is a prefix-cache hit.
-    assert resumed.num_computed_tokens == 2 and resumed.block_ids[0] == 2
+    assert resumed.num_computed_tokens == 2 and resumed.block_ids[0][0] == 2
     assert [e.type for e in b.events][-1] == EngineCoreEventType.SCHEDULED
 
 
@@ -341,7 +341,7 @@ def test_draft_tokens_are_scheduled_and_rejected_ones_recomputed() -> None:
     request.spec_token_ids = [5, 6, 7]
     so = scheduler.schedule()
     assert so.num_scheduled_tokens == {"r": 4} and so.scheduled_spec_decode_tokens == {"r": [5, 6, 7]}
-    assert scheduler.kv_cache_manager.get_block_ids("r") == [0, 1]  # slots for positions 3..6
+    assert scheduler.kv_cache_manager.get_block_ids("r") == ([0, 1],)  # slots for positions 3..6
     # The runner accepted 5 and 6, rejected 7, and sampled 8 instead.
     out = scheduler.update_from_output(so, ModelRunnerOutput(["r"], [[5, 6, 8]]))
     assert by_id(out)["r"].new_token_ids == [5, 6, 8]

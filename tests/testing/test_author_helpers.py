@@ -55,7 +55,8 @@ def test_tiny_checkpoint_of_any_architecture_offline(tmp_path: Path, monkeypatch
 
 
 def test_tiny_architectures_and_prompts() -> None:
-    assert TINY_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+    assert TINY_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3",
+                                  "gpt_oss")  # fmt: skip
     assert tiny_hf_config("qwen3").head_dim == 24 and tiny_hf_config("llama", num_hidden_layers=1).num_hidden_layers == 1
     with pytest.raises(ValueError, match="not a tiny architecture"):
         tiny_hf_config("gpt2")

@@ -11,8 +11,8 @@ from kvloom.worker.input_batch import InputBatch
 
 def _batch() -> InputBatch:
     batch = InputBatch(max_num_reqs=4, max_model_len=8, max_blocks_per_req=2)
-    batch.add("a", [1, 2, 3], [], SamplingParams(), None, [0], 3, None, None)
-    batch.add("b", [4, 5], [6], SamplingParams(), None, [1], 3, None, None)
+    batch.add("a", [1, 2, 3], [], SamplingParams(), None, ([0],), 3, None, None)
+    batch.add("b", [4, 5], [6], SamplingParams(), None, ([1],), 3, None, None)
     return batch
 
 
@@ -32,7 +32,7 @@ def test_a_request_that_left_meanwhile_is_not_written_nor_is_its_rows_new_owner(
     a, b = batch["a"], batch["b"]
     placeholders = batch.append_placeholders([a, b])
     batch.remove("a")
-    c = batch.add("c", [7, 7, 7, 7], [], SamplingParams(), None, [2], 4, None, None)
+    c = batch.add("c", [7, 7, 7, 7], [], SamplingParams(), None, ([2],), 4, None, None)
     assert c.row == a.row  # the row is reused
     batch.set_tokens(placeholders, [10, 11])
     assert a.output_token_ids == [-1] and c.output_token_ids == []
@@ -42,7 +42,7 @@ def test_a_request_that_left_meanwhile_is_not_written_nor_is_its_rows_new_owner(
 
 def test_a_token_past_max_model_len_is_kept_in_the_list_only():
     batch = InputBatch(max_num_reqs=2, max_model_len=4, max_blocks_per_req=1)
-    full = batch.add("full", [1, 2, 3], [4], SamplingParams(), None, [0], 3, None, None)
+    full = batch.add("full", [1, 2, 3], [4], SamplingParams(), None, ([0],), 3, None, None)
     before = batch.token_ids.copy()
     placeholders = batch.append_placeholders([full])
     batch.set_tokens(placeholders, [9])

@@ -6,8 +6,9 @@ contiguous chunk, so gathering a request's context is a block-granular ``index_s
 
 The builder (``builder.py``) plans each step once for all layers; the impl (``impl.py``)
 writes K/V and runs torch's ``scaled_dot_product_attention`` per decode group and per
-prefill request. An fp8 KV cache (``--kv-cache-dtype fp8``) stores the quantized keys and
-values and upcasts them (times the layer's scale) as it reads them.
+prefill request. Sliding windows, attention sinks (gpt-oss) and logit soft-capping
+(Gemma 2) are supported. An fp8 KV cache (``--kv-cache-dtype fp8``) stores the quantized
+keys and values and upcasts them (times the layer's scale) as it reads them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class CPUAttentionBackend(AttentionBackend):
     supported_device_types = ("cpu",)
     supported_attn_types = (AttentionType.DECODER,)
     cudagraph_support = AttentionCGSupport.NEVER
+    supports_sliding_window = True
+    supports_sinks = True
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_impl_cls() -> type[CPUAttentionImpl]:

@@ -11,6 +11,12 @@ The builder plans a step once on the host; every layer reuses the plan:
   (prefix-cache hits, earlier chunks), its blocks and a causal mask shifted by the
   context length.
 
+With a sliding window (``spec.sliding_window``, a KV-cache group's) each request's
+gather starts at the block holding the first position its first query sees, so a long
+request reads about a window, and blocks given back to the pool (the null block, or ids
+reused by other requests) are never read; the masks hide the positions before each
+query's window.
+
 The builder also owns the ``Workspace`` that every layer gathers K/V into.
 """
 
@@ -60,16 +66,18 @@ class DecodeBatch:
     #: ``token_start : token_start + num_reqs`` (the common case; avoids a gather).
     token_rows: torch.Tensor | None
     token_start: int
-    #: Key positions gathered per request (the longest decode sequence, rounded up to
-    #: whole blocks).
+    #: Key positions gathered per request (the longest decode sequence, or window, rounded
+    #: up to whole blocks).
     padded_len: int
     num_kv_heads: int
     #: int64 ``[num_reqs * num_kv_heads * padded_len]``: rows of the cache viewed as
     #: ``[slots * num_kv_heads, head_size]``, ordered (request, kv head, position), so the
     #: gather lands directly in the ``[B, Hkv, L, D]`` layout SDPA reads fastest.
-    #: Positions past a request's last block read block 0 (masked out).
+    #: Positions past a request's last block read block 0 (masked out). With a sliding
+    #: window a request's gather starts at the block of its window's first position.
     kv_rows: torch.Tensor
-    #: bool ``[num_reqs, 1, 1, padded_len]``: True = key position < seq_len.
+    #: bool ``[num_reqs, 1, 1, padded_len]``: True = the key position is in the request's
+    #: sequence (and window).
     key_mask: torch.Tensor
     #: int64: the gathered rows (indices into ``kv_rows``) past each request's seq_len.
     #: The cache is not zero-filled, so they may hold NaN; the mask alone would not hide
@@ -85,11 +93,14 @@ class PrefillRequest:
     token_end: int
     context_len: int
     seq_len: int
-    #: int64 ``[ceil(seq_len / block_size)]`` when ``context_len > 0``, else ``None``
-    #: (no context: attention runs on the step's own keys and values).
+    #: int64 block ids of positions ``key_start .. seq_len`` when ``context_len > 0``, else
+    #: ``None`` (no context: attention runs on the step's own keys and values).
     block_ids: torch.Tensor | None
-    #: bool ``[query_len, seq_len]`` causal mask shifted by the context, when context > 0.
+    #: bool ``[query_len, seq_len - key_start]``: the causal mask shifted by the context (and
+    #: the window); None for a plain causal prefill without context or window.
     mask: torch.Tensor | None
+    #: First key position the gathered blocks hold (0 without a window).
+    key_start: int = 0
 
 
 @dataclass
@@ -166,7 +177,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         if num == 0:
             return []
         block_size = self.spec.block_size
-        lens, order = torch.sort(seq_lens[req_idx], descending=True)
+        req_lens = seq_lens[req_idx]
+        # Gathered lengths: from the block of each request's window start on.
+        gathered = req_lens - self._window_start(req_lens - 1) // block_size * block_size
+        lens, order = torch.sort(gathered, descending=True)
         padded_lens = ((lens + block_size - 1) // block_size * block_size).tolist()
 
         def padded_work(bounds: list[int]) -> int:
@@ -200,26 +214,32 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         dec_seq_lens = seq_lens[req_idx]
         if bool((dec_seq_lens < 1).any()):
             raise ValueError(f"seq_lens: decode requests need seq_lens >= 1, got {dec_seq_lens.tolist()}")
-        blocks_needed = (dec_seq_lens + block_size - 1) // block_size
+        # The query (position seq_len - 1) sees positions from window_start on.
+        window_start = self._window_start(dec_seq_lens - 1)
+        first_block = window_start // block_size
+        blocks_needed = (dec_seq_lens + block_size - 1) // block_size - first_block
         blocks_per_req = int(blocks_needed.max())
-        table = common.block_table.index_select(0, req_idx.to(common.block_table.device))
-        table = table[:, :blocks_per_req].to(torch.int64)
+        columns = first_block[:, None] + torch.arange(blocks_per_req)[None, :]  # [B, blocks_per_req]
+        width = common.block_table.shape[1]
+        table = common.block_table.index_select(0, req_idx.to(common.block_table.device)).to(torch.int64)
+        table = table.gather(1, columns.clamp(max=width - 1).to(table.device)).cpu()
         # Entries past a request's last block may hold anything: point them at block 0
         # (always a valid index); the key mask hides what they contain.
         in_use = torch.arange(blocks_per_req)[None, :] < blocks_needed[:, None]
         table = torch.where(in_use, table, torch.zeros_like(table))
-        positions = torch.arange(blocks_per_req * block_size)
-        slots = table[:, positions // block_size] * block_size + positions % block_size  # [B, L]
+        offsets = torch.arange(blocks_per_req * block_size)
+        slots = table[:, offsets // block_size] * block_size + offsets % block_size  # [B, L]
         kv_heads = self.spec.num_kv_heads
         kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
-        valid = positions[None, :] < dec_seq_lens[:, None]  # [B, L]
+        positions = first_block[:, None] * block_size + offsets[None, :]  # [B, L]
+        valid = (positions < dec_seq_lens[:, None]) & (positions >= window_start[:, None])
         key_mask = valid.view(num, 1, 1, -1)
         pad_rows = (~valid)[:, None, :].expand(num, kv_heads, -1).reshape(-1).nonzero().squeeze(1)
         return DecodeBatch(
             num_reqs=num,
             token_rows=None if contiguous else rows,
             token_start=token_start,
-            padded_len=positions.numel(),
+            padded_len=offsets.numel(),
             num_kv_heads=kv_heads,
             kv_rows=kv_rows.reshape(-1),
             key_mask=key_mask,
@@ -235,10 +255,27 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             raise ValueError(
                 f"request {req}: seq_lens ({seq_len}) must be >= its query length ({query_len})"
             )
+        block_size = self.spec.block_size
+        key_start = 0
         block_ids = mask = None
         if context_len > 0:
-            num_blocks = -(-seq_len // self.spec.block_size)
-            block_ids = common.block_table[req, :num_blocks].to(torch.int64)
-            # Query j sits at position context_len + j and sees keys at positions <= it.
-            mask = torch.arange(seq_len)[None, :] <= torch.arange(context_len, seq_len)[:, None]
-        return PrefillRequest(start, end, context_len, seq_len, block_ids, mask)
+            first_block = int(self._window_start(torch.tensor(context_len))) // block_size
+            key_start = first_block * block_size
+            num_blocks = -(-seq_len // block_size)
+            block_ids = common.block_table[req, first_block:num_blocks].to(torch.int64)
+        if context_len > 0 or self.spec.sliding_window is not None:
+            # Query j sits at position context_len + j and sees keys at positions <= it
+            # (and inside its window).
+            q_pos = torch.arange(context_len, seq_len)[:, None]
+            k_pos = torch.arange(key_start, seq_len)[None, :]
+            mask = k_pos <= q_pos
+            if self.spec.sliding_window is not None:
+                mask &= k_pos > q_pos - self.spec.sliding_window
+        return PrefillRequest(start, end, context_len, seq_len, block_ids, mask, key_start)
+
+    def _window_start(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """The first position each query position sees (0 without a sliding window)."""
+        window = self.spec.sliding_window
+        if window is None:
+            return torch.zeros_like(query_positions)
+        return (query_positions - window + 1).clamp(min=0)

@@ -8,14 +8,19 @@
 - Prefill requests run one SDPA call each: without context on the step's own keys/values
   with ``is_causal``; with context over the request's blocks gathered from the cache with
   the builder's shifted causal mask.
-
-torch's CPU SDPA kernel computes in the input dtype and accumulates the softmax and the
-products in fp32 for fp16/bf16 inputs, which is what we want for half dtypes.
+- Sliding windows: the builder gathers from each request's window and its masks hide the
+  positions before each query's window.
+- Logit soft-capping and attention sinks, which SDPA cannot express, run the same
+  shapes through ``attend_explicit``: scores in float32, ``cap * tanh(s / cap)``, the mask,
+  one more softmax column holding the head's sink logit (dropped after the softmax).
 
 fp8 KV cache: the write stores ``quantize_kv(k, k_scale)`` (torch has no fp8 copies on the
 CPU, so the cache is moved as bytes), the reads upcast the gathered rows
 (``dequantize_kv``), and a prefill without context attends to its own keys and values
 as the cache holds them (quantized and back), like every later read.
+
+torch's CPU SDPA kernel computes in the input dtype and accumulates the softmax and the
+products in fp32 for fp16/bf16 inputs, which is what we want for half dtypes.
 """
 
 from __future__ import annotations
@@ -32,8 +37,38 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if is_fp8_kv_cache(t) else t
 
 
+def attend_explicit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
+    sink_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with the scores written out: ``q [B, Hkv, M, D]`` (M query rows per KV
+    head), ``k``/``v [B, Hkv, S, D]``, ``mask`` bool broadcastable to ``[B, Hkv, M, S]``,
+    ``sink_rows`` float ``[Hkv, M]`` (each row's sink logit) or None. In float32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    num_keys = scores.shape[-1]
+    if sink_rows is not None:
+        sink = sink_rows.float()[None, :, :, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = scores.softmax(dim=-1)[..., :num_keys]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
+    impl_supports_sliding_window = True
+    impl_supports_logits_soft_cap = True
+    impl_supports_sinks = True
     impl_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+    def _explicit(self) -> bool:
+        return self.logits_soft_cap is not None or self.sinks is not None
 
     def forward(
         self,
@@ -88,8 +123,8 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         buffer = md.workspace.get(shape, _bytes(key_cache).dtype)
         torch.index_select(_bytes(key_cache), 0, block_ids, out=buffer[0])
         torch.index_select(_bytes(value_cache), 0, block_ids, out=buffer[1])
-        return self._upcast(buffer[0], key_cache, self.k_scale, dtype), self._upcast(buffer[1], value_cache,
-                                                                                     self.v_scale, dtype)
+        return (self._upcast(buffer[0], key_cache, self.k_scale, dtype),
+                self._upcast(buffer[1], value_cache, self.v_scale, dtype))  # fmt: skip
 
     @staticmethod
     def _upcast(rows: torch.Tensor, cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -97,6 +132,12 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         if not is_fp8_kv_cache(cache):
             return rows
         return dequantize_kv(rows.view(cache.dtype), scale, dtype)
+
+    def _as_cached(self, x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The step's own keys or values as the cache holds them (quantized and back for fp8)."""
+        if not is_fp8_kv_cache(cache):
+            return x
+        return dequantize_kv(quantize_kv(x, scale, cache.dtype), scale, x.dtype)
 
     def _decode(
         self,
@@ -129,18 +170,16 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
             q = query.index_select(0, batch.token_rows)
         # Query heads sharing a KV head become that head's rows: [B, Hkv, H/Hkv, D].
         q = q.unflatten(1, (kv_heads, self.queries_per_kv))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.key_mask, scale=self.scale)
+        if self._explicit():
+            sink_rows = None if self.sinks is None else self.sinks.view(kv_heads, self.queries_per_kv)
+            out = attend_explicit(q, keys, values, batch.key_mask, self.scale, self.logits_soft_cap, sink_rows)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.key_mask, scale=self.scale)
         out = out.flatten(1, 2)
         if batch.token_rows is None:
             output[batch.token_start : batch.token_start + num] = out
         else:
             output.index_copy_(0, batch.token_rows, out)
-
-    def _as_cached(self, x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """The step's own keys or values as the cache holds them (quantized and back for fp8)."""
-        if not is_fp8_kv_cache(cache):
-            return x
-        return dequantize_kv(quantize_kv(x, scale, cache.dtype), scale, x.dtype)
 
     def _prefill(
         self,
@@ -159,12 +198,32 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         if request.block_ids is None:
             k = self._as_cached(key[start:end], key_cache, self.k_scale).transpose(0, 1).unsqueeze(0)
             v = self._as_cached(value[start:end], value_cache, self.v_scale).transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
             keys, values = self._gather_blocks(key_cache, value_cache, request.block_ids, md, query.dtype)
-            k = keys.view(-1, self.num_kv_heads, self.head_size)[: request.seq_len].transpose(0, 1).unsqueeze(0)
-            v = values.view(-1, self.num_kv_heads, self.head_size)[: request.seq_len].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=request.mask, scale=self.scale, enable_gqa=gqa
-            )
+            num_keys = request.seq_len - request.key_start
+            k = keys.view(-1, self.num_kv_heads, self.head_size)[:num_keys].transpose(0, 1).unsqueeze(0)
+            v = values.view(-1, self.num_kv_heads, self.head_size)[:num_keys].transpose(0, 1).unsqueeze(0)
+        if self._explicit():
+            out = self._prefill_explicit(q, k, v, request)
+        elif request.mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=request.mask, scale=self.scale, enable_gqa=gqa)
         output[start:end] = out[0].transpose(0, 1)
+
+    def _prefill_explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: PrefillRequest
+    ) -> torch.Tensor:
+        """``attend_explicit`` for one prefill: the ``G`` query heads of a KV head and the
+        ``n`` tokens become ``G * n`` rows of that head; returns ``[1, H, n, D]``."""
+        n, group, kv_heads = q.shape[2], self.queries_per_kv, self.num_kv_heads
+        mask = request.mask
+        if mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        rows_q = q.reshape(1, kv_heads, group * n, self.head_size)
+        rows_mask = mask[None].expand(group, *mask.shape).reshape(group * n, mask.shape[-1])
+        sink_rows = None
+        if self.sinks is not None:
+            sink_rows = self.sinks.view(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)
+        out = attend_explicit(rows_q, k, v, rows_mask, self.scale, self.logits_soft_cap, sink_rows)
+        return out.view(1, self.num_heads, n, self.head_size)

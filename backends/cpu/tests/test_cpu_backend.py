@@ -83,13 +83,12 @@ def test_declared_support() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"sliding_window": 128}, "sliding_window"), ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
-     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"), ({"attn_type": AttentionType.ENCODER}, "attn_type"),
-     ({"num_kv_heads": 3}, "num_kv_heads")],
+    [({"kv_cache_dtype": "int8"}, "kv_cache_dtype"), ({"attn_type": AttentionType.ENCODER}, "attn_type"),
+     ({"num_kv_heads": 3}, "num_kv_heads"), ({"sinks": torch.zeros(3)}, "sinks")],
 )
 def test_impl_refuses_what_it_does_not_implement(kwargs: dict, field: str) -> None:
     args = {"num_heads": 8, "head_size": 64, "scale": 0.125, "num_kv_heads": 2, **kwargs}
-    error = ValueError if field == "num_kv_heads" else NotImplementedError
+    error = ValueError if field in ("num_kv_heads", "sinks") else NotImplementedError
     with pytest.raises(error, match=field):
         CPUAttentionImpl(**args)
 

@@ -39,6 +39,9 @@ class TritonAttentionBackend(AttentionBackend):
     min_compute_capability = DeviceCapability(7, 0)
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     required_modules = {"triton": "triton"}
+    supports_sliding_window = True
+    supports_sinks = True
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -7,6 +7,8 @@ is what lets these launches be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvloom.interfaces import min_split_tiles
@@ -33,6 +35,33 @@ def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 dots default to tf32 on tensor cores (~3e-4 relative error); "ieee" keeps full
     # fp32. The setting is ignored for 16-bit inputs.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class LayerFeatures:
+    """A layer's attention features, as the kernels take them (all off by default)."""
+
+    sliding_window: int | None = None
+    """Each query sees the last ``sliding_window`` positions, its own included."""
+    logits_soft_cap: float | None = None
+    """Scaled scores ``s`` become ``cap * tanh(s / cap)``."""
+    sinks: torch.Tensor | None = None
+    """``[num_heads]`` sink logits (any float dtype), added to every softmax's denominator."""
+
+    def kernel_args(self, query: torch.Tensor) -> tuple[torch.Tensor, int, float]:
+        """``(sinks_ptr, window, soft_cap)``: the runtime arguments (the log2-domain cap;
+        ``query`` stands in for an absent sinks tensor, never read)."""
+        if self.sinks is not None and (self.sinks.dim() != 1 or self.sinks.shape[0] != query.shape[1]):
+            raise ValueError(f"sinks must have shape ({query.shape[1]},), got {tuple(self.sinks.shape)}")
+        cap = 0.0 if self.logits_soft_cap is None else self.logits_soft_cap * LOG2_E
+        return (query if self.sinks is None else self.sinks), self.sliding_window or 0, cap
+
+    def constexprs(self) -> dict[str, bool]:
+        return {"WINDOW": self.sliding_window is not None, "SOFT_CAP": self.logits_soft_cap is not None,
+                "SINKS": self.sinks is not None}
+
+
+NO_FEATURES = LayerFeatures()
 
 
 def _check_inner_contiguous(name: str, tensor: torch.Tensor) -> None:
@@ -106,11 +135,12 @@ def mixed_batch_attention(
     scale: float,
     cfg: KernelConfig,
     skip_single: bool = False,
+    features: LayerFeatures = NO_FEATURES,
 ) -> None:
     """Causal paged attention for requests laid out by ``query_start_loc`` (any mix of
     prefill chunks with cached context and decodes). Writes ``output[:query_start_loc[-1]]``,
     except, with ``skip_single``, the rows of requests of one query token (which
-    ``decode_attention`` computes)."""
+    ``decode_attention`` computes). ``features``: the layer's window, soft cap and sinks."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
@@ -121,15 +151,17 @@ def mixed_batch_attention(
     group = num_heads // num_kv_heads
     block_m, block_q = mixed_batch_tiles(group, max_query_len, cfg)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    sinks, window, soft_cap = features.kernel_args(query)
     mixed_batch_attention_kernel[grid](
         query, key_cache, value_cache, output,
-        query_start_loc, seq_lens, block_table,
-        scale * LOG2_E, num_reqs,
+        query_start_loc, seq_lens, block_table, sinks,
+        scale * LOG2_E, window, soft_cap, num_reqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         GROUP=group, PAGE_SIZE=key_cache.shape[1], HEAD_SIZE=head_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.prefill_block_n,
         BLOCK_D=next_power_of_2(head_size), DOT_PRECISION=_dot_precision(query.dtype), SKIP_SINGLE=skip_single,
+        **features.constexprs(),
         num_warps=cfg.prefill_num_warps,
         num_stages=cfg.prefill_num_stages,
     )
@@ -173,6 +205,7 @@ def decode_attention(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     cfg: KernelConfig,
+    features: LayerFeatures = NO_FEATURES,
 ) -> None:
     """Paged attention for the requests of exactly one query token (flash-decoding); the
     others, if any, are skipped (see ``mixed_batch_attention(skip_single=True)``).
@@ -180,7 +213,8 @@ def decode_attention(
     With ``num_splits > 1`` each request's positions are cut into ``num_splits`` runs
     processed by separate programs, whose partial results land in ``partial_out``
     ``[>= num_reqs*num_splits, num_heads, head_size]`` and ``partial_lse``
-    ``[>= num_reqs*num_splits, num_heads]`` (float32) and are merged by a second kernel.
+    ``[>= num_reqs*num_splits, num_heads]`` (float32) and are merged by a second kernel
+    (which adds the sinks, if any). ``features``: the layer's window, soft cap and sinks.
     """
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -196,10 +230,12 @@ def decode_attention(
         )
     group = num_heads // num_kv_heads
     block_d = next_power_of_2(head_size)
+    sinks, window, soft_cap = features.kernel_args(query)
+    flags = features.constexprs()
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, output, partial_out, partial_lse,
-        query_start_loc, seq_lens, block_table,
-        scale * LOG2_E,
+        query_start_loc, seq_lens, block_table, sinks,
+        scale * LOG2_E, window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_lse.stride(0),
@@ -207,13 +243,13 @@ def decode_attention(
         BLOCK_G=max(MIN_DOT_ROWS, next_power_of_2(group)), BLOCK_N=cfg.decode_block_n, BLOCK_D=block_d,
         SPLIT=split, DOT_PRECISION=_dot_precision(query.dtype),
         MIN_SPLIT_TILES=min_split_tiles(cfg.min_split_tokens, cfg.decode_block_n, cfg.force_num_splits),
-        num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+        **flags, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     if split:
         decode_reduce_kernel[(num_reqs, num_heads)](
-            partial_out, partial_lse, output, query_start_loc, num_splits,
+            partial_out, partial_lse, output, query_start_loc, sinks, num_splits,
             partial_out.stride(0), partial_out.stride(1), partial_lse.stride(0),
             output.stride(0), output.stride(1),
-            HEAD_SIZE=head_size, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d,
+            HEAD_SIZE=head_size, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d, SINKS=flags["SINKS"],
             num_warps=4 if block_d * next_power_of_2(num_splits) >= 2048 else 1,
         )

@@ -103,12 +103,23 @@ def test_declared_cudagraph_support() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("sliding_window", 128), ("logits_soft_cap", 30.0), ("kv_cache_dtype", "fp8"), ("attn_type", AttentionType.ENCODER)],
+    [("kv_cache_dtype", "fp8"), ("attn_type", AttentionType.ENCODER)],
 )
 def test_impl_rejects_unsupported_features(field: str, value: object) -> None:
     impl_cls = TritonAttentionBackend.get_impl_cls()
     with pytest.raises(NotImplementedError, match=field if field != "attn_type" else "attn_type"):
         impl_cls(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, **{field: value})
+
+
+def test_impl_takes_window_soft_cap_and_sinks() -> None:
+    """Declared by the backend and the impl (the kernels: test_triton_backend_interpret.py)."""
+    assert TritonAttentionBackend.supports_sliding_window and TritonAttentionBackend.supports_sinks
+    assert TritonAttentionBackend.supports_logits_soft_cap
+    impl = TritonAttentionBackend.get_impl_cls()(
+        num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, sliding_window=128, logits_soft_cap=30.0,
+        sinks=torch.zeros(8),
+    )
+    assert (impl.sliding_window, impl.logits_soft_cap, impl.sinks.shape) == (128, 30.0, (8,))
 
 
 # ----------------------------------------------------------------------------- config

@@ -44,6 +44,9 @@ class Case:
     max_model_len: int | None = None
     config: dict = field(default_factory=dict)
     num_sms: int = 8
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: bool = False
 
     @property
     def tolerance(self) -> float:
@@ -96,6 +99,24 @@ CASES = [
     Case("mixed_split_decodes", (1, 12, 1, 1), (70, 30, 100, 9), 8, 2, pad_tokens=2, config={**SPLIT, **SMALL_TILES}),
     # Uniform multi-token batch (spec-decode shape) through the CUDA-graph builder path.
     Case("graph_uniform_q3", (3, 3, 3), (10, 35, 3), 8, 2, pad_reqs=1, for_cudagraph=True, max_model_len=64),
+    # Attention features (the blocks before a request's window hold NaN): windows shorter
+    # and longer than a tile, off block borders, in chunks, decodes (split and not) and
+    # mixed batches; sinks (unsplit, split: added in the reduction); soft caps; all three.
+    Case("window_prefill", (40, 9), (40, 9), 8, 2, config=SMALL_TILES, sliding_window=21),
+    Case("window_chunked", (20, 7), (83, 60), 8, 2, config=SMALL_TILES, sliding_window=37),
+    Case("window_decode", (1, 1, 1), (5, 70, 130), 8, 2, sliding_window=37),
+    Case("window_split_decode", (1, 1), (100, 161), 4, 1, config=SPLIT, sliding_window=50),
+    Case("window_mixed", (9, 1, 12, 1), (70, 21, 90, 64), 8, 2, pad_tokens=2, config={**SPLIT, **SMALL_TILES},
+         sliding_window=23),
+    Case("window_graph_decode", (1, 1), (9, 120), 4, 2, pad_reqs=2, for_cudagraph=True, max_model_len=160,
+         config={"min_split_tokens": 16, "decode_block_n": 16}, sliding_window=33),
+    Case("sinks_mixed", (9, 1, 5, 1), (30, 21, 5, 64), 8, 2, pad_tokens=1, config=SMALL_TILES, sinks=True),
+    Case("sinks_split_decode", (1, 1, 1), (16, 47, 100), 8, 2, config=SPLIT, sinks=True),
+    Case("soft_cap_mixed", (9, 1, 5), (30, 21, 5), 8, 2, config=SMALL_TILES, logits_soft_cap=3.0),
+    Case("soft_cap_split_decode", (1, 1), (33, 90), 4, 1, config=SPLIT, logits_soft_cap=3.0),
+    Case("window_sinks_soft_cap_mixed", (12, 1, 1), (75, 50, 90), 8, 2, config={**SPLIT, **SMALL_TILES},
+         sliding_window=30, logits_soft_cap=5.0, sinks=True),
+    Case("window_sinks_fp16", (9, 1), (66, 80), 4, 2, dtype="float16", sliding_window=40, sinks=True),
 ]
 
 
@@ -119,6 +140,7 @@ def _run_worker() -> None:
                 block_size=case.block_size, dtype=getattr(torch, case.dtype), seed=1000 + index,
                 pad_tokens=case.pad_tokens, pad_reqs=case.pad_reqs, max_model_len=case.max_model_len,
                 extra={CONFIG_EXTRA_KEY: case.config, NUM_SMS_EXTRA_KEY: case.num_sms},
+                sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap, sinks=case.sinks,
             )
             run = run_paged_case(paged, for_cudagraph=case.for_cudagraph)
             check = check_paged_case(paged, run)
@@ -182,7 +204,8 @@ def test_kernel_matches_float64_reference(interpreter_results: dict, case: Case)
 
 def test_split_cases_really_split(interpreter_results: dict) -> None:
     for case in CASES:
-        if case.name.startswith(("split_decode", "graph_decode", "mixed_split")):
+        if case.name.startswith(("split_decode", "graph_decode", "mixed_split", "window_split", "sinks_split",
+                                 "soft_cap_split")):
             assert interpreter_results[case.name]["num_splits"] > 1, case.name
 
 

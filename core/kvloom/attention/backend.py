@@ -5,8 +5,9 @@ entry-point name == the backend's ``NAME``) that tells the engine three things:
 
 1. What it supports, declared as class attributes (dtypes, KV-cache dtypes, block sizes,
    head sizes, compute capability, device types, MLA or not, attention types, CUDA-graph
-   support). ``validate_configuration`` turns those declarations into human-readable
-   reasons; selection never guesses.
+   support, and the attention features some models need: sliding windows, attention
+   sinks, logit soft-capping). ``validate_configuration`` turns those declarations into
+   human-readable reasons; selection never guesses.
 2. How its KV cache is laid out (``get_kv_cache_shape``).
 3. Which classes do the work: an ``AttentionMetadataBuilder`` that turns the model
    runner's ``CommonAttentionMetadata`` into whatever the kernels need (once per step,
@@ -27,6 +28,20 @@ Data layout every backend receives (N = tokens in the step, B = requests in the 
 - ``block_table[i, k]`` is the physical block holding positions
   ``k*block_size : (k+1)*block_size`` of request ``i``; ``slot_mapping[t]`` is
   ``block * block_size + offset`` of token ``t``.
+
+Attention features (each declared by a backend, refused with a reason when it lacks it):
+
+- Sliding window ``W`` (``AttentionLayerSpec.sliding_window``, the impl's
+  ``sliding_window``): the query at position ``p`` sees positions ``p - W + 1 .. p`` (``W``
+  keys, its own included; HF's convention). Blocks wholly before the window of a
+  request's first query of the step may hold anything: the KV-cache manager gave them back
+  (the entry is then the null block, or a stale id now used by another request), so a
+  backend must not read them, or must read them as masked with values that cannot be NaN.
+- Attention sinks (gpt-oss; the impl's ``sinks``, float32 ``[num_heads]``): one learned
+  logit per query head joins every softmax's denominator and contributes no value:
+  ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``.
+- Logit soft-capping ``c`` (Gemma 2; ``logits_soft_cap``): each scaled score ``s`` becomes
+  ``c * tanh(s / c)`` before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -145,6 +160,12 @@ class AttentionSelectorConfig:
     """Query heads of the model (``None`` when unknown, e.g. ``kvloom backends`` without ``--model``)."""
     num_kv_heads: int | None = None
     """Key/value heads of the model (``None`` when unknown)."""
+    sliding_window: int | None = None
+    """The smallest sliding window of the model's layers (``None``: no sliding-window layer)."""
+    has_sinks: bool = False
+    """Whether the model's attention has sinks (gpt-oss)."""
+    logits_soft_cap: float | None = None
+    """The model's attention logit soft-cap (Gemma 2), or ``None``."""
 
 
 @dataclass
@@ -216,6 +237,10 @@ class AttentionLayerSpec:
     """The softmax scale of the layers."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else a builder may need (empty today)."""
+    sliding_window: int | None = None
+    """The layers' sliding window (a KV-cache group's layers share it), or ``None``."""
+    logits_soft_cap: float | None = None
+    """The layers' attention logit soft-cap, or ``None``."""
 
 
 M = TypeVar("M")
@@ -269,6 +294,8 @@ class AttentionImpl(ABC, Generic[M]):
     """Whether this impl masks to a ``sliding_window`` (else a window is refused)."""
     impl_supports_logits_soft_cap: ClassVar[bool] = False
     """Whether this impl applies ``logits_soft_cap`` (else a cap is refused)."""
+    impl_supports_sinks: ClassVar[bool] = False
+    """Whether this impl adds attention ``sinks`` to the softmax (else sinks are refused)."""
 
     def __init__(
         self,
@@ -280,6 +307,7 @@ class AttentionImpl(ABC, Generic[M]):
         attn_type: AttentionType = AttentionType.DECODER,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
@@ -294,6 +322,9 @@ class AttentionImpl(ABC, Generic[M]):
         #: once the weights are loaded (1.0 without); read by impls that declare fp8.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        #: float32 ``[num_heads]`` learned sink logits (the layer's parameter, filled when
+        #: the weights load), or None.
+        self.sinks = sinks
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.queries_per_kv = num_heads // num_kv_heads
@@ -308,6 +339,11 @@ class AttentionImpl(ABC, Generic[M]):
             raise NotImplementedError(f"{name}: sliding_window={sliding_window} not supported (supports None)")
         if logits_soft_cap is not None and not self.impl_supports_logits_soft_cap:
             raise NotImplementedError(f"{name}: logits_soft_cap={logits_soft_cap} not supported (supports None)")
+        if sinks is not None:
+            if not self.impl_supports_sinks:
+                raise NotImplementedError(f"{name}: attention sinks not supported (supports None)")
+            if tuple(sinks.shape) != (num_heads,):
+                raise ValueError(f"{name}: sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
 
     @abstractmethod
     def forward(
@@ -377,6 +413,13 @@ class AttentionBackend(ABC):
     required_modules: ClassVar[dict[str, str]] = {}
     """Python modules the kernels import, with the pip distribution that provides each,
     e.g. ``{"flashinfer": "flashinfer-python"}``. A missing one is a reason, not a crash."""
+    supports_sliding_window: ClassVar[bool] = False
+    """Whether the backend computes sliding-window attention (Mistral, Qwen2, Gemma 2/3,
+    gpt-oss); the impl declares it too (``AttentionImpl.impl_supports_sliding_window``)."""
+    supports_sinks: ClassVar[bool] = False
+    """Whether the backend adds attention sinks to the softmax (gpt-oss)."""
+    supports_logits_soft_cap: ClassVar[bool] = False
+    """Whether the backend soft-caps the attention logits (Gemma 2)."""
 
     @staticmethod
     @abstractmethod
@@ -490,6 +533,12 @@ class AttentionBackend(ABC):
                 f"attention type {config.attn_type.value} not supported "
                 f"(supports {', '.join(t.value for t in cls.supported_attn_types)})"
             )
+        if config.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append(f"sliding-window attention (window {config.sliding_window}) not supported")
+        if config.has_sinks and not cls.supports_sinks:
+            reasons.append("attention sinks not supported")
+        if config.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
+            reasons.append(f"attention logit soft-capping ({config.logits_soft_cap}) not supported")
         cap = config.device_capability
         if cap is not None and config.device_type == "cuda":
             lo, hi = cls.min_compute_capability, cls.max_compute_capability
@@ -532,4 +581,7 @@ class AttentionBackend(ABC):
             "mla": cls.is_mla,
             "attention_types": [t.value for t in cls.supported_attn_types],
             "cudagraph_support": cls.cudagraph_support.name,
+            "sliding_window": cls.supports_sliding_window,
+            "sinks": cls.supports_sinks,
+            "logits_soft_cap": cls.supports_logits_soft_cap,
         }

@@ -33,6 +33,20 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a KV cache of ``--kv-cache-dtype cache_dtype`` (``"auto"``: the
+    model's): what a block's bytes are counted in, so an fp8 cache holds twice the tokens
+    of a 16-bit one in the same memory."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[cache_dtype]
+    dtype = getattr(torch, cache_dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not a torch dtype name")
+    return dtype
+
+
 def is_fp8_kv_cache(cache: torch.Tensor | torch.dtype) -> bool:
     """Whether a KV cache (or its dtype) is fp8."""
     dtype = cache.dtype if isinstance(cache, torch.Tensor) else cache

@@ -16,6 +16,12 @@ class Attention(nn.Module):
     Takes ``q [N, num_heads*head_size]``, ``k``/``v [N, num_kv_heads*head_size]`` and
     returns ``[N, num_heads*head_size]``. The model runner binds ``kv_cache`` once the
     cache is allocated.
+
+    ``sliding_window``, ``logits_soft_cap`` and ``sinks`` (a float32 ``[num_heads]``
+    parameter of the model's attention block, filled when the weights load) are the
+    backend contract's attention features (``kvloom.attention.backend``). In a model with
+    several KV-cache groups the runner sets ``kv_cache_group_id``: the layer then reads
+    its group's entry of the step's metadata (a list, one per group).
     """
 
     def __init__(
@@ -29,6 +35,8 @@ class Attention(nn.Module):
         kv_cache_dtype: str = "auto",
         attn_type: AttentionType = AttentionType.DECODER,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -39,6 +47,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.prefix = prefix
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.impl = backend.get_impl_cls()(
             num_heads=num_heads,
             head_size=head_size,
@@ -47,9 +57,14 @@ class Attention(nn.Module):
             kv_cache_dtype=kv_cache_dtype,
             attn_type=attn_type,
             sliding_window=sliding_window,
+            # Passed only when set: impls written before plugin API 1.1 take neither.
+            **({"logits_soft_cap": logits_soft_cap} if logits_soft_cap is not None else {}),
+            **({"sinks": sinks} if sinks is not None else {}),
         )
         # Bound by the model runner after the KV cache is allocated.
         self.kv_cache: torch.Tensor = torch.empty(0)
+        #: This layer's KV-cache group when the model has several (set by the runner).
+        self.kv_cache_group_id: int | None = None
         #: Which of the fp8 KV cache's scales the checkpoint gave (the rest stay 1.0).
         self.kv_scales_loaded: set[str] = set()
 
@@ -89,4 +104,5 @@ class Attention(nn.Module):
         n = ctx.num_actual_tokens
         if n is not None and n < query.shape[0]:
             query, key, value, output = query[:n], key[:n], value[:n], output[:n]
-        self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata, output)
+        metadata = ctx.attn_metadata if self.kv_cache_group_id is None else ctx.attn_metadata[self.kv_cache_group_id]
+        self.impl.forward(query, key, value, self.kv_cache, metadata, output)

@@ -28,17 +28,9 @@ from kvloom.attention.backend import (
     AttentionSelectorConfig,
     CommonAttentionMetadata,
 )
+from kvloom.attention.kv_quant import kv_cache_torch_dtype
 from kvloom.attention.tuning import StepCase
 from kvloom.utils import cdiv
-
-
-def _kv_cache_dtype(config: AttentionSelectorConfig) -> torch.dtype:
-    if config.kv_cache_dtype == "auto":
-        return config.dtype
-    dtype = getattr(torch, config.kv_cache_dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not a torch dtype name")
-    return dtype
 
 
 def _common_metadata(case: StepCase, block_size: int, device: torch.device) -> tuple[CommonAttentionMetadata, int]:
@@ -84,7 +76,7 @@ def step_time(
     common, num_blocks = _common_metadata(case, block_size, device)
     scale = head_size**-0.5
     spec = AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, dtype=config.dtype,
-                              kv_cache_dtype=_kv_cache_dtype(config), block_size=block_size,
+                              kv_cache_dtype=kv_cache_torch_dtype(config.kv_cache_dtype, config.dtype), block_size=block_size,
                               max_num_seqs=common.num_reqs, max_model_len=common.max_seq_len, scale=scale)  # fmt: skip
     builder = backend.get_builder_cls()(spec, device, common.block_table.shape[1])
     impl = backend.get_impl_cls()(num_heads=heads, head_size=head_size, scale=scale, num_kv_heads=kv_heads,

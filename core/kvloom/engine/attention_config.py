@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 from kvloom.attention.backend import DEFAULT_BLOCK_SIZE, AttentionSelectorConfig
 from kvloom.attention.selector import select_attention_backend
 from kvloom.config import AttentionConfig
+from kvloom.kv_cache.spec import sliding_window_of
+from kvloom.models.interface import has_attention_sinks
+from kvloom.models.registry import ModelRegistry
 
 if TYPE_CHECKING:
     from kvloom.config import EngineConfig, ModelConfig
@@ -94,6 +97,9 @@ def selector_config(
             num_heads=dims.num_heads,
             num_kv_heads=1 if decode else dims.num_heads,
         )
+    windows = [sliding_window_of(model.hf_config, i, model.max_model_len) for i in range(model.num_layers)]
+    windows = [w for w in windows if w is not None]
+    text_config = getattr(model.hf_config, "text_config", None) or model.hf_config
     return AttentionSelectorConfig(
         head_size=model.head_size,
         dtype=model.dtype,
@@ -104,6 +110,10 @@ def selector_config(
         device_capability=platform.get_device_capability(),
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
+        sliding_window=min(windows, default=None),
+        has_sinks=has_attention_sinks(ModelRegistry.load_model_cls(model.architecture)),
+        # HF's name of Gemma 2's attention logit soft-cap.
+        logits_soft_cap=getattr(text_config, "attn_logit_softcapping", None),
     )
 
 

@@ -48,7 +48,6 @@ from kvloom.engine.compile_config import resolve_compilation
 from kvloom.engine.parallel_checks import check_tensor_parallel
 from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
-from kvloom.models.llama import sliding_window_of
 from kvloom.models.registry import ModelRegistry, is_classification_architecture
 from kvloom.quantization.selection import quantization_for_engine
 from kvloom.structured_output.options import structured_outputs_config
@@ -190,24 +189,7 @@ def _model_length_limit(requested: int | None, hf_config: object) -> int:
         raise ValueError(
             f"max_model_len: {requested} exceeds the model's maximum of {limit} (allowed: 1..{limit})"
         )
-    window = _smallest_sliding_window(hf_config)
-    if window is None or window >= limit:
-        return limit
-    # kvloom's attention backends have no sliding-window masks yet (models/llama.py): a
-    # longer context would attend past the window. vLLM's habit when it cannot honour
-    # the window: cap the context to it.
-    if requested is None:
-        logger.warning(
-            "The model uses sliding-window attention (%d tokens), which kvloom does not implement yet: "
-            "max_model_len is capped at %d instead of the model's %d (set --max-model-len <= %d).",
-            window, window, limit, window,
-        )  # fmt: skip
-    elif requested > window:
-        raise ValueError(
-            f"max_model_len: {requested} is longer than the model's sliding window of {window} tokens, "
-            f"which kvloom does not implement yet (allowed: 1..{window}); pass --max-model-len {window} or less"
-        )
-    return window
+    return limit
 
 
 def _derived_max_model_len(hf_config: object) -> int:
@@ -217,17 +199,6 @@ def _derived_max_model_len(hf_config: object) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
-
-
-def _smallest_sliding_window(hf_config: object) -> int | None:
-    """The smallest sliding window any layer uses (HF's ``sliding_window``,
-    ``use_sliding_window``, ``layer_types``), or None."""
-    text_config = getattr(hf_config, "text_config", None) or hf_config
-    num_layers = getattr(text_config, "num_hidden_layers", None)
-    if not isinstance(num_layers, int) or not isinstance(getattr(text_config, "sliding_window", None), int):
-        return None
-    windows = [w for w in (sliding_window_of(text_config, i) for i in range(num_layers)) if w is not None]
-    return min(windows, default=None)
 
 
 # ---------------------------------------------------------------------- attention, cache, scheduler

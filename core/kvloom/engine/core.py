@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from kvloom import plugins
 from kvloom.config import EngineConfig
 from kvloom.executor import get_executor_cls
+from kvloom.kv_cache.spec import KVCacheConfig, engine_kv_cache_config
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.model_limits import ModelLimits, check_against_model
@@ -45,6 +46,8 @@ class EngineCore:
         # The executor runs the platform's worker: here (tensor-parallel size 1) or one
         # process per rank (--distributed-executor-backend mp).
         self.executor = get_executor_cls(config)(config)
+        # The KV-cache groups, which every worker rank derives alike from the model config.
+        self.kv_cache_config = engine_kv_cache_config(config)
         try:
             num_blocks = self._start_workers(config, start)
         except BaseException:
@@ -65,6 +68,7 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             structured_output_manager=self.structured_output_manager,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+            kv_cache_config=self.kv_cache_config,
         )
         self.async_scheduling = config.scheduler.async_scheduling
         # Pipeline parallelism: micro-batches in flight at most (vLLM's max_concurrent_batches).
@@ -92,12 +96,14 @@ class EngineCore:
         # the model when compilation is on (the runner logs the compile time itself).
         num_blocks = self.executor.determine_num_kv_blocks()
         profiled = time.perf_counter()
-        needed = cdiv(config.model.max_model_len, config.cache.block_size)
-        if num_blocks < needed:
+        kv = self.kv_cache_config
+        usable = num_blocks - kv.needs_null_block  # the null block is no request's
+        needed = kv.blocks_per_request(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
+        if usable < needed:
             raise ValueError(
-                f"The KV cache holds {num_blocks} blocks of {config.cache.block_size} tokens, fewer than "
-                f"the {needed} blocks one request of max_model_len={config.model.max_model_len} needs. "
-                "Raise --kv-cache-memory / --gpu-memory-utilization or lower --max-model-len."
+                f"The KV cache holds {usable} blocks of {config.cache.block_size} tokens, fewer than "
+                f"the {needed} blocks one request of max_model_len={config.model.max_model_len} needs "
+                f"({kv.describe()}). Raise --kv-cache-memory / --gpu-memory-utilization or lower --max-model-len."
             )
         self.executor.initialize_cache(num_blocks)
         config.cache.num_blocks = num_blocks
@@ -116,13 +122,7 @@ class EngineCore:
     def _log_kv_cache_size(self, num_blocks: int) -> None:
         """vLLM's start-up line: the KV cache in tokens and how many requests of
         max_model_len tokens it holds at once (the worker logs its bytes)."""
-        config = self.config
-        tokens = num_blocks * config.cache.block_size
-        per_request = cdiv(config.model.max_model_len, config.cache.block_size) * config.cache.block_size
-        logger.info(
-            "KV cache size: %d tokens (%d blocks of %d); maximum concurrency for %d tokens per request: %.2fx",
-            tokens, num_blocks, config.cache.block_size, config.model.max_model_len, tokens / per_request,
-        )  # fmt: skip
+        log_kv_cache_size(self.config, self.kv_cache_config, num_blocks)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -257,3 +257,26 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def log_kv_cache_size(config: EngineConfig, kv: KVCacheConfig, num_blocks: int) -> None:
+    """The KV cache in tokens (one request's longest context it holds) and how many requests
+    of ``max_model_len`` tokens fit at once. With sliding-window groups a request holds only
+    its window there, so it is counted through the groups' block needs."""
+    max_len, batched, block_size = config.model.max_model_len, config.scheduler.max_num_batched_tokens, config.cache.block_size
+    if not kv.needs_null_block:  # full attention only: tokens = blocks x block size
+        tokens = num_blocks * block_size
+        concurrency = tokens / (cdiv(max_len, block_size) * block_size)
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d); maximum concurrency for %d tokens per request: %.2fx",
+            tokens, num_blocks, block_size, max_len, concurrency,
+        )  # fmt: skip
+        return
+    # Beyond max_model_len only to report the capacity: the bound keeps the search finite.
+    tokens = kv.max_tokens_in(num_blocks - 1, batched, limit=max(max_len, num_blocks * block_size))
+    concurrency = (num_blocks - 1) / kv.blocks_per_request(max_len, batched)
+    logger.info(
+        "KV cache size: %d tokens for one request (%d blocks of %d over %s); maximum concurrency for %d tokens "
+        "per request: %.2fx",
+        tokens, num_blocks, block_size, kv.describe(), max_len, concurrency,
+    )  # fmt: skip

@@ -6,6 +6,10 @@ owned by that many requests) or *free* (``ref_cnt == 0``, in the free queue). A 
 block may still carry a ``block_hash``: its KV data is valid and can be reused by a
 request with the same prefix until the block is popped from the head of the free queue
 and re-allocated, which evicts it from the prefix cache (LRU eviction).
+
+KV-cache groups (``kvloom.kv_cache.spec``) share the pool: the same tokens cached by two
+groups are two blocks, so the prefix-cache map is keyed by the block hash *and* the group
+(``hash_key``); one LRU queue serves every group, as in the seeds' design.
 """
 
 from __future__ import annotations
@@ -16,6 +20,13 @@ from collections.abc import Iterable
 from kvloom.kv_cache.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
+
+
+def hash_key(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The prefix-cache key of a block of KV-cache group ``group_id``. Group 0's key is the
+    block hash itself (a single-group pool is the plain prefix cache); other groups append
+    their id (hashes of one algorithm all have one length, so keys never collide)."""
+    return block_hash if group_id == 0 else block_hash + group_id.to_bytes(4, "little")
 
 
 class KVCacheBlock:
@@ -145,8 +156,9 @@ class BlockPool:
         """Fraction of usable blocks owned by requests (free cached blocks count as free)."""
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVCacheBlock | None:
+        """A block of group ``group_id`` that holds the content hashed ``block_hash``, or None."""
+        blocks = self.cached_block_hash_to_block.get(hash_key(block_hash, group_id) if group_id else block_hash)
         if not blocks:
             return None
         return next(iter(blocks.values()))
@@ -161,30 +173,39 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference on cache-hit blocks, pulling free ones off the queue."""
+        """Take one more reference on cache-hit blocks, pulling free ones off the queue
+        (the null block, a placeholder of sliding-window hits, is left alone)."""
+        null = self.null_block
         for block in blocks:
+            if block is null:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks nobody owns go to the queue tail in
-        the given order (the first of them is evicted first)."""
+        the given order (the first of them is evicted first). The null block is skipped."""
+        null = self.null_block
         for block in ordered_blocks:
+            if block is null:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
     def cache_full_blocks(
-        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int, group_id: int = 0
     ) -> None:
-        """Register ``blocks[start:end]``, now full, under ``block_hashes[start:end]``."""
+        """Register ``blocks[start:end]``, now full, under ``block_hashes[start:end]`` (in
+        group ``group_id``); null-block placeholders are skipped."""
+        null = self.null_block
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None:
-                # A prefix-cache hit: already cached under this very hash.
+            if block.block_hash is not None or block is null:
+                # A prefix-cache hit (already cached under this very hash), or no block.
                 continue
-            block_hash = block_hashes[i]
+            block_hash = hash_key(block_hashes[i], group_id) if group_id else block_hashes[i]
             block.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 

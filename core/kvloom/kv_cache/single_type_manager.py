@@ -1,29 +1,48 @@
 """Per-attention-type block management (vLLM's SingleTypeKVCacheManager).
 
-One instance manages the blocks of one KV-cache group: the layers that share an
-attention type and therefore need the same blocks for a request. What differs between
-attention types is which blocks a request must keep and what counts as a prefix-cache
-hit; that is what subclasses define. kvloom's models only have full attention today
-(``FullAttentionManager``); a sliding-window manager would subclass
-``SingleTypeKVCacheManager``, free blocks that slide out of the window, and search cache
-hits from the right (see the hybrid KV cache manager design).
+One instance manages the blocks of one KV-cache group (``kvloom.kv_cache.spec``): the
+layers that share an attention type and therefore need the same blocks for a request.
+What differs between attention types is which blocks a request must keep and what
+counts as a prefix-cache hit:
+
+- ``FullAttentionManager``: every block is kept; a hit is the longest run of cached
+  leading blocks (searched from the left, stopping at the first miss).
+- ``SlidingWindowManager`` / ``ChunkedLocalAttentionManager``: blocks that no query from
+  the next token on reads (``KVCacheSpec.num_skipped_tokens``) are given back to the pool
+  (``remove_skipped_blocks``); they keep their hash, so they stay in the prefix cache until
+  the LRU queue hands them out. Their place in the block table holds the pool's null block
+  (block 0, never written, never read by a query). A hit of ``k`` blocks only needs the
+  blocks the next token reads cached, so hits are searched from the right (the seeds'
+  algorithm: the first run of cached blocks long enough, scanning back from the end).
+
+Hit searches are classmethods over a list of group ids: a hybrid model may have several
+groups of one type, and a hit must hold in every one of them (the coordinator,
+``kvloom.kv_cache.coordinator``, intersects the types).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvloom.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvloom.kv_cache.hashing import BlockHash
+from kvloom.kv_cache.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvloom.request import Request
 
 
-class SingleTypeKVCacheManager(ABC):
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+class SingleTypeKVCacheManager:
+    """Full attention's rules; subclasses for attention types that skip blocks."""
+
+    #: Whether requests give back blocks as they advance (``remove_skipped_blocks`` does something).
+    skips_blocks = False
+
+    def __init__(self, block_pool: BlockPool, kv_cache_spec: KVCacheSpec, group_id: int = 0) -> None:
         self.block_pool = block_pool
-        self.block_size = block_size
-        #: Each request's block table, in token order (append-only while it runs).
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.group_id = group_id
+        #: Each request's block table, in token order (append-only while it runs; entries
+        #: of skipped blocks are replaced by the null block).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         #: How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -67,8 +86,13 @@ class SingleTypeKVCacheManager(ABC):
         num_cached = self.num_cached_blocks.get(request_id, 0)
         num_full = min(num_tokens // self.block_size, len(block_hashes))
         if num_full > num_cached:
-            self.block_pool.cache_full_blocks(self.req_to_blocks[request_id], block_hashes, num_cached, num_full)
+            self.block_pool.cache_full_blocks(
+                self.req_to_blocks[request_id], block_hashes, num_cached, num_full, self.group_id
+            )
             self.num_cached_blocks[request_id] = num_full
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back the blocks no query from ``num_computed_tokens`` on reads (none here)."""
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first (it is the least reusable).
@@ -88,27 +112,127 @@ class SingleTypeKVCacheManager(ABC):
                 self.block_pool.uncache_block(block)
         self.block_pool.free_blocks(reversed(blocks))
 
-    @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int) -> list[KVCacheBlock]:
-        """The cached blocks that give the longest usable prefix (at most
-        ``max_num_blocks`` blocks)."""
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_num_blocks: int,
+        group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Per group of ``group_ids``, the blocks of the longest prefix (at most
+        ``max_num_blocks`` blocks) that every one of them has cached: full attention's
+        search, from the left."""
+        get_cached_block = block_pool.get_cached_block
+        if len(group_ids) == 1:  # the common case: one group, no intersection
+            group_id = group_ids[0]
+            hits: list[KVCacheBlock] = []
+            for block_hash in block_hashes[:max_num_blocks]:
+                block = get_cached_block(block_hash, group_id)
+                if block is None:
+                    break
+                hits.append(block)
+            return (hits,)
+        per_group: tuple[list[KVCacheBlock], ...] = tuple([] for _ in group_ids)
+        for block_hash in block_hashes[:max_num_blocks]:
+            found = [get_cached_block(block_hash, g) for g in group_ids]
+            if any(block is None for block in found):
+                break
+            for hits, block in zip(per_group, found):
+                hits.append(block)  # type: ignore[arg-type]
+        return per_group
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention keeps every block; a hit is the longest run of cached leading blocks."""
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_num_blocks: int) -> list[KVCacheBlock]:
-        hits: list[KVCacheBlock] = []
-        get_cached_block = self.block_pool.get_cached_block
-        for block_hash in block_hashes[:max_num_blocks]:
-            block = get_cached_block(block_hash)
-            if block is None:
+
+class SkippingManager(SingleTypeKVCacheManager):
+    """Attention that reads only recent positions: blocks before them are given back and
+    hits are searched from the right (``SlidingWindowManager``, ``ChunkedLocalAttentionManager``)."""
+
+    skips_blocks = True
+
+    def __init__(self, block_pool: BlockPool, kv_cache_spec: KVCacheSpec, group_id: int = 0) -> None:
+        if block_pool.null_block is None:
+            raise ValueError(f"{type(self).__name__} needs a block pool with a null block (reserve_null_block=True)")
+        super().__init__(block_pool, kv_cache_spec, group_id)
+        self.null_block: KVCacheBlock = block_pool.null_block
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        num_skipped = min(self.kv_cache_spec.num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
+        null = self.null_block
+        removed = []
+        # Back from the last skipped block to the first one given back earlier.
+        for i in range(num_skipped - 1, -1, -1):
+            block = blocks[i]
+            if block is null:
                 break
-            hits.append(block)
-        return hits
+            removed.append(block)
+            blocks[i] = null
+        if removed:
+            # Oldest first to the LRU end: the block furthest back is evicted first.
+            self.block_pool.free_blocks(reversed(removed))
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_num_blocks: int,
+        group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Per group, the blocks of the longest hit of at most ``max_num_blocks`` blocks:
+        ``k`` blocks are a hit when the blocks the token after them reads (from
+        ``num_skipped_tokens(k * block_size)``) are cached in every group. Scans from the
+        right: ``end`` is the longest hit still possible, lowered past every miss."""
+        null = block_pool.null_block
+        assert null is not None
+        block_size = kv_cache_spec.block_size
+        get_cached_block = block_pool.get_cached_block
+        per_group = tuple([null] * max_num_blocks for _ in group_ids)
+        end = max_num_blocks
+        for i in range(max_num_blocks - 1, -1, -1):
+            found = [get_cached_block(block_hashes[i], g) for g in group_ids]
+            if any(block is None for block in found):
+                end = i  # no hit can span block i
+                continue
+            for hits, block in zip(per_group, found):
+                hits[i] = block  # type: ignore[assignment]
+            if i <= kv_cache_spec.num_skipped_tokens(end * block_size) // block_size:
+                # Blocks i .. end-1 are cached and cover what the token at end reads.
+                return tuple(hits[:end] for hits in per_group)
+        return tuple([] for _ in group_ids)
 
 
-#: Manager class per kind of KV-cache group ("sliding_window" would be the next one).
-SINGLE_TYPE_MANAGERS: dict[str, type[SingleTypeKVCacheManager]] = {
-    "full_attention": FullAttentionManager,
+class SlidingWindowManager(SkippingManager):
+    """Sliding-window attention: keeps the blocks of the last ``sliding_window - 1`` positions
+    (and those being computed)."""
+
+
+class ChunkedLocalAttentionManager(SkippingManager):
+    """Chunked local attention: keeps the blocks of the current chunk."""
+
+
+#: Manager class per spec type.
+SINGLE_TYPE_MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
 }
+
+
+def get_manager_for_kv_cache_spec(
+    block_pool: BlockPool, kv_cache_spec: KVCacheSpec, group_id: int = 0
+) -> SingleTypeKVCacheManager:
+    """The manager of one KV-cache group."""
+    cls = SINGLE_TYPE_MANAGERS.get(type(kv_cache_spec))
+    if cls is None:
+        raise ValueError(f"no KV-cache manager for {type(kv_cache_spec).__name__} "
+                         f"(supported: {', '.join(t.__name__ for t in SINGLE_TYPE_MANAGERS)})")  # fmt: skip
+    return cls(block_pool, kv_cache_spec, group_id)

@@ -25,8 +25,30 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_torch(x)
 
 
+class GeluAndMul(nn.Module):
+    """``gelu(gate) * up`` for ``x = [gate | up]``: exact GELU, or its tanh approximation
+    (``approximate="tanh"``: HF's ``gelu_pytorch_tanh``, Gemma's)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+#: HF activation names and the gated activation each makes.
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
 def get_gated_activation(hidden_act: str) -> nn.Module:
-    """The gated activation for an HF ``hidden_act`` name."""
+    """The gated activation for an HF ``hidden_act`` name (``GATED_ACTIVATIONS``)."""
     if hidden_act == "silu":
         return SiluAndMul()
-    raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported (supported: silu)")
+    if hidden_act in ("gelu", "gelu_pytorch_tanh"):
+        return GeluAndMul("tanh" if hidden_act == "gelu_pytorch_tanh" else "none")
+    raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")

@@ -251,6 +251,7 @@ class FusedMoE(nn.Module):
         expert_weight_names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
         prefix: str = "",
         parallel: bool = False,
+        quantizable: bool = True,
     ) -> None:
         super().__init__()
         check_routing(num_experts, top_k, scoring_func=scoring_func, num_expert_group=num_expert_group,
@@ -279,10 +280,14 @@ class FusedMoE(nn.Module):
         self.prefix = prefix
         dtype = params_dtype or torch.get_default_dtype()
         self.params_dtype = dtype
-        self.quant_method: FusedMoEQuantMethod | None = layer_quant_method(  # type: ignore[assignment]
-            LayerKind.FUSED_MOE, prefix, input_size=hidden_size, output_sizes=(self.full_intermediate_size,),
-            tp_size=self.tp_size, num_experts=num_experts,
-        )  # fmt: skip
+        # quantizable=False: experts whose arithmetic the methods' kernels do not compute
+        # (gpt-oss's biases and clamped SwiGLU) never get a method.
+        self.quant_method: FusedMoEQuantMethod | None = None
+        if quantizable:
+            self.quant_method = layer_quant_method(  # type: ignore[assignment]
+                LayerKind.FUSED_MOE, prefix, input_size=hidden_size, output_sizes=(self.full_intermediate_size,),
+                tp_size=self.tp_size, num_experts=num_experts,
+            )  # fmt: skip
         if self.quant_method is not None:
             self.quant_method.create_weights(self)
         else:

@@ -65,3 +65,20 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``(x / rms(x)) * (1 + weight)`` in float32, cast back to the input
+    dtype after the multiplication (HF's Gemma, Gemma 2 and Gemma 3; the checkpoint's
+    weight is the offset from 1). ``forward(x, residual)`` adds first, as ``RMSNorm``."""
+
+    fused = False  # the platform's rms_norm kernels compute Llama's formula
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

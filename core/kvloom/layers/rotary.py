@@ -58,15 +58,22 @@ def qk_norm_rotary_torch(
     return rotary_qk_torch(torch.cat((q, k), dim=1), cos, sin)
 
 
-def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+def get_rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The model's RoPE parameters as one flat dict with ``rope_type`` and ``rope_theta``.
 
     Reads ``config.rope_parameters`` (transformers >= 5) or ``rope_scaling`` plus
-    ``rope_theta`` (older configs), applying transformers' defaults.
+    ``rope_theta`` (older configs), applying transformers' defaults. A config with
+    parameters per attention type (Gemma 3: ``{"full_attention": {...},
+    "sliding_attention": {...}}``) gives those of ``layer_type`` (default: full attention).
     """
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = getattr(hf_config, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        kind = layer_type or "full_attention"
+        if kind not in params:
+            raise ValueError(f"rope_parameters has no entry for {kind!r} layers (has {', '.join(params)})")
+        params = params[kind]
     params = dict(params)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.pop("type", None)

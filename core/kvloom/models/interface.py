@@ -10,7 +10,9 @@ one place what to declare and a type checker can hold a model class to it:
 - ``SupportsLoRA``: LoRA on merged projections (``packed_modules_mapping``);
 - ``HasStackedParams``: merged projections loaded from HF's separate ones (``stacked_params``);
 - ``SupportsLazyWeights``: ``load_weights`` takes lazy safetensors handles
-  (``accepts_lazy_weights = True`` in the class that defines ``load_weights``).
+  (``accepts_lazy_weights = True`` in the class that defines ``load_weights``);
+- ``HasAttentionSinks``: the attention has learned sinks (``has_attention_sinks = True``,
+  gpt-oss), which the attention backend must support.
 
 The engine never reads these attributes itself: it asks the helpers below
 (``supports_pp(model_cls)``, ...), which take a model class or instance and give the
@@ -95,6 +97,20 @@ class SupportsLazyWeights(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Load HF-named tensors or handles (``materialize`` reads a handle); the names loaded."""
         ...
+
+
+class HasAttentionSinks(Protocol):
+    """A model whose attention layers have learned sinks (gpt-oss): one logit per query head
+    in every softmax's denominator (``kvloom.attention.backend``). Selection then keeps only
+    backends that declare ``supports_sinks``."""
+
+    has_attention_sinks: ClassVar[Literal[True]]
+    """Declares the capability; the attention backend must support sinks."""
+
+
+def has_attention_sinks(model: object) -> bool:
+    """Whether ``model`` (a model class or instance) declares ``HasAttentionSinks``."""
+    return bool(getattr(model, "has_attention_sinks", False))
 
 
 def supports_pp(model: object) -> bool:

@@ -6,10 +6,10 @@ paged attention through the selected backend, RMSNorm in float32.
 
 Mistral is the same network (``MistralForCausalLM`` maps here): its ``head_dim`` may
 differ from ``hidden_size / num_attention_heads`` (handled) and it may declare a
-``sliding_window``. kvloom's attention backends have no sliding-window masks yet, so a
-window smaller than ``max_model_len`` is refused (``NotImplementedError``) instead of
-silently attending to the whole context; a window at least as long as ``max_model_len``
-never takes effect and is accepted (e.g. Mistral-7B-v0.1 with ``--max-model-len 4096``).
+``sliding_window``. Each layer's attention gets the window its config gives it
+(``kvloom.kv_cache.spec.sliding_window_of``: every layer for Mistral, the layers
+``layer_types`` names for Qwen2/3), at any ``max_model_len``: the backend masks to the
+window and the KV cache keeps only the window's blocks for those layers.
 
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) subclass these classes and only
 change the flags in ``LlamaAttention``; the mixture-of-experts models (Qwen3-MoE, Mixtral)
@@ -35,12 +35,14 @@ from kvloom.attention.layer import Attention
 from kvloom.config import EngineConfig
 from kvloom.distributed import parallel_state
 from kvloom.distributed.pipeline import IntermediateTensors, PPMissingLayer, stage_layer_range
+from kvloom.kv_cache.spec import sliding_window_of
 from kvloom.layers.activation import get_gated_activation
 from kvloom.layers.custom_ops import get_custom_op
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.loader.lazy_tensor import materialize
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 
@@ -48,32 +50,15 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
-    """The sliding window of one layer (Mistral: every layer; Qwen2/3: ``layer_types``)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
-        return None
-    if getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
-def check_sliding_window(hf_config: Any, layer_idx: int, max_model_len: int) -> None:
-    window = sliding_window_of(hf_config, layer_idx)
-    if window is not None and window < max_model_len:
-        raise NotImplementedError(
-            f"layer {layer_idx} uses sliding-window attention (sliding_window={window}), which kvloom "
-            f"does not support yet; set max_model_len <= {window} (now {max_model_len}) so the window "
-            "never takes effect"
-        )
-
-
 class LlamaAttention(nn.Module):
     """Self-attention: fused QKV projection, optional per-head q/k RMSNorm (Qwen3),
-    RoPE, paged attention, output projection."""
+    RoPE, paged attention, output projection.
+
+    What other models change (keywords): ``scale`` (default ``head_dim ** -0.5``; Gemma's
+    ``query_pre_attn_scalar ** -0.5``), ``norm`` (the q/k norm class; Gemma 3's
+    ``GemmaRMSNorm``), ``logits_soft_cap`` (Gemma 2) and ``sinks`` (gpt-oss: a float32
+    ``sinks`` parameter of one learned logit per query head, HF's ``self_attn.sinks``). The
+    layer's sliding window is its config's (``kvloom.kv_cache.spec.sliding_window_of``)."""
 
     def __init__(
         self,
@@ -83,11 +68,15 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool = False,
+        *,
+        scale: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
+        logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
-        hf = config.model.hf_config
+        hf = config.model.text_config
         self.head_dim = config.model.head_size
-        check_sliding_window(hf, layer_idx, config.model.max_model_len)
         # Tensor parallelism: column-parallel QKV (this rank's heads), row-parallel o_proj.
         self.qkv_proj = QKVLinear(
             hf.hidden_size, self.head_dim, config.model.num_heads, config.model.num_kv_heads, bias=qkv_bias,
@@ -103,19 +92,37 @@ class LlamaAttention(nn.Module):
             parallel="row",
         )
         if qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
-            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps=hf.rms_norm_eps)
+            self.q_norm: RMSNorm | None = norm(self.head_dim, eps=hf.rms_norm_eps)
+            self.k_norm: RMSNorm | None = norm(self.head_dim, eps=hf.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        if sinks:
+            self.sinks: nn.Parameter | None = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        else:
+            self.register_parameter("sinks", None)
         self.attn = Attention(
             num_heads=self.num_heads,
             head_size=self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.head_dim**-0.5 if scale is None else scale,
             num_kv_heads=self.num_kv_heads,
             backend=config.attention.backend,
             prefix=_join(prefix, "attn"),
             kv_cache_dtype=config.cache.cache_dtype,
+            sliding_window=sliding_window_of(hf, layer_idx, config.model.max_model_len),
+            logits_soft_cap=logits_soft_cap,
+            sinks=self.sinks,
         )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Load ``sinks`` (the only parameter this module owns itself): this rank's heads."""
+        if param is not self.sinks:
+            raise ValueError(f"{type(self).__name__}.weight_loader loads only sinks")
+        # This rank's query heads are the qkv projection's first shard's rows.
+        start = self.qkv_proj.shard_starts[0] // self.head_dim
+        if loaded.dim() != 1 or loaded.shape[0] < start + self.num_heads:
+            raise ValueError(f"sinks: checkpoint tensor has shape {tuple(loaded.shape)}, expected one logit per "
+                             "attention head")  # fmt: skip
+        param.data.copy_(materialize(loaded).narrow(0, start, self.num_heads).to(param.dtype))
 
     def forward(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = hidden_states.shape[0]
@@ -140,11 +147,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """The gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, with gate and up in one
-    ``MergedLinear`` (``gate_up_proj``) and the activation from ``hidden_act`` (SiLU)."""
+    ``MergedLinear`` (``gate_up_proj``) and the activation from ``hidden_act`` (the config's
+    by default: SiLU; Gemma passes its ``hidden_activation``)."""
 
-    def __init__(self, config: EngineConfig, prefix: str) -> None:
+    def __init__(self, config: EngineConfig, prefix: str, hidden_act: str | None = None) -> None:
         super().__init__()
-        hf = config.model.hf_config
+        hf = config.model.text_config
         bias = bool(getattr(hf, "mlp_bias", False))
         # Tensor parallelism: column-parallel gate/up, row-parallel down_proj.
         self.gate_up_proj = MergedLinear(
@@ -154,7 +162,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(
             hf.intermediate_size, hf.hidden_size, bias=bias, prefix=_join(prefix, "down_proj"), parallel="row"
         )
-        self.act_fn = get_gated_activation(hf.hidden_act)
+        self.act_fn = get_gated_activation(hidden_act or hf.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

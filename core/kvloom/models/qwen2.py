@@ -1,8 +1,8 @@
 """Qwen2: the Llama network with biases on the q/k/v projections (not on o_proj).
 
 Qwen2 checkpoints may enable sliding-window attention on some layers
-(``use_sliding_window``/``layer_types``); like Mistral, a window shorter than
-``max_model_len`` is refused (see ``kvloom.models.llama``).
+(``use_sliding_window``: the layers from ``max_window_layers`` on, HF's ``layer_types``);
+those layers attend within the window (see ``kvloom.models.llama``).
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ _BUILTIN_MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "kvloom.models.deepseek_v2:DeepseekV3ForCausalLM",
     "Qwen3MoeForCausalLM": "kvloom.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "kvloom.models.mixtral:MixtralForCausalLM",
+    "Gemma2ForCausalLM": "kvloom.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "kvloom.models.gemma2:Gemma3ForCausalLM",
+    # Gemma 3's multimodal checkpoints, text only (the language model).
+    "Gemma3ForConditionalGeneration": "kvloom.models.gemma2:Gemma3ForConditionalGeneration",
+    "GptOssForCausalLM": "kvloom.models.gpt_oss:GptOssForCausalLM",
     # Decoders saved without their LM head: embedding models (runner "pooling").
     "LlamaModel": "kvloom.models.embedding:LlamaEmbeddingModel",
     "MistralModel": "kvloom.models.embedding:LlamaEmbeddingModel",

@@ -12,6 +12,9 @@ The rules (``resolve_quantization``), with the installed methods (the plugins of
    stored: ``kvloom-quant-gguf`` on the CPU); without one, when that method cannot run on
    this platform (said in the log), or with ``--quantization none``, its weights are
    dequantized at load (``kvloom.loader.gguf_loader``).
+   An MXFP4 checkpoint: an installed method that claims ``"mxfp4"`` runs the experts its
+   kernels compute (``kvloom-quant-mxfp4``: SiLU experts without biases); gpt-oss's own
+   experts are dequantized to the model dtype at load (``kvloom.models.gpt_oss``).
 3. An unquantized checkpoint runs unquantized, or, with ``--quantization NAME``, quantized
    while loading by the online method ``NAME``.
 4. ``--quantization none`` runs weights as stored, unquantized (refused for a checkpoint
@@ -37,6 +40,9 @@ NO_QUANTIZATION = "none"
 
 #: The checkpoint format of GGUF files (a method claims it in ``checkpoint_formats``).
 GGUF_FORMAT = "gguf"
+
+#: Checkpoint formats that run dequantized at load when no installed method claims them.
+DEQUANTIZED_AT_LOAD = (GGUF_FORMAT, "mxfp4")
 
 #: vLLM's ``--quantization`` choices, so that a vLLM user's value is answered as "not
 #: supported yet" rather than as unknown.
@@ -136,7 +142,7 @@ def choose_method(
     module docstring). A ``ValueError`` names the field and the allowed values."""
     where = f"model {model}: " if model else ""
     if requested == NO_QUANTIZATION:
-        if checkpoint_format not in (None, GGUF_FORMAT):
+        if checkpoint_format is not None and checkpoint_format not in DEQUANTIZED_AT_LOAD:
             raise ValueError(f"{where}quantization: {NO_QUANTIZATION!r} cannot run a checkpoint whose weights are "
                              f"stored quantized with {checkpoint_format!r} (config.json's quantization_config); "
                              f"allowed: {', '.join(_claiming(checkpoint_format, methods)) or 'no --quantization'}"
@@ -163,8 +169,11 @@ def choose_method(
         raise ValueError(f"{where}quantization: the checkpoint is quantized with {checkpoint_format!r}, which "
                          f"{requested!r} does not read (allowed: {', '.join(claiming) or 'none installed'}, or no "
                          "--quantization)")  # fmt: skip
-    if checkpoint_format == GGUF_FORMAT and not claiming:
-        return None  # dequantized at load, as before any GGUF method existed
+    if checkpoint_format in DEQUANTIZED_AT_LOAD and not claiming:
+        if checkpoint_format != GGUF_FORMAT:
+            logger.info("No installed quantization method reads %r checkpoints: the weights are dequantized to the "
+                        "model dtype at load", checkpoint_format)  # fmt: skip
+        return None  # dequantized at load, as before any method for the format existed
     if not claiming:
         raise ValueError(f"{where}the checkpoint is quantized with {checkpoint_format!r} (config.json's "
                          f"quantization_config), but no installed quantization method reads it: "

@@ -5,6 +5,10 @@ step only carries differences: new requests in full, running ones as new block i
 A request that was preempted and is scheduled again comes back as a *new* request with
 all its tokens (prompt + output so far); ``finished_req_ids`` also lists preempted ids so
 the worker drops their state.
+
+Block ids come per KV-cache group (``kvloom.kv_cache.spec``): one list per group, in group
+order (a model with one attention type has one group). A sliding-window group's list
+holds the null block (id 0) where blocks that slid out of the window were given back.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams | None
     pooling_params: PoolingParams | None
-    block_ids: list[int]
+    #: The request's block table, one list per KV-cache group.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     #: The request's EOS id (the sampler masks it until min_tokens are generated).
@@ -35,8 +40,9 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     req_id: str
-    #: Blocks appended to the request's block table this step (may be empty).
-    new_block_ids: list[int]
+    #: Blocks appended to the request's block table this step, one list per KV-cache
+    #: group (each may be empty).
+    new_block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     #: Pipeline parallelism only: the tokens this step computes (positions
     #: ``num_computed_tokens`` on), which the stages before the last did not sample

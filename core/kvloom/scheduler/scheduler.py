@@ -69,7 +69,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvloom.config import CacheConfig, SchedulerConfig
-from kvloom.kv_cache.manager import KVCacheManager
+from kvloom.kv_cache.manager import KVCacheManager, block_ids_of
+from kvloom.kv_cache.spec import KVCacheConfig
 from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestStatus
@@ -111,6 +112,7 @@ class Scheduler(SchedulerInterface):
         max_loras: int | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         pipeline_parallel_size: int = 1,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -139,6 +141,7 @@ class Scheduler(SchedulerInterface):
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo,
             log_stats=log_stats,
+            kv_cache_config=kv_cache_config,
         )
         self.policy = scheduler_config.policy
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -299,7 +302,7 @@ class Scheduler(SchedulerInterface):
                 continue
             request_id = request.request_id
             cached_reqs.append(
-                CachedRequestData(request_id, [b.block_id for b in new_blocks] if new_blocks else [], num_computed,
+                CachedRequestData(request_id, block_ids_of(new_blocks), num_computed,
                                   request.all_token_ids[num_computed : num_computed + num_new] if pipeline else None)
             )  # fmt: skip
             request.num_computed_tokens = num_computed + num_new

@@ -45,6 +45,7 @@ __all__ = [
     "EOS_TOKEN",
     "TINY_ARCHITECTURES",
     "TINY_CONFIGS",
+    "TINY_HYBRID_ARCHITECTURES",
     "TINY_MLA_ARCHITECTURES",
     "build_tokenizer",
     "forward_context",
@@ -183,13 +184,37 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=256, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
     ),
+    # Hybrid models: sliding-window and full-attention layers (several KV-cache groups).
+    "gemma2": dict(
+        model_type="gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20,
+        max_position_embeddings=512, rope_theta=10000.0, sliding_window=16, attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0, tie_word_embeddings=True,
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24,
+        max_position_embeddings=512, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=16, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 """The config fields of each tiny architecture (``model_type`` plus HF config fields): a few
 layers of width 64 that still exercise GQA (fewer KV heads than heads), head dims that
 differ from ``hidden_size / heads`` (mistral, qwen3), tied and untied LM heads, biases
 (qwen2), q/k norms (qwen3), mixtures of 8 experts (qwen3_moe: top-3 renormalised, layer 1
-dense through ``mlp_only_layers``; mixtral: top-2) and MLA (deepseek_v2/v3: latent rank 32,
-rope 16, 4 experts top-2 plus a shared expert after the first layer)."""
+dense through ``mlp_only_layers``; mixtral: top-2), MLA (deepseek_v2/v3: latent rank 32,
+rope 16, 4 experts top-2 plus a shared expert after the first layer), and hybrid models of
+sliding-window (16 tokens) and full-attention layers: gemma2 (alternating, both logit
+soft-caps), gemma3 (three windowed layers and one full, q/k norms, RoPE per layer type) and
+gpt_oss (alternating, attention sinks, 4 experts top-2 with biases, YaRN)."""
 
 TINY_MLA_ARCHITECTURES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
 """The tiny MLA models (multi-head latent attention, ``use_mla``; DeepSeek MoE after the
@@ -198,7 +223,10 @@ take them too."""
 
 TINY_ARCHITECTURES: tuple[str, ...] = tuple(a for a in TINY_CONFIGS if a not in TINY_MLA_ARCHITECTURES)
 """The standard-attention tiny models: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
-``qwen3_moe``, ``mixtral``."""
+``qwen3_moe``, ``mixtral``, and the hybrid ``gemma2``, ``gemma3``, ``gpt_oss``."""
+
+TINY_HYBRID_ARCHITECTURES: tuple[str, ...] = ("gemma2", "gemma3", "gpt_oss")
+"""The tiny models with sliding-window and full-attention layers (several KV-cache groups)."""
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
@@ -251,8 +279,8 @@ def save_tiny_checkpoint(hf_config: Any, out_dir: str | Path, *, seed: int = 0, 
 def make_tiny_model(
     arch: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides: Any
 ) -> Path:
-    """Save a tiny random ``arch`` model (``llama``, ``mistral``, ``qwen2``, ``qwen3``,
-    ``qwen3_moe``, ``mixtral``; see ``TINY_CONFIGS``), with ``build_tokenizer()``'s tokenizer unless ``with_tokenizer`` is
+    """Save a tiny random ``arch`` model (``TINY_ARCHITECTURES``, ``TINY_MLA_ARCHITECTURES``;
+    see ``TINY_CONFIGS``), with ``build_tokenizer()``'s tokenizer unless ``with_tokenizer`` is
     False, into ``out_dir``; returns the directory. ``overrides`` change config fields
     (``tiny_hf_config``). Takes a second or two on a CPU."""
     return save_tiny_checkpoint(tiny_hf_config(arch, **overrides), out_dir, seed=seed, tokenizer=with_tokenizer)

@@ -6,7 +6,11 @@ batches they check attention backends with.
 of a step: each request's queries attend causally to its whole sequence, read from the
 paged KV cache through its block-table row (GQA: query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``). It reads the cache *after* the step's write, so the
-request's new tokens are in it.
+request's new tokens are in it. The contract's attention features are part of it
+(``AttentionFeatures``): a sliding window (HF's: ``W`` keys up to the query's own
+position), attention sinks as gpt-oss defines them (a per-head logit in the softmax's
+denominator that carries no value) and logit soft-capping as Gemma 2 does
+(``cap * tanh(s / cap)`` on the scaled scores, before the mask).
 
 ``PagedCache`` holds a backend's cache on the device next to what it must hold (CPU
 copies); ``PagedCache.step`` builds one step over it to the contract's layout: ``query``/
@@ -15,6 +19,9 @@ shuffled physical blocks, block-table entries past a request's last block holdin
 arbitrary *valid* block ids, CUDA-graph padding (extra token rows and filler requests with
 slot ``-1``), and the expected output and cache of a correct step. Cache slots nobody
 wrote hold NaN, zeros or large random values (``fill``), so reading past a sequence shows.
+With a sliding window, the blocks wholly before a request's window are filled with NaN
+(as blocks the KV-cache manager gave back may hold anything), so a backend that reads
+them, even masked, shows.
 ``run_paged_case`` runs a backend's own builder and impl on a step with its output
 poisoned with NaN; ``check_paged_case`` compares output and cache with the expectations.
 
@@ -61,18 +68,57 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-300))
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """The attention features of the contract a case exercises (all off by default)."""
+
+    sliding_window: int | None = None
+    """Each query sees the last ``sliding_window`` positions, its own included."""
+    logits_soft_cap: float | None = None
+    """Scaled scores ``s`` become ``cap * tanh(s / cap)``."""
+    sinks: torch.Tensor | None = None
+    """float32 ``[num_heads]``: each head's sink logit, in every softmax's denominator."""
+
+    def window_start(self, position: int) -> int:
+        """The first position the query at ``position`` sees."""
+        return 0 if self.sliding_window is None else max(0, position - self.sliding_window + 1)
+
+
+NO_FEATURES = AttentionFeatures()
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    features: AttentionFeatures = NO_FEATURES,
+    key_start: int = 0,
+) -> torch.Tensor:
     """float64 causal attention of one request on the CPU: ``query [n, H, D]`` are the last
-    ``n`` positions of the sequence ``keys``/``values [seq_len, Hkv, D]``."""
+    ``n`` positions of the sequence whose positions ``key_start ..`` are ``keys``/``values
+    [seq_len - key_start, Hkv, D]`` (``key_start`` > 0 only when no query sees the
+    positions before it)."""
     n, num_heads, _ = query.shape
-    seq_len = keys.shape[0]
+    seq_len = key_start + keys.shape[0]
     group = num_heads // keys.shape[1]
     k = keys.cpu().double().repeat_interleave(group, dim=1)
     v = values.cpu().double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.cpu().double(), k) * scale
-    visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
+    if features.logits_soft_cap is not None:
+        cap = features.logits_soft_cap
+        scores = cap * torch.tanh(scores / cap)
+    key_pos = torch.arange(key_start, seq_len)[None, :]
+    query_pos = torch.arange(seq_len - n, seq_len)[:, None]
+    visible = key_pos <= query_pos
+    if features.sliding_window is not None:
+        visible &= key_pos > query_pos - features.sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if features.sinks is not None:
+        sink = features.sinks.cpu().double()[:, None, None].expand(num_heads, n, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = scores.softmax(-1)[..., : seq_len - key_start]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def reference_attention(
@@ -81,11 +127,14 @@ def reference_attention(
     value_cache: torch.Tensor,
     common: CommonAttentionMetadata,
     scale: float,
+    features: AttentionFeatures = NO_FEATURES,
 ) -> torch.Tensor:
     """The output of the step's real tokens, float64 ``[num_actual_tokens, H, D]`` on the
     CPU. ``query [N, H, D]``; ``key_cache``/``value_cache`` indexed ``[block, offset, kv_head,
     dim]`` (as ``split_kv_cache`` gives them) and holding the step's new tokens already.
-    Requests whose tokens lie past ``num_actual_tokens`` (CUDA-graph fillers) are skipped."""
+    Requests whose tokens lie past ``num_actual_tokens`` (CUDA-graph fillers) are skipped.
+    With a sliding window only the positions from each request's first query's window on
+    are read."""
     num_actual = common.num_actual_tokens
     starts = common.query_start_loc_cpu.tolist()
     seq_lens = common.seq_lens_cpu.tolist()
@@ -96,10 +145,12 @@ def reference_attention(
         start, end, seq_len = starts[i], starts[i + 1], seq_lens[i]
         if end == start or end > num_actual:
             continue
-        positions = torch.arange(seq_len)
+        key_start = features.window_start(seq_len - (end - start))
+        positions = torch.arange(key_start, seq_len)
         blocks = block_table[i, positions // block_size].long().to(key_cache.device)
         offsets = (positions % block_size).to(key_cache.device)
-        out[start:end] = attend(query[start:end], key_cache[blocks, offsets], value_cache[blocks, offsets], scale)
+        out[start:end] = attend(query[start:end], key_cache[blocks, offsets], value_cache[blocks, offsets], scale,
+                                features, key_start)  # fmt: skip
     return out
 
 
@@ -168,6 +219,8 @@ class PagedCache:
     expected_key_cache: torch.Tensor
     expected_value_cache: torch.Tensor
     generator: torch.Generator
+    #: The attention features of the layer (window and soft cap as the spec has them).
+    features: AttentionFeatures = NO_FEATURES
 
     @classmethod
     def allocate(
@@ -178,9 +231,11 @@ class PagedCache:
         device: torch.device | str,
         generator: torch.Generator,
         fill: Fill = "random",
+        sinks: bool = False,
     ) -> PagedCache:
         """A cache of ``num_blocks`` blocks whose slots hold ``fill``: "random" (std 4,
-        drawn from ``generator``), "nan" or "zeros"."""
+        drawn from ``generator``), "nan" or "zeros". The layer's sliding window and soft cap
+        are ``spec``'s; ``sinks``: random sink logits (std 2) for the impl."""
         shape = backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
         kv_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         key_view, value_view = backend.split_kv_cache(kv_cache)
@@ -200,7 +255,9 @@ class PagedCache:
             raise ValueError(f"fill must be 'random', 'nan' or 'zeros', got {fill!r}")
         key_view.copy_(expected_k)
         value_view.copy_(expected_v)
-        return cls(backend, spec, kv_cache, expected_k, expected_v, generator)
+        sink_logits = _randn(generator, torch.float32, spec.num_heads, std=2.0) if sinks else None
+        features = AttentionFeatures(spec.sliding_window, spec.logits_soft_cap, sink_logits)
+        return cls(backend, spec, kv_cache, expected_k, expected_v, generator, features)
 
     @property
     def num_blocks(self) -> int:
@@ -214,7 +271,12 @@ class PagedCache:
         return self.backend.get_builder_cls()(self.spec, self.device, max_blocks)
 
     def make_impl(self) -> AttentionImpl:
-        s = self.spec
+        s, f = self.spec, self.features
+        optional: dict[str, Any] = {}  # only what is set: impls older than the features take neither
+        if f.logits_soft_cap is not None:
+            optional["logits_soft_cap"] = f.logits_soft_cap
+        if f.sinks is not None:
+            optional["sinks"] = f.sinks.to(self.device)
         return self.backend.get_impl_cls()(
             num_heads=s.num_heads,
             head_size=s.head_size,
@@ -222,6 +284,8 @@ class PagedCache:
             num_kv_heads=s.num_kv_heads,
             kv_cache_dtype="auto",
             attn_type=AttentionType.DECODER,
+            sliding_window=f.sliding_window,
+            **optional,
         )
 
     def step(
@@ -259,6 +323,8 @@ class PagedCache:
             key_view, value_view = self.backend.split_kv_cache(self.kv_cache)
             key_view.copy_(self.expected_key_cache)
             value_view.copy_(self.expected_value_cache)
+        if self.features.sliding_window is not None:
+            self._poison_skipped_blocks(requests)
 
         num_actual = sum(r.query_len for r in requests)
         num_tokens = num_actual + padding_tokens + filler_requests
@@ -317,9 +383,25 @@ class PagedCache:
             common=common,
             written_slots=written,
             expected_output=reference_attention(
-                q_cpu, self.expected_key_cache, self.expected_value_cache, common, s.scale
+                q_cpu, self.expected_key_cache, self.expected_value_cache, common, s.scale, self.features
             ),
         )
+
+    def _poison_skipped_blocks(self, requests: Sequence[PagedRequest]) -> None:
+        """NaN in every block wholly before the window of a request's first query (the
+        KV-cache manager gives such blocks back; they may hold anything), in the backend's
+        cache and the expected one."""
+        bs = self.spec.block_size
+        skipped = [b for r in requests for b in r.blocks[: self.features.window_start(r.context_len) // bs]]
+        if not skipped:
+            return
+        index = torch.tensor(skipped, dtype=torch.int64)
+        self.expected_key_cache[index] = float("nan")
+        self.expected_value_cache[index] = float("nan")
+        key_view, value_view = self.backend.split_kv_cache(self.kv_cache)
+        device_index = index.to(self.device)
+        key_view[device_index] = float("nan")
+        value_view[device_index] = float("nan")
 
     def problems(self, written_slots: torch.Tensor) -> list[str]:
         """How the backend's cache (read back through ``split_kv_cache``) differs from the
@@ -443,6 +525,9 @@ def make_paged_case(
     extra_blocks: int = 2,
     extra: dict | None = None,
     fill: Fill = "nan",
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: bool = False,
 ) -> PagedCase:
     """A step of ``len(query_lens)`` requests on shuffled blocks of a fresh cache; request
     r has ``seq_lens[r] - query_lens[r]`` cached positions and ``query_lens[r]`` new tokens
@@ -453,7 +538,9 @@ def make_paged_case(
     graph (query_len 1, seq_len 1, block-table row 0, slot -1); with no requests, the
     fillers alone are a graph's dummy capture batch. ``extra_blocks``: spare blocks no
     request owns. ``scale`` defaults to ``1/sqrt(head_size)``; ``fill``: what the slots no
-    request writes hold (see ``PagedCache.allocate``).
+    request writes hold (see ``PagedCache.allocate``). ``sliding_window``,
+    ``logits_soft_cap`` and ``sinks`` (random sink logits) are the attention features of
+    the layer (``AttentionFeatures``).
     """
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(cdiv(s, block_size) for s in seq_lens) + extra_blocks
@@ -469,8 +556,10 @@ def make_paged_case(
         max_model_len=max_model_len or max(seq_lens, default=1),
         scale=head_size**-0.5 if scale is None else scale,
         extra=dict(extra or {}),
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
-    cache = PagedCache.allocate(backend, spec, num_blocks, device, gen, fill)
+    cache = PagedCache.allocate(backend, spec, num_blocks, device, gen, fill, sinks=sinks)
     return cache.step(requests, padding_tokens=pad_tokens, filler_requests=pad_reqs)
 
 

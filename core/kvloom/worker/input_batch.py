@@ -1,8 +1,10 @@
 """The model runner's persistent per-request state.
 
-Each running request owns one row of two host arrays: its token ids (prompt + outputs)
-and its block table. Rows are kept across steps so a decode step only appends a token
-and, sometimes, a block id; building a step's inputs is then a few numpy gathers.
+Each running request owns one row of the host arrays: its token ids (prompt + outputs)
+and its block table in every KV-cache group (``block_tables``, one array per group; a
+model with one attention type has one). Rows are kept across steps so a decode step only
+appends a token and, sometimes, a block id; building a step's inputs is then a few numpy
+gathers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class CachedRequestState:
     sampling_params: SamplingParams | None
     pooling_params: PoolingParams | None
     num_computed_tokens: int
-    num_blocks: int
+    #: Blocks in the request's table, per KV-cache group.
+    num_blocks: list[int]
     lora_request: LoRARequest | None = None
     generator: torch.Generator | None = None
     #: The model's end-of-sequence token, which ``min_tokens`` holds back.
@@ -64,12 +67,17 @@ def _wants_prompt_logprobs(state: CachedRequestState) -> bool:
 class InputBatch:
     """Row-indexed token ids and block tables of the running requests."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_kv_cache_groups: int = 1
+                 ) -> None:  # fmt: skip
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks_per_req = max_blocks_per_req
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        #: One block table per KV-cache group (``block_table``: the first group's).
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32) for _ in range(num_kv_cache_groups)
+        ]
+        self.block_table = self.block_tables[0]
         #: Per row, which ``add`` put its request there (the version it made): a request
         #: that left and the one that took its row differ.
         self.row_owner = np.zeros(max_num_reqs, dtype=np.int64)
@@ -94,7 +102,7 @@ class InputBatch:
         output_token_ids: list[int],
         sampling_params: SamplingParams | None,
         pooling_params: PoolingParams | None,
-        block_ids: list[int],
+        block_ids: tuple[list[int], ...],
         num_computed_tokens: int,
         lora_request: LoRARequest | None,
         generator: torch.Generator | None,
@@ -118,7 +126,7 @@ class InputBatch:
             sampling_params=sampling_params,
             pooling_params=pooling_params,
             num_computed_tokens=num_computed_tokens,
-            num_blocks=0,
+            num_blocks=[0] * len(self.block_tables),
             lora_request=lora_request,
             generator=generator,
             eos_token_id=eos_token_id,
@@ -130,14 +138,20 @@ class InputBatch:
         self.append_blocks(state, block_ids)
         return state
 
-    def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
-        end = state.num_blocks + len(block_ids)
-        if end > self.max_blocks_per_req:
-            raise RuntimeError(f"request {state.req_id} needs {end} blocks, more than {self.max_blocks_per_req}")
-        self.block_table[state.row, state.num_blocks : end] = block_ids
-        state.num_blocks = end
+    def append_blocks(self, state: CachedRequestState, block_ids: tuple[list[int], ...]) -> None:
+        """Append to the request's table in each KV-cache group (``block_ids``: one list per group)."""
+        if len(block_ids) != len(self.block_tables):
+            raise RuntimeError(f"request {state.req_id}: block ids for {len(block_ids)} KV-cache groups, the batch "
+                               f"has {len(self.block_tables)}")  # fmt: skip
+        for group, ids in enumerate(block_ids):
+            if not ids:
+                continue
+            start = state.num_blocks[group]
+            end = start + len(ids)
+            if end > self.max_blocks_per_req:
+                raise RuntimeError(f"request {state.req_id} needs {end} blocks, more than {self.max_blocks_per_req}")
+            self.block_tables[group][state.row, start:end] = ids
+            state.num_blocks[group] = end
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         n = state.num_tokens

@@ -49,6 +49,7 @@ from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.distributed import parallel_state
 from kvloom.distributed.pipeline import IntermediateTensors
 from kvloom.forward_context import BatchDescriptor, set_forward_context
+from kvloom.kv_cache.spec import engine_kv_cache_config
 from kvloom.loader.model_loader import get_model
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
@@ -102,9 +103,11 @@ class ModelRunner:
         self.cudagraphs: CUDAGraphRunner | None = None
 
         self.failures = RequestFailures()
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
+        # A block table per KV-cache group (kvloom.worker.kv_cache_groups).
+        num_groups = engine_kv_cache_config(config).num_groups
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, num_groups)
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req,
-                                 self.block_size, device)  # fmt: skip
+                                 self.block_size, device, num_groups)  # fmt: skip
         self.sampler = StepSampler(device, config.model.vocab_size, self.input_batch, self.failures)
         self.outputs = StepOutputs(config, device, self.input_batch, self.failures, self.compute_logits)
         self._init_compilation()
@@ -217,7 +220,7 @@ class ModelRunner:
         """Allocate each layer's KV cache and the backend's metadata builder."""
         kv = self._kv()
         self.kv_caches = kv.allocate(num_blocks)
-        self.builder = kv.make_builder(self.max_blocks_per_req)
+        self.builder = kv.make_builder(self.max_blocks_per_req, self.inputs.group_metadata)
         kv.log_size(num_blocks)
 
     @torch.inference_mode()
@@ -233,7 +236,8 @@ class ModelRunner:
         kv = self._kv()
 
         def run() -> None:
-            self.kv_caches, self.builder = kv.allocate(1), kv.make_builder(self.max_blocks_per_req)
+            self.kv_caches = kv.allocate(1)
+            self.builder = kv.make_builder(self.max_blocks_per_req, self.inputs.group_metadata)
             logits = self.dummy_forward(self.max_num_tokens, self.max_num_reqs)
             if self.pp_last:
                 self.sampler.warm_up(logits, self.max_num_reqs)

@@ -9,6 +9,11 @@ The device buffers are allocated once and never reallocated: CUDA graphs (piecew
 full decode, ``kvloom.worker.cudagraph``) read them at fixed addresses, and every
 metadata object of a step is a view of their first rows (``common_metadata``).
 
+KV-cache groups (hybrid models): every group has its own block table and slot mapping
+(``GroupTables``); the rest is shared. ``common_metadata`` describes the first group, and
+``group_metadata`` the same step for each group (what each group's metadata builder
+reads). Padding and dummy batches fill every group's tables alike.
+
 Async scheduling: a step may be prepared while the previous one still runs. Its input
 tokens sampled by that step are not on the host yet (the input batch holds a placeholder,
 -1); ``prepare`` copies them on the device from the previous step's sampled tensor
@@ -18,7 +23,7 @@ step's copies out of them ran (``mark_copied`` records that point).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -47,11 +52,32 @@ class StepBatch:
     failed_req_ids: list[str] = field(default_factory=list)
 
 
+@dataclass
+class GroupTables:
+    """One KV-cache group's step buffers: block table and slot mapping (host + device)."""
+
+    block_table_cpu: torch.Tensor  # [max_num_reqs, max_blocks_per_req], pinned on CUDA
+    block_table: torch.Tensor  # the same on the device
+    #: A step's block table is its first rows' first columns: not contiguous in either
+    #: table. It goes packed (contiguous, from the front of ``block_table_cpu``) into this
+    #: staging buffer and is spread into ``block_table`` on the device: copied strided
+    #: from the host, torch would stage it in pageable memory first.
+    block_table_staging: torch.Tensor
+    slot_mapping_cpu: torch.Tensor  # [max_num_tokens]
+    slot_mapping: torch.Tensor
+
+
 class StepInputs:
     """The step's input buffers (host staging + device) and their filling."""
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -67,16 +93,21 @@ class StepInputs:
         n, b = max_num_tokens, max_num_reqs
         self.input_ids_cpu, self.input_ids = host(n, torch.int64), dev(n, dtype=torch.int64)
         self.positions_cpu, self.positions = host(n, torch.int64), dev(n, dtype=torch.int64)
-        self.slot_mapping_cpu, self.slot_mapping = host(n, torch.int64), dev(n, dtype=torch.int64)
         self.query_start_loc_cpu, self.query_start_loc = host(b + 1, torch.int32), dev(b + 1, dtype=torch.int32)
         self.seq_lens_cpu, self.seq_lens = host(b, torch.int32), dev(b, dtype=torch.int32)
-        self.block_table_cpu = torch.zeros(b, max_blocks_per_req, dtype=torch.int32, pin_memory=pin)
-        self.block_table = dev(b, max_blocks_per_req, dtype=torch.int32)
-        # A step's block table is its first rows' first columns: not contiguous in either
-        # table. It goes packed (contiguous, from the front of ``block_table_cpu``) into
-        # this staging buffer and is spread into ``block_table`` on the device: copied
-        # strided from the host, torch would stage it in pageable memory first.
-        self.block_table_staging = dev(b * max_blocks_per_req, dtype=torch.int32)
+        self.groups = [
+            GroupTables(
+                torch.zeros(b, max_blocks_per_req, dtype=torch.int32, pin_memory=pin),
+                dev(b, max_blocks_per_req, dtype=torch.int32),
+                dev(b * max_blocks_per_req, dtype=torch.int32),
+                host(n, torch.int64),
+                dev(n, dtype=torch.int64),
+            )
+            for _ in range(num_kv_cache_groups)
+        ]
+        first = self.groups[0]
+        self.block_table_cpu, self.block_table = first.block_table_cpu, first.block_table
+        self.slot_mapping_cpu, self.slot_mapping = first.slot_mapping_cpu, first.slot_mapping
         self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
         # Input tokens still in flight (``_fill_placeholders``): their places in the input
         # and their rows in the previous step's sampled tensor.
@@ -118,13 +149,9 @@ class StepInputs:
         self.positions_cpu.numpy()[:n] = positions
         input_ids = input_batch.token_ids[token_rows, positions]
         self.input_ids_cpu.numpy()[:n] = input_ids
-        blocks = input_batch.block_table[token_rows, positions // self.block_size]
-        self.slot_mapping_cpu.numpy()[:n] = blocks.astype(np.int64) * self.block_size + positions % self.block_size
         self.query_start_loc_cpu.numpy()[: b + 1] = cu
         self.seq_lens_cpu.numpy()[:b] = seq_lens
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        packed = self.block_table_cpu.view(-1)[: b * max_blocks].view(b, max_blocks)
-        packed.numpy()[:] = input_batch.block_table[rows, :max_blocks]
         logits_indices = cu[1:] - 1
         self.logits_indices_cpu.numpy()[:b] = logits_indices
 
@@ -132,12 +159,19 @@ class StepInputs:
         nb = self.pin_memory
         self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=nb)
         self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=nb)
-        self.slot_mapping[:n].copy_(self.slot_mapping_cpu[:n], non_blocking=nb)
         self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1], non_blocking=nb)
         self.seq_lens[:b].copy_(self.seq_lens_cpu[:b], non_blocking=nb)
-        staged = self.block_table_staging[: b * max_blocks].view(b, max_blocks)
-        staged.copy_(packed, non_blocking=nb)
-        self.block_table[:b, :max_blocks].copy_(staged)
+        offsets = positions % self.block_size
+        block_index = positions // self.block_size
+        for group, table in zip(self.groups, input_batch.block_tables):
+            blocks = table[token_rows, block_index]
+            group.slot_mapping_cpu.numpy()[:n] = blocks.astype(np.int64) * self.block_size + offsets
+            packed = group.block_table_cpu.view(-1)[: b * max_blocks].view(b, max_blocks)
+            packed.numpy()[:] = table[rows, :max_blocks]
+            group.slot_mapping[:n].copy_(group.slot_mapping_cpu[:n], non_blocking=nb)
+            staged = group.block_table_staging[: b * max_blocks].view(b, max_blocks)
+            staged.copy_(packed, non_blocking=nb)
+            group.block_table[:b, :max_blocks].copy_(staged)
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
         if (placeholders := np.flatnonzero(input_ids < 0)).size:
             self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids, rows)
@@ -236,8 +270,9 @@ class StepInputs:
         self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1])
         self.seq_lens[:b].copy_(self.seq_lens_cpu[:b])
         self.logits_indices[:b].copy_(self.logits_indices_cpu[:b])
-        self.block_table[:b].zero_()
-        self.slot_mapping[:n].fill_(-1)
+        for group in self.groups:
+            group.block_table[:b].zero_()
+            group.slot_mapping[:n].fill_(-1)
         self.input_ids[:n].zero_()
         if max_model_len is None:
             self.positions[:n].zero_()
@@ -254,16 +289,17 @@ class StepInputs:
             qsl = self.query_start_loc_cpu.numpy()
             qsl[b + 1 : size + 1] = np.arange(b + 1, size + 1)
             self.seq_lens_cpu.numpy()[b:size] = 1
-            self.slot_mapping_cpu.numpy()[b:size] = -1
             self.input_ids_cpu.numpy()[b:size] = 0
             self.positions_cpu.numpy()[b:size] = 0
-            self.block_table_cpu[b:size].zero_()
             self.query_start_loc[b + 1 : size + 1].copy_(self.query_start_loc_cpu[b + 1 : size + 1], non_blocking=True)
             self.seq_lens[b:size].copy_(self.seq_lens_cpu[b:size], non_blocking=True)
-            self.slot_mapping[b:size].copy_(self.slot_mapping_cpu[b:size], non_blocking=True)
             self.input_ids[b:size].copy_(self.input_ids_cpu[b:size], non_blocking=True)
             self.positions[b:size].copy_(self.positions_cpu[b:size], non_blocking=True)
-            self.block_table[b:size].copy_(self.block_table_cpu[b:size], non_blocking=True)
+            for group in self.groups:  # every group's rows of the fillers
+                group.slot_mapping_cpu.numpy()[b:size] = -1
+                group.block_table_cpu[b:size].zero_()
+                group.slot_mapping[b:size].copy_(group.slot_mapping_cpu[b:size], non_blocking=True)
+                group.block_table[b:size].copy_(group.block_table_cpu[b:size], non_blocking=True)
         return self.common_metadata(size, size, 1, int(self.seq_lens_cpu[:size].max()))
 
     def zero_padding(self, n: int, padded: int) -> None:
@@ -271,6 +307,15 @@ class StepInputs:
         if padded > n:
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
+
+    def group_metadata(self, common: CommonAttentionMetadata) -> list[CommonAttentionMetadata]:
+        """``common`` (made by this object: the first group's) for every KV-cache group:
+        the same step over each group's block table and slot mapping."""
+        b, n = common.num_reqs, common.slot_mapping.shape[0]
+        return [common] + [
+            replace(common, block_table=group.block_table[:b], slot_mapping=group.slot_mapping[:n])
+            for group in self.groups[1:]
+        ]
 
     def common_metadata(self, b: int, n: int, max_query_len: int, max_seq_len: int) -> CommonAttentionMetadata:
         """The step's metadata as views of the persistent buffers (first ``b`` requests,

@@ -124,7 +124,11 @@ class GemmaForCausalLM(nn.Module):
         hf = config.model.hf_config
         self.model = GemmaModel(config, _join(prefix, "model"))
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
-        self.lm_head.tie_to(self.model.embed_tokens)  # Gemma always ties its head
+        # Gemma's checkpoints tie the head; one that sets tie_word_embeddings false carries
+        # its own lm_head.weight, which must be loaded, not dropped.
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -133,4 +137,5 @@ class GemmaForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=("lm_head.weight",))
+        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=tied)

@@ -27,17 +27,15 @@ PROMPTS = [[5, 17, 33, 48, 90, 11], [7, 8, 9, 10, 300, 301, 302]]
 MAX_NEW = 8
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _save_tiny_gemma(out: Path, **overrides: object) -> Path:
     from transformers import AutoModelForCausalLM, GemmaConfig
 
-    out = tmp_path_factory.mktemp("gemma") / "tiny-gemma"
     tokenizer = build_tokenizer()
     config = GemmaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.1,
         rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id, **overrides,
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -50,7 +48,18 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_gemma_class_matches_hf_logits(gemma_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_tiny_gemma(tmp_path_factory.mktemp("gemma") / "tiny-gemma")
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_head", "untied_head"])
+def test_gemma_class_matches_hf_logits(
+    gemma_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool
+) -> None:
+    """Also a checkpoint whose LM head is not tied to the embeddings (its own lm_head.weight)."""
+    if not tied:
+        gemma_dir = _save_tiny_gemma(tmp_path / "untied", tie_word_embeddings=False)
     monkeypatch.syspath_prepend(str(PLUGIN_SRC))
     from kvloom_gemma.model import GemmaForCausalLM
 

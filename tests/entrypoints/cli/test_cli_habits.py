@@ -101,13 +101,12 @@ def test_chat_without_a_template_names_the_flag_and_the_flag_works(tmp_path, mon
     assert capsys.readouterr().out.strip()  # a reply was streamed
 
 
-def test_sliding_window_model_at_its_default_length_is_capped(tmp_path):
-    """vLLM's habit when the window cannot be honoured: the context is capped to it."""
+def test_sliding_window_model_keeps_its_full_length(tmp_path):
+    """The window is honoured by the attention backends, so the context is not capped to it."""
     model_dir = make_tiny_model("mistral", tmp_path, sliding_window=32)
-    assert resolve_engine_config(model=str(model_dir)).model.max_model_len == 32
-    assert resolve_engine_config(model=str(model_dir), max_model_len=16).model.max_model_len == 16
-    with pytest.raises(ValueError, match=r"max_model_len: 64 is longer .* sliding window of 32 .*--max-model-len 32"):
-        resolve_engine_config(model=str(model_dir), max_model_len=64)
+    full = resolve_engine_config(model=str(model_dir)).model.max_model_len
+    assert full > 32
+    assert resolve_engine_config(model=str(model_dir), max_model_len=full).model.max_model_len == full
 
 
 def test_generate_runs_the_engine_core_in_its_own_process_only_when_asked(monkeypatch):

@@ -26,7 +26,26 @@ SCENARIOS: dict[str, str] = {
     "padded_tokens": "a mixed batch with extra token rows past num_actual_tokens (slot -1)",
     "cudagraph_padding": "a decode batch padded with CUDA-graph filler requests "
     "(query_len 1, seq_len 1, block-table row 0, slot -1)",
+    "sliding_window": "a mixed batch with a sliding window shorter than the contexts (not a multiple of the "
+    "block size); the blocks before each request's window hold NaN",
+    "sliding_window_long_decode": "decodes over thousands of tokens with a sliding window (the positions "
+    "before it must be skipped, not only masked)",
+    "sinks": "a mixed batch with attention sinks (gpt-oss: a per-head logit in the softmax denominator)",
+    "soft_cap": "a mixed batch with logit soft-capping (Gemma 2: cap * tanh(s / cap))",
+    "window_sinks": "a mixed batch with a sliding window and attention sinks (gpt-oss's windowed layers)",
 }
+
+#: Scenarios of the attention features, and the capability each needs
+#: (``AttentionBackend.supports_*``): a backend without it does not run them.
+FEATURE_SCENARIOS: dict[str, tuple[str, ...]] = {
+    "sliding_window": ("supports_sliding_window",),
+    "sliding_window_long_decode": ("supports_sliding_window",),
+    "sinks": ("supports_sinks",),
+    "soft_cap": ("supports_logits_soft_cap",),
+    "window_sinks": ("supports_sliding_window", "supports_sinks"),
+}
+#: The soft cap of the soft-cap cases: small enough to bend the suite's scores.
+SOFT_CAP = 3.0
 
 #: GQA layouts as (num_heads, num_kv_heads); "gqa4" is the base layout of the suite.
 HEAD_LAYOUTS: dict[str, tuple[int, int]] = {
@@ -51,6 +70,21 @@ class ConformanceCase:
     block_size: int
     #: Softmax scale as a multiple of 1/sqrt(head_size).
     scale_factor: float = 1.0
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The case's window: two blocks and a bit (75 tokens for blocks of 256 and more)."""
+        if self.scenario not in ("sliding_window", "sliding_window_long_decode", "window_sinks"):
+            return None
+        return 2 * self.block_size + 5 if self.block_size < 256 else 75
+
+    @property
+    def sinks(self) -> bool:
+        return self.scenario in ("sinks", "window_sinks")
+
+    @property
+    def logits_soft_cap(self) -> float | None:
+        return SOFT_CAP if self.scenario == "soft_cap" else None
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -88,6 +122,9 @@ class ConformanceCase:
             "head_size": self.head_size,
             "block_size": self.block_size,
             "scale": self.scale,
+            "sliding_window": self.sliding_window,
+            "sinks": self.sinks,
+            "logits_soft_cap": self.logits_soft_cap,
         }
 
     def __str__(self) -> str:
@@ -134,6 +171,9 @@ def conformance_cases(
 
     Full: every scenario at every declared dtype (base layout, head size and block size),
     and for every dtype a mixed batch at each other GQA layout, head size and block size.
+    The attention-feature scenarios (``FEATURE_SCENARIOS``: sliding windows, sinks, soft
+    caps) run only where the backend declares the feature; the windowed mixed batch also
+    at the largest block size.
     An MLA backend gets the MLA cases instead (``kvloom.testing.conformance.mla``).
     Quick: every scenario at the first dtype, a mixed batch at the other dtypes, and one
     case each for the widest GQA ratio, MQA, the odd head size and the largest block size.
@@ -156,10 +196,15 @@ def conformance_cases(
         factor = 1.3 if scenario == "chunked_prefill" else 1.0
         return ConformanceCase.with_layout(scenario, dtype, layout, head, block, factor)
 
+    scenarios = [
+        s for s in SCENARIOS if all(getattr(cls, need, False) for need in FEATURE_SCENARIOS.get(s, ()))
+    ]
     cases: list[ConformanceCase] = []
+    if cls.supports_sliding_window and max(block_sizes) != base_block:
+        cases.append(case("sliding_window", dtypes[0], block=max(block_sizes)))
     if quick:
         first = dtypes[0]
-        cases += [case(s, first) for s in SCENARIOS]
+        cases += [case(s, first) for s in scenarios]
         cases += [case("mixed", d) for d in dtypes[1:]]
         cases += [case("mixed", first, layout=layout) for layout in ("gqa8", "mqa")]
         odd = [h for h in head_sizes if h & (h - 1)]
@@ -169,7 +214,7 @@ def conformance_cases(
             cases.append(case("mixed", first, block=max(block_sizes)))
     else:
         for dtype in dtypes:
-            cases += [case(s, dtype) for s in SCENARIOS]
+            cases += [case(s, dtype) for s in scenarios]
             cases += [case("mixed", dtype, layout=lay) for lay in HEAD_LAYOUTS if lay != BASE_LAYOUT]
             cases += [case("mixed", dtype, head=h) for h in head_sizes if h != base_head]
             cases += [case("mixed", dtype, block=b) for b in block_sizes if b != base_block]

@@ -70,7 +70,7 @@ def plan_steps(case: ConformanceCase, rng: random.Random) -> tuple[list[Step], i
         shapes = [(context() - 1, 1), (length(2, unit) - 1, 1), (0, 1), (aligned_context() - 1, 1)]
         if small:
             shapes += [(context() - 1, 1) for _ in range(12)]
-    elif case.scenario == "long_decode":
+    elif case.scenario in ("long_decode", "sliding_window_long_decode"):
         shapes = [(length(1500, 2500), 1), (length(3000, 4500), 1), (context() - 1, 1)]
     elif case.scenario == "chunked_prefill":
         shapes = [(0, context()), (0, aligned_context()), (0, length(2, unit))]
@@ -78,7 +78,7 @@ def plan_steps(case: ConformanceCase, rng: random.Random) -> tuple[list[Step], i
     elif case.scenario == "kv_write":
         shapes = [(crossing_context(), length(bs + 2, 2 * bs + 2) if small and bs > 1 else query(9)),
                   (0, query()), (context(), 1), (2 * bs, 1)]
-    elif case.scenario in ("mixed", "padded_tokens"):
+    elif case.scenario in ("mixed", "padded_tokens", "sliding_window", "sinks", "soft_cap", "window_sinks"):
         shapes = [(context(), query()), (0, query()), (context() - 1, 1), (length(2, unit) - 1, 1),
                   (aligned_context(), query()), (crossing_context(), query(9))]
         if small:

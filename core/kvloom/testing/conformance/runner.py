@@ -38,8 +38,10 @@ def run_steps(backend: type[AttentionBackend], case: ConformanceCase, device: to
         max_num_seqs=max(len(s.requests) + s.filler_requests for s in steps),
         max_model_len=max(r.seq_len for s in steps for r in s.requests),
         scale=case.scale,
+        sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
     )
-    cache = PagedCache.allocate(backend, spec, num_blocks, device, generator, fill="random")
+    cache = PagedCache.allocate(backend, spec, num_blocks, device, generator, fill="random", sinks=case.sinks)
     max_blocks = max(len(r.blocks) for s in steps for r in s.requests) + 1
     builder = cache.make_builder(max_blocks)
     impl = cache.make_impl()
