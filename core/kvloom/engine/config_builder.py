@@ -51,6 +51,7 @@ from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.llama import sliding_window_of
 from kvloom.models.registry import ModelRegistry, is_classification_architecture
 from kvloom.quantization.selection import quantization_for_engine
+from kvloom.spec_decode.registry import resolve_speculative
 from kvloom.structured_output.options import structured_outputs_config
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
         structured_outputs=structured_outputs_config(*args.structured_outputs_options()),
     )
+    config.speculative = resolve_speculative(args.speculative_config, config)
     _let_platform_and_plugins_adjust(config, model_limit)
     if config.parallel.data_parallel_size > 1:  # now, naming the flag, if the machine cannot hold the replicas
         for index in range(config.parallel.data_parallel_size):
@@ -295,7 +297,10 @@ def _let_platform_and_plugins_adjust(config: EngineConfig, model_limit: int) -> 
 
 
 def _fixed_fields(config: EngineConfig) -> dict[str, object]:
-    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+    fixed = {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+    # The speculative section as a whole (the KV cache and the runner are built for it).
+    fixed["speculative"] = config.speculative.model_copy() if config.speculative is not None else None
+    return fixed
 
 
 def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str, max_len: int) -> None:
@@ -315,7 +320,8 @@ def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str,
     if changed:
         raise ValueError(
             f"EngineConfig: the {who} changed {', '.join(changed)}, which must not change once resolved "
-            "(the model, the attention backend and the platform are fixed; see docs/plugins.md, 'The engine config')"
+            "(the model, the attention backend, the platform and speculative decoding are fixed; see docs/plugins.md, "
+            "'The engine config')"
         )
     model_len, scheduler_len = config.model.max_model_len, config.scheduler.max_model_len
     if model_len != scheduler_len:

@@ -65,6 +65,7 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             structured_output_manager=self.structured_output_manager,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+            speculative_config=config.speculative,
         )
         self.async_scheduling = config.scheduler.async_scheduling
         # Pipeline parallelism: micro-batches in flight at most (vLLM's max_concurrent_batches).

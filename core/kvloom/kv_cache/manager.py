@@ -15,6 +15,12 @@ Scheduling a request takes two calls:
 
 ``free(request)`` returns a finished or preempted request's blocks to the tail of the
 free queue, last block first. Freed blocks keep their hash until they are reused.
+``free_tail(request, num_tokens)`` returns only the blocks past a request's first
+``num_tokens`` slots (speculative decoding: the slots of rejected drafts).
+
+Only blocks filled by known tokens are cached (``Request.all_token_ids``): draft tokens
+are scheduled as new tokens but never hashed, so a rejected draft never reaches the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -97,8 +103,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+        """Make room for ``num_new_tokens`` more tokens after the computed ones, plus
+        ``num_lookahead_tokens`` slots after those (speculative decoding: where a draft
+        model writes its drafts' KV after the step).
 
         ``new_computed_blocks``/``num_new_computed_tokens`` are what
         ``get_computed_blocks`` returned for a request being admitted. Returns the newly
@@ -106,7 +115,7 @@ class KVCacheManager:
         """
         manager = self.manager
         request_id = request.request_id
-        num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         if new_computed_blocks:
             num_needed = manager.get_num_blocks_to_allocate(request_id, num_slots, new_computed_blocks)
             if num_needed > self.block_pool.free_block_queue.num_free_blocks:
@@ -122,7 +131,8 @@ class KVCacheManager:
         if self.hash_fn is not None:
             # Cache the blocks filled by known tokens; draft tokens may be rejected.
             num_tokens = len(request.all_token_ids)
-            num_full = (num_slots if num_slots < num_tokens else num_tokens) // self.block_size
+            num_filled = num_slots - num_lookahead_tokens
+            num_full = (num_filled if num_filled < num_tokens else num_tokens) // self.block_size
             if num_full > manager.num_cached_blocks.get(request_id, 0):
                 if num_full > len(request.block_hashes):
                     update_block_hashes(request, self.block_size, self.hash_fn)
@@ -131,6 +141,11 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.manager.free(request)
+
+    def free_tail(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past its first ``num_tokens`` slots (those of
+        rejected drafts); returns how many blocks it keeps."""
+        return self.manager.free_tail(request.request_id, num_tokens)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.manager.req_to_blocks.get(request_id, ())]
