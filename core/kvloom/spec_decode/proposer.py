@@ -107,15 +107,18 @@ class DraftModelContext:
     device: torch.device
     """The device the draft model runs on."""
     loader: Any = None
-    """``load(model_cls, model_config) -> nn.Module``: builds ``model_cls`` for
-    ``model_config`` (the draft's ``ModelConfig``) as the engine builds a model (same
-    attention backend, KV-cache dtype, ``max_model_len``) and loads its checkpoint's weights."""
+    """``load(model_cls, model_config, **kwargs) -> nn.Module``: see ``load``."""
 
-    def load(self, model_cls: type[nn.Module], model_config: ModelConfig) -> nn.Module:
-        """``model_cls`` built and loaded for ``model_config`` (see ``loader``)."""
+    def load(self, model_cls: type[nn.Module], model_config: ModelConfig, **kwargs: Any) -> nn.Module:
+        """``model_cls(draft config, **kwargs)`` built as the engine builds a model (the same
+        attention backend, KV-cache dtype, ``max_model_len`` and parallelism; the draft
+        config is the engine's with ``model_config`` as its model section) and its
+        checkpoint's weights loaded by its ``load_weights`` (random under ``--load-format
+        dummy``). A draft sharing the target's embedding or LM head (pass ``context.target_model``
+        in ``kwargs``) reports those weights loaded itself."""
         if self.loader is None:
             raise RuntimeError("this DraftModelContext has no loader")
-        return self.loader(model_cls, model_config)
+        return self.loader(model_cls, model_config, **kwargs)
 
 
 class SpecDecodeProposer(ABC):

@@ -86,10 +86,11 @@ class KVCacheMemory:
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0)
 
-    def make_builder(self, max_blocks_per_req: int) -> Any:
+    def make_builder(self, max_blocks_per_req: int, layers: list[Any] | None = None) -> Any:
         """The backend's metadata builder for these layers (for MLA models the core's
-        builder, which asks each phase backend's builder for its part)."""
-        first = self.attn_layers[0]
+        builder, which asks each phase backend's builder for its part); ``layers``: a
+        subset with a shape of their own (a speculative draft model's), else the model's."""
+        first = (layers or self.attn_layers)[0]
         config = self.config
         spec = AttentionLayerSpec(
             num_heads=first.num_heads,
