@@ -157,7 +157,7 @@ class Scheduler(SchedulerInterface):
         self.pipeline_parallel = pipeline_parallel_size > 1
         self._in_flight: set[str] = set()
         # Speculative decoding (kvloom.scheduler.speculation): None = off.
-        self.speculation = Speculation(speculative_config, self.kv_cache_manager, self.max_model_len, log_stats) \
+        self.speculation = Speculation(speculative_config, self.kv_cache_manager, self.max_model_len) \
             if speculative_config is not None else None  # fmt: skip
         self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config is not None else 0
         self._warned_no_overlap = False

@@ -37,14 +37,11 @@ logger = logging.getLogger(__name__)
 class Speculation:
     """Drafts, rollback and block trimming for the scheduler (see the module docstring)."""
 
-    def __init__(
-        self, speculative: SpeculativeConfig, kv_cache_manager: KVCacheManager, max_model_len: int, log_stats: bool
-    ) -> None:
+    def __init__(self, speculative: SpeculativeConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.num_spec_tokens = speculative.num_speculative_tokens
         self.num_lookahead_tokens = speculative.num_lookahead_tokens
         self.kv_cache_manager = kv_cache_manager
-        self.log_stats = log_stats
         self.stats = self._new_stats()
         #: Requests whose block table was shortened since they were last scheduled: blocks kept.
         self.kept_blocks: dict[str, int] = {}
@@ -62,7 +59,7 @@ class Speculation:
         needed = min(request.num_computed_tokens + max(1, self.num_lookahead_tokens), self.max_model_len)
         kept = self.kv_cache_manager.free_tail(request, needed)
         self.kept_blocks[request.request_id] = kept
-        if self.log_stats and num_emitted:
+        if num_emitted:
             self.stats.observe(num_drafts, num_accepted)
 
     def take_drafts(
@@ -85,6 +82,7 @@ class Speculation:
         self.kept_blocks.pop(request_id, None)
 
     def take_stats(self) -> SpecDecodingStats:
-        """The counts since the last call."""
+        """The counts since the last call (the scheduler's stats take them each step when
+        stats are on; they are kept either way, a few integers)."""
         stats, self.stats = self.stats, self._new_stats()
         return stats

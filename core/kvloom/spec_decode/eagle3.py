@@ -135,12 +135,11 @@ class Eagle3LlamaDraft(nn.Module):
                 self.d2t.copy_(materialize(tensor).to(torch.long))
             elif name != "t2d":
                 kept.append((name, tensor))
-        loaded = load_checkpoint_weights(self, kept, self.stacked_params)
-        if "embed_tokens.weight" not in loaded:
+        if all(name != "embed_tokens.weight" for name, _ in kept):
             if self._target[0] is None:
                 raise ValueError("the EAGLE-3 checkpoint has no embed_tokens and no target model shares one")
-            self.embed_tokens = None
-        return loaded
+            self.embed_tokens = None  # the target's is shared
+        return load_checkpoint_weights(self, kept, self.stacked_params)
 
 
 class Eagle3Proposer(ModelProposer):

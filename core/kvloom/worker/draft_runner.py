@@ -70,9 +70,11 @@ class DraftRunner:
         layers = proposer.target_hidden_layers()
         self.taps: HiddenStateTaps | None = enable_hidden_state_taps(target_model, layers, max_num_tokens) \
             if layers else None  # fmt: skip
-        # Buffers of its own: the step's are the target's (and a CUDA graph's).
+        # Buffers of its own: the step's are the target's (and a CUDA graph's). A draft model
+        # feeds a step's tokens plus each request's newly sampled one.
         block_size = config.cache.block_size
-        self.inputs = StepInputs(max_num_tokens, max_num_reqs, cdiv(self.max_model_len, block_size), block_size, device)
+        self.inputs = StepInputs(max_num_tokens + max_num_reqs, max_num_reqs, cdiv(self.max_model_len, block_size),
+                                 block_size, device)  # fmt: skip
         self.builder: Any = None  # bound with the KV cache (StepSpeculation.bind_kv_cache)
 
     def remove_requests(self, req_ids: list[str]) -> None:
