@@ -55,7 +55,11 @@ example packages):
   ``LayerInfo``; per layer ``LayerQuantMethod`` and its kinds ``LinearQuantMethod``,
   ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
   ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
-  code of the experts for a method's own weights: ``fused_moe_torch``.
+  code of the experts for a method's own weights: ``fused_moe_torch``;
+- speculative-decoding proposers (``docs/speculative_decoding.md``): ``SpecDecodeProposer``
+  (declarations, ``validate``) and its kinds ``HostProposer`` (drafts from token ids:
+  ``ProposalRequest`` in, ``Proposals`` out) and ``ModelProposer`` (a ``DraftModel`` built
+  from a ``DraftModelContext``); the user's ``SpeculativeConfig``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -111,6 +115,7 @@ from kvloom.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_attributes
@@ -148,6 +153,15 @@ from kvloom.quantization.layer_methods import (
 from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod, QuantizationSelectorConfig
 from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
+from kvloom.spec_decode.proposer import (
+    DraftModel,
+    DraftModelContext,
+    HostProposer,
+    ModelProposer,
+    ProposalRequest,
+    Proposals,
+    SpecDecodeProposer,
+)
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
 
@@ -246,6 +260,15 @@ __all__ = [
     "add_quantized_parameter",
     "fused_moe_torch",
     "remove_quantized_parameter",
+    # speculative-decoding proposers
+    "DraftModel",
+    "DraftModelContext",
+    "HostProposer",
+    "ModelProposer",
+    "ProposalRequest",
+    "Proposals",
+    "SpecDecodeProposer",
+    "SpeculativeConfig",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):
