@@ -2,7 +2,7 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
+# decode, offline, serving, select, select-nofi, moe, mla, compile, so, spec, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers.
 #   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
 #                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
@@ -35,6 +35,11 @@
 #                vs PP=1 under mp and through Ray; a killed rank); needs a machine with two GPUs (nvidia-h100-x2).
 #                Each case builds two engines (~60-70 s on two H200s): the 13 cases do not fit one call's
 #                600 s; TP_K="EXPR" passes -k EXPR to pytest, e.g. TP_K=tp2_matches_tp1 then TP_K="not tp2_matches_tp1".
+#   spec         speculative decoding (issue 39; needs stage gguf): tests/gpu/test_spec_decode_gpu.py (fp32 greedy
+#                tokens with ngram and draft_model on SmolLM2, draft_model and EAGLE-3 on a tiny random Llama, equal
+#                those without speculation, CUDA graphs on), then benchmarks/bench_spec_decode.py (SmolLM2 bf16,
+#                copying/editing prompts from Python's own text, batch 1 and 16, output tok/s without and with ngram
+#                k=5, acceptance rate) -> $OUT/spec/spec_decode.json; SPEC_ARGS adds flags. ~2-3 min.
 #   e2e          tests/gpu/test_e2e_gpu.py (needs the SmolLM2 GGUF parts: stage gguf); E2E_K="EXPR" passes -k EXPR.
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
@@ -290,7 +295,7 @@ for i in "${!stages[@]}"; do
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
-    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn" ;;
+    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn and not spec_decode" ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
@@ -323,6 +328,9 @@ for i in "${!stages[@]}"; do
     so)
       run_pytest so tests/gpu/test_structured_output_gpu.py
       python3 benchmarks/bench_structured_output.py --tokenizer .benchtok --out "$OUT/so" ${SO_ARGS:-} 2>&1 | tail -40 ;;
+    spec)
+      run_pytest spec tests/gpu/test_spec_decode_gpu.py
+      python3 benchmarks/bench_spec_decode.py --out "$OUT/spec" ${SPEC_ARGS:-} 2>&1 | tail -12 ;;
     tp) run_pytest tp tests/gpu/test_tp_gpu.py ${TP_K:+-k "$TP_K"} ;;
     tp-bench)
       python3 benchmarks/bench_decode_roofline.py --out "$OUT/tp" --backend TRITON_ATTN --batches 1,16,64 \
