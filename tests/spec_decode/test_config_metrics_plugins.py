@@ -25,8 +25,10 @@ LOOP = [5, 6, 7, 8, 9, 10] * 4
         ({"method": "ngram"}, "speculative_config.num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens:"),
         ({"method": "ngram", "num_speculative_tokens": "many"}, "speculative_config.num_speculative_tokens:"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-         "speculative_config.prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "speculative_config.prompt_lookup_min (4) must be <= prompt_lookup_max (2)",
+        ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is required"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key 'lookahead' (allowed: method"),
         ({"num_speculative_tokens": 2}, "speculative_config.method is required (allowed: ngram"),

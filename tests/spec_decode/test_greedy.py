@@ -81,7 +81,9 @@ def eagle3_reference_drafts(head_dir, target_dir, tokens: list[int], k: int) -> 
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
     next_token = int(out.logits[0, -1].argmax())
     # Position p pairs the target's hidden states at p with the token at p + 1.
-    inputs = [(tokens[p + 1] if p + 1 < len(tokens) else next_token, taps[p] @ w["fc.weight"].T) for p in range(len(tokens))]
+    inputs = [
+        (tokens[p + 1] if p + 1 < len(tokens) else next_token, taps[p] @ w["fc.weight"].T) for p in range(len(tokens))
+    ]
     keys, values, drafts = [], [], []
     L = "midlayer."
     for p in range(len(tokens) + k - 1):
@@ -97,7 +99,7 @@ def eagle3_reference_drafts(head_dir, target_dir, tokens: list[int], k: int) -> 
         attn = torch.einsum("hp,phd->hd", scores.softmax(-1), vv.repeat_interleave(group, 1)).reshape(-1)
         h = attn @ w[L + "self_attn.o_proj.weight"].T + hidden
         m = _rms(h, w[L + "post_attention_layernorm.weight"])
-        m = (torch.nn.functional.silu(m @ w[L + "mlp.gate_proj.weight"].T) * (m @ w[L + "mlp.up_proj.weight"].T))
+        m = torch.nn.functional.silu(m @ w[L + "mlp.gate_proj.weight"].T) * (m @ w[L + "mlp.up_proj.weight"].T)
         prenorm = m @ w[L + "mlp.down_proj.weight"].T + h
         if p >= len(tokens) - 1:  # a draft
             draft_id = int((_rms(prenorm, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
@@ -131,8 +133,9 @@ def zen() -> str:
 
 
 def test_smollm2_gguf_ngram_copies_text_exactly_as_without(zen: str) -> None:
-    from kvloom.loader.model_source import default_model_path, gguf_hf_dir
     from transformers import AutoTokenizer
+
+    from kvloom.loader.model_source import default_model_path, gguf_hf_dir
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_hf_dir(default_model_path()))
     text = zen.splitlines()[2:7]
