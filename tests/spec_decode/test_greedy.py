@@ -144,3 +144,32 @@ def test_smollm2_gguf_ngram_copies_text_exactly_as_without(zen: str) -> None:
     check = check_proposer(default_model_path(), spec, [prompt], max_tokens=24, max_model_len=256)
     # The copy is mostly accepted drafts.
     assert check.num_accepted_tokens >= 8 and check.num_accepted_tokens / check.num_draft_tokens > 0.3
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "model": str(tiny_model_dir("llama")), "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_preemption_and_prefix_caching_keep_greedy_output(spec: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 requests sharing a 32-token prefix need ~16 blocks of 16 tokens; 10 exist: requests are
+    # preempted (their drafts dropped, their lookahead slots given back) and come back through
+    # the prefix cache.
+    from kvloom.scheduler.scheduler import Scheduler
+
+    preempting: dict[int, Scheduler] = {}  # the schedulers (of the plain engine, of the speculating one) that preempted
+    original = Scheduler._preempt
+
+    def counting(self: Scheduler, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+        preempting[id(self)] = self  # kept: no id reused
+        return original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    shared = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    prompts = [shared + p[:8] for p in PROMPTS] + [shared + [13, 14]]
+    check = check_proposer(tiny_model_dir("llama"), spec, prompts, max_tokens=28, num_gpu_blocks_override=10,
+                           max_model_len=96, block_size=16)  # fmt: skip
+    assert len(preempting) == 2 and check.num_accepted_tokens > 0
