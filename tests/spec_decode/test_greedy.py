@@ -173,3 +173,11 @@ def test_preemption_and_prefix_caching_keep_greedy_output(spec: dict, monkeypatc
     check = check_proposer(tiny_model_dir("llama"), spec, prompts, max_tokens=28, num_gpu_blocks_override=10,
                            max_model_len=96, block_size=16)  # fmt: skip
     assert len(preempting) == 2 and check.num_accepted_tokens > 0
+
+
+def test_async_scheduling_with_speculation() -> None:
+    # Speculating makes each step synchronous (the drafts follow the accepted tokens); an engine
+    # asked for async scheduling still runs, with the same tokens.
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    check = check_proposer(tiny_model_dir("llama"), spec, [[5, 6, 7, 8] * 5, *PROMPTS[:2]], async_scheduling=True)
+    assert check.num_accepted_tokens > 0
