@@ -25,8 +25,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ENGINE = {"kv_cache_memory": "1GiB", "max_model_len": 512}
-TINY_ENGINE = {"kv_cache_memory": "256MiB", "max_model_len": 256}
+ENGINE = {"kv_cache_memory": "1GiB", "max_model_len": 512, "max_num_seqs": 8}  # few CUDA graphs to capture
+TINY_ENGINE = {"kv_cache_memory": "256MiB", "max_model_len": 256, "max_num_seqs": 8}
 TINY_PROMPTS = random_prompts(512, lengths=(5, 23, 40, 64))
 
 
