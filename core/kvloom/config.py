@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvloom.attention.backend import AttentionBackend
 from kvloom.cudagraph_mode import CUDAGraphMode
@@ -319,6 +319,106 @@ class StructuredOutputsConfig(_Section):
     """Whether the grammar also binds the reasoning (vLLM's option of the same name)."""
 
 
+#: The speculative methods kvloom itself serves, with the names vLLM also accepts for them
+#: (``deepseek_mtp`` is vLLM's older name of ``mtp``; ``eagle`` runs an EAGLE-3 head).
+#: Plugins of ``kvloom.spec_decode_proposers`` add their own names.
+BUILTIN_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle3", "eagle", "mtp", "deepseek_mtp")
+
+#: Keys of vLLM's ``--speculative-config`` that kvloom does not take yet (refused by name).
+UNSUPPORTED_SPECULATIVE_KEYS: tuple[str, ...] = (
+    "revision", "code_revision", "max_model_len", "disable_by_batch_size", "speculative_token_tree",
+    "disable_padded_drafter_batch", "enforce_eager", "target_model_config", "draft_model_config",
+    "disable_logprobs", "disable_log_stats", "suffix_decoding_max_tree_depth", "parallel_drafting",
+)  # fmt: skip
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding (``--speculative-config`` / ``LLM(speculative_config=...)``, vLLM's
+    JSON object): a proposer drafts up to ``num_speculative_tokens`` tokens per request and
+    step, the target model verifies them all in one forward and a rejection sampler keeps
+    its output distribution exactly (``docs/speculative_decoding.md``). Fixed once resolved:
+    platforms and hooks must not change it (the KV cache and the runner are built for it).
+
+    The user's keys are validated by ``from_user``; ``create_engine_config`` then resolves
+    the proposer (``proposer``) and, for a draft model, its ``draft`` model section."""
+
+    method: str
+    """``ngram`` (prompt lookup), ``draft_model``, ``eagle3`` (``eagle``: an EAGLE-3 head
+    too), ``mtp`` (``deepseek_mtp``: DeepSeek-V3's multi-token-prediction layer) or a
+    ``kvloom.spec_decode_proposers`` plugin's method. Once resolved: the proposer's NAME."""
+    num_speculative_tokens: int = Field(ge=1, le=32)
+    """Draft tokens per request and step (k): each step verifies up to k + 1 positions."""
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    """``ngram``: the shortest suffix n-gram looked up in the context (default: ``prompt_lookup_max``, else 5)."""
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    """``ngram``: the longest suffix n-gram looked up (default: ``prompt_lookup_min``, else 5)."""
+    model: str | None = None
+    """``draft_model``: the draft checkpoint (HF directory or ``.gguf``), sharing the target's
+    vocabulary; ``eagle3``: the EAGLE-3 head's directory; ``mtp``: none (the target's own layer)."""
+    draft_tensor_parallel_size: int | None = Field(default=None, ge=1)
+    """Tensor-parallel ranks of the draft model: the target's (the default) is the only value."""
+    quantization: str | None = None
+    """The draft model's quantization (as ``--quantization``; default: its checkpoint's)."""
+    proposer: Any = None  # type[SpecDecodeProposer], set by create_engine_config
+    """Resolved: the ``kvloom.interfaces.SpecDecodeProposer`` class that drafts."""
+    draft: ModelConfig | None = None
+    """Resolved: the draft model's section (``draft_model``, ``eagle3``), else None."""
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request keeps past its computed tokens for the proposer's own writes
+        (a draft model writes the KV of its drafts): k for proposers with a KV cache, else 0."""
+        proposer = self.proposer
+        return self.num_speculative_tokens if proposer is not None and proposer.uses_kv_cache else 0
+
+    @classmethod
+    def from_user(cls, value: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
+        """The user's JSON object checked: known keys, types and ranges, each method's
+        required keys and defaults. A ``ValueError`` names the field and what it allows."""
+        if isinstance(value, SpeculativeConfig):
+            value = value.model_dump(exclude={"proposer", "draft"}, exclude_none=True)
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        user_keys = [name for name in cls.model_fields if name not in ("proposer", "draft")]
+        for key in value:
+            if key in UNSUPPORTED_SPECULATIVE_KEYS:
+                raise ValueError(f"speculative_config.{key} is not supported by kvloom yet")
+            if key not in user_keys:
+                raise ValueError(f"speculative_config: unknown key {key!r} (allowed: {', '.join(user_keys)})")
+        values = dict(value)
+        method = values.get("method")
+        if method is None:
+            if values.get("model") is None:
+                raise ValueError("speculative_config.method is required (allowed: "
+                                 f"{', '.join(BUILTIN_SPECULATIVE_METHODS)}, or a proposer plugin's method)")  # fmt: skip
+            values["method"] = method = "draft_model"
+        if not isinstance(method, str) or not method.strip():
+            raise ValueError(f"speculative_config.method must be a method name (allowed: "
+                             f"{', '.join(BUILTIN_SPECULATIVE_METHODS)}, or a proposer plugin's method)")  # fmt: skip
+        if method in ("ngram", "[ngram]"):
+            values["method"] = "ngram"
+            low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            values["prompt_lookup_min"] = low if low is not None else (high if high is not None else 5)
+            values["prompt_lookup_max"] = high if high is not None else values["prompt_lookup_min"]
+        if method not in ("mtp", "deepseek_mtp") and values.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required (an integer, 1..32)")
+        values.setdefault("num_speculative_tokens", 1)  # mtp: the checkpoint's layers decide (resolved later)
+        try:
+            config = cls(**values)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = ".".join(str(p) for p in error["loc"])
+            raise ValueError(f"speculative_config.{field}: {error['msg']} (got {error.get('input')!r:.60})") from None
+        if config.prompt_lookup_min is not None and config.prompt_lookup_max is not None:
+            if config.prompt_lookup_min > config.prompt_lookup_max:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({config.prompt_lookup_min}) must be <= "
+                                 f"prompt_lookup_max ({config.prompt_lookup_max})")  # fmt: skip
+        if config.method in ("draft_model", "eagle3", "eagle") and not config.model:
+            raise ValueError(f"speculative_config.model is required for method {config.method!r} (the draft's "
+                             "checkpoint directory)")  # fmt: skip
+        return config
+
+
 class ObservabilityConfig(_Section):
     """Engine statistics. Platforms and hooks may change both fields."""
 
@@ -374,6 +474,8 @@ class EngineConfig(_Section):
     """``platform``: the active ``Platform`` class; ``device_type``."""
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     """``backend``: the structured-output backend's name."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (``--speculative-config``), or None: off."""
 
     # Names of plugin API 1.0 that moved into the sections (a model plugin reading
     # config.attention_backend must keep working, with a warning, not die at engine start).

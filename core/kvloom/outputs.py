@@ -45,6 +45,9 @@ class ModelRunnerOutput:
     #: with no tokens; the scheduler finishes them with ``FinishReason.ERROR`` while the
     #: rest of the batch goes on.
     failed: dict[str, str] = field(default_factory=dict)
+    #: Speculative decoding: per request, in ``req_ids`` order, the drafts the proposer made
+    #: for its next step ([] for none); None: no proposer ran.
+    spec_token_ids: list[list[int]] | None = None
 
 
 class PendingModelRunnerOutput(ABC):

@@ -32,6 +32,7 @@ from kvloom.platforms.interface import Platform
 from kvloom.platforms.resolution import PLATFORM_ENV, resolve_platform
 from kvloom.quantization.method import QuantizationMethod
 from kvloom.reasoning.base import ReasoningParser
+from kvloom.spec_decode.proposer import SpecDecodeProposer
 from kvloom.structured_output.backend import StructuredOutputBackend
 from kvloom.tool_parsers.base import ToolParser
 from kvloom_registry import (
@@ -65,6 +66,7 @@ REASONING_PARSERS = "kvloom.reasoning_parsers"
 LOGITS_PROCESSORS = "kvloom.logits_processors"
 ENDPOINT_PLUGINS = "kvloom.endpoint_plugins"
 QUANTIZATION_METHODS = "kvloom.quantization_methods"
+SPEC_DECODE_PROPOSERS = "kvloom.spec_decode_proposers"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -84,6 +86,8 @@ GROUPS: tuple[PluginGroup, ...] = (
                 opt_in=True),
     PluginGroup(QUANTIZATION_METHODS, QuantizationMethod, unique_names=True, name_attr="NAME",
                 label="quantization methods"),  # fmt: skip
+    PluginGroup(SPEC_DECODE_PROPOSERS, SpecDecodeProposer, unique_names=True, name_attr="NAME",
+                label="speculative-decoding proposers"),  # fmt: skip
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -284,6 +288,12 @@ def reasoning_parsers(built_in: dict[str, type]) -> dict[str, type]:
     """Reasoning parsers: name -> ``ReasoningParser`` subclass, the built-in ones (``built_in``:
     ``deepseek_r1``, ``qwen3``) and the loaded plugins."""
     return with_built_ins(built_in, REASONING_PARSERS, "reasoning parser")
+
+
+def spec_decode_proposers(built_in: dict[str, type]) -> dict[str, type]:
+    """Speculative-decoding proposers: NAME -> ``SpecDecodeProposer`` subclass, the built-in
+    ones (``built_in``: ``ngram``, ``draft_model``, ``eagle3``, ``mtp``) and the loaded plugins."""
+    return with_built_ins(built_in, SPEC_DECODE_PROPOSERS, "speculative-decoding proposer")
 
 
 def logits_processors() -> dict[str, type]:

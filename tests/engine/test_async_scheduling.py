@@ -259,6 +259,8 @@ def test_async_scheduling_is_resolved_per_platform_and_parallelism(monkeypatch, 
         assert resolve_async_scheduling(None, cpu, 1) is False
         assert resolve_async_scheduling(False, gpu, 1) is False
         assert resolve_async_scheduling(True, cpu, 1) is True  # forced: correct, nothing to overlap
+        assert resolve_async_scheduling(None, gpu, 1, speculative=True) is False  # drafts follow accepted tokens
+        assert resolve_async_scheduling(True, gpu, 1, speculative=True) is False
         assert "nothing to overlap" in caplog.text
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "0")
     assert _llm().config.scheduler.async_scheduling is False  # the CPU platform's default

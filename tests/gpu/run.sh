@@ -2,7 +2,7 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, hybrid, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, tune, quant, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
+# decode, offline, serving, select, select-nofi, tune, quant, moe, mla, compile, so, spec, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers, defaults.
 #   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
 #                by benchmarks/peers/{vllm,sglang}/fetch.sh) in /tmp; once all pieces of one are there, install it
@@ -56,6 +56,11 @@
 #                transformers: fp32 greedy tokens equal HF's on the GPU, graphs / eager / chunked prefill, on each
 #                fp32 backend declaring the features), the TRITON_ATTN GPU tests and the conformance kit of
 #                TRITON_ATTN and FLEX_ATTENTION (its sliding-window, sinks and soft-cap scenarios run where declared).
+#   spec         speculative decoding (issue 39; needs stage gguf): tests/gpu/test_spec_decode_gpu.py (fp32 greedy
+#                tokens with ngram and draft_model on SmolLM2, draft_model and EAGLE-3 on a tiny random Llama, equal
+#                those without speculation, CUDA graphs on), then benchmarks/bench_spec_decode.py (SmolLM2 bf16,
+#                copying/editing prompts from Python's own text, batch 1 and 16, output tok/s without and with ngram
+#                k=5, acceptance rate) -> $OUT/spec/spec_decode.json; SPEC_ARGS adds flags. ~2-3 min.
 #   e2e          tests/gpu/test_e2e_gpu.py (needs the SmolLM2 GGUF parts: stage gguf); E2E_K="EXPR" passes -k EXPR.
 #   tp-bench     TP=2 next to TP=1 in one run (two GPUs): decode steps of the Llama-3-8B shape at batch 1/16/64
 #                against the per-GPU byte limit (benchmarks/bench_decode_roofline.py +tp2) and the nano-vllm
@@ -326,7 +331,7 @@ for i in "${!stages[@]}"; do
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
-    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn" ;;
+    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn and not spec_decode" ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     hybrid) run_pytest hybrid tests/gpu/test_hybrid_gpu.py backends/triton/tests/test_triton_backend_gpu.py \
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[TRITON_ATTN]" \
@@ -378,6 +383,9 @@ write_qwen3_config(Path('/tmp/tune-models/qwen3-0.6b-shape')); write_llama3_conf
     so)
       run_pytest so tests/gpu/test_structured_output_gpu.py
       python3 benchmarks/bench_structured_output.py --tokenizer .benchtok --out "$OUT/so" ${SO_ARGS:-} 2>&1 | tail -40 ;;
+    spec)
+      run_pytest spec tests/gpu/test_spec_decode_gpu.py
+      python3 benchmarks/bench_spec_decode.py --out "$OUT/spec" ${SPEC_ARGS:-} 2>&1 | tail -12 ;;
     tp) run_pytest tp tests/gpu/test_tp_gpu.py ${TP_K:+-k "$TP_K"} ;;
     tp-bench)
       python3 benchmarks/bench_decode_roofline.py --out "$OUT/tp" --backend TRITON_ATTN --batches 1,16,64 \

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.config import CacheConfig, SchedulerConfig
+from kvloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvloom.outputs import EngineCoreOutputs, ModelRunnerOutput
 
 from kvloom.sampling_params import SamplingParams
@@ -55,6 +55,20 @@ def compute_slot_mapping(block_ids: Sequence[int], start_pos: int, num_tokens: i
 
 
 VOCAB = 23
+
+
+class _KVCacheProposer:
+    """Stands in for a proposer with a KV cache of its own (lookahead slots)."""
+
+    uses_kv_cache = True
+
+
+def speculative_config(num_speculative_tokens: int, lookahead: bool = False) -> SpeculativeConfig:
+    """A resolved ``SpeculativeConfig`` for scheduler tests that set drafts themselves; with
+    ``lookahead`` the scheduler also keeps k slots per request for a draft model's KV."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens)
+    config.proposer = _KVCacheProposer if lookahead else None
+    return config
 
 
 def fake_next_token(history: list[int]) -> int:
@@ -105,6 +119,10 @@ class FakeModelRunner:
         for cached in so.scheduled_cached_reqs:
             st = self.state[cached.req_id]
             assert st.num_computed == cached.num_computed_tokens, (cached.req_id, st.num_computed)
+            if cached.num_kept_blocks is not None:  # rejected drafts' blocks went back to the pool
+                for table in st.block_ids:
+                    assert cached.num_kept_blocks <= len(table)
+                    del table[cached.num_kept_blocks :]
             for table, new_ids in zip(st.block_ids, cached.new_block_ids, strict=True):
                 table.extend(new_ids)
 

@@ -6,7 +6,15 @@ import time
 
 import pytest
 import torch
-from tests.helpers.fake_model import FakeModelRunner, make_configs, reference_generate, run_to_completion, sample, step
+from tests.helpers.fake_model import (
+    FakeModelRunner,
+    make_configs,
+    reference_generate,
+    run_to_completion,
+    sample,
+    speculative_config,
+    step,
+)
 
 from tests.helpers.fake_model import compute_slot_mapping
 from kvloom.outputs import EngineCoreOutputs, ModelRunnerOutput
@@ -20,9 +28,9 @@ def greedy(max_tokens: int | None = 16, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
-def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, speculative=None, **config) -> Scheduler:
     sc, cc = make_configs(**config)
-    return Scheduler(sc, cc, num_blocks=num_blocks)
+    return Scheduler(sc, cc, num_blocks=num_blocks, speculative_config=speculative)
 
 
 def by_id(out: EngineCoreOutputs) -> dict:
@@ -334,7 +342,7 @@ def test_max_tokens_and_max_model_len_cap_the_length() -> None:
 
 
 def test_draft_tokens_are_scheduled_and_rejected_ones_recomputed() -> None:
-    scheduler = make_scheduler(block_size=4)
+    scheduler = make_scheduler(block_size=4, speculative=speculative_config(3))
     request = Request("r", [1, 2, 3], greedy(10, stop_token_ids=[99]))
     scheduler.add_request(request)
     step(scheduler, {"r": [4]})
@@ -359,7 +367,7 @@ def test_draft_tokens_are_scheduled_and_rejected_ones_recomputed() -> None:
 
 
 def test_draft_tokens_are_trimmed_to_the_budget() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=3, max_num_seqs=1)
+    scheduler = make_scheduler(max_num_batched_tokens=3, max_num_seqs=1, speculative=speculative_config(4))
     request = Request("r", [1], greedy())
     scheduler.add_request(request)
     step(scheduler)
@@ -369,7 +377,7 @@ def test_draft_tokens_are_trimmed_to_the_budget() -> None:
 
 
 def test_draft_tokens_never_reach_past_max_model_len() -> None:
-    scheduler = make_scheduler(max_model_len=8)
+    scheduler = make_scheduler(max_model_len=8, speculative=speculative_config(3))
     request = Request("r", list(range(6)), greedy())
     scheduler.add_request(request)
     step(scheduler)  # 7 tokens, 6 computed: positions 6 and 7 are left

@@ -23,6 +23,7 @@ from tests.helpers.fake_model import (
     fake_next_token,
     make_configs,
     reference_generate,
+    speculative_config,
 )
 
 from kvloom.request import Request, RequestStatus
@@ -165,7 +166,9 @@ def make_drafts(request: Request, rng: random.Random) -> list[int]:
 
 def run_scenario(sc: Scenario) -> dict[str, Request]:
     sched_cfg, cache_cfg = make_configs(**sc.config)
-    scheduler = Scheduler(sched_cfg, cache_cfg, num_blocks=sc.num_blocks)
+    # Up to 3 drafts per step (make_drafts); a draft model's lookahead slots in half the runs.
+    speculative = speculative_config(3, lookahead=sc.seed % 2 == 1) if any(r.drafts for r in sc.requests) else None
+    scheduler = Scheduler(sched_cfg, cache_cfg, num_blocks=sc.num_blocks, speculative_config=speculative)
     runner = FakeModelRunner(sc.num_blocks, cache_cfg.block_size)
     rng = random.Random(sc.seed)
     specs = {f"r{i}": spec for i, spec in enumerate(sc.requests)}

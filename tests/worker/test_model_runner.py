@@ -82,13 +82,13 @@ def test_profile_runs_the_largest_batch_on_a_one_block_cache_and_leaves_nothing(
     seen = {}
     forward, sampler = runner.dummy_forward, runner.sampler.sampler
 
-    def spy_forward(num_tokens, num_reqs=None):
+    def spy_forward(num_tokens, num_reqs=None, rows_per_req=1):
         one_block = [tuple(runner.backend.get_kv_cache_shape(1, runner.block_size, a.num_kv_heads, a.head_size))
                      for a in runner.attn_layers]  # fmt: skip
         seen["forward"] = (num_tokens, num_reqs, [tuple(c.shape) for c in runner.kv_caches] == one_block,
                            runner.builder is not None)  # fmt: skip
         seen["calls_before_forward"] = list(memory.calls)
-        return forward(num_tokens, num_reqs)
+        return forward(num_tokens, num_reqs, rows_per_req)
 
     def spy_sampler(logits, metadata):
         seen["sampler_rows"] = logits.shape[0]

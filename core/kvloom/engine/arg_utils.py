@@ -213,6 +213,12 @@ class EngineArgs(BaseModel):
         None, description="vLLM's structured-output options, a JSON object with the keys backend, reasoning_parser "
         "and enable_in_reasoning (true: the grammar also binds the reasoning)."
     )
+    # ---- speculative decoding
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="Speculative decoding, vLLM's JSON object: method (ngram, draft_model, eagle3, eagle, mtp, "
+        "deepseek_mtp or a proposer plugin's), num_speculative_tokens, prompt_lookup_min/max (ngram), model (the "
+        "draft or EAGLE-3 head checkpoint), draft_tensor_parallel_size, quantization (the draft's)."
+    )
     # ---- observability
     # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
     disable_log_stats: bool = Field(
@@ -278,6 +284,17 @@ class EngineArgs(BaseModel):
             else:
                 raise ValueError(f"{name} is not supported by kvloom yet{_python_note(entry.note)}")
         return kept
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_config(cls, v: Any) -> dict[str, Any] | None:
+        if v is None:
+            return None
+        # kvloom.config imports torch: only when the user asks for speculation.
+        from kvloom.config import SpeculativeConfig
+
+        config = SpeculativeConfig.from_user(v)
+        return config.model_dump(exclude={"proposer", "draft"}, exclude_none=True)
 
     @field_validator("structured_outputs_config")
     @classmethod

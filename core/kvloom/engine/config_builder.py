@@ -50,6 +50,7 @@ from kvloom.loader.generation_config import generation_defaults, resolve_chat_te
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.registry import ModelRegistry, is_classification_architecture
 from kvloom.quantization.selection import quantization_for_engine
+from kvloom.spec_decode.registry import resolve_speculative
 from kvloom.structured_output.options import structured_outputs_config
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
         structured_outputs=structured_outputs_config(*args.structured_outputs_options()),
     )
+    config.speculative = resolve_speculative(args.speculative_config, config)
     _let_platform_and_plugins_adjust(config, model_limit)
     if config.parallel.data_parallel_size > 1:  # now, naming the flag, if the machine cannot hold the replicas
         for index in range(config.parallel.data_parallel_size):
@@ -238,18 +240,28 @@ def _scheduler_config(args: EngineArgs, max_model_len: int, platform: type[Platf
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill,
         policy=args.scheduling_policy,
-        async_scheduling=resolve_async_scheduling(args.async_scheduling, platform, args.pipeline_parallel_size),
+        async_scheduling=resolve_async_scheduling(args.async_scheduling, platform, args.pipeline_parallel_size,
+                                                  speculative=args.speculative_config is not None),
     )
 
 
-def resolve_async_scheduling(requested: bool | None, platform: type[Platform], pipeline_parallel_size: int) -> bool:
+def resolve_async_scheduling(
+    requested: bool | None, platform: type[Platform], pipeline_parallel_size: int, *, speculative: bool = False
+) -> bool:
     """``--async-scheduling`` / ``--no-async-scheduling`` as given; without either (None),
     on where the platform's device runs asynchronously from the host
     (``Platform.supports_async_scheduling``) and there is one pipeline stage (pipeline
     parallelism keeps its micro-batches in flight instead; an explicit
-    ``--async-scheduling`` with it was refused by ``check_pipeline_parallel``). Logs the
+    ``--async-scheduling`` with it was refused by ``check_pipeline_parallel``). Off with
+    speculative decoding, asked for or not: a step's drafts follow the previous step's
+    accepted tokens, so steps cannot overlap (a warning when it was asked for). Logs the
     outcome and why."""
-    if requested is not None:
+    if speculative:
+        if requested:
+            logger.warning("--async-scheduling is off with speculative decoding: each step's drafts need the "
+                           "previous step's accepted tokens, so steps run one after the other")  # fmt: skip
+        value, why = False, "speculative decoding: each step's drafts follow the previous step's accepted tokens"
+    elif requested is not None:
         value = requested
         why = "--async-scheduling" if requested else "--no-async-scheduling"
         if requested and not platform.supports_async_scheduling:
@@ -293,7 +305,10 @@ def _let_platform_and_plugins_adjust(config: EngineConfig, model_limit: int) -> 
 
 
 def _fixed_fields(config: EngineConfig) -> dict[str, object]:
-    return {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+    fixed = {f"{section}.{field}": getattr(getattr(config, section), field) for section, field in FIXED_FIELDS}
+    # The speculative section as a whole (the KV cache and the runner are built for it).
+    fixed["speculative"] = config.speculative.model_copy() if config.speculative is not None else None
+    return fixed
 
 
 def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str, max_len: int) -> None:
@@ -313,7 +328,8 @@ def _check_adjusted(config: EngineConfig, resolved: dict[str, object], who: str,
     if changed:
         raise ValueError(
             f"EngineConfig: the {who} changed {', '.join(changed)}, which must not change once resolved "
-            "(the model, the attention backend and the platform are fixed; see docs/plugins.md, 'The engine config')"
+            "(the model, the attention backend, the platform and speculative decoding are fixed; see docs/plugins.md, "
+            "'The engine config')"
         )
     model_len, scheduler_len = config.model.max_model_len, config.scheduler.max_model_len
     if model_len != scheduler_len:

@@ -69,6 +69,7 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             kv_cache_config=self.kv_cache_config,
+            speculative_config=config.speculative,
         )
         self.async_scheduling = config.scheduler.async_scheduling
         # Pipeline parallelism: micro-batches in flight at most (vLLM's max_concurrent_batches).

@@ -16,12 +16,13 @@ import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -74,6 +75,26 @@ def forks_engine_cores(config: EngineConfig) -> bool:
         and config.parallel.data_parallel_size == 1
         and "forkserver" in multiprocessing.get_all_start_methods()
     )
+
+
+def _serialize_exit_status_reads(process: multiprocessing.process.BaseProcess) -> None:
+    """One thread at a time reads ``process``'s exit status. A fork-server child's status
+    arrives as bytes on its sentinel, read once: when the engine's monitor thread and
+    another thread (a caller joining the process) poll together, one reads the status
+    and the other meets end-of-file, which ``multiprocessing`` reports as exit code 255,
+    possibly overwriting the true code. Spawned processes (``waitpid``) need no lock, but
+    it costs nothing there."""
+    popen = getattr(process, "_popen", None)
+    if popen is None:
+        return
+    lock = threading.Lock()
+    unlocked_poll = popen.poll
+
+    def poll(*args: Any, **kwargs: Any) -> int | None:
+        with lock:
+            return unlocked_poll(*args, **kwargs)
+
+    popen.poll = poll
 
 
 def prestart_engine_core_server(config: EngineConfig) -> None:
@@ -158,6 +179,7 @@ class EngineCoreProcessHandle:
         )
         with main_module_not_reimported():
             self.process.start()
+        _serialize_exit_status_reads(self.process)
         death_reader.close()
         self._stop_reader, self._stop_writer = multiprocessing.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None

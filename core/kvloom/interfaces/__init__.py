@@ -61,6 +61,10 @@ example packages):
   tensor ``load_weight`` gets is read with ``kvloom.interfaces.models.materialize``); a GGUF
   file's tensors as stored, for a method claiming ``"gguf"``: ``GGUFTensor``; the on-disk cache
   root for what a method derives once (repacked weights, built kernels): ``kvloom_cache_dir``.
+- speculative-decoding proposers (``docs/speculative_decoding.md``): ``SpecDecodeProposer``
+  (declarations, ``validate``) and its kinds ``HostProposer`` (drafts from token ids:
+  ``ProposalRequest`` in, ``Proposals`` out) and ``ModelProposer`` (a ``DraftModel`` built
+  from a ``DraftModelContext``); the user's ``SpeculativeConfig``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -123,6 +127,7 @@ from kvloom.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_attributes
@@ -161,6 +166,15 @@ from kvloom.quantization.layer_methods import (
 from kvloom.quantization.method import LayerInfo, LayerKind, QuantizationMethod, QuantizationSelectorConfig
 from kvloom.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningState, ReasoningStream
 from kvloom.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
+from kvloom.spec_decode.proposer import (
+    DraftModel,
+    DraftModelContext,
+    HostProposer,
+    ModelProposer,
+    ProposalRequest,
+    Proposals,
+    SpecDecodeProposer,
+)
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
 from kvloom.utils import kvloom_cache_dir
@@ -267,6 +281,15 @@ __all__ = [
     "fused_moe_torch",
     "kvloom_cache_dir",
     "remove_quantized_parameter",
+    # speculative-decoding proposers
+    "DraftModel",
+    "DraftModelContext",
+    "HostProposer",
+    "ModelProposer",
+    "ProposalRequest",
+    "Proposals",
+    "SpecDecodeProposer",
+    "SpeculativeConfig",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):

@@ -21,6 +21,13 @@ Blocks are per KV-cache group (``kvloom.kv_cache.spec``): ``KVCacheBlocks`` and
 ``get_block_ids`` hold one list per group, in group order; a model with one group (every
 model with a single attention type) has one-element tuples and the paths of the plain
 paged cache. The per-group work is the coordinator's (``kvloom.kv_cache.coordinator``).
+
+``free_tail(request, num_tokens)`` returns only the blocks past a request's first
+``num_tokens`` slots (speculative decoding: the slots of rejected drafts).
+
+Only blocks filled by known tokens are cached (``Request.all_token_ids``): draft tokens
+are scheduled as new tokens but never hashed, so a rejected draft never reaches the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -130,8 +137,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+        """Make room for ``num_new_tokens`` more tokens after the computed ones, plus
+        ``num_lookahead_tokens`` slots after those (speculative decoding: where a draft
+        model writes its drafts' KV after the step).
 
         ``new_computed_blocks``/``num_new_computed_tokens`` are what
         ``get_computed_blocks`` returned for a request being admitted. Returns the newly
@@ -139,7 +149,7 @@ class KVCacheManager:
         blocks.
         """
         request_id = request.request_id
-        num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         has_hits = new_computed_blocks is not None and any(new_computed_blocks)
         single = self.single
         if single is not None:
@@ -174,7 +184,8 @@ class KVCacheManager:
         if self.hash_fn is not None:
             # Cache the blocks filled by known tokens; draft tokens may be rejected.
             num_tokens = len(request.all_token_ids)
-            num_full = (num_slots if num_slots < num_tokens else num_tokens) // self.block_size
+            num_filled = num_slots - num_lookahead_tokens
+            num_full = (num_filled if num_filled < num_tokens else num_tokens) // self.block_size
             if num_full > self.managers[0].num_cached_blocks.get(request_id, 0):
                 if num_full > len(request.block_hashes):
                     update_block_hashes(request, self.block_size, self.hash_fn)
@@ -191,6 +202,12 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (the model runner's block-table rows)."""
         return block_ids_of(self.coordinator.get_blocks(request_id))
+
+    def free_tail(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past its first ``num_tokens`` slots in every group
+        (those of rejected drafts); returns how many blocks it keeps per group."""
+        kept = [manager.free_tail(request.request_id, num_tokens) for manager in self.managers]
+        return kept[0]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (only possible while no request holds blocks)."""

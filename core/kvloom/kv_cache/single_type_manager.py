@@ -112,6 +112,26 @@ class SingleTypeKVCacheManager:
                 self.block_pool.uncache_block(block)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def free_tail(self, request_id: str, num_tokens: int) -> int:
+        """Return to the pool the request's blocks past those that hold its first
+        ``num_tokens`` slots (speculative decoding: the slots of rejected drafts), last
+        block first; the number of blocks it keeps. Blocks past the known tokens were never
+        cached; one that was (a caller's mistake) leaves the prefix cache first."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return len(blocks) if blocks is not None else 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        num_cached = self.num_cached_blocks.get(request_id, 0)
+        if num_cached > keep:
+            for block in tail[: num_cached - keep]:
+                if block.ref_cnt == 1:
+                    self.block_pool.uncache_block(block)
+            self.num_cached_blocks[request_id] = keep
+        self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     @classmethod
     def find_longest_cache_hit(
         cls,

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from kvloom.attention.kv_quant import log_kv_cache_scales
-from kvloom.config import EngineConfig
+from kvloom.config import EngineConfig, LoadConfig, ModelConfig
 from kvloom.layers.custom_ops import set_custom_ops
 from kvloom.loader.gguf_loader import gguf_weights
 from kvloom.loader.lazy_tensor import CheckpointTensor
@@ -176,12 +176,12 @@ def _layer_ops(config: EngineConfig) -> dict[str, Callable[..., object]]:
     return ops
 
 
-def construct_model(model_cls: type[nn.Module], config: EngineConfig, device: torch.device) -> nn.Module:
-    """``model_cls(config)`` on ``device`` in the model dtype, its layers quantized by
+def construct_model(model_cls: type[nn.Module], config: EngineConfig, device: torch.device, **kwargs: object) -> nn.Module:
+    """``model_cls(config, **kwargs)`` on ``device`` in the model dtype, its layers quantized by
     ``config.model.quantization`` (parameters uninitialised)."""
     stacked = getattr(model_cls, "stacked_params", ())
     with default_dtype(config.model.dtype), device, building_model(config.model.quantization, stacked):
-        model = model_cls(config)
+        model = model_cls(config, **kwargs)
     # Layers that allocate in their own way (or out-of-tree models) end up here too.
     return model.to(device=device)
 
@@ -221,4 +221,29 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
         source,
         time.perf_counter() - start,
     )
+    return model
+
+
+def load_draft_model(
+    config: EngineConfig, device: torch.device, model_cls: type[nn.Module], model_config: ModelConfig, **kwargs: object
+) -> nn.Module:
+    """A speculative draft model: ``model_cls(draft config, **kwargs)`` built for
+    ``model_config`` (the draft's section) with the engine's attention backend, KV-cache
+    dtype and parallelism, and its checkpoint's weights loaded (random ones under
+    ``--load-format dummy``). A draft that shares the target's embedding or LM head reports
+    those weights loaded itself."""
+    dummy = config.load.load_format == "dummy"
+    kind = "gguf" if model_config.model.endswith(".gguf") else "hf"
+    load = LoadConfig(load_format="dummy" if dummy else "auto", source_kind=kind)
+    draft_config = config.model_copy(update={"model": model_config, "load": load})
+    model = construct_model(model_cls, draft_config, device, **kwargs)
+    if dummy:
+        initialize_dummy_weights(model, seed=model_config.seed + 1)
+    else:
+        check_all_weights_loaded(model, model.load_weights(model_weights(draft_config, model)), model_config.model)
+    process_weights_after_loading(model)
+    model.eval()
+    model.requires_grad_(False)
+    logger.info("Loaded the draft model %s (%s) from %s", type(model).__name__, model_config.architecture,
+                "dummy weights" if dummy else model_config.model)  # fmt: skip
     return model

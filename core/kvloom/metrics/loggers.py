@@ -2,7 +2,8 @@
 
 * ``LoggingStatLogger`` writes vLLM's one-line summary (throughputs, running/waiting,
   KV-cache usage, prefix-cache hit rate; vLLM's metrics design doc) to the INFO log each
-  time ``log()`` is called (every ``log_stats_interval`` seconds, 5 by default).
+  time ``log()`` is called (every ``log_stats_interval`` seconds, 5 by default), and with
+  speculative decoding vLLM's "SpecDecoding metrics" line (``kvloom.metrics.spec_decode``).
 * ``PrometheusStatLogger`` keeps the v1 metric set under the ``kvloom:`` prefix, each
   labelled with ``model_name``, in its own ``CollectorRegistry`` (``/metrics`` serves it).
 * ``build_stat_loggers`` makes the logging logger (unless ``disable_log_stats``), the
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloom import plugins
 from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.spec_decode import SpecDecodingLogging, SpecDecodingProm
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.metrics.stats import IterationStats
 from kvloom.request import FinishReason
@@ -93,6 +95,7 @@ class LoggingStatLogger(StatLoggerBase):
         self.prefix_cache = PrefixCacheHitRate()
         #: The latest scheduler stats of each engine core (several with data parallelism).
         self.engine_stats = [SchedulerStats() for _ in range(config.parallel.data_parallel_size)]
+        self.spec_decoding = SpecDecodingLogging() if config.speculative is not None else None
         self._reset_interval(time.monotonic())
         self._last_line_idle = False
 
@@ -113,6 +116,8 @@ class LoggingStatLogger(StatLoggerBase):
         if scheduler_stats is not None:
             self.engine_stats[engine_idx] = scheduler_stats
             self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
+            if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
+                self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
 
     @property
     def last_scheduler_stats(self) -> SchedulerStats:
@@ -154,6 +159,10 @@ class LoggingStatLogger(StatLoggerBase):
         # so an idle server does not fill its log with identical lines.
         level = logging.DEBUG if idle and self._last_line_idle else logging.INFO
         logger.log(level, "%s", self.summary(now))
+        if self.spec_decoding is not None:
+            if (line := self.spec_decoding.line(max(now - self.interval_start, 1e-9))) is not None:
+                logger.info("%s", line)
+            self.spec_decoding.reset()
         self._last_line_idle = idle
         self._reset_interval(now)
 
@@ -270,6 +279,9 @@ class PrometheusStatLogger(StatLoggerBase):
             "structured_output_compile_time_seconds", "Histogram of grammar compile time in seconds.",
             COMPILE_TIME_BUCKETS,
         )
+        self.spec_decoding = SpecDecodingProm(name, self.registry, self.model_name, engines,
+                                              config.speculative.num_speculative_tokens) \
+            if config.speculative is not None else None  # fmt: skip
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         request_success = Counter(
@@ -371,6 +383,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.structured_output_cache_hits[engine_idx].inc(scheduler_stats.structured_output_cache_hits)
                 for seconds in scheduler_stats.structured_output_compile_times:
                     self.structured_output_compile_time.observe(seconds)
+                if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
+                    self.spec_decoding.observe(scheduler_stats.spec_decoding_stats, engine_idx)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

@@ -26,6 +26,32 @@ class PrefixCacheStats:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding's verifications of one step (vLLM's ``SpecDecodingStats``)."""
+
+    num_spec_tokens: int = 0
+    """Draft tokens per request and step (``num_speculative_tokens``)."""
+    num_drafts: int = 0
+    """Requests whose drafts were verified (one per request and step with drafts)."""
+    num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    """Per draft position (0 .. num_spec_tokens - 1): drafts accepted there."""
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One request's verification: ``num_draft_tokens`` drafts, the first
+        ``num_accepted_tokens`` of them accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        for pos in range(num_accepted_tokens):
+            per_pos[pos] += 1
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's state after one step."""
 
@@ -45,3 +71,5 @@ class SchedulerStats:
     """Structured requests that looked their grammar up in the compiled-grammar cache."""
     structured_output_cache_hits: int = 0
     """Those that found it there (compiled, or compiling for another request)."""
+    spec_decoding_stats: SpecDecodingStats | None = None
+    """Speculative decoding's verifications in this step (None: speculation off)."""

@@ -34,6 +34,7 @@ from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.models.interface import HiddenStateTaps
 from kvloom.models.llama import LlamaDecoderLayer, LlamaModel
 from kvloom.models.weights import load_checkpoint_weights
 
@@ -175,6 +176,7 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         # LlamaModel.forward's stage attributes: DeepSeek is never pipeline-split (every layer here).
         self.start_layer, self.end_layer, self.is_last_stage = 0, hf.num_hidden_layers, True
+        self.hidden_taps: HiddenStateTaps | None = None  # what an MTP draft reads
         self.rotary_emb = RotaryEmbedding(
             head_dim=hf.qk_rope_head_dim,
             max_position=config.model.max_model_len,
@@ -190,6 +192,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     """kvloom's model contract (see ``LlamaForCausalLM``) for DeepSeek-V2/V3."""
 
     stacked_params = DEEPSEEK_STACKED_PARAMS
+    supports_hidden_state_taps = True
+    """``self.model.hidden_taps`` records chosen hidden states (the MTP draft reads the output)."""
     accepts_lazy_weights = True
     """``load_weights`` takes lazy handles (it renames and filters): the MTP tensors it
     drops are never read."""

@@ -13,6 +13,8 @@ one place what to declare and a type checker can hold a model class to it:
   (``accepts_lazy_weights = True`` in the class that defines ``load_weights``);
 - ``HasAttentionSinks``: the attention has learned sinks (``has_attention_sinks = True``,
   gpt-oss), which the attention backend must support.
+- ``SupportsHiddenStateTaps``: copies chosen hidden states of each forward aside for a
+  speculative draft model (EAGLE-3, MTP) to read (``hidden_state_taps`` on its inner model).
 
 The engine never reads these attributes itself: it asks the helpers below
 (``supports_pp(model_cls)``, ...), which take a model class or instance and give the
@@ -111,6 +113,62 @@ class HasAttentionSinks(Protocol):
 def has_attention_sinks(model: object) -> bool:
     """Whether ``model`` (a model class or instance) declares ``HasAttentionSinks``."""
     return bool(getattr(model, "has_attention_sinks", False))
+
+
+class HiddenStateTaps:
+    """Copies of chosen hidden states of a model's forward, by HF's ``output_hidden_states``
+    index (``i`` < num_hidden_layers: the residual stream entering layer ``i``, 0 the
+    embeddings; ``num_hidden_layers``: the final normed output), written into one
+    persistent buffer (``[max_num_tokens, len(indices), hidden_size]``) so that a CUDA graph
+    replay writes them too. ``read(n)`` gives the last forward's first ``n`` tokens."""
+
+    def __init__(self, indices: tuple[int, ...], max_num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        import torch
+
+        self.indices = indices
+        self.slots = {index: slot for slot, index in enumerate(indices)}
+        self.buffer = torch.zeros(max_num_tokens, len(indices), hidden_size, dtype=dtype, device=device)
+
+    def record(self, index: int, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """The hidden state at ``index`` (``hidden_states + residual``: the stream as HF has it)."""
+        slot = self.slots.get(index)
+        if slot is not None:
+            value = hidden_states if residual is None else hidden_states + residual
+            self.buffer[: value.shape[0], slot].copy_(value)
+
+    def read(self, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens, len(indices) * hidden_size]``: the taps of each token, concatenated."""
+        return self.buffer[:num_tokens].flatten(1)
+
+
+class SupportsHiddenStateTaps(Protocol):
+    """A model whose inner model (``self.model``) records chosen hidden states of each forward
+    into its ``hidden_taps`` (a ``HiddenStateTaps``, None until a draft model asks)."""
+
+    supports_hidden_state_taps: ClassVar[Literal[True]]
+    """Declares the capability; EAGLE-3 and MTP drafts need it of the target."""
+
+
+def supports_hidden_state_taps(model: object) -> bool:
+    """Whether ``model`` (a model class or instance) declares ``SupportsHiddenStateTaps``."""
+    return bool(getattr(model, "supports_hidden_state_taps", False))
+
+
+def enable_hidden_state_taps(model: object, indices: tuple[int, ...], max_num_tokens: int) -> HiddenStateTaps:
+    """Make ``model`` (a loaded model instance) record the hidden states ``indices`` of every
+    forward from now on; the ``HiddenStateTaps`` to read them from."""
+    inner = getattr(model, "model", None)
+    if not supports_hidden_state_taps(model) or inner is None or not hasattr(inner, "hidden_taps"):
+        raise ValueError(f"model {type(model).__name__} does not expose its hidden states "
+                         "(supports_hidden_state_taps); a draft model that reads them cannot run on it")  # fmt: skip
+    num_layers = len(inner.layers)
+    if any(not 0 <= i <= num_layers for i in indices):
+        raise ValueError(f"hidden-state indices {indices} out of range for {num_layers} layers (0..{num_layers})")
+    weight = next(p for p in model.parameters() if p.is_floating_point())  # type: ignore[attr-defined]
+    hidden_size = model.config.model.hidden_size  # type: ignore[attr-defined]
+    inner.hidden_taps = HiddenStateTaps(indices, max_num_tokens, hidden_size, weight.dtype, weight.device)
+    return inner.hidden_taps
 
 
 def supports_pp(model: object) -> bool:

@@ -43,6 +43,7 @@ from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.loader.lazy_tensor import materialize
+from kvloom.models.interface import HiddenStateTaps
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 
@@ -73,13 +74,15 @@ class LlamaAttention(nn.Module):
         norm: type[RMSNorm] = RMSNorm,
         logits_soft_cap: float | None = None,
         sinks: bool = False,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         hf = config.model.text_config
         self.head_dim = config.model.head_size
         # Tensor parallelism: column-parallel QKV (this rank's heads), row-parallel o_proj.
+        # ``input_size``: the QKV projection's input when it is not hidden_size (EAGLE-3's 2 x).
         self.qkv_proj = QKVLinear(
-            hf.hidden_size, self.head_dim, config.model.num_heads, config.model.num_kv_heads, bias=qkv_bias,
+            input_size or hf.hidden_size, self.head_dim, config.model.num_heads, config.model.num_kv_heads, bias=qkv_bias,
             prefix=_join(prefix, "qkv_proj"), parallel=True,
         )
         # This rank's head counts (the whole model's at tensor-parallel size 1).
@@ -255,6 +258,8 @@ class LlamaModel(nn.Module):
             rope_parameters=get_rope_parameters(hf),
             max_position_embeddings=hf.max_position_embeddings,
         )
+        #: Hidden states a speculative draft model reads (``kvloom.models.interface.HiddenStateTaps``).
+        self.hidden_taps: HiddenStateTaps | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
@@ -267,12 +272,17 @@ class LlamaModel(nn.Module):
         else:
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         cos_sin = self.rotary_emb.cos_sin(positions)
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        taps = self.hidden_taps
+        for index, layer in enumerate(self.layers[self.start_layer : self.end_layer], self.start_layer):
+            if taps is not None:
+                taps.record(index, hidden_states, residual)
             hidden_states, residual = layer(hidden_states, residual, cos_sin)
         if not self.is_last_stage:
             assert residual is not None  # a stage holds at least one layer
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        if taps is not None:
+            taps.record(len(self.layers), hidden_states, None)
         return hidden_states
 
 
@@ -297,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
     accepts_lazy_weights = True
     """``load_weights`` takes lazy safetensors handles (it only renames and filters them):
     each tensor-parallel rank's layers read their own slices (``kvloom.loader.lazy_tensor``)."""
+    supports_hidden_state_taps = True
+    """``self.model.hidden_taps`` records chosen hidden states (EAGLE-3 drafts read them)."""
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()

@@ -218,7 +218,7 @@ def random_sample_torch(logits: torch.Tensor, temperature: torch.Tensor, greedy:
     return torch.where(greedy, logits.argmax(dim=1), sampled)
 
 
-def _no_logit_processing(metadata: SamplingMetadata) -> bool:
+def no_logit_processing(metadata: SamplingMetadata) -> bool:
     """Whether the batch asks for no logprobs and changes no logit (no logit_bias,
     penalties, min_tokens or logits processors): the raw logits decide alone."""
     return (
@@ -237,7 +237,7 @@ def _plain_temperature_batch(metadata: SamplingMetadata) -> bool:
     greedy (an all-greedy batch is one argmax already)."""
     return (
         not metadata.all_greedy
-        and _no_logit_processing(metadata)
+        and no_logit_processing(metadata)
         and metadata.top_k is None
         and metadata.top_p is None
         and metadata.min_p is None
@@ -266,23 +266,13 @@ class Sampler:
             logits = logits.index_put((rows,), out.to(logits.dtype))
         return logits
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
-        random_sample = get_custom_op("random_sample")
-        if random_sample is not None and _plain_temperature_batch(metadata):
-            # The op reads the logits in the LM head's dtype: no float32 copy first.
-            sampled = random_sample(logits, metadata.temperature, metadata.greedy_mask)
-            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None,  # type: ignore[arg-type]
-                                 num_logprobs=list(metadata.num_logprobs))  # fmt: skip
-        if metadata.all_greedy and _no_logit_processing(metadata):
-            # The argmax of the logits as they are: casting to float32 first changes no
-            # value's order, it only costs a pass over [batch, vocab].
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1), logprobs_tensors=None,
-                                 num_logprobs=list(metadata.num_logprobs))  # fmt: skip
+    def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 0-2 of the module docstring, in float32: the logits the rows' tokens are
+        chosen from, and the raw logprobs (log_softmax before any processing) when some row
+        wants logprobs, else None. The rejection sampler processes each verified position
+        with it too."""
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
-
         if metadata.logit_bias is not None:
             rows, ids, values = metadata.logit_bias
             logits = logits.index_put((rows, ids), values, accumulate=True)
@@ -292,7 +282,23 @@ class Sampler:
             logits = logits.index_put(metadata.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
         if metadata.logits_processors is not None:
             logits = self._apply_logits_processors(logits, metadata)
+        return logits, raw_logprobs
 
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        random_sample = get_custom_op("random_sample")
+        if random_sample is not None and _plain_temperature_batch(metadata):
+            # The op reads the logits in the LM head's dtype: no float32 copy first.
+            sampled = random_sample(logits, metadata.temperature, metadata.greedy_mask)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None,  # type: ignore[arg-type]
+                                 num_logprobs=list(metadata.num_logprobs))  # fmt: skip
+        if metadata.all_greedy and no_logit_processing(metadata):
+            # The argmax of the logits as they are: casting to float32 first changes no
+            # value's order, it only costs a pass over [batch, vocab].
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1), logprobs_tensors=None,
+                                 num_logprobs=list(metadata.num_logprobs))  # fmt: skip
+        logits, raw_logprobs = self.process_logits(logits, metadata)
         if metadata.all_greedy:
             sampled = logits.argmax(dim=1)
         else:

@@ -48,6 +48,10 @@ class CachedRequestData:
     #: ``num_computed_tokens`` on), which the stages before the last did not sample
     #: themselves. None without pipeline parallelism.
     new_token_ids: list[int] | None = None
+    #: Speculative decoding: the request's block table was cut to its first this many
+    #: blocks (the slots of rejected drafts went back to the pool) before ``new_block_ids``
+    #: are appended. None: nothing was cut.
+    num_kept_blocks: int | None = None
 
 
 @dataclass

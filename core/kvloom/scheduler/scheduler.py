@@ -56,6 +56,12 @@ step is in flight it is not scheduled again (``_in_flight``), so every step's in
 known tokens. The stages before the last sample nothing; each scheduled running request
 carries the tokens its step computes (``CachedRequestData.new_token_ids``).
 
+Speculative decoding (``kvloom.scheduler.speculation``): a running request's drafts
+(``spec_token_ids``, from the runner's last output) are scheduled as extra new tokens with
+KV slots for them and the proposer's lookahead; ``update_from_output()`` rolls back the
+rejected ones, gives their blocks back and keeps the step's new drafts. A structured
+request's bitmask then has a row per verified position.
+
 Requests never wait on each other forever: a request that needs more KV blocks than the
 whole cache has (a cache sized below one ``max_model_len`` request; the engine avoids
 this) is finished with ``FinishReason.LENGTH`` instead of being retried.
@@ -66,9 +72,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from kvloom.config import CacheConfig, SchedulerConfig
+from kvloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvloom.kv_cache.manager import KVCacheManager, block_ids_of
 from kvloom.kv_cache.spec import KVCacheConfig
 from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
@@ -77,27 +82,13 @@ from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestSt
 from kvloom.scheduler.interface import SchedulerInterface
 from kvloom.scheduler.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
-from kvloom.scheduler.utils import check_stop
+from kvloom.scheduler.speculation import Speculation
+from kvloom.scheduler.utils import StepPlan, check_stop, final_output
 from kvloom.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass
-class _StepPlan:
-    """What one ``schedule()`` has decided so far; each phase adds to it."""
-
-    token_budget: int
-    """Tokens the step may still schedule (``max_num_batched_tokens`` at the start)."""
-    now: float
-    """The step's timestamp for request events (0 without stats)."""
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    num_preempted: int = 0
 
 
 class Scheduler(SchedulerInterface):
@@ -113,6 +104,7 @@ class Scheduler(SchedulerInterface):
         structured_output_manager: StructuredOutputManager | None = None,
         pipeline_parallel_size: int = 1,
         kv_cache_config: KVCacheConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -163,6 +155,10 @@ class Scheduler(SchedulerInterface):
         # Pipeline parallelism: ids of requests in a step not yet back from the last stage.
         self.pipeline_parallel = pipeline_parallel_size > 1
         self._in_flight: set[str] = set()
+        # Speculative decoding (kvloom.scheduler.speculation): None = off.
+        self.speculation = Speculation(speculative_config, self.kv_cache_manager, self.max_model_len) \
+            if speculative_config is not None else None  # fmt: skip
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config is not None else 0
 
     # ------------------------------------------------------------------ requests in
 
@@ -220,7 +216,7 @@ class Scheduler(SchedulerInterface):
             request.status = finished_status
             self._free_request(request)
             if finished_status == RequestStatus.FINISHED_ABORTED:
-                self._pending_outputs.append(self._final_output(request))
+                self._pending_outputs.append(final_output(request))
         if gone_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if gone_waiting:
@@ -239,13 +235,13 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepPlan(token_budget=self.max_num_batched_tokens, now=time.monotonic() if self.log_stats else 0.0)
+        step = StepPlan(token_budget=self.max_num_batched_tokens, now=time.monotonic() if self.log_stats else 0.0)
         self._schedule_running(step)
         if not step.num_preempted:  # waiting requests would not fit: the cache is short already
             self._schedule_waiting(step)
         return self._step_output(step)
 
-    def _schedule_running(self, step: _StepPlan) -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         """Phase 1: the running requests, in order, each its next tokens; preempts when the
         KV cache cannot hold them. A scheduled request's tokens count as computed at once
         (the worker computes them before the next step); the data for the worker carries
@@ -260,6 +256,7 @@ class Scheduler(SchedulerInterface):
         async_scheduling = self.async_scheduling
         stop_limits = self._stop_limits
         pipeline, in_flight = self.pipeline_parallel, self._in_flight
+        lookahead, kept_blocks = self.num_lookahead_tokens, self.speculation.kept_blocks if self.speculation else None
 
         for request in list(self.running):  # a copy: preemption removes from self.running
             if token_budget == 0:
@@ -282,7 +279,9 @@ class Scheduler(SchedulerInterface):
                 num_new = max_model_len - num_computed
             if num_new == 0 and async_scheduling:  # a pooling request waiting for its result
                 continue
-            while (new_blocks := allocate_slots(request, num_new)) is None:
+            # A draft model's lookahead slots, never past max_model_len (no draft goes there).
+            lookahead_now = min(lookahead, max_model_len - num_computed - num_new)
+            while (new_blocks := allocate_slots(request, num_new, None, 0, lookahead_now)) is None:
                 if len(self.running) == 1:  # alone and still too big: the cache is too small
                     self._finish_too_large(request)
                     break
@@ -303,7 +302,8 @@ class Scheduler(SchedulerInterface):
             request_id = request.request_id
             cached_reqs.append(
                 CachedRequestData(request_id, block_ids_of(new_blocks), num_computed,
-                                  request.all_token_ids[num_computed : num_computed + num_new] if pipeline else None)
+                                  request.all_token_ids[num_computed : num_computed + num_new] if pipeline else None,
+                                  kept_blocks.pop(request_id, None) if kept_blocks else None)
             )  # fmt: skip
             request.num_computed_tokens = num_computed + num_new
             num_scheduled_tokens[request_id] = num_new
@@ -316,7 +316,7 @@ class Scheduler(SchedulerInterface):
                     spec_decode_tokens[request_id] = request.spec_token_ids[:num_spec]
         step.token_budget = token_budget
 
-    def _schedule_waiting(self, step: _StepPlan) -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         """Phase 2: waiting requests in queue order while the budget, ``max_num_seqs`` and the
         KV cache allow. A request that cannot start yet but must not hold up the queue (its
         adapter would exceed ``max_loras``, its grammar is compiling, a step of it is still
@@ -359,7 +359,8 @@ class Scheduler(SchedulerInterface):
                 if not self.enable_chunked_prefill:
                     break
                 num_new = step.token_budget
-            if kv.allocate_slots(request, num_new, computed_blocks, num_hits) is None:
+            lookahead = min(self.num_lookahead_tokens, self.max_model_len - num_hits - num_new)
+            if kv.allocate_slots(request, num_new, computed_blocks, num_hits, lookahead) is None:
                 if self.running:
                     break  # wait for running requests to free blocks
                 self.waiting.pop()  # the whole cache is free and still too small
@@ -372,7 +373,7 @@ class Scheduler(SchedulerInterface):
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
-    def _start_running(self, request: Request, step: _StepPlan, num_hits: int, num_new: int) -> None:
+    def _start_running(self, request: Request, step: StepPlan, num_hits: int, num_new: int) -> None:
         """Move a waiting request, its blocks allocated, to the running batch of this step:
         ``num_hits`` tokens from the prefix cache, ``num_new`` to compute."""
         kv = self.kv_cache_manager
@@ -403,7 +404,7 @@ class Scheduler(SchedulerInterface):
         if self.async_scheduling and num_hits + num_new >= request.num_tokens and request.request_id in self._stop_limits:
             request.num_output_placeholders += 1
 
-    def _step_output(self, step: _StepPlan) -> SchedulerOutput:
+    def _step_output(self, step: StepPlan) -> SchedulerOutput:
         """Phase 3: the step's ``SchedulerOutput``, with the grammar bitmask rows of its
         structured requests and the requests finished since the last step; the requests it
         sends into the pipeline are in flight until their results come back."""
@@ -426,7 +427,8 @@ class Scheduler(SchedulerInterface):
                 bitmask_rows = {req.request_id: i for i, req in enumerate(sampling)}
             elif sampling:
                 assert self.structured_output_manager is not None
-                bitmask_rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+                # With drafts, one row per verified position (kvloom.scheduler.speculation).
+                bitmask_rows, bitmask = self.structured_output_manager.grammar_bitmask(sampling, step.spec_decode_tokens)
 
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.pipeline_parallel:
@@ -474,6 +476,8 @@ class Scheduler(SchedulerInterface):
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
         request.num_preemptions += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED, now)
@@ -496,7 +500,7 @@ class Scheduler(SchedulerInterface):
         started = request.num_output_tokens > 0 or request.status == _RUNNING
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED if started else RequestStatus.FINISHED_IGNORED
         self._free_request(request)
-        self._pending_outputs.append(self._final_output(request))
+        self._pending_outputs.append(final_output(request))
 
     # ------------------------------------------------------------------ results in
 
@@ -517,6 +521,7 @@ class Scheduler(SchedulerInterface):
         prompt_logprobs = model_runner_output.prompt_logprobs
         failed = model_runner_output.failed
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        spec_token_ids = model_runner_output.spec_token_ids
         requests = self.requests
         max_model_len = self.max_model_len
         stop_limits = self._stop_limits
@@ -543,8 +548,8 @@ class Scheduler(SchedulerInterface):
                 request.num_output_placeholders -= 1
             if spec_decode_tokens and (drafts := spec_decode_tokens.get(req_id)):
                 # The runner accepted len(new_token_ids) - 1 drafts plus one bonus token.
-                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
-                request.spec_token_ids = []
+                assert self.speculation is not None, "draft tokens were scheduled without speculative decoding"
+                self.speculation.verified(request, len(drafts), len(new_token_ids))
 
             finished = False
             pooled = None
@@ -587,6 +592,10 @@ class Scheduler(SchedulerInterface):
                         request.status = RequestStatus.FINISHED_STOPPED
                         finished = True
 
+            if spec_token_ids is not None and not finished and (drafts := spec_token_ids[i]):
+                assert self.speculation is not None
+                self.speculation.take_drafts(request, drafts, stop_limits[req_id][1],
+                                             self.structured_output_manager if req_id in self._structured else None)
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if new_token_ids or finished or new_prompt_logprobs:
                 new_logprobs = logprobs[i] if logprobs is not None else None
@@ -626,6 +635,8 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._stop_limits.pop(request.request_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
         if request.request_id in self._structured:
             self._structured.discard(request.request_id)
             assert self.structured_output_manager is not None
@@ -644,19 +655,9 @@ class Scheduler(SchedulerInterface):
         request.status = RequestStatus.FINISHED_ERROR
         request.num_computed_tokens = 0  # free() uncaches every block no one else holds
         self._free_request(request)
-        output = self._final_output(request)
+        output = final_output(request)
         output.error = message
         return output
-
-    def _final_output(self, request: Request) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            finish_reason=request.get_finished_reason(),
-            stop_reason=request.stop_reason,
-            events=request.take_events(),
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
 
     # ------------------------------------------------------------------ stats
 
@@ -675,6 +676,8 @@ class Scheduler(SchedulerInterface):
             stats.structured_output_compile_times = structured.compile_times
             stats.structured_output_cache_queries = structured.cache_queries
             stats.structured_output_cache_hits = structured.cache_hits
+        if self.speculation is not None:
+            stats.spec_decoding_stats = self.speculation.take_stats()
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from kvloom.outputs import EngineCoreOutput
 from kvloom.request import Request, RequestStatus
+from kvloom.scheduler.output import CachedRequestData, NewRequestData
+
+
+@dataclass
+class StepPlan:
+    """What one ``schedule()`` has decided so far; each phase adds to it."""
+
+    token_budget: int
+    """Tokens the step may still schedule (``max_num_batched_tokens`` at the start)."""
+    now: float
+    """The step's timestamp for request events (0 without stats)."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_preempted: int = 0
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -24,3 +43,15 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def final_output(request: Request) -> EngineCoreOutput:
+    """A final output without tokens (an abort, a failure, a request too large for the cache)."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        finish_reason=request.get_finished_reason(),
+        stop_reason=request.stop_reason,
+        events=request.take_events(),
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )

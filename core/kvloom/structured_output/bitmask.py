@@ -47,6 +47,12 @@ def apply_grammar_bitmask(
         if j is not None:
             rows.append(i)
             mask_rows.append(j)
+    apply_bitmask_rows(logits, rows, mask_rows, bitmask)
+
+
+def apply_bitmask_rows(logits: torch.Tensor, rows: list[int], mask_rows: list[int], bitmask: torch.Tensor) -> None:
+    """Mask ``logits[rows[i]]`` with ``bitmask[mask_rows[i]]`` (speculative decoding: a row
+    per verified position)."""
     if not rows:
         return
     bitmask = bitmask[mask_rows]

@@ -168,30 +168,69 @@ class StructuredOutputManager:
         elif ahead < 0 and not grammar.accept_tokens(request.output_token_ids[start + num_output + ahead :]):
             raise RuntimeError(f"request {request.request_id}: its output tokens do not match its grammar")
 
-    def grammar_bitmask(self, requests: list[Request]) -> tuple[dict[str, int], torch.Tensor | None]:
-        """One bitmask row per request of ``requests`` (structured ones that sample this
-        step): request id -> row, and the rows (int32, CPU)."""
+    def grammar_bitmask(
+        self, requests: list[Request], drafts: dict[str, list[int]] | None = None
+    ) -> tuple[dict[str, int], torch.Tensor | None]:
+        """The bitmask rows of ``requests`` (structured ones that sample this step):
+        request id -> its first row, and the rows (int32, CPU). A request with ``drafts``
+        (speculative decoding) has one row per verified position, consecutive: the row
+        after its output, then after each draft (the matcher advanced over them and
+        rolled back)."""
         if not requests:
             return {}, None
         backend = self.backend
-        n = len(requests)
+        drafts = drafts or {}
+        n = sum(1 + len(drafts.get(r.request_id, ())) for r in requests)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = backend.allocate_bitmask(max(n, 16), self.vocab_size)
         bitmask = self._bitmask
         gate = self.gate
         rows: dict[str, int] = {}
-        for i, request in enumerate(requests):
-            start = gate.answer_start(request)
-            if start is None:  # still reasoning: anything goes
-                bitmask[i].fill_(-1)
-            else:
-                grammar = self.grammars[request.request_id]
-                self._sync(request, grammar, start)
-                grammar.fill_bitmask(bitmask, i)
-                gate.widen(request, bitmask, i)
+        i = 0
+        for request in requests:
             rows[request.request_id] = i
+            start = gate.answer_start(request)
+            request_drafts = drafts.get(request.request_id, ())
+            if start is None:  # still reasoning: anything goes (requests get no drafts then)
+                bitmask[i : i + 1 + len(request_drafts)].fill_(-1)
+                i += 1 + len(request_drafts)
+                continue
+            grammar = self.grammars[request.request_id]
+            self._sync(request, grammar, start)
+            grammar.fill_bitmask(bitmask, i)
+            gate.widen(request, bitmask, i)
+            i += 1
+            for num_accepted, token_id in enumerate(request_drafts):
+                if not grammar.accept_tokens([token_id]):  # checked when kept: never, unless a backend disagrees
+                    bitmask[i : i + len(request_drafts) - num_accepted].fill_(-1)
+                    i += len(request_drafts) - num_accepted
+                    break
+                grammar.fill_bitmask(bitmask, i)
+                i += 1
+            grammar.rollback(grammar.num_processed_tokens - (len(request.output_token_ids) - start))
         # A copy: the runner may still read it when the next step refills the buffer.
         return rows, bitmask[:n].clone()
+
+    def valid_draft_prefix(self, request: Request, drafts: list[int]) -> int:
+        """How many of ``drafts`` (speculative decoding) to keep: those the request's grammar
+        accepts after its output, short of one that would terminate it (a token verified
+        after that one could not follow it); 0 while it reasons (the grammar does not bind
+        yet, but may from a draft on)."""
+        start = self.gate.answer_start(request)
+        grammar = self.grammars.get(request.request_id)
+        if start is None or grammar is None or grammar.is_terminated():
+            return 0
+        self._sync(request, grammar, start)
+        kept = 0
+        for token_id in drafts:
+            if not grammar.accept_tokens([token_id]):
+                break
+            if grammar.is_terminated():
+                grammar.rollback(1)
+                break
+            kept += 1
+        grammar.rollback(kept)
+        return kept
 
     def accept_tokens(self, request: Request, num_new: int) -> bool:
         """Advance the matcher of ``request`` over its last ``num_new`` output tokens (those

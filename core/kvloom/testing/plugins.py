@@ -16,12 +16,14 @@ from kvloom.attention import selector
 from kvloom.attention.backend import AttentionBackend, AttentionSelectorConfig
 from kvloom.platforms.interface import Platform
 from kvloom.quantization.method import QuantizationMethod
+from kvloom.spec_decode.proposer import SpecDecodeProposer
 from kvloom_registry import PluginEntry
 
 __all__ = [
     "active_platform",
     "fresh_plugins",
     "installed_backend",
+    "installed_proposer",
     "installed_quantization_methods",
     "report_attention_backends",
     "select_attention_backend",
@@ -93,6 +95,18 @@ def active_platform(
             yield platform
         finally:
             plugins.set_platform_for_tests(previous)
+
+
+@contextmanager
+def installed_proposer(
+    proposer: type[SpecDecodeProposer], *, distribution: str | None = None, version: str = "0.0.0"
+) -> Iterator[type[SpecDecodeProposer]]:
+    """Inside the block, ``proposer`` is a loaded speculative-decoding proposer, as if its
+    distribution declared it as a ``kvloom.spec_decode_proposers`` entry point named
+    ``proposer.NAME``: ``LLM(speculative_config={"method": NAME, ...})`` runs it.
+    ``distribution`` and ``version`` as for ``installed_backend``. Yields ``proposer``."""
+    with _added(_entry(plugins.SPEC_DECODE_PROPOSERS, proposer.NAME, proposer, distribution, version)):
+        yield proposer
 
 
 @contextmanager

@@ -10,6 +10,11 @@ the backend's persistent state refreshed, every host->device copy queued) and ``
 A decode batch of b requests is padded up to the smallest capture size B >= b with
 dummy requests (query length 1, seq_len 1, block-table row 0, slot -1); the graph covers
 the model forward and the LM head, so a replay yields logits for the B rows.
+
+With speculative decoding a uniform decode batch has q = 1 + k tokens per request (the
+last token and k drafts to verify): the graphs are captured for batches of q-token
+requests (``StepInputs.uniform_query_len``), their sizes are token counts (requests x q),
+and a replay yields the logits of every token, each a verified position.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class CUDAGraphRunner:
     ) -> None:
         self.inputs = inputs
         self.run_decode = run_decode
-        self.sizes = sorted(s for s in capture_sizes if s <= inputs.max_num_reqs)
+        q = inputs.uniform_query_len
+        self.sizes = sorted(s for s in capture_sizes if s % q == 0 and s // q <= inputs.max_num_reqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
 
@@ -52,7 +58,8 @@ class CUDAGraphRunner:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         # Largest first so smaller graphs reuse the larger ones' memory pool.
         for size in reversed(self.sizes):
-            common = self.inputs.dummy_metadata(np.ones(size, dtype=np.int64))
+            q = self.inputs.uniform_query_len
+            common = self.inputs.dummy_metadata(np.full(size // q, q, dtype=np.int64))
             metadata = builder.build_for_cudagraph_capture(common)
             for _ in range(2):  # warm up (Triton JIT, cuBLAS handles, Dynamo) outside the graph
                 self.run_decode(size, metadata)
@@ -70,16 +77,16 @@ class CUDAGraphRunner:
         )
 
     def prepare(self, b: int, size: int, builder: Any) -> int:
-        """Pad the step's inputs (b decode rows) to the captured ``size`` (the
+        """Pad the step's inputs (b decode requests) to the captured ``size`` tokens (the
         dispatcher's key) and refresh the backend's persistent state; returns ``size``.
         Every host->device copy of the step is queued when this returns."""
-        if size not in self.graphs or size < b:
+        if size not in self.graphs or size < b * self.inputs.uniform_query_len:
             raise ValueError(f"no full decode graph of size {size} for {b} requests (captured: {self.sizes})")
         builder.build_for_cudagraph_capture(self.inputs.pad_decode(b, size))  # refresh persistent state
         return size
 
-    def replay(self, size: int, b: int) -> torch.Tensor:
-        """Launch the graph ``prepare`` chose; the logits of the b real rows."""
+    def replay(self, size: int, num_tokens: int) -> torch.Tensor:
+        """Launch the graph ``prepare`` chose; the logits of the ``num_tokens`` real tokens."""
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:b]
+        return logits[:num_tokens]

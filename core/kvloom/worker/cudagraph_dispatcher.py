@@ -5,7 +5,8 @@ can do, given the platform, whether the model is compiled (piecewise graphs need
 split graph) and the attention backend's declared ``cudagraph_support``:
 
 - full graphs of uniform decode batches (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) need
-  ``UNIFORM_SINGLE_TOKEN_DECODE`` or more;
+  ``UNIFORM_SINGLE_TOKEN_DECODE`` or more; with speculative decoding, whose decode batches
+  have 1 + k tokens per request (``uniform_query_len``), ``UNIFORM_BATCH`` or more;
 - piecewise graphs (PIECEWISE, FULL_AND_PIECEWISE) need the compiled model; attention runs
   outside them, so every backend allows them;
 - kvloom captures no full graph of a mixed batch: FULL means full decode graphs plus
@@ -39,7 +40,11 @@ def _mode_of(full_decode: bool, piecewise: bool) -> CUDAGraphMode:
 
 
 def resolve_cudagraph_mode(
-    requested: CUDAGraphMode, support: AttentionCGSupport, compiled: bool, platform_graphs: bool = True
+    requested: CUDAGraphMode,
+    support: AttentionCGSupport,
+    compiled: bool,
+    platform_graphs: bool = True,
+    uniform_query_len: int = 1,
 ) -> tuple[CUDAGraphMode, list[str]]:
     """The mode this engine runs for ``requested``, and why it differs (empty if it doesn't)."""
     if requested == CUDAGraphMode.NONE:
@@ -54,6 +59,10 @@ def resolve_cudagraph_mode(
     if full_decode and support < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
         full_decode = False
         reasons.append(f"the attention backend supports {support.name}: no full decode graphs")
+    elif full_decode and uniform_query_len > 1 and support < AttentionCGSupport.UNIFORM_BATCH:
+        full_decode = False
+        reasons.append(f"the attention backend supports {support.name}: no full graphs of speculative decode "
+                       f"batches ({uniform_query_len} tokens per request)")  # fmt: skip
     if piecewise and not compiled:
         piecewise = False
         reasons.append("the model is not compiled: no piecewise graphs")
@@ -65,14 +74,26 @@ class CudagraphDispatcher:
 
     ``mode`` is a resolved mode (``resolve_cudagraph_mode``); ``capture_sizes`` are token
     counts: full decode graphs are captured for those up to ``max_num_reqs`` (a decode
-    batch has one token per request), piecewise graphs for those up to ``max_num_tokens``."""
+    batch has one token per request), piecewise graphs for those up to ``max_num_tokens``.
+    With ``uniform_query_len`` q > 1 (speculative decoding) a full decode graph of r
+    requests holds r x q tokens: its sizes are q times the capture sizes up to
+    ``max_num_reqs`` (within ``max_num_tokens``)."""
 
-    def __init__(self, mode: CUDAGraphMode, capture_sizes: list[int], max_num_reqs: int, max_num_tokens: int) -> None:
+    def __init__(
+        self,
+        mode: CUDAGraphMode,
+        capture_sizes: list[int],
+        max_num_reqs: int,
+        max_num_tokens: int,
+        uniform_query_len: int = 1,
+    ) -> None:
         if mode == CUDAGraphMode.FULL:
             raise ValueError("CudagraphDispatcher needs a resolved mode (resolve_cudagraph_mode); got FULL")
         self.mode = mode
         sizes = sorted(set(capture_sizes))
-        self.full_decode_sizes = [s for s in sizes if s <= max_num_reqs] if mode in _FULL_DECODE else []
+        q = uniform_query_len
+        self.full_decode_sizes = [s * q for s in sizes if s <= max_num_reqs and s * q <= max_num_tokens] \
+            if mode in _FULL_DECODE else []  # fmt: skip
         self.piecewise_sizes = [s for s in sizes if s <= max_num_tokens] if mode in _PIECEWISE else []
         #: Off until the graphs are captured: every step dispatches to NONE before.
         self.enabled = False
@@ -87,7 +108,7 @@ class CudagraphDispatcher:
 
     def dispatch(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
         """The runtime mode and key for a step of ``num_tokens`` tokens; ``uniform_decode``:
-        every request has exactly one token."""
+        every request has exactly one token (1 + k with speculative decoding)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if not self.enabled:

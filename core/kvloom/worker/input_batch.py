@@ -153,6 +153,20 @@ class InputBatch:
             self.block_tables[group][state.row, start:end] = ids
             state.num_blocks[group] = end
 
+    def keep_blocks(self, state: CachedRequestState, num_blocks: int) -> None:
+        """The request's block table is its first ``num_blocks`` blocks now in every KV-cache
+        group (speculative decoding gave the rest back); later blocks are appended after them."""
+        if any(num_blocks > n for n in state.num_blocks):
+            raise RuntimeError(f"request {state.req_id} keeps {num_blocks} blocks but has {state.num_blocks}")
+        state.num_blocks = [num_blocks] * len(state.num_blocks)
+
+    def write_drafts(self, state: CachedRequestState, drafts: list[int]) -> None:
+        """Draft tokens to verify this step, after the request's known tokens (their row's
+        positions are overwritten by the tokens accepted or sampled there)."""
+        start = state.num_tokens
+        end = min(start + len(drafts), self.max_model_len)
+        self.token_ids[state.row, start:end] = drafts[: end - start]
+
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         n = state.num_tokens
         if n < self.max_model_len:

@@ -113,6 +113,11 @@ class KVCacheMemory:
 
         return self.groups.make_builder(group_builder, group_metadata or (lambda common: [common]))
 
+    def make_draft_builder(self, max_blocks_per_req: int, layers: list[Any]) -> Any:
+        """The metadata builder of a speculative draft model's layers (a shape of their own;
+        one group of full attention: speculation runs on single-group models only)."""
+        return self._make_group_builder(max_blocks_per_req, layers[0], None)
+
     def _make_group_builder(self, max_blocks_per_req: int, first: Attention | MLAAttention, window: int | None) -> Any:
         config = self.config
         spec = AttentionLayerSpec(

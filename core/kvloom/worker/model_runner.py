@@ -30,6 +30,7 @@ Platforms call only the methods of ``kvloom.interfaces.ModelRunnerProtocol``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from kvloom.distributed import parallel_state
 from kvloom.distributed.pipeline import IntermediateTensors
 from kvloom.forward_context import BatchDescriptor, set_forward_context
 from kvloom.kv_cache.spec import engine_kv_cache_config
-from kvloom.loader.model_loader import get_model
+from kvloom.loader.model_loader import get_model, load_draft_model
 from kvloom.lora.manager import LoRAManager
 from kvloom.lora.request import LoRARequest
 from kvloom.outputs import ModelRunnerOutput, PendingModelRunnerOutput
@@ -63,6 +64,7 @@ from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cuda
 from kvloom.worker.input_batch import InputBatch
 from kvloom.worker.kv_cache_memory import KVCacheMemory, measure_peak_memory
 from kvloom.worker.request_failures import RequestFailures
+from kvloom.worker.speculation import StepSpeculation
 from kvloom.worker.step_inputs import StepBatch, StepInputs
 from kvloom.worker.step_output import StepOutputs, UnsampledStep
 from kvloom.worker.step_sampler import StepSampler
@@ -106,10 +108,14 @@ class ModelRunner:
         # A block table per KV-cache group (kvloom.worker.kv_cache_groups).
         num_groups = engine_kv_cache_config(config).num_groups
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, num_groups)
+        # A decode step has 1 token per request, 1 + k with speculative decoding.
+        self.uniform_query_len = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req,
-                                 self.block_size, device, num_groups)  # fmt: skip
+                                 self.block_size, device, num_groups, self.uniform_query_len)  # fmt: skip
         self.sampler = StepSampler(device, config.model.vocab_size, self.input_batch, self.failures)
         self.outputs = StepOutputs(config, device, self.input_batch, self.failures, self.compute_logits)
+        self.spec = StepSpeculation(config, device, self.input_batch, self.sampler, self.outputs, self.failures) \
+            if config.speculative is not None else None  # fmt: skip
         self._init_compilation()
         # A step launched without sampling (``pending_structured_output_tokens``): what
         # ``sample_tokens`` samples, or its already complete output.
@@ -129,9 +135,10 @@ class ModelRunner:
             self.backend.cudagraph_support,
             comp.compile_model,
             self.config.device.platform.supports_cuda_graphs and self.device.type == "cuda",
+            self.uniform_query_len,
         )
         self.dispatcher = CudagraphDispatcher(mode, comp.cudagraph_capture_sizes, self.max_num_reqs,
-                                              self.max_num_tokens)  # fmt: skip
+                                              self.max_num_tokens, self.uniform_query_len)  # fmt: skip
         self.graph_pool: Any = None
 
     # ------------------------------------------------------------------ model
@@ -141,6 +148,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, (Attention, MLAAttention))]
         if not self.attn_layers:
             raise RuntimeError(f"model {type(self.model).__name__} has no kvloom Attention layers")
+        if self.spec is not None:  # a draft model's layers: their KV lives in the same blocks
+            self.attn_layers += self.spec.load(self.model, functools.partial(load_draft_model, self.config, self.device))
         self.kv_memory = KVCacheMemory(self.config, self.device, self.attn_layers)
         self.outputs.classify = getattr(self.model, "classify", None)  # a classification model's head
         if self.config.lora.enable_lora:
@@ -221,6 +230,8 @@ class ModelRunner:
         kv = self._kv()
         self.kv_caches = kv.allocate(num_blocks)
         self.builder = kv.make_builder(self.max_blocks_per_req, self.inputs.group_metadata)
+        if self.spec is not None:
+            self.spec.bind_kv_cache(functools.partial(kv.make_draft_builder, self.max_blocks_per_req))
         kv.log_size(num_blocks)
 
     @torch.inference_mode()
@@ -238,9 +249,13 @@ class ModelRunner:
         def run() -> None:
             self.kv_caches = kv.allocate(1)
             self.builder = kv.make_builder(self.max_blocks_per_req, self.inputs.group_metadata)
-            logits = self.dummy_forward(self.max_num_tokens, self.max_num_reqs)
+            # With speculation every verified position has logits: 1 + k rows per request.
+            logits = self.dummy_forward(self.max_num_tokens, self.max_num_reqs, self.uniform_query_len)
             if self.pp_last:
-                self.sampler.warm_up(logits, self.max_num_reqs)
+                self.sampler.warm_up(logits[: self.max_num_reqs], self.max_num_reqs)
+            if self.spec is not None:
+                self.spec.profile_run(functools.partial(kv.make_draft_builder, self.max_blocks_per_req), self.max_num_tokens,
+                                      self.max_num_reqs)  # fmt: skip
             self.kv_caches, self.builder = [], None
             kv.release()
 
@@ -351,7 +366,9 @@ class ModelRunner:
             assert self.cudagraphs is not None and descriptor is not None
             size = self.cudagraphs.prepare(b, descriptor.num_tokens, self.builder)
             self.inputs.mark_copied()
-            logits = self.cudagraphs.replay(size, b)
+            logits = self.cudagraphs.replay(size, batch.num_tokens)  # every token's logits
+            if batch.num_logits != batch.num_tokens:  # a request of the batch verifies fewer drafts
+                logits = logits[self.inputs.logits_indices[: batch.num_logits]]
         else:
             attn_metadata = self.builder.build(common)
             self.inputs.mark_copied()
@@ -366,7 +383,7 @@ class ModelRunner:
                 hidden = hidden.clone()
         if logits is None and self.config.model.runner != "pooling":  # embedding models have no LM head
             assert hidden is not None
-            logits = self.compute_logits(hidden[self.inputs.logits_indices[:b]])
+            logits = self.compute_logits(hidden[self.inputs.logits_indices[: batch.num_logits]])
         return UnsampledStep(batch, logits, hidden)
 
     def _sample(
@@ -374,6 +391,9 @@ class ModelRunner:
     ) -> PendingModelRunnerOutput:
         """Mask (structured requests), sample on the device, start copying the tokens to
         the host, and return what waits for them."""
+        if self.spec is not None:  # verify the drafts, propose the next ones: kvloom.worker.speculation
+            self.inputs.forget_sampled()
+            return self.spec.sample(step, rows, bitmask)
         batch, logits = step.batch, step.logits
         if bitmask is not None and logits is not None:
             # Masked in float32, the dtype every grammar kernel takes (the LM head gives the
@@ -408,11 +428,15 @@ class ModelRunner:
             if cached.req_id in failures:
                 continue
             state = batch[cached.req_id]
+            if cached.num_kept_blocks is not None:  # speculative decoding gave blocks back
+                batch.keep_blocks(state, cached.num_kept_blocks)
             batch.append_blocks(state, cached.new_block_ids)
             if cached.new_token_ids is not None and not self.pp_last:
                 # Pipeline parallelism: the last stage sampled these; this stage learns them here.
                 batch.write_tokens(state, cached.num_computed_tokens, cached.new_token_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        if self.spec is not None:
+            self.spec.update(scheduler_output)
         if self.lora_manager is not None:
             for req_id in scheduler_output.num_scheduled_tokens:
                 state = batch.requests.get(req_id)
@@ -481,15 +505,17 @@ class ModelRunner:
         return self.lora_manager.forward_extras([s.lora_request for s in batch.states], batch.query_lens)
 
     @torch.inference_mode()
-    def dummy_forward(self, num_tokens: int, num_reqs: int | None = None) -> torch.Tensor:
+    def dummy_forward(self, num_tokens: int, num_reqs: int | None = None, rows_per_req: int = 1) -> torch.Tensor:
         """A forward over ``num_tokens`` tokens spread over ``num_reqs`` requests, with
-        every KV write disabled (slot -1), for memory profiling and warm-up."""
+        every KV write disabled (slot -1), for memory profiling and warm-up; the logits of
+        ``rows_per_req`` tokens per request (speculative decoding verifies 1 + k)."""
         num_reqs = min(num_reqs or 1, num_tokens, self.max_num_reqs)
         common = self.inputs.dummy_metadata(_spread(num_tokens, num_reqs), self.max_model_len)
         hidden = self._forward(num_tokens, self.builder.build(common))
         if hidden is None:  # a pipeline stage before the last: no logits here
             return torch.empty(0, device=self.device)
-        last = hidden[self.inputs.logits_indices[:num_reqs]]
+        num_logits = min(num_reqs * rows_per_req, num_tokens)
+        last = hidden[self.inputs.logits_indices[:num_reqs]] if num_logits == num_reqs else hidden[:num_logits]
         if self.config.model.runner == "pooling":  # embedding models have no LM head
             return last
         return self.compute_logits(last)

@@ -50,6 +50,11 @@ class StepBatch:
     any_prompt_logprobs: bool = False
     #: Scheduled requests left out of the step because their own work failed.
     failed_req_ids: list[str] = field(default_factory=list)
+    #: Speculative decoding: each request's drafts verified in this step (None: no drafts).
+    #: Request i then has ``1 + len(drafts[i])`` logits rows, its last tokens.
+    drafts: list[list[int]] | None = None
+    #: Rows of logits the step computes (``logits_indices``): B, or B + the drafts.
+    num_logits: int = 0
 
 
 @dataclass
@@ -78,10 +83,14 @@ class StepInputs:
         block_size: int,
         device: torch.device,
         num_kv_cache_groups: int = 1,
+        uniform_query_len: int = 1,
     ) -> None:
         self.device = device
         self.block_size = block_size
         self.max_num_reqs = max_num_reqs
+        #: A uniform decode batch has this many tokens per request: 1, or 1 + k with
+        #: speculative decoding (the full CUDA graphs' batches).
+        self.uniform_query_len = uniform_query_len
         self.pin_memory = pin = device.type == "cuda"
 
         def host(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +117,9 @@ class StepInputs:
         first = self.groups[0]
         self.block_table_cpu, self.block_table = first.block_table_cpu, first.block_table
         self.slot_mapping_cpu, self.slot_mapping = first.slot_mapping_cpu, first.slot_mapping
-        self.logits_indices_cpu, self.logits_indices = host(b, torch.int64), dev(b, dtype=torch.int64)
+        # One logits row per request, or with speculation one per verified position.
+        num_logits = b if uniform_query_len == 1 else n
+        self.logits_indices_cpu, self.logits_indices = host(num_logits, torch.int64), dev(num_logits, dtype=torch.int64)
         # Input tokens still in flight (``_fill_placeholders``): their places in the input
         # and their rows in the previous step's sampled tensor.
         self.placeholder_index_cpu, self.placeholder_index = host(n, torch.int64), dev(n, dtype=torch.int64)
@@ -138,41 +149,20 @@ class StepInputs:
         query_lens = np.fromiter(counts, dtype=np.int64, count=b)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=b)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=b)
-        seq_lens = starts + query_lens
-        n = int(query_lens.sum())
-        cu = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-
-        # positions: for each token, its request's start + its index within the request
-        token_rows = np.repeat(rows, query_lens)
-        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(n)
-        self.positions_cpu.numpy()[:n] = positions
-        input_ids = input_batch.token_ids[token_rows, positions]
-        self.input_ids_cpu.numpy()[:n] = input_ids
-        self.query_start_loc_cpu.numpy()[: b + 1] = cu
-        self.seq_lens_cpu.numpy()[:b] = seq_lens
-        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        input_ids, cu, seq_lens = self._fill(rows, starts, query_lens, input_batch.block_tables, input_batch.token_ids)
+        assert input_ids is not None
+        n = int(cu[-1])
         logits_indices = cu[1:] - 1
-        self.logits_indices_cpu.numpy()[:b] = logits_indices
-
-        # One host->device copy per buffer (asynchronous from pinned memory on CUDA).
-        nb = self.pin_memory
-        self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=nb)
-        self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=nb)
-        self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1], non_blocking=nb)
-        self.seq_lens[:b].copy_(self.seq_lens_cpu[:b], non_blocking=nb)
-        offsets = positions % self.block_size
-        block_index = positions // self.block_size
-        for group, table in zip(self.groups, input_batch.block_tables):
-            blocks = table[token_rows, block_index]
-            group.slot_mapping_cpu.numpy()[:n] = blocks.astype(np.int64) * self.block_size + offsets
-            packed = group.block_table_cpu.view(-1)[: b * max_blocks].view(b, max_blocks)
-            packed.numpy()[:] = table[rows, :max_blocks]
-            group.slot_mapping[:n].copy_(group.slot_mapping_cpu[:n], non_blocking=nb)
-            staged = group.block_table_staging[: b * max_blocks].view(b, max_blocks)
-            staged.copy_(packed, non_blocking=nb)
-            group.block_table[:b, :max_blocks].copy_(staged)
-        self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=nb)
+        drafts = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            drafts = [spec.get(r, []) for r in req_ids]
+            num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=b)
+            # Each request's last 1 + m tokens: the verified positions.
+            logits_indices = np.repeat(cu[1:] - num_drafts - 1, num_drafts + 1) + _ranges(num_drafts + 1)
+        num_logits = len(logits_indices)
+        self.logits_indices_cpu.numpy()[:num_logits] = logits_indices
+        self.logits_indices[:num_logits].copy_(self.logits_indices_cpu[:num_logits], non_blocking=self.pin_memory)
         if (placeholders := np.flatnonzero(input_ids < 0)).size:
             self._fill_placeholders(placeholders, np.repeat(np.arange(b), query_lens), req_ids, rows)
 
@@ -185,11 +175,80 @@ class StepInputs:
             query_lens=query_lens,
             seq_lens=seq_lens,
             logits_indices=logits_indices,
-            uniform_decode=max_query_len == 1,
+            uniform_decode=max_query_len == self.uniform_query_len == int(query_lens.min()),
             rows=rows,
             any_prompt_logprobs=input_batch.num_prompt_logprobs > 0,
+            drafts=drafts,
+            num_logits=num_logits,
         )
         return batch, common
+
+    def prepare_tokens(
+        self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray, input_ids: np.ndarray, input_batch: InputBatch
+    ) -> CommonAttentionMetadata:
+        """Inputs of a forward over given tokens (a speculative draft model's): request j
+        (input-batch row ``rows[j]``) feeds ``input_ids`` from position ``starts[j]`` on,
+        ``query_lens[j]`` of them; the logits rows are each request's last token."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        _, cu, seq_lens = self._fill(rows, starts, query_lens, input_batch.block_tables, None)
+        n, b = int(cu[-1]), len(rows)
+        self.input_ids_cpu.numpy()[:n] = input_ids
+        self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=self.pin_memory)
+        self.logits_indices_cpu.numpy()[:b] = cu[1:] - 1
+        self.logits_indices[:b].copy_(self.logits_indices_cpu[:b], non_blocking=self.pin_memory)
+        return self.common_metadata(b, n, int(query_lens.max()), int(seq_lens.max()))
+
+    def _fill(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        query_lens: np.ndarray,
+        block_tables: list[np.ndarray],
+        token_ids: np.ndarray | None,
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """Positions, ``query_start_loc``, ``seq_lens`` and every KV-cache group's slot
+        mapping and block table of requests in input-batch ``rows`` computing
+        ``query_lens`` tokens from ``starts``, copied to the device (and the input ids from
+        ``token_ids``' rows when given): (the input ids or None, ``query_start_loc``,
+        ``seq_lens``)."""
+        b = len(rows)
+        seq_lens = starts + query_lens
+        n = int(query_lens.sum())
+        cu = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        # positions: for each token, its request's start + its index within the request
+        token_rows = np.repeat(rows, query_lens)
+        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(n)
+        self.positions_cpu.numpy()[:n] = positions
+        input_ids = None
+        if token_ids is not None:
+            input_ids = token_ids[token_rows, positions]
+            self.input_ids_cpu.numpy()[:n] = input_ids
+        self.query_start_loc_cpu.numpy()[: b + 1] = cu
+        self.seq_lens_cpu.numpy()[:b] = seq_lens
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+
+        # One host->device copy per buffer (asynchronous from pinned memory on CUDA).
+        nb = self.pin_memory
+        if input_ids is not None:
+            self.input_ids[:n].copy_(self.input_ids_cpu[:n], non_blocking=nb)
+        self.positions[:n].copy_(self.positions_cpu[:n], non_blocking=nb)
+        self.query_start_loc[: b + 1].copy_(self.query_start_loc_cpu[: b + 1], non_blocking=nb)
+        self.seq_lens[:b].copy_(self.seq_lens_cpu[:b], non_blocking=nb)
+        offsets = positions % self.block_size
+        block_index = positions // self.block_size
+        for group, table in zip(self.groups, block_tables):
+            blocks = table[token_rows, block_index]
+            group.slot_mapping_cpu.numpy()[:n] = blocks.astype(np.int64) * self.block_size + offsets
+            packed = group.block_table_cpu.view(-1)[: b * max_blocks].view(b, max_blocks)
+            packed.numpy()[:] = table[rows, :max_blocks]
+            group.slot_mapping[:n].copy_(group.slot_mapping_cpu[:n], non_blocking=nb)
+            staged = group.block_table_staging[: b * max_blocks].view(b, max_blocks)
+            staged.copy_(packed, non_blocking=nb)
+            group.block_table[:b, :max_blocks].copy_(staged)
+        return input_ids, cu, seq_lens
 
     def mark_copied(self) -> None:
         """Record, behind the step's host->device copies and before its forward, the event
@@ -281,26 +340,28 @@ class StepInputs:
         return self.common_metadata(b, n, int(query_lens.max()), int(query_lens.max()))
 
     def pad_decode(self, b: int, size: int) -> CommonAttentionMetadata:
-        """Pad a decode batch of ``b`` rows (already prepared) to ``size`` rows with dummy
-        requests (query length 1, seq_len 1, block-table row 0, slot -1): a full decode
-        graph of that size reads them."""
-        pad = size - b
-        if pad:
+        """Pad a uniform decode batch of ``b`` requests of ``uniform_query_len`` (q) tokens
+        each (already prepared) to ``size`` tokens with dummy requests (q tokens, seq_len q,
+        block-table row 0, slot -1): a full decode graph of that size reads them."""
+        q = self.uniform_query_len
+        n, num_reqs = b * q, size // q
+        if size > n:
             qsl = self.query_start_loc_cpu.numpy()
-            qsl[b + 1 : size + 1] = np.arange(b + 1, size + 1)
-            self.seq_lens_cpu.numpy()[b:size] = 1
-            self.input_ids_cpu.numpy()[b:size] = 0
-            self.positions_cpu.numpy()[b:size] = 0
-            self.query_start_loc[b + 1 : size + 1].copy_(self.query_start_loc_cpu[b + 1 : size + 1], non_blocking=True)
-            self.seq_lens[b:size].copy_(self.seq_lens_cpu[b:size], non_blocking=True)
-            self.input_ids[b:size].copy_(self.input_ids_cpu[b:size], non_blocking=True)
-            self.positions[b:size].copy_(self.positions_cpu[b:size], non_blocking=True)
+            qsl[b + 1 : num_reqs + 1] = np.arange(b + 1, num_reqs + 1) * q
+            self.seq_lens_cpu.numpy()[b:num_reqs] = q
+            self.input_ids_cpu.numpy()[n:size] = 0
+            self.positions_cpu.numpy()[n:size] = np.tile(np.arange(q), num_reqs - b)
+            self.query_start_loc[b + 1 : num_reqs + 1].copy_(self.query_start_loc_cpu[b + 1 : num_reqs + 1],
+                                                              non_blocking=True)  # fmt: skip
+            self.seq_lens[b:num_reqs].copy_(self.seq_lens_cpu[b:num_reqs], non_blocking=True)
+            self.input_ids[n:size].copy_(self.input_ids_cpu[n:size], non_blocking=True)
+            self.positions[n:size].copy_(self.positions_cpu[n:size], non_blocking=True)
             for group in self.groups:  # every group's rows of the fillers
-                group.slot_mapping_cpu.numpy()[b:size] = -1
-                group.block_table_cpu[b:size].zero_()
-                group.slot_mapping[b:size].copy_(group.slot_mapping_cpu[b:size], non_blocking=True)
-                group.block_table[b:size].copy_(group.block_table_cpu[b:size], non_blocking=True)
-        return self.common_metadata(size, size, 1, int(self.seq_lens_cpu[:size].max()))
+                group.slot_mapping_cpu.numpy()[n:size] = -1
+                group.block_table_cpu[b:num_reqs].zero_()
+                group.slot_mapping[n:size].copy_(group.slot_mapping_cpu[n:size], non_blocking=True)
+                group.block_table[b:num_reqs].copy_(group.block_table_cpu[b:num_reqs], non_blocking=True)
+        return self.common_metadata(num_reqs, size, q, int(self.seq_lens_cpu[:num_reqs].max()))
 
     def zero_padding(self, n: int, padded: int) -> None:
         """Rows ``n..padded`` of the token inputs are padding (a graph's capture size)."""
@@ -332,3 +393,9 @@ class StepInputs:
             query_start_loc_cpu=self.query_start_loc_cpu[: b + 1],
             seq_lens_cpu=self.seq_lens_cpu[:b],
         )
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """``0..l-1`` for each length ``l``, concatenated."""
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum())) - np.repeat(starts, lengths)

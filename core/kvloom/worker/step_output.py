@@ -110,8 +110,6 @@ class StepOutputs:
         states = batch.states
         sampled_lists: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(states)
-        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        pooler_output: list[torch.Tensor | None] | None = None
         if tokens is not None:
             if tokens.copied is not None:
                 tokens.copied.synchronize()
@@ -128,8 +126,24 @@ class StepOutputs:
             if row_logprobs is not None:
                 for i, j in zip(tokens.batch_index, tokens.sample_rows):
                     logprobs[i] = row_logprobs[j]
-            if batch.any_prompt_logprobs:
-                self._prompt_logprobs(batch, hidden, prompt_logprobs)
+        return self.assemble(batch, hidden, done_prefill, sampled_lists, logprobs, has_pooling, tokens is not None)
+
+    def assemble(
+        self,
+        batch: StepBatch,
+        hidden: torch.Tensor | None,
+        done_prefill: list[bool],
+        sampled_lists: list[list[int]],
+        logprobs: list[list[TokenLogprobs] | None],
+        has_pooling: bool,
+        sampled: bool = True,
+    ) -> ModelRunnerOutput:
+        """The step's ``ModelRunnerOutput`` from its tokens and logprobs per request (on the
+        host, in the input batch already): prompt logprobs, pooling, the failed requests."""
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        pooler_output: list[torch.Tensor | None] | None = None
+        if sampled and batch.any_prompt_logprobs:
+            self._prompt_logprobs(batch, hidden, prompt_logprobs)
         if has_pooling:
             pooler_output = self._pool(batch, hidden, done_prefill)
         # Requests whose own work failed (before the step or in it) report no result.
