@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvloom.attention.backend import AttentionBackend
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_property
+from kvloom.kv_transfer.config import KVTransferConfig
 from kvloom.platforms.interface import Platform
 from kvloom.quantization.method import QuantizationMethod
 
@@ -358,6 +359,9 @@ class EngineConfig(_Section):
     """``platform``: the active ``Platform`` class; ``device_type``."""
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     """``backend``: the structured-output backend's name."""
+    kv_transfer: KVTransferConfig | None = None
+    """The KV connector (``--kv-transfer-config``, or ``--kv-offloading-size``): which one,
+    its role and extra config; None: no connector. Platforms and hooks must not change it."""
 
     # Names of plugin API 1.0 that moved into the sections (a model plugin reading
     # config.attention_backend must keep working, with a warning, not die at engine start).

@@ -97,12 +97,15 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         ``new_computed_blocks``/``num_new_computed_tokens`` are what
         ``get_computed_blocks`` returned for a request being admitted. Returns the newly
         allocated blocks (possibly none), or None if there are not enough free blocks.
+        ``delay_cache_blocks``: the new blocks' KV arrives later (a KV connector's
+        asynchronous load): they enter the prefix cache through ``cache_blocks`` once it has.
         """
         manager = self.manager
         request_id = request.request_id
@@ -119,7 +122,7 @@ class KVCacheManager:
             new_blocks = manager.allocate_new_blocks(request_id, num_slots)
             if new_blocks is None:
                 return None
-        if self.hash_fn is not None:
+        if self.hash_fn is not None and not delay_cache_blocks:
             # Cache the blocks filled by known tokens; draft tokens may be rejected.
             num_tokens = len(request.all_token_ids)
             num_full = (num_slots if num_slots < num_tokens else num_tokens) // self.block_size
@@ -128,6 +131,13 @@ class KVCacheManager:
                     update_block_hashes(request, self.block_size, self.hash_fn)
                 manager.cache_blocks(request, request.block_hashes, num_full * self.block_size)  # type: ignore[arg-type]
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that its first ``num_tokens`` tokens fill (their
+        KV is in the cache now) in the prefix cache."""
+        if self.hash_fn is not None:
+            update_block_hashes(request, self.block_size, self.hash_fn)
+            self.manager.cache_blocks(request, request.block_hashes, num_tokens)  # type: ignore[arg-type]
 
     def free(self, request: Request) -> None:
         self.manager.free(request)
