@@ -277,14 +277,13 @@ class SchedulerConnector:
         ``kv_transfer_params``."""
         request_id = request.request_id
         self._holding.pop(request_id, None)
-        self._received.pop(request_id, None)
+        loaded = self._received.pop(request_id, None) is not None
         keep, params = False, None
         try:
             keep, params = self.connector.request_finished(request, (self.kv.get_block_ids(request_id),))
         except Exception:
             logger.exception("KV connector %s raised in request_finished for request %s", self.name, request_id)
-        if request_id in self._loading:  # its load still writes into its blocks
-            self._loading.pop(request_id)
+        if self._loading.pop(request_id, None) is not None and not loaded:  # its load still writes into its blocks
             keep = True
         if keep:
             self._kept[request_id] = request
