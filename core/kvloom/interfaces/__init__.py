@@ -59,7 +59,7 @@ example packages):
   ``KVConnectorStep``, ``ScheduledKVRequest``, ``KVConnectorOutput``, ``KVCacheGroupSpec``,
   ``KVTransferConfig``, the counts they report (``KVTransferStats``, ``KVTransferCounts``);
   moving blocks: ``KVLayerCache``, ``block_key``, ``KVBlockFiles``, ``KVBlockFileError``,
-  ``kv_layout_fingerprint``, ``device_label``.
+  ``kv_layout_fingerprint``, ``kv_cache_bytes_per_block``, ``device_label``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -135,6 +135,7 @@ from kvloom.kv_transfer.blocks import (
     KVLayerCache,
     block_key,
     device_label,
+    kv_cache_bytes_per_block,
     kv_layout_fingerprint,
 )
 from kvloom.kv_transfer.config import KVTransferConfig
@@ -278,6 +279,7 @@ __all__ = [
     "ScheduledKVRequest",
     "block_key",
     "device_label",
+    "kv_cache_bytes_per_block",
     "kv_layout_fingerprint",
 ]
 

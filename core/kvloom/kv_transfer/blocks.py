@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -48,6 +49,17 @@ def kv_layout_fingerprint(config: EngineConfig) -> str:
     fields = [model.served_model_name, model.architecture, str(model.dtype), cache.cache_dtype, cache.block_size,
               model.num_layers, model.num_kv_heads, model.head_size, model.use_mla, config.attention.backend.NAME]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
+def kv_cache_bytes_per_block(config: EngineConfig) -> int:
+    """Bytes one KV-cache block takes over all attention layers, from the config alone (a
+    connector's scheduler side sizes a store in blocks with it; the worker side checks it
+    against the registered cache)."""
+    model, cache = config.model, config.cache
+    heads, size = (1, model.mla_dims.latent_size) if model.use_mla else (model.num_kv_heads, model.head_size)
+    shape = config.attention.backend.get_kv_cache_shape(1, cache.block_size, heads, size)
+    dtype = model.dtype if cache.cache_dtype == "auto" else getattr(torch, cache.cache_dtype)
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size() * model.num_layers
 
 
 def device_label(device: torch.device) -> str:
