@@ -67,6 +67,12 @@
 #                alone), instead of building it again; stops the run if flash_attn does not import.
 #   select-nofi  `kvloom backends --json` with KVLOOM_PLUGINS allowing every installed plugin but
 #                FLASHINFER and FLASH_ATTN: the selection without those two.
+#   ab           issue 34's same-speed check: the tree carried as .base/tree.tar.gz (git archive of the base commit,
+#                e.g. c2d4acd) installed into /tmp/site-base beside this one; AB_WORKLOADS (default "offline decode") each
+#                run AB_RUNS times (default 3) interleaved base/new, each run a fresh process with the same script
+#                and flags (offline: bench_offline_nanovllm.py --backends TRITON_ATTN+async; decode:
+#                bench_decode_roofline.py --backend TRITON_ATTN --batches 64 --modes graphs+async)
+#                -> $OUT/ab/WORKLOAD/{base,new}/runI/*.json; medians by benchmarks/ab_report.py $OUT/ab.
 # Needs the carried folder .whl (wheels from tests/gpu/fetch_wheels.sh) and, for the
 # SmolLM2 tests, .gguf1..5 (the GGUF split by tests/gpu/split_gguf.sh, carried across several
 # calls of one warm machine: each call stashes its parts in /tmp, reassembled once all five are
@@ -237,6 +243,45 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
 }
 
 # A call of peers-stash stages alone stashes what it carries and needs no kvloom install (nor .whl).
+ab_setup() {  # the base tree's kvloom packages in /tmp/site-base (wheels: the shared /tmp/site)
+  [ -f /tmp/site-base/.kvloom-installed ] && return 0
+  [ -f .base/tree.tar.gz ] || { log "ab: carry .base/tree.tar.gz (git archive BASE | gzip)"; return 1; }
+  rm -rf /tmp/base-tree /tmp/site-base && mkdir -p /tmp/base-tree /tmp/site-base
+  tar xzf .base/tree.tar.gz -C /tmp/base-tree || return 1
+  # A site of its own (the wheels copied, no kvloom distribution of this tree): entry points
+  # of the new tree's plugins must not load into the base.
+  local e
+  for e in $SITE/*; do case $(basename "$e") in kvloom*|*kvloom*.dist-info|bin|.kvloom-installed) ;; *) cp -a "$e" /tmp/site-base/ ;; esac; done
+  local pkgs=(.) p
+  for p in /tmp/base-tree/platforms/*/ /tmp/base-tree/backends/*/ /tmp/base-tree/plugins/*/; do
+    [ -f "$p/pyproject.toml" ] && pkgs+=("$p")
+  done
+  (cd /tmp/base-tree && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-base \
+    "${pkgs[@]}" 2>&1 | grep -v "^\s*$" | tail -3)
+  touch /tmp/site-base/.kvloom-installed
+}
+
+ab() {  # issue 34: base and new interleaved, each run a fresh process, same script and flags
+  ab_setup || return 1
+  local runs=${AB_RUNS:-3} w i tree site
+  for w in ${AB_WORKLOADS:-offline decode}; do
+    for i in $(seq 1 "$runs"); do
+      for tree in base new; do
+        site=$SITE; [ $tree = base ] && site=/tmp/site-base
+        mkdir -p "$OUT/ab/$w/$tree/run$i"
+        log "ab: $w $tree run $i"
+        case $w in
+          offline) PYTHONPATH=$site python3 benchmarks/bench_offline_nanovllm.py --backends TRITON_ATTN+async \
+                     --out "$OUT/ab/$w/$tree/run$i" 2>&1 | tail -3 ;;
+          decode) PYTHONPATH=$site python3 benchmarks/bench_decode_roofline.py --backend TRITON_ATTN --batches 64 \
+                    --modes graphs+async --out "$OUT/ab/$w/$tree/run$i" 2>&1 | tail -3 ;;
+        esac
+        PYTHONPATH=$site python3 -c "import kvloom; print('ab: ran', kvloom.__file__)"
+      done
+    done
+  done
+}
+
 only_stash=1
 for s in "$@"; do [ "$s" = peers-stash ] || only_stash=0; done
 if [ $# -gt 0 ] && [ $only_stash = 1 ]; then stages=("$@"); else stages=(setup gguf "$@"); fi
@@ -297,6 +342,7 @@ for i in "${!stages[@]}"; do
       done ;;
     peers-stash) bash benchmarks/peers/vllm/stash_install.sh || log "peers-stash failed" ;;
     peers) mkdir -p "$OUT/peers"; peers 2>&1 | tee "$OUT/peers/peers_$(echo ${PEERS_ARGS:-offline decode serving} | tr ' ' '-').log" ;;
+    ab) ab || log "ab failed" ;;
     select) for bs in "" "--block-size 16"; do kvloom backends --json $bs | tee -a "$OUT/select.json"; done ;;
     *) log "unknown stage $stage"; exit 2 ;;
   esac

@@ -18,7 +18,7 @@ from kvloom.interfaces import (
     MultipleOf,
 )
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 
 class TritonAttentionBackend(AttentionBackend):

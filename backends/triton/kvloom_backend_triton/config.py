@@ -10,16 +10,13 @@ Instead a small table keyed by (padded head size, element size) picks the tiles,
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
-from kvloom.interfaces import parse_kernel_overrides
+from kvloom.interfaces import check_launch_fields, next_power_of_2, parse_kernel_overrides, resolve_kernel_config
 
 ENV_VAR = "KVLOOM_TRITON_ATTN_CONFIG"
-
-_POWERS_OF_TWO = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -48,30 +45,14 @@ class KernelConfig:
     force_num_splits: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prefill_block_m", "prefill_block_n", "decode_block_n"):
-            value = getattr(self, name)
-            if value not in _POWERS_OF_TWO:
-                raise ValueError(f"{name}={value} must be one of {_POWERS_OF_TWO}")
-        for name in ("prefill_num_warps", "decode_num_warps"):
-            value = getattr(self, name)
-            if value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name}={value} must be one of 1, 2, 4, 8, 16")
-        for name in ("prefill_num_stages", "decode_num_stages"):
-            value = getattr(self, name)
-            if not 1 <= value <= 6:
-                raise ValueError(f"{name}={value} must be in 1..6")
-        for name in ("programs_per_sm", "min_split_tokens", "max_splits"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.force_num_splits is not None and self.force_num_splits < 1:
-            raise ValueError(f"force_num_splits={self.force_num_splits} must be >= 1")
+        check_launch_fields(
+            self, tiles=("prefill_block_m", "prefill_block_n", "decode_block_n"),
+            warps=("prefill_num_warps", "decode_num_warps"), stages=("prefill_num_stages", "decode_num_stages"),
+            positive=("programs_per_sm", "min_split_tokens", "max_splits", "force_num_splits"),
+        )  # fmt: skip
 
     def with_overrides(self, overrides: dict[str, int | None]) -> KernelConfig:
         return dataclasses.replace(self, **overrides)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def default_config(head_size: int, dtype: torch.dtype, arch: int | None = None) -> KernelConfig:
@@ -130,10 +111,4 @@ def resolve_config(
     """The table's entry, then ``KVLOOM_TRITON_ATTN_CONFIG``, then ``override``."""
     if isinstance(override, KernelConfig):
         return override
-    cfg = default_config(head_size, dtype, arch)
-    env = os.environ.get(ENV_VAR, "")
-    if env:
-        cfg = cfg.with_overrides(parse_overrides(env))
-    if override:
-        cfg = cfg.with_overrides(override)
-    return cfg
+    return resolve_kernel_config(default_config(head_size, dtype, arch), ENV_VAR, override)

@@ -37,7 +37,7 @@ def test_entry_point_and_plugin_api() -> None:
     (ep,) = [e for e in entry_points(group="kvloom.attention_backends") if e.name == "TRITON_ATTN"]
     assert ep.load() is TritonAttentionBackend
     assert TritonAttentionBackend.NAME == "TRITON_ATTN"
-    assert importlib.import_module(ep.module).KVLOOM_PLUGIN_API == "1.0"
+    assert importlib.import_module(ep.module).KVLOOM_PLUGIN_API == "1.1"
 
 
 def test_backend_module_does_not_import_triton_kernels() -> None:

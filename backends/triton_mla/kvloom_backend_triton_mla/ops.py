@@ -7,13 +7,17 @@ graph and replayed with new lengths and block tables written into the same buffe
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
-from kvloom.interfaces import min_split_tiles, parse_kernel_overrides
+from kvloom.interfaces import (
+    check_launch_fields,
+    min_split_tiles,
+    next_power_of_2,
+    parse_kernel_overrides,
+    resolve_kernel_config,
+)
 
 LOG2_E = 1.4426950408889634
 #: Smallest M, N and K of a ``tl.dot`` operand: head tiles, position tiles and head dims
@@ -24,10 +28,6 @@ ENV_VAR = "KVLOOM_TRITON_MLA_CONFIG"
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -57,21 +57,12 @@ class MLAKernelConfig:
     prefill_num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("decode_block_h", "decode_block_n", "prefill_block_m", "prefill_block_n"):
-            value = getattr(self, name)
-            if value not in (16, 32, 64, 128):
-                raise ValueError(f"{name}={value} must be one of 16, 32, 64, 128")
-        for name in ("decode_num_warps", "prefill_num_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name}={getattr(self, name)} must be one of 1, 2, 4, 8, 16")
-        for name in ("decode_num_stages", "prefill_num_stages"):
-            if not 1 <= getattr(self, name) <= 6:
-                raise ValueError(f"{name}={getattr(self, name)} must be in 1..6")
-        for name in ("programs_per_sm", "min_split_tokens", "max_splits"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.force_num_splits is not None and self.force_num_splits < 1:
-            raise ValueError(f"force_num_splits={self.force_num_splits} must be >= 1")
+        check_launch_fields(
+            self, tiles=("decode_block_h", "decode_block_n", "prefill_block_m", "prefill_block_n"),
+            tile_sizes=(16, 32, 64, 128), warps=("decode_num_warps", "prefill_num_warps"),
+            stages=("decode_num_stages", "prefill_num_stages"),
+            positive=("programs_per_sm", "min_split_tokens", "max_splits", "force_num_splits"),
+        )  # fmt: skip
 
 
 def default_config(dtype: torch.dtype) -> MLAKernelConfig:
@@ -93,13 +84,7 @@ def resolve_config(
     """The default for ``dtype``, then ``KVLOOM_TRITON_MLA_CONFIG``, then ``override``."""
     if isinstance(override, MLAKernelConfig):
         return override
-    cfg = default_config(dtype)
-    env = os.environ.get(ENV_VAR, "")
-    if env:
-        cfg = dataclasses.replace(cfg, **parse_overrides(env))
-    if override:
-        cfg = dataclasses.replace(cfg, **override)
-    return cfg
+    return resolve_kernel_config(default_config(dtype), ENV_VAR, override)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

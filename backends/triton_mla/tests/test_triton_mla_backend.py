@@ -56,7 +56,7 @@ def _decode_common(seq_lens: list[int]) -> CommonAttentionMetadata:
 def test_entry_point_and_declarations() -> None:
     (ep,) = [e for e in entry_points(group="kvloom.attention_backends") if e.name == "TRITON_MLA"]
     assert ep.load() is TritonMLABackend
-    assert importlib.import_module(ep.module).KVLOOM_PLUGIN_API == "1.0"
+    assert importlib.import_module(ep.module).KVLOOM_PLUGIN_API == "1.1"
     assert TritonMLABackend.is_mla and TritonMLABackend.mla_phases == ("decode", "prefill")
     assert TritonMLABackend.cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert TritonMLABackend.preferred_block_size() == 16

@@ -4,12 +4,22 @@ Triton backends keep their launch parameters in a frozen dataclass of int fields
 users retune them without code through an environment variable holding
 ``NAME=INT,NAME=INT`` (``none`` for an optional field): ``KVLOOM_TRITON_ATTN_CONFIG``,
 ``KVLOOM_TRITON_MLA_CONFIG``. One parser, so every backend reads the same syntax and
-reports the same errors.
+reports the same errors. The rest of the skeleton such a dataclass needs is here too: the
+range checks of its fields (``check_launch_fields``), default-then-environment-then-explicit
+resolution (``resolve_kernel_config``) and ``next_power_of_2``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+NUM_WARPS = (1, 2, 4, 8, 16)
+MAX_NUM_STAGES = 6
 
 
 def parse_kernel_overrides(text: str, config_cls: type, env_var: str) -> dict[str, int | None]:
@@ -30,3 +40,49 @@ def parse_kernel_overrides(text: str, config_cls: type, env_var: str) -> dict[st
         except ValueError:
             raise ValueError(f"{env_var}: {name}={value!r} is not an integer") from None
     return overrides
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): Triton block sizes."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_launch_fields(
+    config: Any,
+    *,
+    tiles: Iterable[str] = (),
+    tile_sizes: tuple[int, ...] = (16, 32, 64, 128, 256),
+    warps: Iterable[str] = (),
+    stages: Iterable[str] = (),
+    positive: Iterable[str] = (),
+) -> None:
+    """A ``ValueError`` naming the first field out of range: ``tiles`` in ``tile_sizes``,
+    ``warps`` in 1, 2, 4, 8, 16, ``stages`` in 1..6, ``positive`` >= 1 (``None`` allowed
+    for the optional ones, e.g. ``force_num_splits``)."""
+    for name in tiles:
+        if getattr(config, name) not in tile_sizes:
+            raise ValueError(f"{name}={getattr(config, name)} must be one of {', '.join(map(str, tile_sizes))}")
+    for name in warps:
+        if getattr(config, name) not in NUM_WARPS:
+            raise ValueError(f"{name}={getattr(config, name)} must be one of {', '.join(map(str, NUM_WARPS))}")
+    for name in stages:
+        if not 1 <= getattr(config, name) <= MAX_NUM_STAGES:
+            raise ValueError(f"{name}={getattr(config, name)} must be in 1..{MAX_NUM_STAGES}")
+    for name in positive:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+
+
+def resolve_kernel_config(default: C, env_var: str, override: C | dict[str, int | None] | None = None) -> C:
+    """``override`` when it is a whole config; else ``default``, then the fields set in
+    ``env_var`` (``parse_kernel_overrides``' syntax), then the fields of ``override``."""
+    if isinstance(override, type(default)):
+        return override
+    config = default
+    env = os.environ.get(env_var, "")
+    if env:
+        config = dataclasses.replace(config, **parse_kernel_overrides(env, type(default), env_var))
+    if override:
+        config = dataclasses.replace(config, **override)
+    return config

@@ -18,7 +18,9 @@ example packages):
   ``BlockSizeSpec``;
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
   ``copy_rows_skipping_invalid``; environment overrides of a kernel configuration
-  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``; the shortest run a split-KV
+  dataclass (``NAME=INT,...``): ``parse_kernel_overrides``, with the range checks of its
+  fields (``check_launch_fields``), its resolution (``resolve_kernel_config``) and
+  ``next_power_of_2``; the shortest run a split-KV
   decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
@@ -86,7 +88,12 @@ from kvloom.attention.backend import (
     MultipleOf,
     effective_decode_graphs,
 )
-from kvloom.attention.kernel_overrides import parse_kernel_overrides
+from kvloom.attention.kernel_overrides import (
+    check_launch_fields,
+    next_power_of_2,
+    parse_kernel_overrides,
+    resolve_kernel_config,
+)
 from kvloom.attention.kv_write import copy_rows_skipping_invalid, write_kv_default_layout
 from kvloom.attention.mla_backend import (
     MLA_DECODE,
@@ -241,12 +248,15 @@ __all__ = [
     "Worker",
     "WorkerBase",
     "allreduce_mode",
+    "check_launch_fields",
     "copy_rows_skipping_invalid",
     "effective_decode_graphs",
     "hookimpl",
     "min_split_tiles",
+    "next_power_of_2",
     "parse_kernel_overrides",
     "read_adapter_config",
+    "resolve_kernel_config",
     "validate_adapter_config",
     "write_kv_default_layout",
     # quantization methods

@@ -1,6 +1,7 @@
 """Weights from a GGUF file, renamed to HF names and dequantized.
 
-* The file is read with ``gguf.GGUFReader`` (memory-mapped); each tensor is dequantized
+* The file's header is read by ``gguf_header`` (milliseconds; gguf-py's ``GGUFReader``
+  takes seconds over a vocabulary), its data memory-mapped; each tensor is dequantized
   with ``gguf.quants.dequantize`` (Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32 -> float32).
 * Names: llama.cpp's (``blk.0.attn_q.weight``) are mapped to HF's
   (``model.layers.0.self_attn.q_proj.weight``) with gguf-py's own tensor-name table, for
@@ -12,7 +13,8 @@
   49k-token vocabulary), so the dequantized tensors of files up to
   ``GGUF_WEIGHT_CACHE_MAX_BYTES`` are cached once as safetensors next to the converted
   config (``model_source.gguf_cache_dir``); ``KVLOOM_GGUF_WEIGHT_CACHE=0`` turns the
-  cache off. The cache is keyed by the file's path, size and mtime.
+  cache off. The cache is keyed by the file's content (``gguf_metadata.gguf_cache_dir``):
+  one copy per file, whichever environment or path reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from kvloom.loader.gguf_header import GGUFHeader, read_gguf_header, tensor_data
 from kvloom.loader.model_source import gguf_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -74,16 +78,17 @@ def gguf_to_hf_names(arch_name: str, num_layers: int, hf_names: Iterable[str]) -
 
 
 def _dequantized_tensors(
-    reader: Any, name_map: dict[str, str], unpermute_heads: dict[str, int]
+    path: Path, header: GGUFHeader, name_map: dict[str, str], unpermute_heads: dict[str, int]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    for tensor in reader.tensors:
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for tensor in header.tensors:
         hf_name = name_map.get(tensor.name)
         if hf_name is None:
             logger.debug("GGUF tensor %s is not used by the model", tensor.name)
             continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = dequantize(tensor_data(mapped, header, tensor), tensor.ggml_type)
         for marker, n_head in unpermute_heads.items():
             if marker in tensor.name:
                 weights = unpermute_qk(weights, n_head)
@@ -94,8 +99,6 @@ def _dequantized_tensors(
 
 def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, float32 tensor)`` for each tensor of the GGUF file the model uses."""
-    from gguf import GGUFReader
-
     path = Path(path)
     hf_names = list(hf_names)
     use_cache = os.environ.get("KVLOOM_GGUF_WEIGHT_CACHE", "1") != "0"
@@ -112,8 +115,8 @@ def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> I
         return
 
     logger.info("Dequantizing GGUF weights of %s", path.name)
-    reader = GGUFReader(str(path))
-    arch_name = str(reader.fields["general.architecture"].contents())
+    header = read_gguf_header(path)
+    arch_name = header.architecture
     name_map = gguf_to_hf_names(arch_name, hf_config.num_hidden_layers, hf_names)
     unpermute_heads: dict[str, int] = {}
     if arch_name in PERMUTED_QK_ARCHITECTURES:
@@ -122,7 +125,7 @@ def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> I
             ".attn_q.": num_heads,
             ".attn_k.": getattr(hf_config, "num_key_value_heads", None) or num_heads,
         }
-    size = sum(int(t.n_elements) * 4 for t in reader.tensors if t.name in name_map)
+    size = sum(prod(t.shape) * 4 for t in header.tensors if t.name in name_map)
     if use_cache and size > GGUF_WEIGHT_CACHE_MAX_BYTES:
         logger.info(
             "Not caching %.1f GiB of dequantized GGUF weights (limit %.1f GiB)",
@@ -136,7 +139,7 @@ def gguf_weights(path: str | Path, hf_config: Any, hf_names: Iterable[str]) -> I
     # model on a slow CPU): a progress bar says it is working, the log how long it took.
     bar = tqdm(total=len(name_map), desc=f"Dequantizing {path.name}", unit="tensor", dynamic_ncols=True)
     with bar:
-        for name, tensor in _dequantized_tensors(reader, name_map, unpermute_heads):
+        for name, tensor in _dequantized_tensors(path, header, name_map, unpermute_heads):
             bar.update(1)
             if use_cache:
                 collected[name] = tensor

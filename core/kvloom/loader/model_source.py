@@ -1,23 +1,21 @@
 """Where a model comes from: an HF directory, a GGUF file, or the default SmolLM2.
 
 ``resolve_model_source`` only looks at paths (cheap); ``load_hf_config`` reads the
-architecture config (for GGUF, from the file's metadata, cached on disk because
-transformers needs seconds to parse it).
+architecture config (for GGUF, from the HF directory ``gguf_metadata`` converts the
+file's metadata to, once per file).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvloom.utils import kvloom_cache_dir
+# gguf_cache_dir is imported from here by the GGUF weight loader, too.
+from kvloom.loader.gguf_metadata import gguf_cache_dir, gguf_hf_dir  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -79,47 +77,6 @@ def resolve_model_source(model: str | None, load_format: str = "auto", tokenizer
         f"model: {model!r} is neither an HF model directory nor a .gguf file "
         "(kvloom does not download from model hubs)"
     )
-
-
-def gguf_cache_dir(gguf_path: str | Path) -> Path:
-    """The per-file cache directory of a GGUF model (converted config, tokenizer and
-    dequantized weights), keyed by the file's path, size and mtime."""
-    gguf_path = Path(gguf_path)
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return kvloom_cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
-
-
-def gguf_hf_dir(gguf_path: str | Path) -> Path:
-    """An HF-style directory (config.json + tokenizer files) converted once from the GGUF
-    metadata and cached, so later loads take milliseconds instead of seconds."""
-    gguf_path = Path(gguf_path)
-    out = gguf_cache_dir(gguf_path)
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoConfig, AutoTokenizer
-
-    logger.info("Reading GGUF metadata of %s (once; cached in %s)", gguf_path.name, out)
-    start = time.perf_counter()
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config.save_pretrained(tmp)
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        tok.save_pretrained(tmp)
-    except (ValueError, KeyError, OSError) as e:
-        # The weights may still be served from token ids (skip_tokenizer_init) or with a
-        # separate tokenizer; get_tokenizer reports the missing files if one is needed.
-        logger.warning("No tokenizer could be read from the metadata of %s: %s", gguf_path.name, e)
-    # The directory may already hold other cached files (dequantized weights), so files
-    # move in one by one; config.json last, as it marks the conversion complete.
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
-    logger.info("Converted the GGUF metadata of %s in %.1f s", gguf_path.name, time.perf_counter() - start)
-    return out
 
 
 def _check_quantization_config(config_file: Path) -> None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvloom.quantization.method import QuantizationMethod, QuantizationSelectorConfig
+if TYPE_CHECKING:  # the contract imports torch; `--help` reads the form checks here without it
+    from kvloom.quantization.method import QuantizationMethod, QuantizationSelectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,7 @@ def quantization_for_engine(
     """``resolve_quantization`` with the installed methods (``kvloom.plugins``) and the
     active ``platform`` (a ``Platform`` class): what ``create_engine_config`` calls."""
     from kvloom import plugins
+    from kvloom.quantization.method import QuantizationSelectorConfig
 
     selector = QuantizationSelectorConfig(
         device_type=platform.device_type, dtype=dtype, device_capability=platform.get_device_capability(),

@@ -139,7 +139,7 @@ def test_plain_pooling_and_embeddings_match_hf(server: KvloomServer, model_dir: 
 
 def test_embedding_errors(server: KvloomServer) -> None:
     too_long = server.post("/v1/embeddings", {"input": [1] * 129})
-    assert too_long.status_code == 400 and "maximum context length of 128" in too_long.json()["error"]["message"]
+    assert too_long.status_code == 400 and "maximum context length is 128" in too_long.json()["error"]["message"]
     assert server.post("/v1/embeddings", {"input": []}).status_code == 400
     unknown = server.post("/v1/embeddings", {"input": "x", "model": "nope"})
     assert unknown.status_code == 404
