@@ -3,7 +3,12 @@
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, serving, select, select-nofi, moe, mla, compile, so, tp, tp-bench, allreduce, allreduce-decode,
-# peers-stash, peers.
+# peers-stash, peers, offload.
+#   offload      plugins/kv_offload/tests/test_offload.py on the GPU (issue 41): the KV-connector conformance kit over a
+#                CUDA cache (host tier pinned, copies on their own streams; host+disk tiers), then an engine with 24
+#                device blocks whose second pass over 8 prompts gets the prefixes the device evicted back from the host
+#                tier (hits and CPU_to_GPU / GPU_to_CPU blocks counted) with the tokens of an engine without it;
+#                transfer bandwidth -> $OUT/kv_offload.jsonl. Tiny random Llama, well under 2 minutes.
 #   peers-stash  stash the pieces of vLLM 0.24.0 this call carries (.vllm/pN, made on the CPU machine by
 #                benchmarks/peers/vllm/fetch.sh) in /tmp; once all pieces are there, install vLLM into /tmp/vsite
 #                (benchmarks/peers/vllm/stash_install.sh). Needs neither .whl nor setup: a call with only
@@ -291,6 +296,7 @@ for i in "${!stages[@]}"; do
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
     tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn" ;;
+    offload) run_pytest offload plugins/kv_offload/tests/test_offload.py ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;

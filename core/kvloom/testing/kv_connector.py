@@ -89,7 +89,9 @@ class KVConnectorHarness:
         gen = torch.Generator().manual_seed(seed)
         shape = backend.get_kv_cache_shape(self.num_blocks, self.block_size, model.num_kv_heads, model.head_size)
         dim = block_dim_of(backend.get_kv_cache_shape, self.block_size, model.num_kv_heads, model.head_size)
-        self.layers = {n: KVLayerCache(n, torch.randn(shape, generator=gen, dtype=model.dtype), dim) for n in names}
+        self.device = torch.device(config.device.device_type)  # the cache lives where the engine's would
+        self.layers = {n: KVLayerCache(n, torch.randn(shape, generator=gen, dtype=model.dtype).to(self.device), dim)
+                       for n in names}  # fmt: skip
         self.worker.register_kv_caches(self.layers)
 
     def request(self, request_id: str, tokens: list[int], params: dict[str, Any] | None = None) -> Request:
@@ -100,8 +102,8 @@ class KVConnectorHarness:
 
     def blocks_of(self, block_ids: list[int]) -> list[torch.Tensor]:
         """The data of ``block_ids`` in every layer (copies)."""
-        ids = torch.tensor(block_ids, dtype=torch.int64)
-        return [layer.gather(ids).clone() for layer in self.layers.values()]
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return [layer.gather(ids).cpu() for layer in self.layers.values()]
 
     def step(self, scheduled: list[ScheduledKVRequest], finished: set[str] = frozenset()) -> tuple[set[str], set[str], set[int]]:  # type: ignore[assignment]
         """One engine step: the scheduler side's metadata (pickled and unpickled, as it

@@ -145,7 +145,7 @@ class OffloadingConnector(KVConnectorBase):
         self._storing: list[Transfer] = []
         self._errors: set[int] = set()
         self._worker_stats = KVTransferStats()
-        self.label = ""  # the device's name in transfer types ("GPU"), once the cache is registered
+        self.load_kind = self.store_kind = self.disk_kind = ""  # transfer types, once the cache is registered
         if role == KVConnectorRole.SCHEDULER:
             logger.info("OffloadingConnector: %d host blocks (%.2f GiB)%s", self.num_slots,
                         self.num_slots * kv_cache_bytes_per_block(config) / 2**30,
@@ -234,7 +234,11 @@ class OffloadingConnector(KVConnectorBase):
         if self.disk_root is not None:
             layout = [(str(c.tensor.dtype), c.block_shape) for c in kv_caches.values()]
             self.disk = KVBlockFiles(self.disk_root, layout)
-        self.label = device_label(self.tier.device)
+        label = device_label(self.tier.device)
+        # vLLM's transfer types; a CPU engine's cache and host tier both live on the CPU.
+        self.load_kind, self.store_kind = (f"CPU_to_{label}", f"{label}_to_CPU") if label != "CPU" else \
+            ("host_to_device", "device_to_host")  # fmt: skip
+        self.disk_kind = f"disk_to_{label}"
 
     def _meta(self) -> OffloadMetadata | None:  # the step's, on the worker side
         meta = self.connector_metadata
@@ -280,7 +284,7 @@ class OffloadingConnector(KVConnectorBase):
             ids = torch.tensor(ok, dtype=torch.int64, device=self.tier.device)
             for h, cache in zip(host, self.tier.layers.values()):
                 cache.scatter(ids, h[: len(ok)])
-            self._worker_stats.count_transfer(f"disk_to_{self.label}", len(ok), nbytes, time.perf_counter() - start)
+            self._worker_stats.count_transfer(self.disk_kind, len(ok), nbytes, time.perf_counter() - start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits for get_finished
@@ -305,8 +309,8 @@ class OffloadingConnector(KVConnectorBase):
                 self.disk.path(key).unlink(missing_ok=True)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        loaded = self._collect(self._loading, f"CPU_to_{self.label}")
-        self._collect(self._storing, f"{self.label}_to_CPU")
+        loaded = self._collect(self._loading, self.load_kind)
+        self._collect(self._storing, self.store_kind)
         return None, {t.request_id for t in loaded} or None
 
     def _collect(self, transfers: list[Transfer], kind: str) -> list[Transfer]:

@@ -1,16 +1,22 @@
 """kvloom-kv-offload: the conformance kit (host tier, host and disk tiers), and an engine
 whose device block pool is smaller than its prompts' prefixes: a second pass over the
 prompts finds the prefixes the device evicted in the host tier (counted), with the
-tokens of an engine without it."""
+tokens of an engine without it.
+
+On a CUDA machine (``bash tests/gpu/run.sh offload``) the same tests run on the GPU: the
+kit's cache and the engine's are device memory, the host tier pinned, the copies on their
+own streams; the transfers' bandwidth goes to ``$OUT/kv_offload.jsonl``."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
+import torch
 
 from kvloom import LLM, SamplingParams
 from kvloom.interfaces import KVTransferStats
@@ -79,3 +85,13 @@ def test_prefixes_evicted_from_the_device_come_back_from_the_host_tier() -> None
     assert cached == [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
     from_host = sum(c - d for c, d in zip(cached, device_only))
     assert from_host > 0 and stats.hits_by_tier.get("cpu") == from_host
+    kinds = ("CPU_to_GPU", "GPU_to_CPU") if torch.cuda.is_available() else ("host_to_device", "device_to_host")
+    loaded, stored = (stats.transfers[kind] for kind in kinds)
+    assert loaded.blocks == from_host // BLOCK and loaded.bytes == loaded.blocks * BLOCK_BYTES
+    # Every full block of the first pass was stored once (the second pass finds them all).
+    assert stored.blocks == sum((len(p) + 3) // BLOCK for p in PROMPTS)
+    if os.environ.get("OUT"):  # the GPU stage's record: transfer bandwidth per direction
+        with open(Path(os.environ["OUT"]) / "kv_offload.jsonl", "a") as f:
+            for kind, c in stats.transfers.items():
+                f.write(json.dumps({"transfer": kind, "blocks": c.blocks, "bytes": c.bytes, "seconds": c.seconds,
+                                    "GB_per_s": c.bytes / c.seconds / 1e9 if c.seconds else None}) + "\n")  # fmt: skip
