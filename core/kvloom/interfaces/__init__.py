@@ -56,7 +56,7 @@ example packages):
   ``FusedMoEQuantMethod``, ``EmbeddingQuantMethod``; parameters that follow the weight:
   ``ParamLayout``, ``add_quantized_parameter``, ``remove_quantized_parameter``; the torch
   code of the experts for a method's own weights: ``fused_moe_torch``;
-- KV connectors (``docs/kv_transfer.md``): ``KVConnectorBase`` (both sides of the contract),
+- KV connectors (``docs/kv_connectors.md``): ``KVConnectorBase`` (both sides of the contract),
   ``KVConnectorRole``, ``KVConnectorMetadata``, ``KVConnectorRequest``,
   ``KVConnectorStep``, ``ScheduledKVRequest``, ``KVConnectorOutput``, ``KVCacheGroupSpec``,
   ``KVTransferConfig``, the counts they report (``KVTransferStats``, ``KVTransferCounts``);

@@ -27,7 +27,7 @@ engine that serves the same model. Models have one KV-cache group today (group 0
 connector that can serve several (``supports_hybrid_kv_cache``) gets every group's block
 ids, one list per group. A failed load fails that request alone, or its KV is computed
 instead (``kv_transfer_config.kv_load_failure_policy``); an exception from a connector
-fails the requests it concerns, never the engine. ``docs/kv_transfer.md`` tells the
+fails the requests it concerns, never the engine. ``docs/kv_connectors.md`` tells the
 whole story, with the order of the calls in a step.
 """
 
@@ -161,7 +161,7 @@ class KVConnectorBase(ABC):
     its ``NAME`` (``kv_transfer_config.kv_connector`` selects it). kvloom builds one
     instance per role: ``cls(config, role, kv_cache_groups)``. The methods of the other role
     are never called on an instance. Every method may raise: the engine fails the requests
-    concerned (``docs/kv_transfer.md``, "When a connector fails")."""
+    concerned (``docs/kv_connectors.md``, "When a connector fails")."""
 
     NAME: ClassVar[str]
     """The connector's name (vLLM's, for the connectors vLLM has): the entry-point name."""

@@ -47,7 +47,7 @@ class KVTransferConfig(BaseModel):
     installed plugin (vLLM's escape hatch)."""
     kv_load_failure_policy: LoadFailurePolicy = "fail"
     """What a failed load does: ``fail`` finishes the request with an error; ``recompute``
-    computes the KV that did not arrive (asynchronous loads; see docs/kv_transfer.md)."""
+    computes the KV that did not arrive (asynchronous loads; see docs/kv_connectors.md)."""
     engine_id: str | None = None
     """This engine's id in transfers (a proxy names the prefill engine by it); default: a fresh one."""
     kv_buffer_device: str = "cuda"
