@@ -129,7 +129,7 @@ def test_an_asynchronous_load_that_fails_follows_the_policy(policy: str, baselin
     STORE.clear()
     _run(_core(kv_transfer_config=transfer_config(role="kv_producer")), _requests("r"))
     config = {**transfer_config(load_async=True), "kv_load_failure_policy": policy}
-    results, computed = _run(_core(kv_transfer_config=config), _requests("r", {2: {"fail_in": "load_blocks"}}))
+    results, _ = _run(_core(kv_transfer_config=config), _requests("r", {2: {"fail_in": "load_blocks"}}))
     tokens, out = results["r-2"]
     if policy == "fail":
         assert out.finish_reason == FinishReason.ERROR and "failed to load" in (out.error or "")

@@ -45,7 +45,9 @@ def test_the_log_line_part() -> None:
     assert "External" not in logger.summary()
     logger.record(SchedulerStats(kv_transfer_stats=_stats()), None)
     line = logger.summary()
-    assert "External prefix cache hit rate: 75.0%, hits by tier: cpu=100 disk=50, CPU_to_GPU: 4 blocks 2.10 GB/s" in line
+    assert (
+        "External prefix cache hit rate: 75.0%, hits by tier: cpu=100 disk=50, CPU_to_GPU: 4 blocks 2.10 GB/s" in line
+    )
     assert "KV load failures: 1" in line
     logger.log()  # a new interval: the counts start again
     assert "External" not in logger.summary()

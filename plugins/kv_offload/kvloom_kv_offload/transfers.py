@@ -138,4 +138,3 @@ class HostTier:
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """The host copy of one slot, one tensor per layer (views)."""
         return [buffer[slot] for buffer in self.buffers.values()]
-

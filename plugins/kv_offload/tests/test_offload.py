@@ -92,6 +92,6 @@ def test_prefixes_evicted_from_the_device_come_back_from_the_host_tier() -> None
     assert stored.blocks == sum((len(p) + 3) // BLOCK for p in PROMPTS)
     if os.environ.get("OUT"):  # the GPU stage's record: transfer bandwidth per direction
         with open(Path(os.environ["OUT"]) / "kv_offload.jsonl", "a") as f:
-            for kind, c in stats.transfers.items():
-                f.write(json.dumps({"transfer": kind, "blocks": c.blocks, "bytes": c.bytes, "seconds": c.seconds,
-                                    "GB_per_s": c.bytes / c.seconds / 1e9 if c.seconds else None}) + "\n")  # fmt: skip
+            f.writelines(json.dumps({"transfer": kind, "blocks": c.blocks, "bytes": c.bytes, "seconds": c.seconds,
+                                     "GB_per_s": c.bytes / c.seconds / 1e9 if c.seconds else None}) + "\n"
+                         for kind, c in stats.transfers.items())  # fmt: skip
