@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvloom.attention.backend import AttentionBackend
 from kvloom.cudagraph_mode import CUDAGraphMode
 from kvloom.deprecation import Deprecation, deprecated_property
+from kvloom.kv_transfer.config import KVTransferConfig
 from kvloom.platforms.interface import Platform
 from kvloom.quantization.method import QuantizationMethod
 
@@ -476,6 +477,9 @@ class EngineConfig(_Section):
     """``backend``: the structured-output backend's name."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (``--speculative-config``), or None: off."""
+    kv_transfer: KVTransferConfig | None = None
+    """The KV connector (``--kv-transfer-config``, or ``--kv-offloading-size``): which one,
+    its role and extra config; None: no connector. Platforms and hooks must not change it."""
 
     # Names of plugin API 1.0 that moved into the sections (a model plugin reading
     # config.attention_backend must keep working, with a warning, not die at engine start).

@@ -45,6 +45,9 @@ class ForwardContext:
     #: forward is being captured or replayed: the piece wrappers stay out of the way).
     cudagraph_runtime_mode: CUDAGraphMode | None = None
     batch_descriptor: BatchDescriptor | None = None
+    #: The KV connector's per-layer calls (``kvloom.worker.kv_connector.WorkerConnector``:
+    #: ``wait_for_layer_load`` before a layer's attention, ``save_kv_layer`` after it), or None.
+    kv_connector: Any = None
 
 
 _current: ForwardContext | None = None
@@ -69,12 +72,14 @@ def set_forward_context(
     num_actual_tokens: int | None = None,
     cudagraph_runtime_mode: CUDAGraphMode | None = None,
     batch_descriptor: BatchDescriptor | None = None,
+    kv_connector: Any = None,
     **extras: Any,
 ) -> Iterator[ForwardContext]:
     global _current
     previous = _current
     _current = ForwardContext(
-        attn_metadata, dict(extras), attn_layers, num_actual_tokens, cudagraph_runtime_mode, batch_descriptor
+        attn_metadata, dict(extras), attn_layers, num_actual_tokens, cudagraph_runtime_mode, batch_descriptor,
+        kv_connector,
     )
     try:
         yield _current

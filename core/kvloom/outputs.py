@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kvloom.kv_transfer.output import KVConnectorReport
 from kvloom.metrics.scheduler_stats import SchedulerStats
 from kvloom.request import EngineCoreEvent, FinishReason
 
@@ -48,6 +49,8 @@ class ModelRunnerOutput:
     #: Speculative decoding: per request, in ``req_ids`` order, the drafts the proposer made
     #: for its next step ([] for none); None: no proposer ran.
     spec_token_ids: list[list[int]] | None = None
+    #: The KV connector's report of the step, None without a connector.
+    kv_connector_output: KVConnectorReport | None = None
 
 
 class PendingModelRunnerOutput(ABC):
@@ -97,6 +100,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     #: refused it when it arrived (bad input); with ``FinishReason.ERROR``, its own work
     #: failed in a step. None otherwise.
     error: str | None = None
+    #: The KV connector's params of a finished request (e.g. where its KV waits for a
+    #: decode instance), passed on to the user's ``RequestOutput``.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -175,6 +181,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     lora_request: Any = None
+    #: The KV connector's params of the finished request (vLLM's field): what a proxy
+    #: passes to the decode instance of a prefill.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

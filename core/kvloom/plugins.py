@@ -24,6 +24,7 @@ from kvloom.config import EngineConfig
 from kvloom.entrypoint_plugin import EndpointPlugin
 from kvloom.hookspecs import PROJECT_NAME, GeneralPluginSpec
 from kvloom.io_processor import IOProcessor
+from kvloom.kv_transfer.base import KVConnectorBase
 from kvloom.logits_processor import LogitsProcessor
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry, _LoRAResolverRegistry
 from kvloom.metrics.stat_logger_base import StatLoggerBase
@@ -67,6 +68,7 @@ LOGITS_PROCESSORS = "kvloom.logits_processors"
 ENDPOINT_PLUGINS = "kvloom.endpoint_plugins"
 QUANTIZATION_METHODS = "kvloom.quantization_methods"
 SPEC_DECODE_PROPOSERS = "kvloom.spec_decode_proposers"
+KV_CONNECTORS = "kvloom.kv_connectors"
 
 #: Every group kvloom reads, in loading order, with the contract of its targets.
 GROUPS: tuple[PluginGroup, ...] = (
@@ -88,6 +90,7 @@ GROUPS: tuple[PluginGroup, ...] = (
                 label="quantization methods"),  # fmt: skip
     PluginGroup(SPEC_DECODE_PROPOSERS, SpecDecodeProposer, unique_names=True, name_attr="NAME",
                 label="speculative-decoding proposers"),  # fmt: skip
+    PluginGroup(KV_CONNECTORS, KVConnectorBase, unique_names=True, name_attr="NAME", label="KV connectors"),
 )
 ALL_GROUPS: tuple[str, ...] = tuple(group.name for group in GROUPS)
 
@@ -193,6 +196,14 @@ def attention_backends() -> dict[str, PluginEntry]:
 def quantization_methods() -> dict[str, type[QuantizationMethod]]:
     """Loaded quantization methods: NAME -> ``QuantizationMethod`` subclass."""
     return {name: entry.target for name, entry in loaded_plugins().by_name(QUANTIZATION_METHODS).items()}
+
+
+# ---------------------------------------------------------------------- KV connectors
+
+
+def kv_connectors() -> dict[str, type[KVConnectorBase]]:
+    """Loaded KV connectors: NAME -> ``KVConnectorBase`` subclass."""
+    return {name: entry.target for name, entry in loaded_plugins().by_name(KV_CONNECTORS).items()}
 
 
 # ---------------------------------------------------------------------- platforms

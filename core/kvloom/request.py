@@ -28,6 +28,7 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # waiting for a structured-output grammar to compile
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # waiting for its KV to arrive through the KV connector
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -138,8 +139,10 @@ class Request:
         self.num_preemptions = 0
         self.events: list[EngineCoreEvent] = []
         # Block hashes of the full blocks of all_token_ids, computed incrementally by the
-        # KV cache manager (prefix caching).
+        # KV cache manager (prefix caching) or the KV connector's part of the scheduler.
         self.block_hashes: list[bytes | int] = []
+        #: What the KV connector reads for this request (``SamplingParams.kv_transfer_params``).
+        self.kv_transfer_params = sampling_params.kv_transfer_params if sampling_params is not None else None
 
         if sampling_params is not None:
             self.max_tokens = sampling_params.max_tokens

@@ -24,6 +24,31 @@ MAX_LOGIT_BIAS = 100.0
 #: Largest token id, count or priority that fits the engine's int32/int64 tensors. Token
 #: ids are also checked against the model's vocabulary when the request is added.
 MAX_INT32 = 2**31 - 1
+#: The largest ``kv_transfer_params`` (as JSON, in characters) a request may carry.
+MAX_KV_TRANSFER_PARAMS_CHARS = 16384
+#: ``kv_transfer_params`` keys that every connector reads as vLLM does: booleans.
+KV_TRANSFER_FLAGS = ("do_remote_decode", "do_remote_prefill")
+
+
+def check_kv_transfer_params(value: Any) -> dict[str, Any] | None:
+    """``kv_transfer_params`` as a request may carry them: a JSON object of at most
+    ``MAX_KV_TRANSFER_PARAMS_CHARS`` characters, its ``do_remote_*`` flags booleans (the
+    connector checks the rest when the request is added)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError("kv_transfer_params must be a JSON object")
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"kv_transfer_params must be plain JSON ({exc})") from None
+    if len(text) > MAX_KV_TRANSFER_PARAMS_CHARS:
+        raise ValueError(f"kv_transfer_params has {len(text)} characters as JSON (allowed: at most "
+                         f"{MAX_KV_TRANSFER_PARAMS_CHARS})")  # fmt: skip
+    for flag in KV_TRANSFER_FLAGS:
+        if flag in value and not isinstance(value[flag], bool):
+            raise ValueError(f"kv_transfer_params.{flag} must be true or false")
+    return value
 
 
 def check_unicode(value: str, name: str) -> str:
@@ -175,6 +200,15 @@ class SamplingParams(BaseModel):
     """Arguments of logits processor plugins, ``{processor name: its value}`` (vLLM's
     ``extra_args``; the server's ``vllm_xargs``); each processor checks its own value when
     the request is added."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the engine's KV connector reads for this request (vLLM's field), e.g.
+    ``{"do_remote_decode": true}`` for a prefill whose decode runs elsewhere, or the params
+    a prefill's output carried for its decode. Refused by an engine without a connector."""
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _check_kv_transfer_params(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_kv_transfer_params(v)
 
     @field_validator("stop", mode="before")
     @classmethod

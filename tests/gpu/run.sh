@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
-# Stages: setup and gguf (always first; idempotent), tests, e2e, hybrid, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
+# Stages: setup and gguf (always first; idempotent), tests, e2e, hybrid, offload, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, serving, select, select-nofi, tune, quant, moe, mla, compile, so, spec, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers, defaults.
+#   offload      plugins/kv_offload/tests/test_offload.py on the GPU (issue 41): the KV-connector conformance kit over a
+#                CUDA cache (host tier pinned, copies on their own streams; host+disk tiers), then an engine with 24
+#                device blocks whose second pass over 8 prompts gets the prefixes the device evicted back from the host
+#                tier (hits and CPU_to_GPU / GPU_to_CPU blocks counted) with the tokens of an engine without it;
+#                transfer bandwidth -> $OUT/kv_offload.jsonl. Tiny random Llama, well under 2 minutes.
 #   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
 #                by benchmarks/peers/{vllm,sglang}/fetch.sh) in /tmp; once all pieces of one are there, install it
 #                (vLLM 0.26.0 into /tmp/vsite, SGLang 0.5.15.post1 into /tmp/sgsite; stash_install.sh, which also
@@ -331,7 +336,8 @@ for i in "${!stages[@]}"; do
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
-    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn and not spec_decode" ;;
+    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn and not spec_decode and not hybrid" ;;
+    offload) run_pytest offload plugins/kv_offload/tests/test_offload.py ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     hybrid) run_pytest hybrid tests/gpu/test_hybrid_gpu.py backends/triton/tests/test_triton_backend_gpu.py \
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[TRITON_ATTN]" \

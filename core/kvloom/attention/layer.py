@@ -99,10 +99,17 @@ class Attention(nn.Module):
     def run_backend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor) -> None:
         """The backend's attention into ``output``. Rows past the forward context's
         ``num_actual_tokens`` are padding (a piecewise CUDA graph's capture size): the
-        backend sees only the real rows, and the padding rows of ``output`` stay as they are."""
+        backend sees only the real rows, and the padding rows of ``output`` stay as they are.
+        With a KV connector, its loads into this layer are waited for first and its saves
+        of the layer started after."""
         ctx = get_forward_context()
         n = ctx.num_actual_tokens
         if n is not None and n < query.shape[0]:
             query, key, value, output = query[:n], key[:n], value[:n], output[:n]
         metadata = ctx.attn_metadata if self.kv_cache_group_id is None else ctx.attn_metadata[self.kv_cache_group_id]
+        transfer = ctx.kv_connector  # the KV connector's loads into this layer first, its saves after
+        if transfer is not None:
+            transfer.wait_for_layer_load(self.prefix)
         self.impl.forward(query, key, value, self.kv_cache, metadata, output)
+        if transfer is not None:
+            transfer.save_kv_layer(self.prefix, self.kv_cache, metadata)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvloom.cudagraph_mode import CUDAGraphMode
+from kvloom.kv_transfer.config import parse_kv_transfer_config
 from kvloom.quantization.selection import check_requested_quantization
 from kvloom.structured_output.options import (
     check_structured_outputs_config,
@@ -219,6 +220,19 @@ class EngineArgs(BaseModel):
         "deepseek_mtp or a proposer plugin's), num_speculative_tokens, prompt_lookup_min/max (ngram), model (the "
         "draft or EAGLE-3 head checkpoint), draft_tensor_parallel_size, quantization (the draft's)."
     )
+    # ---- KV transfer (connectors)
+    kv_transfer_config: dict[str, Any] | None = Field(
+        None, description="The KV connector, as vLLM's JSON: kv_connector (ExampleConnector, OffloadingConnector, "
+        "P2pNcclConnector or a kvloom.kv_connectors plugin), kv_role (kv_producer, kv_consumer, kv_both), "
+        "kv_connector_extra_config, kv_connector_module_path, kv_load_failure_policy (fail, recompute), ..."
+    )
+    kv_offloading_size: float | None = Field(
+        None, gt=0, description="GiB of host memory that keep KV-cache blocks evicted from the device (the "
+        "OffloadingConnector, loaded back on a prefix hit); off by default."
+    )
+    kv_offloading_backend: Literal["native", "lmcache"] = Field(
+        "native", description="What offloads with --kv-offloading-size: native (kvloom's OffloadingConnector)."
+    )
     # ---- observability
     # The one default of stats for LLM, kvloom generate/chat/serve/bench (LLM has none of its own).
     disable_log_stats: bool = Field(
@@ -251,6 +265,12 @@ class EngineArgs(BaseModel):
             if len(set(v)) != len(v):
                 raise ValueError(f"names must differ, got {v!r}")
         return v
+
+    @field_validator("kv_transfer_config", mode="before")
+    @classmethod
+    def _kv_transfer_config(cls, v: Any) -> dict[str, Any] | None:
+        config = parse_kv_transfer_config(v)
+        return None if config is None else config.model_dump(exclude_defaults=True)
 
     @field_validator("quantization")
     @classmethod

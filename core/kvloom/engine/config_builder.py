@@ -15,8 +15,8 @@ stages one after the other:
 7. let the platform (``check_and_update_config``), then the general plugins'
    ``kvloom_update_engine_config`` hook, adjust the result, each checked
    (``_check_adjusted``: what they may not change, and what the backend cannot serve);
-8. check that the machine holds the data-parallel replicas, and log what the engine runs
-   with.
+8. check that the machine holds the data-parallel replicas and that the KV connector
+   (``kv_transfer_config``) can run the engine, and log what the engine runs with.
 
 ``EngineArgs`` itself lives in ``arg_utils.py``, which must import without torch (the
 CLI builds its flags from it); this module imports the engine's modules.
@@ -25,6 +25,7 @@ CLI builds its flags from it); this module imports the engine's modules.
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from kvloom.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVTransferConfig,
     LoadConfig,
     LoRAConfig,
     ModelConfig,
@@ -46,6 +48,8 @@ from kvloom.engine.arg_utils import DTYPES, EngineArgs
 from kvloom.engine.attention_config import attention_config, backend_problems
 from kvloom.engine.compile_config import resolve_compilation
 from kvloom.engine.parallel_checks import check_tensor_parallel
+from kvloom.kv_transfer.config import offloading_transfer_config, parse_kv_transfer_config
+from kvloom.kv_transfer.factory import check_transfer_config
 from kvloom.loader.generation_config import generation_defaults, resolve_chat_template
 from kvloom.loader.model_source import load_hf_config, resolve_model_source
 from kvloom.models.registry import ModelRegistry, is_classification_architecture
@@ -103,12 +107,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         device=DeviceConfig(platform=platform, device_type=platform.device_type),
         structured_outputs=structured_outputs_config(*args.structured_outputs_options()),
+        kv_transfer=_kv_transfer_config(args),
     )
     config.speculative = resolve_speculative(args.speculative_config, config)
     _let_platform_and_plugins_adjust(config, model_limit)
     if config.parallel.data_parallel_size > 1:  # now, naming the flag, if the machine cannot hold the replicas
         for index in range(config.parallel.data_parallel_size):
             platform.data_parallel_env(index, config.parallel.data_parallel_size)
+    check_transfer_config(config)
     _log_resolved(config)
     return config
 
@@ -217,6 +223,18 @@ def _cache_config(args: EngineArgs, block_size: int) -> CacheConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
+
+
+def _kv_transfer_config(args: EngineArgs) -> KVTransferConfig | None:
+    """The KV connector of ``--kv-transfer-config`` or ``--kv-offloading-size``, with an
+    ``engine_id`` (a fresh one unless given), or None."""
+    transfer = offloading_transfer_config(parse_kv_transfer_config(args.kv_transfer_config), args.kv_offloading_size,
+                                          args.kv_offloading_backend)  # fmt: skip
+    if transfer is None or transfer.kv_connector is None:
+        return None
+    if transfer.engine_id is None:
+        transfer.engine_id = uuid.uuid4().hex
+    return transfer
 
 
 def _scheduler_config(args: EngineArgs, max_model_len: int, platform: type[Platform]) -> SchedulerConfig:

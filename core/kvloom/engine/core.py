@@ -20,6 +20,7 @@ from kvloom import plugins
 from kvloom.config import EngineConfig
 from kvloom.executor import get_executor_cls
 from kvloom.kv_cache.spec import KVCacheConfig, engine_kv_cache_config
+from kvloom.kv_transfer.factory import check_kv_transfer_params, scheduler_side
 from kvloom.loader.tokenizer import get_tokenizer
 from kvloom.lora.request import LoRARequest
 from kvloom.model_limits import ModelLimits, check_against_model
@@ -60,6 +61,8 @@ class EngineCore:
             reasoning_parser=config.structured_outputs.reasoning_parser,
             enable_in_reasoning=config.structured_outputs.enable_in_reasoning,
         )
+        # The KV connector's scheduler side (kv_transfer_config), which the scheduler drives.
+        self.kv_connector = scheduler_side(config)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -70,6 +73,7 @@ class EngineCore:
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             kv_cache_config=self.kv_cache_config,
             speculative_config=config.speculative,
+            kv_connector=self.kv_connector,
         )
         self.async_scheduling = config.scheduler.async_scheduling
         # Pipeline parallelism: micro-batches in flight at most (vLLM's max_concurrent_batches).
@@ -154,6 +158,10 @@ class EngineCore:
                 check_sampling_state(params, request.prompt_token_ids, self.limits.vocab_size, request.eos_token_id)
             except ValueError as exc:
                 return str(exc)
+            if params.kv_transfer_params is not None:
+                problem = check_kv_transfer_params(self.kv_connector, params.kv_transfer_params)
+                if problem is not None:
+                    return f"kv_transfer_params: {problem}"
         if request.lora_request is not None and not self.config.lora.enable_lora:
             return "lora_request: LoRA is not enabled; start the engine with --enable-lora"
         return None
@@ -257,6 +265,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
+        if self.kv_connector is not None:
+            try:
+                self.kv_connector.shutdown()
+            except Exception:
+                logger.exception("KV connector %s raised in shutdown", self.kv_connector.NAME)
         self.executor.shutdown()
 
 

@@ -179,7 +179,8 @@ def merge_delta_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOu
         prompt_logprobs = [*(prompt_logprobs or []), *newer.prompt_logprobs]
     return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, prompt_logprobs,
                          [merged[i] for i in sorted(merged)],
-                         newer.finished, newer.num_cached_tokens, newer.metrics, newer.lora_request)  # fmt: skip
+                         newer.finished, newer.num_cached_tokens, newer.metrics, newer.lora_request,
+                         newer.kv_transfer_params or older.kv_transfer_params)  # fmt: skip
 
 
 @dataclass
@@ -222,6 +223,7 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.is_prefilling = True
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None  # the KV connector's, with the final output
         self._num_tokens_sent = 0
         self._num_logprobs_sent = 0
 
@@ -418,6 +420,8 @@ class OutputProcessor:
             state.is_prefilling = False
         if output.num_cached_tokens:
             state.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            state.kv_transfer_params = output.kv_transfer_params
 
         if state.is_pooling:
             request_output: AnyRequestOutput | None = None
@@ -530,6 +534,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics_snapshot(),
             lora_request=state.request.lora_request,
+            kv_transfer_params=state.kv_transfer_params,
         )
 
     @staticmethod

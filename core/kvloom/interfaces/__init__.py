@@ -65,6 +65,12 @@ example packages):
   (declarations, ``validate``) and its kinds ``HostProposer`` (drafts from token ids:
   ``ProposalRequest`` in, ``Proposals`` out) and ``ModelProposer`` (a ``DraftModel`` built
   from a ``DraftModelContext``); the user's ``SpeculativeConfig``.
+- KV connectors (``docs/kv_connectors.md``): ``KVConnectorBase`` (both sides of the contract),
+  ``KVConnectorRole``, ``KVConnectorMetadata``, ``KVConnectorRequest``,
+  ``KVConnectorStep``, ``ScheduledKVRequest``, ``KVConnectorOutput``, ``KVCacheGroupSpec``,
+  ``KVTransferConfig``, the counts they report (``KVTransferStats``, ``KVTransferCounts``);
+  moving blocks: ``KVLayerCache``, ``block_key``, ``KVBlockFiles``, ``KVBlockFileError``,
+  ``kv_layout_fingerprint``, ``kv_cache_bytes_per_block``, ``device_label``.
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -137,6 +143,26 @@ from kvloom.entrypoints.openai.errors import APIError
 from kvloom.hookspecs import hookimpl
 from kvloom.inputs import PromptType
 from kvloom.io_processor import IOProcessor
+from kvloom.kv_transfer.base import (
+    KVCacheGroupSpec,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRequest,
+    KVConnectorRole,
+    KVConnectorStep,
+    ScheduledKVRequest,
+)
+from kvloom.kv_transfer.blocks import (
+    KVBlockFileError,
+    KVBlockFiles,
+    KVLayerCache,
+    block_key,
+    device_label,
+    kv_cache_bytes_per_block,
+    kv_layout_fingerprint,
+)
+from kvloom.kv_transfer.config import KVTransferConfig
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
 from kvloom.layers.fused_moe import fused_moe_torch
 from kvloom.loader.gguf_file import GGUFTensor
@@ -146,7 +172,7 @@ from kvloom.lora.adapter import LoRAAdapterError, read_adapter_config, validate_
 from kvloom.lora.ops import LoRAMapping
 from kvloom.lora.request import LoRARequest
 from kvloom.lora.resolver import LoRAResolver, LoRAResolverRegistry
-from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.scheduler_stats import KVTransferCounts, KVTransferStats, PrefixCacheStats, SchedulerStats
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.models.registry import ModelRegistry
@@ -290,6 +316,25 @@ __all__ = [
     "Proposals",
     "SpecDecodeProposer",
     "SpeculativeConfig",
+    # KV connectors
+    "KVBlockFileError",
+    "KVBlockFiles",
+    "KVCacheGroupSpec",
+    "KVConnectorBase",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRequest",
+    "KVConnectorRole",
+    "KVConnectorStep",
+    "KVLayerCache",
+    "KVTransferConfig",
+    "KVTransferCounts",
+    "KVTransferStats",
+    "ScheduledKVRequest",
+    "block_key",
+    "device_label",
+    "kv_cache_bytes_per_block",
+    "kv_layout_fingerprint",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):

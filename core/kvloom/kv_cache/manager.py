@@ -138,6 +138,7 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones, plus
         ``num_lookahead_tokens`` slots after those (speculative decoding: where a draft
@@ -146,7 +147,8 @@ class KVCacheManager:
         ``new_computed_blocks``/``num_new_computed_tokens`` are what
         ``get_computed_blocks`` returned for a request being admitted. Returns the newly
         allocated blocks per group (possibly none), or None if there are not enough free
-        blocks.
+        blocks. ``delay_cache_blocks``: the new blocks' KV arrives later (a KV connector's
+        asynchronous load): they enter the prefix cache through ``cache_blocks`` once it has.
         """
         request_id = request.request_id
         num_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
@@ -181,7 +183,7 @@ class KVCacheManager:
             if has_hits:
                 coordinator.save_new_computed_blocks(request_id, computed)
             new_blocks = coordinator.allocate_new_blocks(request_id, num_slots)
-        if self.hash_fn is not None:
+        if self.hash_fn is not None and not delay_cache_blocks:
             # Cache the blocks filled by known tokens; draft tokens may be rejected.
             num_tokens = len(request.all_token_ids)
             num_filled = num_slots - num_lookahead_tokens
@@ -191,6 +193,13 @@ class KVCacheManager:
                     update_block_hashes(request, self.block_size, self.hash_fn)
                 self.coordinator.cache_blocks(request, request.block_hashes, num_full * self.block_size)  # type: ignore[arg-type]
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that its first ``num_tokens`` tokens fill (their
+        KV is in the cache now) in the prefix cache."""
+        if self.hash_fn is not None:
+            update_block_hashes(request, self.block_size, self.hash_fn)
+            self.coordinator.cache_blocks(request, request.block_hashes, num_tokens)  # type: ignore[arg-type]
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request)

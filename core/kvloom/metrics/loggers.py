@@ -24,7 +24,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloom import plugins
-from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kvloom.metrics.kv_transfer_metrics import KVTransferPrometheus, kv_transfer_summary
+from kvloom.metrics.scheduler_stats import KVTransferStats, PrefixCacheStats, SchedulerStats
 from kvloom.metrics.spec_decode import SpecDecodingLogging, SpecDecodingProm
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.metrics.stats import IterationStats
@@ -103,6 +104,7 @@ class LoggingStatLogger(StatLoggerBase):
         self.interval_start = now
         self.interval_prompt_tokens = 0
         self.interval_generation_tokens = 0
+        self.interval_kv_transfer = KVTransferStats()
 
     def record(
         self,
@@ -118,6 +120,7 @@ class LoggingStatLogger(StatLoggerBase):
             self.prefix_cache.observe(scheduler_stats.prefix_cache_stats)
             if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
                 self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
+            self.interval_kv_transfer.merge(scheduler_stats.kv_transfer_stats)
 
     @property
     def last_scheduler_stats(self) -> SchedulerStats:
@@ -137,6 +140,7 @@ class LoggingStatLogger(StatLoggerBase):
         s = self.last_scheduler_stats
         engines = len(self.engine_stats)
         name = f"Engine {self.engine_index:03d}" if engines == 1 else f"Engines 000-{engines - 1:03d}"
+        kv_transfer = kv_transfer_summary(self.interval_kv_transfer)
         return (
             f"{name}: "
             f"Avg prompt throughput: {self.interval_prompt_tokens / elapsed:.1f} tokens/s, "
@@ -144,6 +148,7 @@ class LoggingStatLogger(StatLoggerBase):
             f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
             f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {self.prefix_cache.hit_rate * 100:.1f}%"
+            + (f", {kv_transfer}" if kv_transfer else "")
         )
 
     def log(self) -> None:
@@ -345,6 +350,11 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self._cache_labels: dict[str, str] | None = None
         self._publish_cache_config()
+        # A KV connector's lookups and transfers (only with one: no empty series otherwise).
+        self.kv_transfer = (
+            KVTransferPrometheus(self.registry, METRIC_PREFIX, self.model_name, engines)
+            if config.kv_transfer is not None else None
+        )
 
     @staticmethod
     def _name(metric: str) -> str:
@@ -385,6 +395,8 @@ class PrometheusStatLogger(StatLoggerBase):
                     self.structured_output_compile_time.observe(seconds)
                 if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
                     self.spec_decoding.observe(scheduler_stats.spec_decoding_stats, engine_idx)
+                if self.kv_transfer is not None and scheduler_stats.kv_transfer_stats is not None:
+                    self.kv_transfer.record(scheduler_stats.kv_transfer_stats, engine_idx)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

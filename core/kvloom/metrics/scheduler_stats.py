@@ -52,6 +52,71 @@ class SpecDecodingStats:
 
 
 @dataclass
+class KVTransferCounts:
+    """Blocks moved in one direction (a ``transfer_type`` such as ``"GPU_to_CPU"``)."""
+
+    blocks: int = 0
+    """KV-cache blocks moved."""
+    bytes: int = 0
+    """Bytes moved."""
+    seconds: float = 0.0
+    """Time the transfers took (from issue to completion, as the connector measured it)."""
+
+    def add(self, blocks: int, nbytes: int, seconds: float) -> None:
+        """Count ``blocks`` more blocks of ``nbytes`` bytes moved in ``seconds``."""
+        self.blocks += blocks
+        self.bytes += nbytes
+        self.seconds += seconds
+
+
+@dataclass
+class KVTransferStats:
+    """What a KV connector did since the last stats (``kvloom.interfaces.KVConnectorBase``):
+    the lookups of the scheduler side and the transfers of the worker side."""
+
+    queries: int = 0
+    """Tokens of the requests looked up in the connector (vLLM's external prefix cache queries)."""
+    hits: int = 0
+    """Tokens the connector supplied (vLLM's external prefix cache hits)."""
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    """The hits by where they came from (e.g. ``"cpu"``, ``"disk"``, ``"remote"``): the
+    connector's own names."""
+    transfers: dict[str, KVTransferCounts] = field(default_factory=dict)
+    """Blocks, bytes and seconds by ``transfer_type`` (``"CPU_to_GPU"``, ``"GPU_to_CPU"``,
+    ``"disk_to_CPU"``, ...): the connector's own names, vLLM's where it has them."""
+    failed_loads: int = 0
+    """Requests whose KV failed to load."""
+    failed_saves: int = 0
+    """Saves that failed (their KV is missing elsewhere later: a miss, or the load's failure)."""
+
+    def count_hit(self, tier: str, tokens: int) -> None:
+        """Count ``tokens`` supplied from ``tier``."""
+        self.hits_by_tier[tier] = self.hits_by_tier.get(tier, 0) + tokens
+
+    def count_transfer(self, transfer_type: str, blocks: int, nbytes: int, seconds: float) -> None:
+        """Count ``blocks`` blocks (``nbytes`` bytes, ``seconds``) moved as ``transfer_type``."""
+        self.transfers.setdefault(transfer_type, KVTransferCounts()).add(blocks, nbytes, seconds)
+
+    def merge(self, other: "KVTransferStats | None") -> "KVTransferStats":
+        """Add ``other``'s counts to these; returns ``self``."""
+        if other is None:
+            return self
+        self.queries += other.queries
+        self.hits += other.hits
+        for tier, tokens in other.hits_by_tier.items():
+            self.count_hit(tier, tokens)
+        for kind, counts in other.transfers.items():
+            self.count_transfer(kind, counts.blocks, counts.bytes, counts.seconds)
+        self.failed_loads += other.failed_loads
+        self.failed_saves += other.failed_saves
+        return self
+
+    def is_empty(self) -> bool:
+        """Whether nothing was counted."""
+        return not (self.queries or self.hits or self.transfers or self.failed_loads or self.failed_saves)
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's state after one step."""
 
@@ -73,3 +138,5 @@ class SchedulerStats:
     """Those that found it there (compiled, or compiling for another request)."""
     spec_decoding_stats: SpecDecodingStats | None = None
     """Speculative decoding's verifications in this step (None: speculation off)."""
+    kv_transfer_stats: KVTransferStats | None = None
+    """The KV connector's lookups and transfers in this step (None without a connector)."""

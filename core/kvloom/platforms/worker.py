@@ -269,3 +269,9 @@ class Worker(WorkerBase):
         """The ids of the loaded adapters."""
         return self.runner.list_loras()
 
+    def shutdown(self) -> None:
+        """Release the runner's resources (its KV connector), where it has a ``shutdown``."""
+        runner_shutdown = getattr(self.model_runner, "shutdown", None)
+        if runner_shutdown is not None:
+            runner_shutdown()
+

@@ -14,6 +14,7 @@ holds the null block (id 0) where blocks that slid out of the window were given 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,6 +66,21 @@ class GrammarOutput:
 
 
 @dataclass
+class KVTransferStep:
+    """The KV connector's part of a step (``kvloom.scheduler.kv_connector``): the
+    connector's metadata and the loads the scheduler expects, by request, so that the
+    model runner's part can tell which requests a failed load concerns."""
+
+    #: What the connector's scheduler side built for its worker side (None: building it
+    #: failed, and every load of the step fails).
+    metadata: Any
+    #: Request id -> device blocks loaded in this step, before its forward reads them.
+    sync_loads: dict[str, list[int]] = field(default_factory=dict)
+    #: Request id -> device blocks whose asynchronous load starts in this step.
+    async_loads: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -87,6 +103,8 @@ class SchedulerOutput:
     #: once that token is back (``Scheduler.get_grammar_bitmask``) and has the step sampled
     #: with it (``sample_tokens``).
     pending_structured_output_tokens: bool = False
+    #: The KV connector's part of the step (None without a connector).
+    kv_connector_metadata: KVTransferStep | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -13,9 +13,10 @@ phases (``_schedule_running``, ``_schedule_waiting``, ``_step_output``):
    its output so far, and it will recompute prompt + output (prefix-cache hits make
    that cheap). A request may have to preempt itself.
 2. Then, if nothing was preempted this step, waiting requests in queue order while the
-   budget, ``max_num_seqs`` and the KV cache allow: prefix-cache lookup, then the rest
-   of the prompt (chunked unless ``enable_chunked_prefill`` is off, in which case a
-   prompt that does not fit the remaining budget waits).
+   budget, ``max_num_seqs`` and the KV cache allow: prefix-cache lookup (then the KV
+   connector's, ``kvloom.scheduler.kv_connector``), then the rest of the prompt (chunked
+   unless ``enable_chunked_prefill`` is off, in which case a prompt that does not fit the
+   remaining budget waits).
 3. The step's output: the grammar bitmask of its structured requests (below) and the
    requests finished since the last step, for the worker to drop.
 
@@ -80,10 +81,11 @@ from kvloom.metrics.scheduler_stats import PrefixCacheStats, SchedulerStats
 from kvloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from kvloom.request import EngineCoreEventType, FinishReason, Request, RequestStatus
 from kvloom.scheduler.interface import SchedulerInterface
+from kvloom.scheduler.kv_connector import Found, KVConnectorBase, scheduler_part
 from kvloom.scheduler.output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from kvloom.scheduler.request_queue import create_request_queue
 from kvloom.scheduler.speculation import Speculation
-from kvloom.scheduler.utils import StepPlan, check_stop, final_output
+from kvloom.scheduler.utils import StepPlan, check_stop, final_output, stop_limits
 from kvloom.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ class Scheduler(SchedulerInterface):
         pipeline_parallel_size: int = 1,
         kv_cache_config: KVCacheConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -159,6 +162,7 @@ class Scheduler(SchedulerInterface):
         self.speculation = Speculation(speculative_config, self.kv_cache_manager, self.max_model_len) \
             if speculative_config is not None else None  # fmt: skip
         self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config is not None else 0
+        self.kv_connector = scheduler_part(kv_connector, self.kv_cache_manager, cache_config.prefix_caching_hash_algo)
 
     # ------------------------------------------------------------------ requests in
 
@@ -168,17 +172,10 @@ class Scheduler(SchedulerInterface):
         (``EngineCore.check_request``, with ``kvloom.model_limits``) before it came here."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        num_prompt_tokens = request.num_prompt_tokens
         self.requests[request.request_id] = request
         params = request.sampling_params
         if params is not None:
-            stop_token_ids = set(params.stop_token_ids)
-            if request.eos_token_id is not None and not params.ignore_eos:
-                stop_token_ids.add(request.eos_token_id)
-            max_num_tokens = self.max_model_len
-            if request.max_tokens is not None:
-                max_num_tokens = min(max_num_tokens, num_prompt_tokens + request.max_tokens)
-            self._stop_limits[request.request_id] = (frozenset(stop_token_ids), max_num_tokens)
+            self._stop_limits[request.request_id] = stop_limits(request, self.max_model_len)
             if params.structured_outputs is not None:
                 if self.structured_output_manager is None:
                     raise ValueError(f"request {request.request_id!r}: structured outputs are not enabled in this scheduler")
@@ -229,8 +226,9 @@ class Scheduler(SchedulerInterface):
         return len(self.waiting) + len(self.running)
 
     def has_requests(self) -> bool:
-        """Whether a step has anything to do: run requests, or report finished ones."""
-        return self.has_unfinished_requests() or bool(self.finished_req_ids or self._pending_outputs)
+        """Whether a step has anything to do: run requests, report finished ones, hear of KV transfers."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids or self._pending_outputs) \
+            or self.kv_connector.has_pending()  # fmt: skip
 
     # ------------------------------------------------------------------ schedule
 
@@ -319,8 +317,8 @@ class Scheduler(SchedulerInterface):
     def _schedule_waiting(self, step: StepPlan) -> None:
         """Phase 2: waiting requests in queue order while the budget, ``max_num_seqs`` and the
         KV cache allow. A request that cannot start yet but must not hold up the queue (its
-        adapter would exceed ``max_loras``, its grammar is compiling, a step of it is still
-        in flight) is set aside, keeping its place, so that the requests behind it can run."""
+        adapter would exceed ``max_loras``, its grammar is compiling, its KV arriving, a step
+        of it is in flight) is set aside, keeping its place, so that the requests behind it run."""
         kv = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         skipped: list[Request] = []
@@ -351,8 +349,15 @@ class Scheduler(SchedulerInterface):
                     self._pending_outputs.append(self._fail_request(request, ready))
                     continue
                 request.status = RequestStatus.WAITING
-            computed_blocks, num_hits = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hits
+            hit = self.kv_connector.lookup(request)  # prefix-cache hits, and the KV connector's tokens
+            if hit is None:  # its KV is on its way (or the connector answers later): it keeps its place
+                skipped.append(self.waiting.pop())
+                continue
+            if not isinstance(hit, Found):  # the KV connector failed for this request alone
+                self._pending_outputs.append(self._fail_request(self.waiting.pop(), hit))
+                continue
+            num_hits = hit.num_hits + hit.num_external  # the KV connector's tokens count as cached
+            num_new = 0 if hit.load_async else request.num_tokens - num_hits
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > step.token_budget:
@@ -360,13 +365,20 @@ class Scheduler(SchedulerInterface):
                     break
                 num_new = step.token_budget
             lookahead = min(self.num_lookahead_tokens, self.max_model_len - num_hits - num_new)
-            if kv.allocate_slots(request, num_new, computed_blocks, num_hits, lookahead) is None:
+            if kv.allocate_slots(request, num_new + hit.num_external, hit.blocks, hit.num_hits, lookahead,
+                                 hit.load_async) is None:  # fmt: skip
                 if self.running:
                     break  # wait for running requests to free blocks
                 self.waiting.pop()  # the whole cache is free and still too small
                 self._finish_too_large(request)
                 continue
             self.waiting.pop()
+            if failure := self.kv_connector.after_alloc(request, hit):
+                self._pending_outputs.append(self._fail_request(request, failure))
+                continue
+            if hit.load_async:  # it waits for its KV, keeping its place
+                skipped.append(request)
+                continue
             if request.lora_request is not None:
                 active_loras.add(request.lora_int_id)
             self._start_running(request, step, num_hits, num_new)
@@ -375,10 +387,8 @@ class Scheduler(SchedulerInterface):
 
     def _start_running(self, request: Request, step: StepPlan, num_hits: int, num_new: int) -> None:
         """Move a waiting request, its blocks allocated, to the running batch of this step:
-        ``num_hits`` tokens from the prefix cache, ``num_new`` to compute."""
+        ``num_hits`` tokens cached (prefix-cache hits, the KV connector's), ``num_new`` to compute."""
         kv = self.kv_cache_manager
-        if kv.enable_caching and not request.skip_prefix_cache_reading:
-            kv.record_prefix_cache_query(request.num_tokens, num_hits)
         self.running.append(request)
         request.status = _RUNNING
         if request.num_cached_tokens < 0:
@@ -443,6 +453,7 @@ class Scheduler(SchedulerInterface):
             structured_output_request_ids=bitmask_rows,
             grammar_bitmask=bitmask,
             pending_structured_output_tokens=pending_tokens,
+            kv_connector_metadata=self.kv_connector.build_step(step, finished_req_ids, self.requests),
         )
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
@@ -508,6 +519,7 @@ class Scheduler(SchedulerInterface):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.kv_connector.update_from_output(model_runner_output.kv_connector_output)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         if self.pipeline_parallel:
             self._in_flight.difference_update(num_scheduled_tokens)
@@ -617,7 +629,7 @@ class Scheduler(SchedulerInterface):
             if finished:
                 if preempted:
                     self.waiting.remove_all([request])
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
                 any_finished = True
 
         if any_finished:
@@ -630,9 +642,8 @@ class Scheduler(SchedulerInterface):
             finished_requests=finished_ids,
         )
 
-    def _free_request(self, request: Request) -> None:
-        """Release a finished request (the caller removes it from running/waiting)."""
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict | None:
+        """Release a finished request (the caller removes it from running/waiting); its ``kv_transfer_params``."""
         del self.requests[request.request_id]
         self._stop_limits.pop(request.request_id, None)
         if self.speculation is not None:
@@ -643,6 +654,7 @@ class Scheduler(SchedulerInterface):
             self.structured_output_manager.free(request.request_id)
         self.finished_req_ids.add(request.request_id)
         self._finished_since_output.add(request.request_id)
+        return self.kv_connector.free_request(request)  # its blocks now, or once the connector's transfer ended
 
     def _fail_request(self, request: Request, message: str) -> EngineCoreOutput:
         """Finish a request whose own work failed in a step (``FinishReason.ERROR``).
@@ -678,6 +690,7 @@ class Scheduler(SchedulerInterface):
             stats.structured_output_cache_hits = structured.cache_hits
         if self.speculation is not None:
             stats.spec_decoding_stats = self.speculation.take_stats()
+        stats.kv_transfer_stats = self.kv_connector.take_stats()
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -55,3 +55,17 @@ def final_output(request: Request) -> EngineCoreOutput:
         events=request.take_events(),
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
+
+
+def stop_limits(request: Request, max_model_len: int) -> tuple[frozenset[int], int]:
+    """A generating request's (token ids that may stop it, token count that ends it), so that
+    the common step needs no full stop check."""
+    params = request.sampling_params
+    assert params is not None
+    stop_token_ids = set(params.stop_token_ids)
+    if request.eos_token_id is not None and not params.ignore_eos:
+        stop_token_ids.add(request.eos_token_id)
+    max_num_tokens = max_model_len
+    if request.max_tokens is not None:
+        max_num_tokens = min(max_num_tokens, request.num_prompt_tokens + request.max_tokens)
+    return frozenset(stop_token_ids), max_num_tokens

@@ -14,6 +14,8 @@ The parts:
   logprobs, pooling, the ``ModelRunnerOutput``;
 - ``RequestFailures`` (``request_failures.py``): work that fails one request alone;
 - ``KVCacheMemory`` (``kv_cache_memory.py``): bytes per block, allocation, the builder;
+- ``WorkerConnector`` (``kv_connector.py``): the KV connector's worker side around each
+  step and, through the forward context, each attention layer;
 - ``CUDAGraphRunner`` (``cudagraph.py``) and ``CudagraphDispatcher``: full decode graphs
   and which graph a step replays; ``InputBatch``: the running requests' rows.
 
@@ -63,6 +65,7 @@ from kvloom.worker.cudagraph import CUDAGraphRunner
 from kvloom.worker.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_mode
 from kvloom.worker.input_batch import InputBatch
 from kvloom.worker.kv_cache_memory import KVCacheMemory, measure_peak_memory
+from kvloom.worker.kv_connector import WorkerConnector
 from kvloom.worker.request_failures import RequestFailures
 from kvloom.worker.speculation import StepSpeculation
 from kvloom.worker.step_inputs import StepBatch, StepInputs
@@ -116,6 +119,7 @@ class ModelRunner:
         self.outputs = StepOutputs(config, device, self.input_batch, self.failures, self.compute_logits)
         self.spec = StepSpeculation(config, device, self.input_batch, self.sampler, self.outputs, self.failures) \
             if config.speculative is not None else None  # fmt: skip
+        self.kv_transfer = WorkerConnector(config, self.failures)
         self._init_compilation()
         # A step launched without sampling (``pending_structured_output_tokens``): what
         # ``sample_tokens`` samples, or its already complete output.
@@ -233,6 +237,7 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.bind_kv_cache(functools.partial(kv.make_draft_builder, self.max_blocks_per_req))
         kv.log_size(num_blocks)
+        self.kv_transfer.register(self.attn_layers, self.kv_caches)
 
     @torch.inference_mode()
     def profile_peak_memory(self, memory: DeviceMemory) -> int:
@@ -318,12 +323,13 @@ class ModelRunner:
         if self._unsampled is not None:
             raise RuntimeError("a step was launched while the previous one still waits for sample_tokens()")
         step = self._launch(scheduler_output)
+        self.kv_transfer.end(scheduler_output)  # the KV connector's saves, its finished transfers
         if scheduler_output.pending_structured_output_tokens:
             self._unsampled = step
             return None
         if isinstance(step, UnsampledStep):
-            return self._sample(step, scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask)
-        return step
+            step = self._sample(step, scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask)
+        return self.kv_transfer.attach(step)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> PendingModelRunnerOutput:
@@ -333,15 +339,15 @@ class ModelRunner:
         step, self._unsampled = self._unsampled, None
         if step is None:
             raise RuntimeError("sample_tokens() without a step launched with pending_structured_output_tokens")
-        if not isinstance(step, UnsampledStep):  # no logits (every request failed): already complete
-            return step
-        if grammar_output is None:
-            return self._sample(step, {}, None)
-        return self._sample(step, grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask)
+        if isinstance(step, UnsampledStep):  # else no logits (every request failed): already complete
+            rows = grammar_output.structured_output_request_ids if grammar_output is not None else {}
+            step = self._sample(step, rows, grammar_output.grammar_bitmask if grammar_output is not None else None)
+        return self.kv_transfer.attach(step)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> UnsampledStep | PendingModelRunnerOutput:
         """The step's forward up to the logits; a complete output where nothing samples."""
         self._update_states(scheduler_output)
+        self.kv_transfer.begin(scheduler_output)  # the KV connector's loads start (a failed one fails its request)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return _empty_step()
         scheduled, failures = scheduler_output.num_scheduled_tokens, self.failures
@@ -366,6 +372,7 @@ class ModelRunner:
             assert self.cudagraphs is not None and descriptor is not None
             size = self.cudagraphs.prepare(b, descriptor.num_tokens, self.builder)
             self.inputs.mark_copied()
+            self.kv_transfer.before_graph()  # a graph runs no per-layer code: every layer's loads first
             logits = self.cudagraphs.replay(size, batch.num_tokens)  # every token's logits
             if batch.num_logits != batch.num_tokens:  # a request of the batch verifies fewer drafts
                 logits = logits[self.inputs.logits_indices[: batch.num_logits]]
@@ -483,7 +490,8 @@ class ModelRunner:
             intermediate = IntermediateTensors.unpack(parallel_state.recv_from_previous_stage(packed))
         with set_forward_context(attn_metadata, attn_layers=self._attn_by_name, num_actual_tokens=n,
                                  cudagraph_runtime_mode=runtime_mode if self.pp_last else CUDAGraphMode.NONE,
-                                 batch_descriptor=descriptor if self.pp_last else None, **(extras or {})):  # fmt: skip
+                                 batch_descriptor=descriptor if self.pp_last else None,
+                                 kv_connector=self.kv_transfer.layer_hooks, **(extras or {})):  # fmt: skip
             out = self.run_model(inputs.input_ids[:padded], inputs.positions[:padded], intermediate)
         if self.pp_last:
             return out[:n]
@@ -537,6 +545,10 @@ class ModelRunner:
     def list_loras(self) -> set[int]:
         """The ids of the loaded adapters."""
         return self.lora_manager.list_adapters() if self.lora_manager is not None else set()
+
+    def shutdown(self) -> None:
+        """Release what the KV connector holds."""
+        self.kv_transfer.shutdown()
 
 
 def _spread(num_tokens: int, num_reqs: int) -> np.ndarray:

@@ -40,6 +40,10 @@ class RequestFailures:
             self.reasons[req_id] = f"{what} failed ({type(exc).__name__}: {exc})"
             return None
 
+    def add(self, req_id: str, why: str) -> None:
+        """Fail a request for a reason found outside ``run`` (its KV failed to load)."""
+        self.reasons.setdefault(req_id, why)
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self.reasons
 
