@@ -64,5 +64,5 @@ def test_hybrid_fp32_greedy_matches_hf(hybrid_refs, arch, backend, mode):
     if not _declares_features(backend, arch):
         pytest.skip(f"{backend} does not declare the attention features {arch} needs")
     d, prompts, expected = hybrid_refs[arch]
-    kwargs = {"eager": {"enforce_eager": True}, "chunked": {"max_num_batched_tokens": 32}, "graphs": {}}[mode]
+    kwargs = {"eager": {"enforce_eager": True}, "chunked": {"max_num_batched_tokens": 32, "max_num_seqs": 8}, "graphs": {}}[mode]
     assert _kvloom_tokens(d, prompts, NEW_TOKENS, "float32", backend, **kwargs) == expected

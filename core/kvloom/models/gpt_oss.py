@@ -150,7 +150,11 @@ class GptOssExperts(FusedMoE):
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.select_experts(router_logits)
-        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The grouped path reads group sizes on the host: neither a CUDA-graph capture nor
+        # torch.compile (a graph without breaks) can hold that, so both run the dense one.
+        # is_compiling() comes first: Dynamo folds it to a constant and never traces the
+        # capture query, which it cannot.
+        if torch.compiler.is_compiling() or (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
             out = self._experts_dense(hidden_states, topk_weights, topk_ids)
         else:
             out = self._experts_grouped(hidden_states, topk_weights, topk_ids)
