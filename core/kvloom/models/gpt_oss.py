@@ -22,6 +22,7 @@ experts without biases, not this clamped SwiGLU with biases.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -33,6 +34,9 @@ from kvloom.layers.fused_moe import FusedMoE
 from kvloom.layers.linear import Linear
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 from kvloom.models.llama import LlamaForCausalLM
+from kvloom.quantization.selection import quantization_method
+
+logger = logging.getLogger(__name__)
 
 #: The 16 values of an FP4 E2M1 code (sign bit, 2 exponent bits, 1 mantissa bit).
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -224,11 +228,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__(config, prefix)
-        quant = getattr(config.model.hf_config, "quantization_config", None) or {}
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        mxfp4 = quantization_method(config.model.hf_config) == "mxfp4"
+        if mxfp4:
+            # Selection logs the chosen method (kvloom-quant-mxfp4's, when installed) as if it
+            # ran the MXFP4 experts; say that gpt-oss's experts do not run it.
+            logger.info("gpt-oss: the checkpoint's MXFP4 experts are dequantized to %s at load (the quantization "
+                        "methods' expert kernels compute SiLU experts without biases, not gpt-oss's clamped "
+                        "SwiGLU with biases)", config.model.dtype)  # fmt: skip
         for module in self.modules():
             if isinstance(module, GptOssExperts):
-                module.checkpoint_format = "mxfp4" if str(getattr(method, "value", method)) == "mxfp4" else None
+                module.checkpoint_format = "mxfp4" if mxfp4 else None
 
     @classmethod
     def attention_kwargs(cls, hf_config: Any) -> dict[str, bool]:
