@@ -395,7 +395,7 @@ def test_merged_delta_outputs_keep_every_field_of_the_newer_one():
         "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason", "lora_request"]
     assert [f.name for f in dataclasses.fields(RequestOutput)] == [
         "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "num_cached_tokens",
-        "metrics", "lora_request"]  # fmt: skip
+        "metrics", "lora_request", "kv_transfer_params"]  # fmt: skip
     assert [f.name for f in dataclasses.fields(RequestMetrics)] == [  # RequestState.metrics_snapshot copies them
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time"]
 
@@ -421,3 +421,8 @@ def test_merged_delta_outputs_keep_every_field_of_the_newer_one():
             merged.metrics, merged.lora_request) == (newer.request_id, newer.prompt, newer.prompt_token_ids, True, 3,
                                                      newer.metrics, newer.lora_request)  # fmt: skip
     assert older.outputs[0].token_ids == [5, 1] and older.outputs[0].text == "a1"  # inputs untouched
+    # The KV connector's params come with the final output: the newer one's, else the older one's.
+    newer.kv_transfer_params = {"remote": "b"}
+    assert merge_delta_outputs(older, newer).kv_transfer_params == {"remote": "b"}
+    older.kv_transfer_params, newer.kv_transfer_params = {"remote": "a"}, None
+    assert merge_delta_outputs(older, newer).kv_transfer_params == {"remote": "a"}

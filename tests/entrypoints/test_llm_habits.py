@@ -102,8 +102,7 @@ def test_get_metrics_needs_stats(monkeypatch):
 
 @pytest.mark.parametrize("kwargs,message", [
     # A vLLM option kvloom has not built: why (from the table of vLLM's options), in Python names.
-    ({"speculative_config": {"method": "ngram"}}, "speculative_config is not supported by kvloom yet (speculative "
-                                                  "decoding)"),
+    ({"kv_events_config": {}}, "kv_events_config is not supported by kvloom yet"),
     ({"task": "generate"}, "task is not supported by kvloom yet (use runner)"),
     ({"max_num_seq": 8}, "unknown option max_num_seq (did you mean max_num_seqs?)"),
     ({"max_num_seqs": 0}, "max_num_seqs: Input should be greater than or equal to 1 (allowed range: 1 <= max_num_seqs "

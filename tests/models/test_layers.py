@@ -91,8 +91,8 @@ def test_unsupported_rope_and_activation_are_clear_errors():
         RotaryEmbedding(16, 8, {"rope_type": "longrope", "rope_theta": 1e4}, 8)
     with pytest.raises(NotImplementedError, match="partial_rotary_factor"):
         RotaryEmbedding(16, 8, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, 8)
-    with pytest.raises(NotImplementedError, match="hidden_act 'gelu'"):
-        get_gated_activation("gelu")
+    with pytest.raises(NotImplementedError, match="hidden_act 'relu2'"):
+        get_gated_activation("relu2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -29,7 +29,7 @@ def test_served_only_when_named(tmp_path: Path) -> None:
         assert httpx.post(server.url + ROUTE, json={"text": "hi"}).status_code == 401
         answer = httpx.post(server.url + ROUTE, json={"text": "Hello world"}, headers=key, timeout=30).json()
         expected = len(AutoTokenizer.from_pretrained(model).encode("Hello world", add_special_tokens=False))
-        assert answer == {"model": "llama", "tokens": expected}
+        assert answer == {"model": str(model), "tokens": expected}  # served name: the model argument as given
         bad = httpx.post(server.url + ROUTE, json={"text": 1}, headers=key, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "text"
         assert "Endpoint plugin example_token_count serves /v1/example/token_count" in server.log()
