@@ -181,3 +181,21 @@ def test_async_scheduling_with_speculation() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     check = check_proposer(tiny_model_dir("llama"), spec, [[5, 6, 7, 8] * 5, *PROMPTS[:2]], async_scheduling=True)
     assert check.num_accepted_tokens > 0
+
+
+def test_ngram_on_a_model_with_sliding_window_layers() -> None:
+    # Gemma 2's local (16-token window) and global layers are two KV-cache groups: rejected
+    # drafts' blocks go back in both, and the window's blocks are skipped as without drafts.
+    model = tiny_model_dir("gemma2")
+    loop = [5, 6, 7, 8, 9, 10, 11] * 7  # 49 tokens: three windows
+    check = check_proposer(model, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                           [loop, *random_prompts(512, lengths=(43, 20))], max_tokens=32,
+                           max_model_len=128)  # fmt: skip
+    assert check.num_accepted_tokens > 0
+
+
+def test_a_draft_model_beside_a_model_with_several_kv_cache_groups_is_refused() -> None:
+    model = str(tiny_model_dir("gemma2"))
+    with in_process_engines(), pytest.raises(ValueError, match="several KV-cache groups .* not supported yet"):
+        LLM(model, dtype="float32", speculative_config={"method": "draft_model", "model": model,
+                                                        "num_speculative_tokens": 2})  # fmt: skip
