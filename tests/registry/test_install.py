@@ -97,8 +97,9 @@ def test_oot_backend_appears_in_backends_json(install: Install) -> None:
     report = backends_json(install, plugins=["example_backend"], KVLOOM_PLATFORM="cpu")
     assert report["platform"] == "cpu"
     oot = candidate(report, "EXAMPLE_ATTN")
+    # measured_ms is null: no `kvloom backends tune` result orders this device's candidates.
     assert oot == {"name": "EXAMPLE_ATTN", "priority": oot["priority"], "valid": True, "reasons": [],
-                   "distribution": "kvloom-example-attention-backend", "version": "0.1.0"}
+                   "distribution": "kvloom-example-attention-backend", "version": "0.1.0", "measured_ms": None}
     # The CPU platform does not list it: it ranks after the platform's own list.
     assert [c["name"] for c in report["candidates"][:2]] == ["CPU_ATTN", "FLEX_ATTENTION"]
     assert oot["priority"] > 2
@@ -147,7 +148,8 @@ def test_oot_platform_wins_and_its_priority_picks_the_oot_backend(install: Insta
     report = backends_json(install, plugins=["example_backend", "example_platform"], **PLATFORM_ON)
     assert (report["platform"], report["device_name"]) == ("example_cpu", "example device (host CPU)")
     assert report["candidates"][0] == {"name": "EXAMPLE_ATTN", "priority": 1, "valid": True, "reasons": [],
-                                       "distribution": "kvloom-example-attention-backend", "version": "0.1.0"}
+                                       "distribution": "kvloom-example-attention-backend", "version": "0.1.0",
+                                       "measured_ms": None}
     assert report["selected"] == "EXAMPLE_ATTN"
 
 

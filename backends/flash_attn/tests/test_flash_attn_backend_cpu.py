@@ -89,6 +89,10 @@ def test_declarations():
         "mla": False,
         "attention_types": ["decoder"],
         "cudagraph_support": "UNIFORM_BATCH",
+        # The impl passes neither window_size nor softcap to flash-attn, and has no sinks.
+        "sliding_window": False,
+        "sinks": False,
+        "logits_soft_cap": False,
     }
     # Block-size negotiation: the engine's default 16 is refused, so 256 is preferred.
     assert b.preferred_block_size(16) == 256

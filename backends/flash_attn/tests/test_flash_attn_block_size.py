@@ -5,7 +5,12 @@ The rule: without ``--block-size`` the backends are validated without a block si
 first valid one in priority order is selected and decides the block size (FLASH_ATTN:
 256, the smallest multiple of 256 >= 16); with ``--block-size 16`` FLASH_ATTN is invalid
 with the reason naming the sizes it accepts and selection falls to the next valid
-backend; a missing flash-attn is a reason naming the pip package. Checked through
+backend; a missing flash-attn is a reason naming the pip package.
+
+The CUDA platform ranks TRITON_ATTN first below SM 10 (docs/attention_backends.md, "The
+order"), so FLASH_ATTN is selected by priority only where TRITON_ATTN ranks below it: most
+tests run on ``FlashAttnFirstH100``, the simulated H100 with TRITON_ATTN moved last (vLLM's
+CUDA order); one checks the real order still lists and validates FLASH_ATTN. Checked through
 ``select_attention_backend``, through ``resolve_engine_config`` (what the engine uses,
 including its log line) and through ``kvloom backends`` (all from ``kvloom.testing``).
 
@@ -31,7 +36,7 @@ standin.ensure_backend_importable()
 
 from kvloom_backend_flash_attn import FlashAttentionBackend  # noqa: E402
 
-from kvloom.interfaces import AttentionSelectorConfig, DeviceCapability  # noqa: E402
+from kvloom.interfaces import AttentionSelectorConfig, BackendCandidate, DeviceCapability  # noqa: E402
 from kvloom.testing import (  # noqa: E402
     active_platform,
     fresh_plugins,
@@ -61,6 +66,17 @@ class SimulatedH100(kvloom_platform_cuda.CudaPlatform):
     @classmethod
     def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
         return H100
+
+
+class FlashAttnFirstH100(SimulatedH100):
+    """The simulated H100 with TRITON_ATTN ranked last, so FLASH_ATTN leads the order."""
+
+    @classmethod
+    def get_attn_backend_priority(
+        cls, use_mla: bool, capability: DeviceCapability | None
+    ) -> list[BackendCandidate]:
+        order = super().get_attn_backend_priority(use_mla, capability)
+        return [c for c in order if c.name != "TRITON_ATTN"] + [c for c in order if c.name == "TRITON_ATTN"]
 
 
 @pytest.fixture
@@ -97,10 +113,18 @@ def h100_config(**overrides) -> AttentionSelectorConfig:
 
 # ---------------------------------------------------------------------------- selection
 def test_no_block_size_selects_flash_attn_which_chooses_256(flash_attn_present) -> None:
-    result = select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    result = select_attention_backend(FlashAttnFirstH100, h100_config(), backends=BACKENDS)
     assert result.selected is FlashAttentionBackend
     assert result.block_size == 256
     assert result.candidates[0].name == "FLASH_ATTN" and result.candidates[0].valid
+
+
+def test_the_real_h100_order_selects_triton_attn_and_still_validates_flash_attn(flash_attn_present) -> None:
+    result = select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    assert (result.selected.NAME, result.block_size) == ("TRITON_ATTN", 16)
+    assert [(c.name, c.valid) for c in result.candidates[:2]] == [("TRITON_ATTN", True), ("FLASH_ATTN", True)]
+    requested = select_attention_backend(SimulatedH100, h100_config(), requested="FLASH_ATTN", backends=BACKENDS)
+    assert (requested.selected, requested.block_size) == (FlashAttentionBackend, 256)
 
 
 def test_block_size_16_falls_to_the_next_valid_backend_with_the_reason(flash_attn_present) -> None:
@@ -112,16 +136,16 @@ def test_block_size_16_falls_to_the_next_valid_backend_with_the_reason(flash_att
 
 
 def test_a_block_size_flash_attn_accepts_keeps_it(flash_attn_present) -> None:
-    result = select_attention_backend(SimulatedH100, h100_config(block_size=512), backends=BACKENDS)
+    result = select_attention_backend(FlashAttnFirstH100, h100_config(block_size=512), backends=BACKENDS)
     assert (result.selected.NAME, result.block_size) == ("FLASH_ATTN", 512)
 
 
 def test_missing_flash_attn_is_the_reason_and_selection_moves_on(flash_attn_missing) -> None:
-    result = select_attention_backend(SimulatedH100, h100_config(), backends=BACKENDS)
+    result = select_attention_backend(FlashAttnFirstH100, h100_config(), backends=BACKENDS)
     assert result.candidates[0].reasons == (MISSING_REASON,)
     assert (result.selected.NAME, result.block_size) == ("TRITON_ATTN", 16)
     # Both reasons at once when both apply.
-    both = report_attention_backends(SimulatedH100, h100_config(block_size=16), backends=BACKENDS)
+    both = report_attention_backends(FlashAttnFirstH100, h100_config(block_size=16), backends=BACKENDS)
     assert both.candidates[0].reasons == (BLOCK_16_REASON, MISSING_REASON)
 
 
@@ -136,7 +160,7 @@ def test_requested_flash_attn_with_block_size_16_fails_with_the_reason(flash_att
 # ---------------------------------------------------------------------------- the engine config
 def _engine_config(**args):
     # qwen3's tiny model: head size 24 (a multiple of 8), 4 heads over 2 KV heads.
-    with active_platform(SimulatedH100):
+    with active_platform(FlashAttnFirstH100):
         return resolve_engine_config(model=str(tiny_model_dir("qwen3")), **args)
 
 
@@ -172,12 +196,21 @@ def test_engine_config_without_flash_attn_keeps_the_default_block_size(
 
 
 # ---------------------------------------------------------------------------- kvloom backends
+@pytest.fixture
+def flash_attn_first() -> Iterator[None]:
+    """``kvloom backends --platform cuda`` shows ``FlashAttnFirstH100``'s table."""
+    with active_platform(FlashAttnFirstH100):
+        yield
+
+
 def _backends_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     run_cli(["backends", "--json", "--platform", "cuda", "--device-capability", "9.0", *args])
     return json.loads(capsys.readouterr().out)
 
 
-def test_kvloom_backends_shows_the_negotiated_block_size(registry_with_flash_attn, flash_attn_present, capsys) -> None:
+def test_kvloom_backends_shows_the_negotiated_block_size(
+    registry_with_flash_attn, flash_attn_present, flash_attn_first, capsys
+) -> None:
     report = _backends_json(capsys)
     assert (report["selected"], report["block_size"]) == ("FLASH_ATTN", 256)
     forced = _backends_json(capsys, "--block-size", "16")

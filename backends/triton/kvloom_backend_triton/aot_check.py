@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 from kvloom.interfaces import min_split_tiles
 from kvloom_backend_triton import kernels
 from kvloom_backend_triton.config import KernelConfig, default_config, next_power_of_2
-from kvloom_backend_triton.ops import MIN_DOT_ROWS, mixed_batch_tiles
+from kvloom_backend_triton.ops import MIN_DOT_ROWS, NO_FEATURES, LayerFeatures, mixed_batch_tiles
 
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 #: Shared memory a block may use on Hopper (227 KiB); Ampere A100 has 163 KiB.
@@ -133,8 +133,10 @@ def check_configuration(
     arch: int = 90,
     cfg: KernelConfig | None = None,
     max_query_len: int = 2048,
+    features: LayerFeatures = NO_FEATURES,
 ) -> list[CompileReport]:
-    """Compile every kernel one model shape uses (decode with and without splits)."""
+    """Compile every kernel one model shape uses (decode with and without splits), with the
+    sliding-window / soft-cap / sinks specialization ``features`` selects, as a launch would."""
     cfg = cfg or default_config(head_size, dtype, arch)
     t = _TRITON_TYPES[dtype]
     group = num_heads // num_kv_heads
@@ -143,11 +145,13 @@ def check_configuration(
     io = {"q_ptr": f"*{t}", "k_cache_ptr": f"*{t}", "v_cache_ptr": f"*{t}", "out_ptr": f"*{t}",
           "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "slot_mapping_ptr": "*i64",
           "key_ptr": f"*{t}", "value_ptr": f"*{t}", "key_cache_ptr": f"*{t}", "value_cache_ptr": f"*{t}",
-          "qk_scale": "fp32"}
-    label = f"{_TRITON_TYPES[dtype]} D={head_size} G={group} page={block_size}"
+          "sinks_ptr": f"*{t}", "qk_scale": "fp32", "soft_cap": "fp32"}
+    flags = features.constexprs()
+    on = "+".join(name.lower() for name, value in flags.items() if value)
+    label = f"{_TRITON_TYPES[dtype]} D={head_size} G={group} page={block_size}" + (f" {on}" if on else "")
     reports = []
     common = {"GROUP": group, "PAGE_SIZE": block_size, "HEAD_SIZE": head_size, "BLOCK_D": block_d,
-              "DOT_PRECISION": precision}
+              "DOT_PRECISION": precision, **flags}
     for split in (False, True):
         rep = compile_kernel(
             kernels.decode_attention_kernel, io,
@@ -159,7 +163,8 @@ def check_configuration(
         rep.variant = f"{label} N={cfg.decode_block_n} split={split}"
         reports.append(rep)
     rep = compile_kernel(
-        kernels.decode_reduce_kernel, io, {"HEAD_SIZE": head_size, "BLOCK_S": 16, "BLOCK_D": block_d},
+        kernels.decode_reduce_kernel, io,
+        {"HEAD_SIZE": head_size, "BLOCK_S": 16, "BLOCK_D": block_d, "SINKS": flags["SINKS"]},
         arch, 4, 1, divisible=_STRIDES,
     )
     rep.variant = f"{label} S=16"
@@ -190,13 +195,21 @@ def main() -> None:
     parser.add_argument("--head-sizes", default="64,128,256")
     parser.add_argument("--heads", default="32,8", help="num_heads,num_kv_heads")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--all-features", action="store_true",
+                        help="compile the sliding-window + soft-cap + sinks specialization")
     args = parser.parse_args()
     num_heads, num_kv_heads = (int(x) for x in args.heads.split(","))
+    features = NO_FEATURES
+    if args.all_features:
+        # Only the flags matter to the compiler; the values are never read here.
+        features = LayerFeatures(sliding_window=1, logits_soft_cap=1.0, sinks=torch.zeros(num_heads))
     limit = SMEM_LIMITS.get(args.arch)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for head_size in (int(x) for x in args.head_sizes.split(",")):
-            for rep in check_configuration(dtype, head_size, num_heads, num_kv_heads, args.block_size, args.arch):
+            for rep in check_configuration(
+                dtype, head_size, num_heads, num_kv_heads, args.block_size, args.arch, features=features
+            ):
                 flag = "  OVER SMEM LIMIT" if limit and rep.shared_bytes > limit else ""
                 print(rep.row() + flag)
 

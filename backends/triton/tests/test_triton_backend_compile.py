@@ -15,6 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvloom_backend_triton.aot_check import SMEM_LIMITS, check_configuration  # noqa: E402
+from kvloom_backend_triton.ops import NO_FEATURES, LayerFeatures  # noqa: E402
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton's bundled ptxas is not installed")
@@ -28,10 +29,17 @@ pytestmark = pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton's bun
     ],
     ids=["bf16-d128-gqa4", "fp32-d256-mqa8"],
 )
+# The features are launch-time constexprs: each specialization is its own program to compile.
+@pytest.mark.parametrize("all_features", [False, True], ids=["plain", "window-softcap-sinks"])
 def test_kernels_compile_for_sm90_without_spills(
-    dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int
+    dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int, all_features: bool
 ) -> None:
-    reports = check_configuration(dtype, head_size, num_heads, num_kv_heads, block_size=16, arch=90)
+    features = NO_FEATURES
+    if all_features:
+        features = LayerFeatures(sliding_window=128, logits_soft_cap=30.0, sinks=torch.zeros(num_heads))
+    reports = check_configuration(
+        dtype, head_size, num_heads, num_kv_heads, block_size=16, arch=90, features=features
+    )
     assert {r.kernel for r in reports} == {"decode", "decode_reduce", "mixed_batch", "write_kv"}
     for rep in reports:
         assert rep.spill_bytes == 0, rep.row()
