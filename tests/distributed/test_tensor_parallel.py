@@ -122,14 +122,23 @@ def test_dummy_weights_load_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [len(t) for t in tokens] == [GREEDY.max_tokens] * len(PROMPTS)
 
 
+def engine_core_and_ranks(llm: LLM) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The engine core process of ``llm`` (under this process: its child when spawned, its
+    grandchild through the fork server on the CPU) and its two rank processes, its children."""
+    core = psutil.Process(llm.llm_engine.engine_core.engine.pid)
+    assert core in psutil.Process().children(recursive=True)
+    ranks = [p for p in core.children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    return core, ranks
+
+
 def test_engine_core_process_shutdown_leaves_no_worker() -> None:
     """With the engine core in its own process, the rank processes are its children:
     shutting the engine down ends all of them."""
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
               tensor_parallel_size=2)  # fmt: skip
-    descendants = psutil.Process().children(recursive=True)
-    workers = [p.pid for p in descendants if "spawn_main" in " ".join(p.cmdline())]
-    assert len(workers) >= 3  # the engine core and its two ranks
+    core, ranks = engine_core_and_ranks(llm)
+    workers = [p.pid for p in (core, *ranks)]
     llm.llm_engine.shutdown()
     deadline = time.monotonic() + 20
     while running_pids(workers) and time.monotonic() < deadline:
@@ -142,11 +151,7 @@ def test_killed_engine_core_leaves_no_worker_and_no_shared_memory() -> None:
     unlink the broadcast ring's shared memory."""
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
               tensor_parallel_size=2)  # fmt: skip
-    this = os.getpid()
-    processes = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-    core = next(p for p in processes if p.ppid() == this)
-    ranks = [p for p in processes if p.ppid() == core.pid]
-    assert len(ranks) == 2
+    core, ranks = engine_core_and_ranks(llm)
     segments = {m.path for m in ranks[0].memory_maps() if m.path.startswith("/dev/shm/")}
     assert segments and all(os.path.exists(s) for s in segments)
     core.kill()
@@ -164,11 +169,7 @@ def test_killed_rank_under_an_engine_core_process_kills_the_engine_naming_it() -
     core, the front end raises ``EngineDeadError`` naming the rank, nothing is left."""
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True,
               tensor_parallel_size=2, async_scheduling=True)  # fmt: skip
-    this = os.getpid()
-    processes = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-    core = next(p for p in processes if p.ppid() == this)
-    ranks = [p for p in processes if p.ppid() == core.pid]
-    assert len(ranks) == 2
+    core, ranks = engine_core_and_ranks(llm)
     assert len(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
     ranks[1].kill()
     with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):

@@ -91,6 +91,18 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def descendant_pids(pid: int) -> list[int]:
+    """The live processes under ``pid``: its children, theirs, and so on (an engine core
+    forked from multiprocessing's fork server is a child of that server, not of the
+    process that asked for it)."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for p in frontier for c in child_pids(p)]
+        found += children
+        frontier = children
+    return found
+
+
 def wait_gone(pid: int, timeout: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

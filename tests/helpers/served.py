@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.testing.install import KvloomServer
 from kvloom.testing.models import make_tiny_model
-from tests.helpers.engine_faults import is_running, wait_gone
+from tests.helpers.engine_faults import descendant_pids, is_running, wait_gone
 
 #: The context of ``long_context_model`` and of the servers ``serve_args`` describes.
 LONG_CONTEXT = 4096
@@ -34,6 +34,16 @@ def pids_in_log(server: KvloomServer, role: str) -> dict[int, int]:
     """{index: pid} of the processes whose log lines say ``(role_index pid=...)``
     (``EngineCore``, ``APIServer``)."""
     return {int(i): int(pid) for i, pid in re.findall(rf"\({role}_(\d+) pid=(\d+)\)", server.log())}
+
+
+def engine_core_pid(server: KvloomServer, index: int = 0) -> int:
+    """Engine core ``index``'s process (found by its log lines), checked to run under the
+    server: its child when spawned, its grandchild when forked from the fork server."""
+    pid = pids_in_log(server, "EngineCore").get(index)
+    assert pid is not None, f"no log line of engine core {index} in the server's log"
+    under = descendant_pids(server.process.pid)
+    assert pid in under, f"engine core {index} (pid {pid}) is not under the server (pid {server.process.pid}): {under}"
+    return pid
 
 
 def metrics(server: KvloomServer) -> dict[tuple[str, tuple], float]:

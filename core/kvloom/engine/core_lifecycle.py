@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
+import os
 import shutil
 import tempfile
 import threading
@@ -159,6 +160,10 @@ class EngineCoreProcessHandle:
         self.identity = engine_identity(engine_index)
         replicas = config.parallel.data_parallel_size
         env = config.device.platform.data_parallel_env(engine_index, replicas) if replicas > 1 else {}
+        # A fork-server child inherits the fork server's environment, as it was when the
+        # server started (perhaps by an earlier engine of this process): it is given this
+        # process's, as a spawned process would have it.
+        environ = dict(os.environ) if context.get_start_method() == "forkserver" else None
         self.process = context.Process(
             target=run_engine_core,
             name=f"kvloom-engine-core-{engine_index}",
@@ -172,6 +177,7 @@ class EngineCoreProcessHandle:
                 log_level=level,
                 log_format=fmt,
                 env=env,
+                environ=environ,
             ),  # fmt: skip
             # A daemonic process may not start processes: with tensor-parallel worker
             # processes the core is not daemonic and ends through its death pipe instead.

@@ -19,9 +19,17 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.engine_faults import child_pids, wait_gone
+from tests.helpers.engine_faults import descendant_pids, wait_gone
 from tests.helpers.plugin_server import KvloomServer
-from tests.helpers.served import long_context_model, metric, metrics, no_process_left, pids_in_log, serve_args
+from tests.helpers.served import (
+    engine_core_pid,
+    long_context_model,
+    metric,
+    metrics,
+    no_process_left,
+    pids_in_log,
+    serve_args,
+)
 from tests.helpers.waiting import wait_for
 
 API_KEY = "k"
@@ -41,7 +49,7 @@ def api_server_args(model_dir: Path, *extra: str) -> list[str]:
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvloomServer]:
     srv = KvloomServer(api_server_args(model_dir, "--api-key", API_KEY), tmp_path_factory.mktemp("serve"), access_log=True)
     with srv:
-        children = child_pids(srv.process.pid)
+        children = descendant_pids(srv.process.pid)
         yield srv
     # Ctrl-C: a clean shutdown of every process.
     assert srv.process.returncode == 0, srv.log()[-5000:]
@@ -170,7 +178,7 @@ def test_killed_engine_core_fails_requests_on_every_api_server_and_the_server_ex
     own_server: KvloomServer,
 ) -> None:
     server = own_server
-    children = child_pids(server.process.pid)
+    children = descendant_pids(server.process.pid)
     (engine_pid,) = pids_in_log(server, "EngineCore").values()
     results: list[list[str]] = []
 
@@ -207,7 +215,7 @@ def test_killed_engine_core_fails_requests_on_every_api_server_and_the_server_ex
 
 def test_killed_api_server_stops_everything(own_server: KvloomServer) -> None:
     server = own_server
-    children = child_pids(server.process.pid)
+    children = descendant_pids(server.process.pid)
     os.kill(api_server_pids(server)[1], signal.SIGKILL)
     assert server.process.wait(timeout=60) == 1
     no_process_left(server, children)
@@ -216,8 +224,9 @@ def test_killed_api_server_stops_everything(own_server: KvloomServer) -> None:
 
 def test_sigterm_stops_every_process_cleanly(own_server: KvloomServer) -> None:
     server = own_server
-    children = child_pids(server.process.pid)
-    assert len(children) >= 3  # the engine core and two API servers (and a resource tracker)
+    children = descendant_pids(server.process.pid)
+    # The engine core (under the fork server on the CPU) and two API servers (and a resource tracker).
+    assert engine_core_pid(server) in children and set(api_server_pids(server).values()) <= set(children)
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3}).status_code == 200
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=60) == 0, server.log()[-3000:]
@@ -227,7 +236,7 @@ def test_sigterm_stops_every_process_cleanly(own_server: KvloomServer) -> None:
 
 def test_every_process_exits_when_the_launcher_is_killed(own_server: KvloomServer) -> None:
     server = own_server
-    children = child_pids(server.process.pid)
+    children = descendant_pids(server.process.pid)
     server.process.send_signal(signal.SIGKILL)
     server.process.wait(timeout=10)
     no_process_left(server, children)

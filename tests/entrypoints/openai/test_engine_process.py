@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.engine_faults import child_pids
+from tests.helpers.engine_faults import descendant_pids
 from tests.helpers.plugin_server import KvloomServer
-from tests.helpers.served import long_context_model, no_process_left, serve_args
+from tests.helpers.served import engine_core_pid, long_context_model, no_process_left, serve_args
 
 #: Long enough to still run when the engine core is killed (a few ms a token).
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -35,19 +35,9 @@ def server(model_dir: Path, tmp_path: Path) -> Iterator[KvloomServer]:
         yield srv
 
 
-def engine_core_pid(server: KvloomServer) -> int:
-    """The engine core process among the server's children (the other one, when there
-    is one, is multiprocessing's resource tracker)."""
-    for pid in child_pids(server.process.pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return pid
-    raise AssertionError(f"no engine core process under the server: {child_pids(server.process.pid)}")
-
-
 def test_killed_engine_core_fails_open_requests_and_the_server_exits(server: KvloomServer) -> None:
     engine_pid = engine_core_pid(server)
-    children = child_pids(server.process.pid)
+    children = descendant_pids(server.process.pid)
     url = server.url
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     whole: dict = {}
@@ -93,7 +83,7 @@ def test_killed_engine_core_fails_open_requests_and_the_server_exits(server: Kvl
 
 
 def test_sigterm_shuts_the_server_and_its_engine_core_down_cleanly(server: KvloomServer) -> None:
-    children = child_pids(server.process.pid)
+    children = descendant_pids(server.process.pid)
     assert engine_core_pid(server) in children
     ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert ok.status_code == 200, ok.text
@@ -104,7 +94,7 @@ def test_sigterm_shuts_the_server_and_its_engine_core_down_cleanly(server: Kvloo
 
 
 def test_the_engine_core_exits_when_the_server_is_killed(server: KvloomServer) -> None:
-    children = child_pids(server.process.pid)
+    children = descendant_pids(server.process.pid)
     assert engine_core_pid(server) in children
     server.process.send_signal(signal.SIGKILL)
     server.process.wait(timeout=10)
