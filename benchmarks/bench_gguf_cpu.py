@@ -1,13 +1,17 @@
 """GGUF on the CPU: kvloom with kvloom-quant-gguf (the file's quantized weights as stored)
 against kvloom's dequantized float32 path (``--quantization none``), HF transformers (the
-same GGUF dequantized to float32) and, when ``llama_cpp`` imports, llama.cpp, all at the
-same thread count, on the default model unless ``--model`` says otherwise.
+same GGUF dequantized to float32) and, when ``llama_cpp`` imports, llama.cpp (its batched
+low-level API, ``benchmarks/llama_cpp_batched.py``), all at the same thread count, on the
+default model unless ``--model`` says otherwise.
 
 Workloads (random prompt tokens, greedy, EOS ignored):
 
 * decode at batch 1 and batch 16: ``(time for N tokens - time for 1 token)`` per step,
   so prefill is not counted;
-* prefill: one 512-token prompt, one output token.
+* prefill: one 512-token prompt, one output token;
+* offline: 64 prompts of 128 tokens, 128 new tokens each, all submitted at once (the
+  workload of ``docs/benchmarks/cpu_throughput.md``): input plus output tokens per second
+  of the whole run.
 
 Usage: ``python benchmarks/bench_gguf_cpu.py [--model X.gguf] [--threads 2] [--markdown docs/benchmarks/cpu_gguf.md]``
 """
@@ -29,7 +33,12 @@ import torch
 from kvloom.entrypoints.cli.bench_throughput import _hf_model, machine_description, make_prompts
 
 #: (name, prompts, input tokens, output tokens)
-WORKLOADS = (("decode batch 1", 1, 32, 33), ("decode batch 16", 16, 32, 17), ("prefill 512", 1, 512, 1))
+WORKLOADS = (
+    ("decode batch 1", 1, 32, 33),
+    ("decode batch 16", 16, 32, 17),
+    ("prefill 512", 1, 512, 1),
+    ("offline 64", 64, 128, 128),
+)
 
 Runner = Callable[[list[list[int]], int], float]  # (prompts, output tokens) -> seconds
 
@@ -69,27 +78,26 @@ def hf_runner(config: Any) -> Runner:
 
 
 def llama_cpp_runner(path: str, threads: int) -> Runner | None:
-    """Batch-1 only: llama-cpp-python's high-level API decodes one sequence."""
     try:
-        from llama_cpp import Llama
+        from llama_cpp_batched import LlamaCppBatched
     except ImportError:
         return None
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+    llama = LlamaCppBatched(path, threads, n_seq_max=max(n for _, n, _, _ in WORKLOADS),
+                            seq_len=max(i + o for _, _, i, o in WORKLOADS))  # fmt: skip
 
     def run(prompts: list[list[int]], output_len: int) -> float:
-        if len(prompts) != 1:
-            return float("nan")
-        llm.reset()
         start = time.perf_counter()
-        for i, _ in enumerate(llm.generate(prompts[0], top_k=1, temp=0.0)):
-            if i + 1 >= output_len:
-                break
+        llama.generate(prompts, output_len)
         return time.perf_counter() - start
 
+    run([[100, 200, 300]], 2)
     return run
 
 
-def measure(run: Runner, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+def measure(workload: str, run: Runner, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    if workload.startswith("offline"):
+        wall = run(prompts, output_len)
+        return {"wall_s": wall, "total_tok_s": len(prompts) * (len(prompts[0]) + output_len) / wall}
     if output_len == 1:
         wall = run(prompts, 1)
         return {"wall_s": wall, "prefill_tok_s": sum(map(len, prompts)) / wall}
@@ -118,7 +126,7 @@ def main() -> int:
     ]
     if not ns.skip_hf:
         engines.append(("HF transformers fp32", lambda: hf_runner(config)))
-    engines.append(("llama.cpp (llama-cpp-python, batch 1 only)", lambda: llama_cpp_runner(path, ns.threads)))
+    engines.append(("llama.cpp (llama-cpp-python, batched low-level API)", lambda: llama_cpp_runner(path, ns.threads)))
     for name, make in engines:
         run = make()
         if run is None:
@@ -127,7 +135,7 @@ def main() -> int:
         results[name] = {}
         for workload, n, input_len, output_len in WORKLOADS:
             prompts = make_prompts(n, input_len, config.model.vocab_size)
-            results[name][workload] = measure(run, prompts, output_len)
+            results[name][workload] = measure(workload, run, prompts, output_len)
             print(f"{name} / {workload}: {results[name][workload]}", file=sys.stderr, flush=True)
         del run
     if ns.json_path:
@@ -148,12 +156,12 @@ def to_markdown(results: dict[str, dict[str, dict[str, float]]], model: str, thr
         f"- Machine: {machine_description()}",
         f"- Command: `python {' '.join(sys.argv)}`",
         "",
-        "| engine | decode batch 1 (tok/s) | decode batch 16 (tok/s) | prefill 512 (tok/s) |",
-        "|---|---|---|---|",
+        "| engine | decode batch 1 (tok/s) | decode batch 16 (tok/s) | prefill 512 (tok/s) | offline 64 (tok/s) |",
+        "|---|---|---|---|---|",
     ]
     for name, by_workload in results.items():
         cells = [by_workload["decode batch 1"]["decode_tok_s"], by_workload["decode batch 16"]["decode_tok_s"],
-                 by_workload["prefill 512"]["prefill_tok_s"]]  # fmt: skip
+                 by_workload["prefill 512"]["prefill_tok_s"], by_workload["offline 64"]["total_tok_s"]]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join("-" if math.isnan(c) else f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines) + "\n\n"
 
