@@ -117,7 +117,7 @@ def test_an_instances_400_comes_through(servers: tuple) -> None:
 
 
 @seed(41)
-@fuzz_settings(examples=25)
+@fuzz_settings(examples=60)
 @given(batch=st.lists(st.one_of(st.tuples(st.just("/v1/completions"), completion),
                                 st.tuples(st.just("/v1/chat/completions"), chat),
                                 st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), hostile_body,
