@@ -174,6 +174,8 @@ def test_the_routers_own_bad_requests_and_health() -> None:
     for response in responses[:5]:
         assert 400 <= response.status_code < 500, response.text
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    assert "JSON" in responses[0].json()["error"]["message"] and "JSON object" in responses[1].json()["error"]["message"]
+    assert (
+        "JSON" in responses[0].json()["error"]["message"] and "JSON object" in responses[1].json()["error"]["message"]
+    )
     assert responses[5].status_code == 200 and [i["url"] for i in responses[5].json()["prefill"]] == [P0, P1]
     assert fakes.seen == []  # nothing bad reached an instance

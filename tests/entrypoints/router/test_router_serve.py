@@ -74,7 +74,7 @@ def _consumer_counts(decode: KvloomServer) -> tuple[float, float, float]:
 
 
 def test_greedy_completions_match_one_engine_and_decode_computes_the_tail(servers: tuple, plain_engine: Any) -> None:
-    prefill, decode, router = servers
+    _, decode, router = servers
     want = [o.outputs[0].text for o in plain_engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
     for prompt, text in zip(PROMPTS, want):
         before = _consumer_counts(decode)
@@ -89,7 +89,7 @@ def test_greedy_completions_match_one_engine_and_decode_computes_the_tail(server
 
 
 def test_streamed_chat_matches_one_engine(servers: tuple, plain_engine: Any) -> None:
-    prefill, decode, router = servers
+    _, decode, router = servers
     want = plain_engine.chat(MESSAGES, GREEDY)[0].outputs[0].text
     before = _consumer_counts(decode)
     body = {"messages": MESSAGES, "max_completion_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -107,7 +107,7 @@ def test_streamed_chat_matches_one_engine(servers: tuple, plain_engine: Any) -> 
 
 
 def test_an_instances_400_comes_through(servers: tuple) -> None:
-    prefill, decode, router = servers
+    _, decode, router = servers
     direct = decode.post("/v1/completions", {"prompt": "hi", "temperature": -1})
     through = router.post("/v1/completions", {"prompt": "hi", "temperature": -1})
     assert through.status_code == direct.status_code == 400
@@ -125,13 +125,13 @@ def test_an_instances_400_comes_through(servers: tuple) -> None:
 def test_hostile_requests_through_the_router_never_5xx(servers: tuple, batch: list) -> None:
     """The server's fuzz strategies, through the router: every answer a 4xx in OpenAI's
     shape or a well-formed 200, none a 5xx, none late (``run_batch`` checks)."""
-    prefill, decode, router = servers
+    router = servers[2]
     with httpx.Client(base_url=router.url, timeout=60) as client:
         run_batch(client, batch)
 
 
 def test_decode_gone_is_a_503_naming_it(servers: tuple) -> None:
-    prefill, decode, router = servers
+    _, decode, router = servers
     decode.stop()
     response = router.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 503

@@ -86,8 +86,9 @@ async def _read_object(request: Request) -> dict[str, Any]:
 def _disaggregated_endpoint(path: str) -> Any:
     async def endpoint(raw: Request) -> Response:
         body = await _read_object(raw)
-        response = await run_until_disconnected(raw, disaggregate(_pool(raw), path, body,
-                                                                  forwarded_headers(raw.headers, request_id_of(raw))))
+        response = await run_until_disconnected(
+            raw, disaggregate(_pool(raw), path, body, forwarded_headers(raw.headers, request_id_of(raw)))
+        )
         return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
 
     endpoint.__name__ = "disaggregated_" + path.strip("/").replace("/", "_")
