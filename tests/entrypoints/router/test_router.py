@@ -82,7 +82,8 @@ class Fakes:
 
 def route(fakes: Fakes, requests: list[tuple[str, str, Any]], prefill: tuple[str, ...] = (P0, P1),
           decode: tuple[str, ...] = (D0,)) -> list[httpx.Response]:  # fmt: skip
-    """Send ``requests`` (method, path, JSON body or raw bytes) through a router over ``fakes``."""
+    """Send ``requests`` (method, path, JSON body or raw bytes) through a router over ``fakes``
+    (method ``DOWN`` / ``UP`` with an instance's URL as the path: it goes away / comes back)."""
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(fakes.handle)) as instances:
@@ -92,6 +93,9 @@ def route(fakes: Fakes, requests: list[tuple[str, str, Any]], prefill: tuple[str
             async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
                 out = []
                 for method, path, body in requests:
+                    if method in ("DOWN", "UP"):  # an instance (``path``) goes away or comes back
+                        (fakes.down.add if method == "DOWN" else fakes.down.discard)(path)
+                        continue
                     raw = body if isinstance(body, bytes) else None
                     out.append(await client.request(method, path, content=raw, json=None if raw else body))
                 return out
@@ -179,3 +183,14 @@ def test_the_routers_own_bad_requests_and_health() -> None:
     )
     assert responses[5].status_code == 200 and [i["url"] for i in responses[5].json()["prefill"]] == [P0, P1]
     assert fakes.seen == []  # nothing bad reached an instance
+
+
+
+def test_an_instance_back_up_serves_again_without_waiting() -> None:
+    fakes = Fakes()
+    request = ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    gone, back, health = route(fakes, [("DOWN", D0, None), request, ("UP", D0, None), request, ("GET", "/health", None)],
+                               prefill=(P0,))  # fmt: skip
+    assert gone.status_code == 503 and D0 in gone.json()["error"]["message"]
+    assert back.status_code == 200  # the role had none up: checked again at once, not after the interval
+    assert health.status_code == 200
