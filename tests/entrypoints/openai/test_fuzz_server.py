@@ -139,6 +139,7 @@ sampling_fields = {
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "spaces_between_special_tokens": st.booleans(),
+    "kv_transfer_params": st.one_of(st.just({"do_remote_decode": True, "do_remote_prefill": False}), any_json),
     "bogus_field": any_json,
 }
 

@@ -35,6 +35,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "kvloom.entrypoints.cli.generate",
     "kvloom.entrypoints.cli.chat",
     "kvloom.entrypoints.cli.serve",
+    "kvloom.entrypoints.cli.router",
     "kvloom.entrypoints.cli.bench",
     "kvloom.entrypoints.cli.backends",
 ]

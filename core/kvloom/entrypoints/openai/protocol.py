@@ -207,6 +207,8 @@ class SamplingRequest(OpenAIRequest):
     vllm_xargs: dict[str, Any] | None = None
     """Arguments of logits processor plugins, ``{processor name: value}`` (vLLM's field; the
     engine's ``SamplingParams.extra_args``)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """For the engine's KV connector (vLLM's field): how a proxy links a prefill to its decode."""
     # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
     logits_processors: Any = None
     bad_words: Any = None
@@ -312,6 +314,7 @@ class SamplingRequest(OpenAIRequest):
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs,
             "extra_args": self.vllm_xargs,
+            "kv_transfer_params": self.kv_transfer_params,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
@@ -409,6 +412,9 @@ class CompletionResponse(OpenAIResponse):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
+    """The KV connector's reply (vLLM's field; present when it gave one): what a proxy hands
+    the decode instance."""
 
 
 class CompletionStreamResponse(OpenAIResponse):
@@ -641,6 +647,9 @@ class ChatCompletionResponse(OpenAIResponse):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
+    """The KV connector's reply (vLLM's field; present when it gave one): what a proxy hands
+    the decode instance."""
 
 
 class DeltaMessage(OpenAIResponse):

@@ -132,7 +132,7 @@ async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T | No
     return None
 
 
-class _ClosingStreamingResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
     """A stream whose iterator is closed however the response ends (finished, the client
     gone before or while it streams, an error), which aborts its engine requests at once."""
 
@@ -149,7 +149,7 @@ async def respond(result: Any) -> Response:
     """A stream as server-sent events, else the response as JSON: serialized off the event
     loop when it is large (n x max_tokens x logprobs can make megabytes)."""
     if isinstance(result, AsyncIterator):
-        return _ClosingStreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return ClosingStreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     usage = getattr(result, "usage", None)
     size = (usage.total_tokens if usage is not None else 0) * 64 + 64 * len(getattr(result, "data", ()) or ())
     return Response(await run_blocking(size, result.model_dump_json), media_type="application/json")
