@@ -1,30 +1,44 @@
-"""kvloom-kv-p2p without a model: a prefill side and a decode side of ``P2pNcclConnector``
-(``kvloom.testing.kv_connector.KVConnectorHarness``, a KV cache of random data each) in
-one process, linked over gloo. A decode request's pull lands bit for bit in its own
-blocks and the prefill side then frees its blocks; a pull the prefill side refuses (bad
-``remote_block_ids``, another KV layout), a prefill side that is gone, and blocks nobody
-pulls all end cleanly: failed blocks on the decode side, freed blocks on the prefill side.
+"""kvloom-kv-p2p: the two sides of ``P2pNcclConnector`` linked over gloo.
 
-(The conformance kit's cases, ``check_kv_connector``, assume a connector that saves before
-anyone loads; this one holds blocks until the decode side pulls them, which its own cases
-drive below.)
+Without a model: a prefill side and a decode side (``kvloom.testing.kv_connector.
+KVConnectorHarness``, a KV cache of random data each) in one process. A decode request's
+pull lands bit for bit in its own blocks and the prefill side then frees its blocks; a
+pull the prefill side refuses (bad ``remote_block_ids``, another KV layout), a prefill side
+that is gone, and blocks nobody pulls all end cleanly: failed blocks on the decode side,
+freed blocks on the prefill side. (The conformance kit's cases, ``check_kv_connector``,
+assume a connector that saves before anyone loads; this one holds blocks until the decode
+side pulls them, which the cases here drive.)
+
+Two engines in two processes: a prefill engine (its engine core in a process of its own,
+which goes on stepping while it holds blocks for the decode engine) and a decode engine
+(in this process). The test does a proxy's job by hand: each prompt goes to the prefill
+engine with ``max_tokens`` 1 and ``{"do_remote_decode": true}``, and the
+``kv_transfer_params`` it answers go with the prompt to the decode engine. The decode
+engine gives exactly one plain engine's greedy tokens and computes only the tail past the
+prompt's last full block (counted from its scheduler and its metrics); a pull that fails
+fails its request alone (policy ``fail``) or its KV is computed (``recompute``), and the
+engine serves the next requests.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from kvloom_kv_p2p import P2pNcclConnector
 
+from kvloom import LLM, SamplingParams
 from kvloom.interfaces import KVCacheGroupSpec, KVConnectorRole
 from kvloom.testing.kv_connector import KVConnectorHarness, kv_connector_config
+from kvloom.testing.models import random_prompts, tiny_model_dir
 
 BLOCK = 16
 
@@ -214,3 +228,110 @@ def test_kv_transfer_params_it_cannot_take_are_refused(role: str, params: dict[s
                                  (KVCacheGroupSpec((), BLOCK),))  # fmt: skip
     assert reason in (scheduler.validate_kv_transfer_params(params) or "")
     assert scheduler.validate_kv_transfer_params({"do_remote_decode": False, "remote_block_ids": None}) is None
+
+
+# ---------------------------------------------------------------------- two engines
+
+MAX_TOKENS = 6
+PROMPTS = random_prompts(512, lengths=(37, 50, 64, 21), seed=41)
+
+
+def _llm(multiprocess: bool, **kwargs: Any) -> LLM:
+    with mock.patch.dict(os.environ, {"KVLOOM_ENABLE_MULTIPROCESSING": "1" if multiprocess else "0"}):
+        return LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK,
+                   **kwargs)  # fmt: skip
+
+
+def _greedy(max_tokens: int = MAX_TOKENS, params: dict[str, Any] | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, kv_transfer_params=params)
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[list[int]]:
+    outputs = _llm(False).generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def prefill_engine() -> Iterator[tuple[LLM, int]]:
+    port = free_port()
+    llm = _llm(True, kv_transfer_config=p2p_config("kv_producer", port))
+    yield llm, port
+    llm.llm_engine.shutdown()
+
+
+def prefill_on(engine: LLM, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """The proxy's first half: each prompt's prefill (one token), its kv_transfer_params."""
+    outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], _greedy(1, {"do_remote_decode": True}),
+                              use_tqdm=False)  # fmt: skip
+    assert all(o.kv_transfer_params is not None and o.kv_transfer_params["do_remote_prefill"] for o in outputs)
+    return [o.kv_transfer_params for o in outputs]  # type: ignore[misc]
+
+
+def decode(engine: LLM, prompts: list[list[int]], params: list[dict[str, Any] | None]) -> tuple[list[Any], int]:
+    """The proxy's second half: the outputs, and the tokens the decode engine computed."""
+    scheduler = engine.llm_engine.engine_core.core.scheduler
+    computed, schedule = 0, scheduler.schedule
+
+    def counting() -> Any:
+        nonlocal computed
+        output = schedule()
+        computed += output.total_num_scheduled_tokens
+        return output
+
+    with mock.patch.object(scheduler, "schedule", counting):
+        outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], [_greedy(params=q) for q in params],
+                                  use_tqdm=False)  # fmt: skip
+    return outputs, computed
+
+
+def metric(engine: LLM, name: str, **labels: str) -> float:
+    return sum(m.value for m in engine.get_metrics()  # type: ignore[attr-defined]
+               if m.name == name and labels.items() <= m.labels.items())  # fmt: skip
+
+
+def test_the_decode_engine_gives_one_engines_tokens_and_computes_only_the_tail(prefill_engine: Any,
+                                                                               baseline: list[list[int]]) -> None:  # fmt: skip
+    producer, port = prefill_engine
+    params = prefill_on(producer, PROMPTS)
+    consumer = _llm(False, kv_transfer_config=p2p_config("kv_consumer", port), disable_log_stats=False)
+    outputs, computed = decode(consumer, PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline
+    pulled = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+    assert [o.num_cached_tokens for o in outputs] == pulled
+    assert computed == sum(len(p) for p in PROMPTS) - sum(pulled) + (MAX_TOKENS - 1) * len(PROMPTS)
+    assert metric(consumer, "kvloom:external_prefix_cache_hits") == sum(pulled)
+    assert metric(consumer, "kvloom:kv_connector_hits", tier="remote") == sum(pulled)
+    assert metric(consumer, "kvloom:kv_offload_total_blocks", transfer_type="remote_to_device") == sum(pulled) // BLOCK
+    # The same prompts again: the decode engine's own prefix cache holds them now, and
+    # the prefill engine's blocks are released without a transfer.
+    again, computed = decode(consumer, PROMPTS, prefill_on(producer, PROMPTS))
+    assert [o.outputs[0].token_ids for o in again] == baseline
+    assert metric(consumer, "kvloom:kv_offload_total_blocks", transfer_type="remote_to_device") == sum(pulled) // BLOCK
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_pull_fails_its_request_alone_or_is_recomputed(policy: str, prefill_engine: Any,
+                                                                baseline: list[list[int]]) -> None:  # fmt: skip
+    producer, port = prefill_engine
+    params = prefill_on(producer, PROMPTS)
+    params[1] = {**params[1], "remote_block_ids": [b + 100_000 for b in params[1]["remote_block_ids"]]}
+    consumer = _llm(False, kv_transfer_config={**p2p_config("kv_consumer", port), "kv_load_failure_policy": policy})
+    outputs, _ = decode(consumer, PROMPTS, params)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    if policy == "fail":
+        assert outputs[1].outputs[0].finish_reason == "error" and tokens[1] == []
+    else:
+        assert tokens[1] == baseline[1] and outputs[1].num_cached_tokens == 0
+    assert [t for i, t in enumerate(tokens) if i != 1] == [t for i, t in enumerate(baseline) if i != 1]
+    # The engine goes on serving (a plain request, the prefix now cached or not).
+    (after,), _ = decode(consumer, [PROMPTS[2]], [None])
+    assert after.outputs[0].token_ids == baseline[2]
+
+
+def test_a_prefill_engine_that_is_gone_fails_only_the_requests_that_need_it(baseline: list[list[int]]) -> None:
+    config = {**p2p_config("kv_consumer", free_port(), timeout_s=0.5), "kv_load_failure_policy": "recompute"}
+    consumer = _llm(False, kv_transfer_config=config)
+    gone = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_request_id": "gone"}
+    outputs, _ = decode(consumer, PROMPTS[:2], [gone, None])
+    assert [o.outputs[0].token_ids for o in outputs] == baseline[:2]
