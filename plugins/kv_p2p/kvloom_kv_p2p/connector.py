@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +112,8 @@ class P2pNcclConnector(KVConnectorBase):
         # Worker side.
         self.link: ProducerLink | ConsumerLink | None = None
         self._loader: ThreadPoolExecutor | None = None
-        self._loading: dict[str, Future[None]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the loader thread reports pulls done and blocks failed
+        self._pulled_now: set[str] = set()
         self._errors: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -210,23 +210,24 @@ class P2pNcclConnector(KVConnectorBase):
             ready = torch.cuda.Event()
             ready.record()
         for pull in meta.pulls:
-            future = self._loader.submit(self._pull, link, pull, ready)
-            if pull.block_ids:
-                self._loading[pull.request_id] = future
+            self._loader.submit(self._pull, link, pull, ready)
 
     def _pull(self, link: ConsumerLink, pull: Pull, ready: Any) -> None:
-        """On the loader thread: pull, or report the blocks failed."""
+        """On the loader thread: pull, then report the request done (its blocks failed
+        first, if they did). A release (no blocks) is not reported: nothing waits for it."""
+        failed = False
         try:
             link.pull(pull.remote_request_id, pull.remote_block_ids, pull.block_ids, ready)
         except Exception as exc:  # noqa: BLE001 (whatever went wrong, the request's blocks did not arrive)
-            if not pull.block_ids:  # a release: the producer frees them after its timeout
-                logger.warning("P2pNcclConnector: releasing request %s's blocks on the prefill instance failed: %s",
-                               pull.remote_request_id, exc)  # fmt: skip
-                return
-            logger.warning("P2pNcclConnector: pulling request %s's %d block(s) failed: %s", pull.request_id,
-                           len(pull.block_ids), exc)  # fmt: skip
+            failed = True
+            what = f"pulling its {len(pull.block_ids)} block(s)" if pull.block_ids else "releasing its blocks"
+            logger.warning("P2pNcclConnector: request %s: %s from the prefill instance failed: %s", pull.request_id,
+                           what, exc)  # fmt: skip
+        if pull.block_ids:
             with self._lock:
-                self._errors.update(pull.block_ids)
+                if failed:
+                    self._errors.update(pull.block_ids)
+                self._pulled_now.add(pull.request_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: the request waits for get_finished
@@ -240,9 +241,8 @@ class P2pNcclConnector(KVConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if isinstance(self.link, ProducerLink):
             return self.link.take_finished() or None, None
-        done = {request_id for request_id, future in self._loading.items() if future.done()}
-        for request_id in done:
-            del self._loading[request_id]
+        with self._lock:
+            done, self._pulled_now = self._pulled_now, set()
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
