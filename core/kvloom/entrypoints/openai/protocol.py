@@ -38,6 +38,7 @@ from kvloom.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     RequestOutputKind,
     StructuredOutputsParams,
+    check_kv_transfer_params,
 )
 
 MAX_LOGPROBS = 20
@@ -207,6 +208,9 @@ class SamplingRequest(OpenAIRequest):
     vllm_xargs: dict[str, Any] | None = None
     """Arguments of logits processor plugins, ``{processor name: value}`` (vLLM's field; the
     engine's ``SamplingParams.extra_args``)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector reads for this request (vLLM's field), e.g. a disaggregated
+    proxy's ``{"do_remote_decode": true}``; the response carries the connector's reply."""
     # Features not built yet: accepted as fields so that asking for them is a 400 naming them.
     logits_processors: Any = None
     bad_words: Any = None
@@ -221,6 +225,11 @@ class SamplingRequest(OpenAIRequest):
         except ValueError as exc:  # the error's location already names the field
             raise ValueError(str(exc).removeprefix("vllm_xargs.")) from None
         return value
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _check_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_kv_transfer_params(value)
 
     @model_validator(mode="after")
     def _check_not_built_sampling(self) -> "SamplingRequest":
@@ -312,6 +321,7 @@ class SamplingRequest(OpenAIRequest):
             "output_kind": RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             "structured_outputs": structured_outputs,
             "extra_args": self.vllm_xargs,
+            "kv_transfer_params": self.kv_transfer_params,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
@@ -409,6 +419,8 @@ class CompletionResponse(OpenAIResponse):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+    """The KV connector's reply for the request (vLLM's field): a prefill instance's, for its decode instance."""
 
 
 class CompletionStreamResponse(OpenAIResponse):
@@ -641,6 +653,8 @@ class ChatCompletionResponse(OpenAIResponse):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+    """The KV connector's reply for the request (vLLM's field): a prefill instance's, for its decode instance."""
 
 
 class DeltaMessage(OpenAIResponse):

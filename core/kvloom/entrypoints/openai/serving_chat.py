@@ -220,8 +220,10 @@ class OpenAIServingChat(OpenAIServing):
         """The whole response of an admitted request."""
         request, request_id, prompt, outputs, mode = run.request, run.request_id, run.prompt, run.outputs, run.mode
         choices = [_Choice() for _ in range(request.n)]
+        kv_transfer_params = None  # the connector's reply, with the final output
         async with aclosing(outputs):
             async for _, output in outputs:
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for completion in output.outputs:
                     self._delta(request, choices[completion.index], completion)
         messages = []
@@ -250,6 +252,7 @@ class OpenAIServingChat(OpenAIServing):
                 for i, c in enumerate(choices)
             ],
             usage=self._usage(prompt, choices),
+            kv_transfer_params=kv_transfer_params,
         )
 
     # ------------------------------------------------------------ server-sent events

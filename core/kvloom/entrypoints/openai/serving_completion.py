@@ -153,8 +153,11 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
+        kv_transfer_params = None  # the connector's reply (the first prompt's, as vLLM answers)
         async with aclosing(outputs):
             async for p, output in outputs:
+                if p == 0 and output.kv_transfer_params is not None:
+                    kv_transfer_params = output.kv_transfer_params
                 for index, completion in self._sequences(output, p, n, prompt_logprobs):
                     choice = choices[index]
                     _, logprobs = self._delta(request, prompts[p], choice, completion, prompt_logprobs[p])
@@ -174,6 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 for i, c in enumerate(choices)
             ],
             usage=self._usage(prompts, choices),
+            kv_transfer_params=kv_transfer_params,
         )
 
     # ------------------------------------------------------------ server-sent events
