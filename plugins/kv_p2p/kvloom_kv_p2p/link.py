@@ -272,7 +272,7 @@ class ConsumerLink(Endpoint):
         reply_key = f"{self._prefix}/reply/{n}"
         self._store.set(f"{self._prefix}/pull/{n}", json.dumps({"request_id": request_id, "block_ids": remote_ids,
                                                                  "layout": self.layout}))  # fmt: skip
-        self._store.wait([reply_key])
+        self._store.wait([reply_key], 2 * self.timeout)  # the producer may wait timeout_s for the request itself
         error = json.loads(self._store.get(reply_key))["error"]
         self._store.delete_key(reply_key)
         if error is not None:
