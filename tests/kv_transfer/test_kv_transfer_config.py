@@ -73,7 +73,7 @@ def test_kv_offloading_size_selects_the_offloading_connector() -> None:
 @pytest.mark.parametrize(("name", "message"), [
     ("OffloadingConnector", "needs the package kvloom-kv-offload"),
     ("NixlConnector", "'NixlConnector' is not supported by kvloom yet"),
-    ("P2pNcclConnector", "'P2pNcclConnector' is not supported by kvloom yet"),
+    ("P2pNcclConnector", "needs the package kvloom-kv-p2p"),
     ("NoSuchConnector", "not a KV connector kvloom knows"),
 ])  # fmt: skip
 def test_an_unknown_connector_says_what_to_do(name: str, message: str, monkeypatch: pytest.MonkeyPatch) -> None:

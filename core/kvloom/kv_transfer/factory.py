@@ -31,12 +31,13 @@ FIRST_PARTY_CONNECTORS: dict[str, str] = {
     "ExampleConnector": "kvloom-kv-shared-storage",
     "SharedStorageConnector": "kvloom-kv-shared-storage",
     "OffloadingConnector": "kvloom-kv-offload",
+    "P2pNcclConnector": "kvloom-kv-p2p",
 }
 
 #: vLLM's other connectors: asking for one is answered as "not supported yet", not "unknown".
 VLLM_CONNECTORS: tuple[str, ...] = (
     "NixlConnector", "LMCacheConnectorV1", "LMCacheMPConnector", "MooncakeConnector", "MultiConnector",
-    "DecodeBenchConnector", "SimpleCPUOffloadConnector", "MoRIIOConnector", "FlexKVConnectorV1", "P2pNcclConnector",
+    "DecodeBenchConnector", "SimpleCPUOffloadConnector", "MoRIIOConnector", "FlexKVConnectorV1",
 )  # fmt: skip
 
 
