@@ -62,8 +62,8 @@ def kvloom_runner(model: str | None, quantization: str | None) -> tuple[Runner, 
     return run, llm
 
 
-def hf_runner(config: Any) -> Runner:
-    model = _hf_model(config)
+def hf_runner(path: str) -> Runner:
+    model = _hf_model({"model": path, "dtype": "float32", "device_type": "cpu"})
 
     def run(prompts: list[list[int]], output_len: int) -> float:
         ids = torch.tensor(prompts)
@@ -125,7 +125,7 @@ def main() -> int:
         ("kvloom, dequantized fp32 (--quantization none)", lambda: kvloom_runner(path, "none")[0]),
     ]
     if not ns.skip_hf:
-        engines.append(("HF transformers fp32", lambda: hf_runner(config)))
+        engines.append(("HF transformers fp32", lambda: hf_runner(path)))
     engines.append(("llama.cpp (llama-cpp-python, batched low-level API)", lambda: llama_cpp_runner(path, ns.threads)))
     for name, make in engines:
         run = make()

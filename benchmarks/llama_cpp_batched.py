@@ -17,12 +17,18 @@ import llama_cpp  # an ImportError here tells the benchmarks llama.cpp is not in
 import numpy as np
 
 
+@llama_cpp.llama_log_callback
+def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp's load and context logs, dropped (the benchmarks print their own lines)."""
+
+
 class LlamaCppBatched:
     """One llama.cpp model and context holding up to ``n_seq_max`` sequences of ``seq_len``
     tokens each."""
 
     def __init__(self, path: str, threads: int, n_seq_max: int, seq_len: int, n_batch: int = 2048) -> None:
         self.lib: Any = llama_cpp
+        llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
         if not self.model:
