@@ -33,7 +33,8 @@ from kvloom.layers.fused_moe import FusedMoE
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
-from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.layers.vocab_embedding import VocabEmbedding
+from kvloom.models.causal_lm import CausalLM
 from kvloom.models.interface import HiddenStateTaps
 from kvloom.models.llama import LlamaDecoderLayer, LlamaModel
 from kvloom.models.weights import load_checkpoint_weights
@@ -188,7 +189,7 @@ class DeepseekV2Model(nn.Module):
     forward = LlamaModel.forward
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """kvloom's model contract (see ``LlamaForCausalLM``) for DeepSeek-V2/V3."""
 
     stacked_params = DEEPSEEK_STACKED_PARAMS
@@ -203,16 +204,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = config
         hf = config.model.hf_config
         self.model = DeepseekV2Model(config, _join(prefix, "model"))
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        self.add_lm_head(hf, prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; those of the MTP layer (``model.layers.{num_hidden_layers}``
@@ -220,9 +212,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         hf: Any = self.config.model.hf_config
         n = hf.num_hidden_layers
         mtp = tuple(f"model.layers.{i}." for i in range(n, n + (getattr(hf, "num_nextn_predict_layers", 0) or 0)))
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
         kept = ((_kvloom_name(name), t) for name, t in weights if not (mtp and name.startswith(mtp)))
-        return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=tied)
+        return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=self.tied_weight_names)
 
 
 #: HF keeps V3's correction bias on the router; kvloom's FusedMoE owns it.

@@ -33,6 +33,7 @@ plugin stays the example of an out-of-tree model (Gemma 1), built on the same la
 from __future__ import annotations
 
 from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -40,7 +41,8 @@ from kvloom.config import EngineConfig
 from kvloom.kv_cache.spec import layer_type_of
 from kvloom.layers.layernorm import GemmaRMSNorm
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
-from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.layers.vocab_embedding import VocabEmbedding
+from kvloom.models.causal_lm import CausalLM
 from kvloom.models.llama import LlamaAttention, LlamaMLP
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
@@ -116,7 +118,7 @@ class GemmaModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(CausalLM):
     """kvloom's model contract over ``GemmaModel`` (see the module docstring)."""
 
     stacked_params = LLAMA_STACKED_PARAMS
@@ -130,14 +132,8 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         hf = config.model.text_config
         self.model = GemmaModel(config, _join(prefix, "model"), self.qk_norm)
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"), parallel=True)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.add_lm_head(hf, prefix, tied_by_default=True, parallel=True)
         self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return soft_cap(self.lm_head(hidden_states), self.final_logit_softcapping)
@@ -147,10 +143,9 @@ class Gemma2ForCausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
         renamed = ((self.checkpoint_name(name), tensor) for name, tensor in weights)
         return load_checkpoint_weights(self, ((n, t) for n, t in renamed if n is not None), self.stacked_params,
-                                       tied_names=tied)  # fmt: skip
+                                       tied_names=self.tied_weight_names)  # fmt: skip
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
