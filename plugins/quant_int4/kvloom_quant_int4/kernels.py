@@ -11,7 +11,7 @@
   capture it) and each program multiplies ``BLOCK_M`` pairs of one expert by that
   expert's dequantized tile.
 
-The dequantization of a ``BLOCK_K x BLOCK_N`` tile (``_w4_tile``) reads ``BLOCK_N / 8``
+The dequantization of a ``BLOCK_K x BLOCK_N`` tile (``_w4_dot_tile``) reads ``BLOCK_N / 8``
 words per row, expands each to its eight nibbles, and forms ``(q - zero) * scale``
 (integers) or ``e2m1(q) * scale`` (MXFP4) in float32, rounded to the activation dtype
 for the dot. Act-order weights gather the activation's columns through ``perm`` and the
@@ -33,65 +33,6 @@ from kvloom_quant_int4.layout import W4Tensors
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _w4_tile(
-    qw_ptr,
-    s_ptr,
-    z_ptr,
-    gidx_ptr,
-    k0,
-    offs_n,
-    n_ok,
-    N,
-    K,
-    stride_qk,
-    stride_sg,
-    GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    HAS_GIDX: tl.constexpr,
-    E2M1: tl.constexpr,
-    SCALE_ROW: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """float32 ``[BLOCK_K, BLOCK_N]``: weight rows ``k0 ..`` (of the sorted K), columns
-    ``offs_n`` (starting on a multiple of BLOCK_N, itself a multiple of 8); rows and
-    columns out of range are zero."""
-    rows = k0 + tl.arange(0, BLOCK_K)
-    k_ok = rows < K
-    words_n = offs_n // 8
-    word_ok = words_n < (N + 7) // 8
-    words = tl.load(qw_ptr + rows[:, None] * stride_qk + words_n[None, :], mask=k_ok[:, None] & word_ok[None, :],
-                    other=0)  # fmt: skip
-    q = (words >> ((offs_n % 8) * 4)[None, :]) & 0xF
-    if SCALE_ROW:  # the whole tile is in one group (GROUP % BLOCK_K == 0, no act-order)
-        group = k0 // GROUP
-        scale = tl.load(s_ptr + group * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + group * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)[None, :]
-    else:
-        if HAS_GIDX:
-            group = tl.load(gidx_ptr + rows, mask=k_ok, other=0)
-        else:
-            group = rows // GROUP
-        ok = k_ok[:, None] & n_ok[None, :]
-        at = group[:, None] * stride_sg + offs_n[None, :]
-        scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32)
-    if E2M1:
-        exponent = (q >> 1) & 3
-        mantissa = (q & 1).to(tl.float32)
-        normal = ((2 + (q & 1)) << exponent).to(tl.float32) * 0.25
-        magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
-        value = tl.where((q & 8) != 0, -magnitude, magnitude)
-    elif HAS_ZEROS:
-        value = q.to(tl.float32) - zero
-    else:
-        value = q.to(tl.float32) - 8.0
-    return value * scale
 
 
 @triton.jit
@@ -121,9 +62,11 @@ def _w4_dot_tile(
     BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """``acc`` plus one K tile of the product: activations at the row pointers ``x_rows``
-    (rows ``row_ok``), columns ``perm[k0 ..]`` (act-order) or ``k0 ..``, times the weight
-    tile of ``_w4_tile``."""
+    """``acc`` plus one K tile of the product: the activations at the row pointers
+    ``x_rows`` (rows ``row_ok``), columns ``perm[k0 ..]`` (act-order) or ``k0 ..``, times
+    the dequantized float32 ``[BLOCK_K, BLOCK_N]`` weight tile of rows ``k0 ..`` (of the
+    sorted K) and columns ``offs_n`` (starting on a multiple of BLOCK_N, itself a multiple
+    of 8); rows and columns out of range are zero."""
     rows = k0 + tl.arange(0, BLOCK_K)
     k_ok = rows < K
     if HAS_PERM:
@@ -131,8 +74,37 @@ def _w4_dot_tile(
     else:
         cols = rows
     a = tl.load(x_rows[:, None] + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    w = _w4_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, n_ok, N, K, stride_qk, stride_sg,
-                 GROUP, HAS_ZEROS, HAS_PERM, E2M1, SCALE_ROW, BLOCK_K, BLOCK_N)  # fmt: skip
+    words_n = offs_n // 8
+    word_ok = words_n < (N + 7) // 8
+    words = tl.load(qw_ptr + rows[:, None] * stride_qk + words_n[None, :], mask=k_ok[:, None] & word_ok[None, :],
+                    other=0)  # fmt: skip
+    q = (words >> ((offs_n % 8) * 4)[None, :]) & 0xF
+    if SCALE_ROW:  # the whole tile is in one group (GROUP % BLOCK_K == 0, no act-order)
+        group = k0 // GROUP
+        scale = tl.load(s_ptr + group * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)[None, :]
+    else:
+        if HAS_PERM:  # act-order: each row's group from gidx
+            group = tl.load(gidx_ptr + rows, mask=k_ok, other=0)
+        else:
+            group = rows // GROUP
+        ok = k_ok[:, None] & n_ok[None, :]
+        at = group[:, None] * stride_sg + offs_n[None, :]
+        scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32)
+    if E2M1:
+        exponent = (q >> 1) & 3
+        mantissa = (q & 1).to(tl.float32)
+        normal = ((2 + (q & 1)) << exponent).to(tl.float32) * 0.25
+        magnitude = tl.where(exponent == 0, mantissa * 0.5, normal)
+        value = tl.where((q & 8) != 0, -magnitude, magnitude)
+    elif HAS_ZEROS:
+        value = q.to(tl.float32) - zero
+    else:
+        value = q.to(tl.float32) - 8.0
+    w = value * scale
     if INTERPRET:
         acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
     else:
