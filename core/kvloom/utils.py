@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
+from pathlib import Path
+from typing import Any
 
 
 def cdiv(a: int, b: int) -> int:
@@ -10,10 +13,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kvloom_cache_dir() -> "Path":
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``; else a ``ValueError`` naming the file and what
+    is wrong (unreadable, not JSON, or JSON but not an object)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return value
+
+
+def kvloom_cache_dir() -> Path:
     """kvloom's on-disk cache root: ``$KVLOOM_CACHE_DIR``, default ``~/.cache/kvloom``."""
     import os
-    from pathlib import Path
 
     return Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
 
