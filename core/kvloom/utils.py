@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 
+def join_prefix(prefix: str, name: str) -> str:
+    """The module name ``name`` under ``prefix`` (``"model.layers.0" + "mlp"``): the dotted
+    path a layer's weights and quantization rules are found by; ``name`` alone at the root."""
+    return f"{prefix}.{name}" if prefix else name
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of ``b`` hold ``a`` items."""
     return -(-a // b)

@@ -220,10 +220,6 @@ def fused_moe_torch(
     return out
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 class FusedMoE(nn.Module):
     """The routed experts of one MoE layer: ``forward(hidden [T, H], router_logits [T, E]) -> [T, H]``,
     the sum over each token's ``top_k`` experts (``select_experts``) of its routing weight

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvloom.layers.vocab_embedding import LMHead
+from kvloom.utils import join_prefix
 
 
 class CausalLM(nn.Module):
@@ -31,8 +32,9 @@ class CausalLM(nn.Module):
         ``lm_head`` under ``prefix``) and tie it to ``self.model.embed_tokens`` when
         ``hf_config.tie_word_embeddings`` says so (absent: ``tied_by_default``).
         ``parallel``: split the vocabulary over tensor-parallel ranks."""
-        name = f"{prefix}.lm_head" if prefix else "lm_head"
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, prefix=name, parallel=parallel)
+        self.lm_head = LMHead(
+            hf_config.vocab_size, hf_config.hidden_size, prefix=join_prefix(prefix, "lm_head"), parallel=parallel
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", tied_by_default))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

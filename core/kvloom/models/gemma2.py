@@ -45,10 +45,7 @@ from kvloom.layers.vocab_embedding import VocabEmbedding
 from kvloom.models.causal_lm import CausalLM
 from kvloom.models.llama import LlamaAttention, LlamaMLP
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+from kvloom.utils import join_prefix
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -65,11 +62,11 @@ class GemmaDecoderLayer(nn.Module):
         bias = bool(getattr(hf, "attention_bias", False))
         self.layer_type = layer_type_of(hf, layer_idx)
         self.self_attn = LlamaAttention(
-            config, layer_idx, _join(prefix, "self_attn"), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
+            config, layer_idx, join_prefix(prefix, "self_attn"), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
             scale=float(hf.query_pre_attn_scalar) ** -0.5, norm=GemmaRMSNorm,
             logits_soft_cap=getattr(hf, "attn_logit_softcapping", None),
         )  # fmt: skip
-        self.mlp = LlamaMLP(config, _join(prefix, "mlp"), hidden_act=hf.hidden_activation)
+        self.mlp = LlamaMLP(config, join_prefix(prefix, "mlp"), hidden_act=hf.hidden_activation)
         eps = hf.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hf.hidden_size, eps=eps)
         self.post_attention_layernorm = GemmaRMSNorm(hf.hidden_size, eps=eps)
@@ -90,10 +87,11 @@ class GemmaModel(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str, qk_norm: bool) -> None:
         super().__init__()
         hf = config.model.text_config
-        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"),
+        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=join_prefix(prefix, "embed_tokens"),
                                            parallel=True)  # fmt: skip
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), qk_norm) for i in range(hf.num_hidden_layers)
+            GemmaDecoderLayer(config, i, join_prefix(prefix, f"layers.{i}"), qk_norm)
+            for i in range(hf.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         kinds = sorted({layer.layer_type for layer in self.layers})
@@ -131,7 +129,7 @@ class Gemma2ForCausalLM(CausalLM):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.text_config
-        self.model = GemmaModel(config, _join(prefix, "model"), self.qk_norm)
+        self.model = GemmaModel(config, join_prefix(prefix, "model"), self.qk_norm)
         self.add_lm_head(hf, prefix, tied_by_default=True, parallel=True)
         self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
 
