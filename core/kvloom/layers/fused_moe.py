@@ -46,8 +46,9 @@ from kvloom.distributed import parallel_state
 from kvloom.layers.custom_ops import get_custom_op
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 from kvloom.quantization.context import layer_quant_method
-from kvloom.quantization.layer_methods import FusedMoEQuantMethod, Span, cdiv, load_per_shard, load_region
+from kvloom.quantization.layer_methods import FusedMoEQuantMethod, Span, load_per_shard, load_region
 from kvloom.quantization.method import LayerKind
+from kvloom.utils import cdiv
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 #: HF's DeepSeek-V3 adds this to the sum of the chosen sigmoid scores before dividing.
