@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
+from typing import TypeVar
 
 from kvloom.attention.backend import AttentionBackend
 from kvloom.config import EngineConfig
@@ -281,6 +283,17 @@ def with_built_ins(built_in: dict[str, type], group: str, kind: str) -> dict[str
             raise ValueError(f"{entry.describe()}: the {kind} {name!r} is built in")
         merged[name] = entry.target
     return merged
+
+
+_T = TypeVar("_T")
+
+
+def pick_by_name(table: Mapping[str, _T], name: str, option: str, kind: str) -> _T:
+    """``table[name]``; else a ``ValueError`` naming the ``option`` (flag or field) that
+    asked for it, the unknown ``kind`` and the available names."""
+    if name not in table:
+        raise ValueError(f"{option}: unknown {kind} {name!r} (available: {', '.join(sorted(table))})")
+    return table[name]
 
 
 def structured_output_backends(built_in: dict[str, type]) -> dict[str, type]:

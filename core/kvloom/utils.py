@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import gc
+import json
+from pathlib import Path
+from typing import Any
+
+
+def join_prefix(prefix: str, name: str) -> str:
+    """The module name ``name`` under ``prefix`` (``"model.layers.0" + "mlp"``): the dotted
+    path a layer's weights and quantization rules are found by; ``name`` alone at the root."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 def cdiv(a: int, b: int) -> int:
@@ -10,10 +19,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kvloom_cache_dir() -> "Path":
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``; else a ``ValueError`` naming the file and what
+    is wrong (unreadable, not JSON, or JSON but not an object)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return value
+
+
+def kvloom_cache_dir() -> Path:
     """kvloom's on-disk cache root: ``$KVLOOM_CACHE_DIR``, default ``~/.cache/kvloom``."""
     import os
-    from pathlib import Path
 
     return Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
 

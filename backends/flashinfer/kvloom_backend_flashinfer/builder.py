@@ -114,54 +114,44 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             "kv_data_type": self.spec.kv_cache_dtype,
         }
 
+    def _paged_kv_args(self, plan: PagedKVPlan, common: CommonAttentionMetadata) -> tuple[Any, ...]:
+        """The arguments both wrappers' ``plan`` take after the query layout: the paged KV
+        (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) and the head geometry."""
+        spec = self.spec
+        kv_indices = gather_kv_indices(common.block_table[: common.num_reqs], plan)
+        return (
+            plan.kv_indptr,
+            kv_indices,
+            plan.kv_last_page_len,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.block_size,
+        )
+
+    def _metadata(
+        self, wrapper: Any, num_query_rows: int, common: CommonAttentionMetadata, is_decode: bool
+    ) -> FlashInferMetadata:
+        return FlashInferMetadata(
+            wrapper=wrapper,
+            num_query_rows=num_query_rows,
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping,
+            sm_scale=self.spec.scale,
+            is_decode=is_decode,
+        )
+
     def _plan_decode(
         self, wrapper: Any, plan: PagedKVPlan, common: CommonAttentionMetadata
     ) -> FlashInferMetadata:
-        spec = self.spec
-        kv_indices = gather_kv_indices(common.block_table[: common.num_reqs], plan)
-        wrapper.plan(
-            plan.kv_indptr,
-            kv_indices,
-            plan.kv_last_page_len,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_size,
-            spec.block_size,
-            pos_encoding_mode="NONE",
-            **self._plan_kwargs(),
-        )
-        return FlashInferMetadata(
-            wrapper=wrapper,
-            num_query_rows=common.num_reqs,
-            num_actual_tokens=common.num_actual_tokens,
-            slot_mapping=common.slot_mapping,
-            sm_scale=spec.scale,
-            is_decode=True,
-        )
+        wrapper.plan(*self._paged_kv_args(plan, common), pos_encoding_mode="NONE", **self._plan_kwargs())
+        return self._metadata(wrapper, common.num_reqs, common, is_decode=True)
 
     def _plan_prefill(self, plan: PagedKVPlan, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        spec = self.spec
-        kv_indices = gather_kv_indices(common.block_table[: common.num_reqs], plan)
         self._prefill_wrapper.plan(
-            plan.qo_indptr,
-            plan.kv_indptr,
-            kv_indices,
-            plan.kv_last_page_len,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_size,
-            spec.block_size,
-            causal=True,
-            **self._plan_kwargs(),
+            plan.qo_indptr, *self._paged_kv_args(plan, common), causal=True, **self._plan_kwargs()
         )
-        return FlashInferMetadata(
-            wrapper=self._prefill_wrapper,
-            num_query_rows=plan.num_query_rows,
-            num_actual_tokens=common.num_actual_tokens,
-            slot_mapping=common.slot_mapping,
-            sm_scale=spec.scale,
-            is_decode=False,
-        )
+        return self._metadata(self._prefill_wrapper, plan.num_query_rows, common, is_decode=False)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_decode_wrapper(self, batch_size: int) -> Any:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.interfaces import min_split_tiles
+from kvloom.interfaces import cdiv, min_split_tiles
 from kvloom_backend_triton.config import KernelConfig, next_power_of_2
 from kvloom_backend_triton.kernels import (
     decode_attention_kernel,
@@ -25,10 +25,6 @@ LOG2_E = 1.4426950408889634
 MIN_DOT_ROWS = 16
 #: Elements one cache-write program copies at most (heads x padded head size).
 _WRITE_TILE_ELEMENTS = 4096
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

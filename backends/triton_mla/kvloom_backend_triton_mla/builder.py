@@ -20,8 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.interfaces import MLA_DECODE, AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata, MLADims
-from kvloom_backend_triton_mla.ops import MLAKernelConfig, cdiv, plan_num_kv_splits, resolve_config
+from kvloom.interfaces import (
+    MLA_DECODE,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MLADims,
+    cdiv,
+)
+from kvloom_backend_triton_mla.ops import MLAKernelConfig, plan_num_kv_splits, resolve_config
 
 logger = logging.getLogger(__name__)
 

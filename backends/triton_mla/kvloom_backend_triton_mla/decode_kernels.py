@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvloom_backend_triton_mla.online_softmax import online_softmax_step
+
 
 @triton.jit
 def mla_decode_kernel(
@@ -117,15 +119,9 @@ def mla_decode_kernel(
         s = tl.dot(q_nope, tl.trans(ckv), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(kpe), s, input_precision=DOT_PRECISION)
         # The loop only visits tiles that start before kv_stop, so every row has a finite
-        # score in every tile and m_new is finite (no -inf - -inf).
+        # score in every tile: no row needs the guard.
         s = tl.where(in_range[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(ckv.dtype), ckv, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, ckv, GUARD_EMPTY_ROWS=False, DOT_PRECISION=DOT_PRECISION)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.interfaces import (
+    cdiv,
     check_launch_fields,
     min_split_tiles,
     next_power_of_2,
@@ -24,10 +25,6 @@ LOG2_E = 1.4426950408889634
 #: are padded up to it.
 MIN_DOT = 16
 ENV_VAR = "KVLOOM_TRITON_MLA_CONFIG"
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

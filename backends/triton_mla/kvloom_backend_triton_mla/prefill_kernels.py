@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvloom_backend_triton_mla.online_softmax import online_softmax_step
+
 
 @triton.jit
 def varlen_causal_attention_kernel(
@@ -81,16 +83,9 @@ def varlen_causal_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = col_ok[None, :] & (cols[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
-            # Rows past q_len and the first tiles of early rows may see nothing yet: keep
-            # their max finite so exp2 never computes -inf - -inf.
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+            # Rows past q_len and the first tiles of early rows may see nothing yet.
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, v, GUARD_EMPTY_ROWS=True,
+                                                DOT_PRECISION=DOT_PRECISION)  # fmt: skip
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_begin + rows)[:, None].to(tl.int64) * stride_o_tok + head * stride_o_head + dv[None, :],

@@ -38,6 +38,7 @@ from kvloom.forward_context import get_forward_context
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear
 from kvloom.layers.rotary import RotaryEmbedding
+from kvloom.utils import join_prefix
 
 
 def _make_impl(backend: type[AttentionBackend], dims: MLADims, scale: float, kv_cache_dtype: str) -> MLAAttentionImpl:
@@ -94,7 +95,7 @@ class MLAAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
 
         def join(name: str) -> str:
-            return f"{prefix}.{name}" if prefix else name
+            return join_prefix(prefix, name)
 
         if q_lora_rank is None:
             self.q_proj = Linear(hidden_size, h * dims.qk_head_dim, bias=False, prefix=join("q_proj"))

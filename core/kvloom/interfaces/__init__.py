@@ -21,8 +21,8 @@ example packages):
   ``FP8_KV_CACHE_DTYPES``, ``is_fp8_kv_cache``, ``quantize_kv``, ``dequantize_kv``,
   ``inverse_kv_scale`` (what a write kernel multiplies by); environment overrides of a kernel configuration
   dataclass (``NAME=INT,...``): ``parse_kernel_overrides``, with the range checks of its
-  fields (``check_launch_fields``), its resolution (``resolve_kernel_config``) and
-  ``next_power_of_2``; the shortest run a split-KV
+  fields (``check_launch_fields``), its resolution (``resolve_kernel_config``),
+  ``next_power_of_2`` and ``cdiv`` (ceiling division, for grids); the shortest run a split-KV
   decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
@@ -203,7 +203,7 @@ from kvloom.spec_decode.proposer import (
 )
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
-from kvloom.utils import kvloom_cache_dir
+from kvloom.utils import cdiv, kvloom_cache_dir
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -285,6 +285,7 @@ __all__ = [
     "quantize_kv",
     "effective_decode_graphs",
     "hookimpl",
+    "cdiv",
     "min_split_tiles",
     "next_power_of_2",
     "parse_kernel_overrides",

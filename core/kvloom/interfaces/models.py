@@ -49,6 +49,7 @@ from kvloom.layers.linear import Linear, MergedLinear, QKVLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
 from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.loader.lazy_tensor import LazyTensor, materialize
+from kvloom.models.causal_lm import CausalLM
 from kvloom.models.interface import (
     HasStackedParams,
     SupportsLazyWeights,
@@ -66,11 +67,12 @@ from kvloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausa
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
 
 __all__ = [
+    "LLAMA_STACKED_PARAMS",
     "Attention",
+    "CausalLM",
     "EngineConfig",
     "FusedMoE",
     "HasStackedParams",
-    "LLAMA_STACKED_PARAMS",
     "LMHead",
     "LazyTensor",
     "Linear",

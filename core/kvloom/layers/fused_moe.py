@@ -36,7 +36,7 @@ into ``w13_weight_scale``), and computes the experts instead of the ``fused_moe`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,9 @@ from kvloom.distributed import parallel_state
 from kvloom.layers.custom_ops import get_custom_op
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 from kvloom.quantization.context import layer_quant_method
-from kvloom.quantization.layer_methods import FusedMoEQuantMethod, Span, cdiv, load_per_shard, load_region
+from kvloom.quantization.layer_methods import FusedMoEQuantMethod, Span, load_per_shard, load_region
 from kvloom.quantization.method import LayerKind
+from kvloom.utils import cdiv
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 #: HF's DeepSeek-V3 adds this to the sum of the chosen sigmoid scores before dividing.
@@ -162,6 +163,29 @@ def select_experts(
     return topk_weights, topk_ids.to(torch.int32)
 
 
+def expert_groups(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The (token, slot) pairs of a routing grouped by expert, in HF's order: for each
+    expert with tokens, ascending, ``(expert, rows, weights)``, its token rows and their
+    routing weights. Within a group the pairs are slot-major (pair ``p = slot * T + token``,
+    a stable sort of the expert ids), as HF's ``torch.where`` lists them. Reads the group
+    sizes on the host (not for CUDA graphs)."""
+    num_tokens = topk_ids.shape[0]
+    flat_ids = topk_ids.t().reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    tokens = order % num_tokens
+    slots = order // num_tokens
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        yield expert, rows, topk_weights[rows, slots[start : start + count]]
+        start += count
+
+
 def fused_moe_torch(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -182,24 +206,12 @@ def fused_moe_torch(
     ``down_input`` (not part of the op) transforms each expert's down-projection input
     rows first: a W8A8 quantization method's activation quantization.
     """
-    num_tokens, top_k = topk_ids.shape
+    num_tokens = topk_ids.shape[0]
     intermediate = w2.shape[-1]
     out = torch.zeros_like(hidden)
     if num_tokens == 0:
         return out
-    # Slot-major flattening: pair p = slot * T + token, the order HF visits them in.
-    flat_ids = topk_ids.t().reshape(-1).long()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    tokens = order % num_tokens
-    slots = order // num_tokens
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = tokens[start : start + count]
-        weights = topk_weights[rows, slots[start : start + count]]
-        start += count
+    for expert, rows, weights in expert_groups(topk_weights, topk_ids, w13.shape[0]):
         gate_up = F.linear(hidden[rows], w13[expert])
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         if down_input is not None:
@@ -207,10 +219,6 @@ def fused_moe_torch(
         expert_out = F.linear(act, w2[expert]) * weights[:, None]
         out.index_add_(0, rows, expert_out.to(out.dtype))
     return out
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 class FusedMoE(nn.Module):

@@ -44,8 +44,9 @@ from torch import nn
 from kvloom.distributed import parallel_state
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 from kvloom.quantization.context import layer_quant_method
-from kvloom.quantization.layer_methods import LinearQuantMethod, Span, cdiv, load_per_shard, load_region
+from kvloom.quantization.layer_methods import LinearQuantMethod, Span, load_per_shard, load_region
 from kvloom.quantization.method import LayerKind
+from kvloom.utils import cdiv
 
 ParallelMode = Literal["replicated", "column", "row"]
 

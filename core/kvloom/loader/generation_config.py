@@ -11,10 +11,11 @@ Chat template, as in vLLM: a path to a Jinja file, or the template itself inline
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from kvloom.utils import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,9 @@ def generation_defaults(setting: str, model_path: str | Path) -> dict[str, Any]:
             raise ValueError(f"generation_config: {folder} has no {GENERATION_CONFIG_FILE}")
         return {}
     try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"generation_config: cannot read {path}: {exc}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"generation_config: {path} is not a JSON object")
+        values = read_json_object(path)
+    except ValueError as exc:
+        raise ValueError(f"generation_config: {exc}") from None
     defaults = {name: values[key] for key, name in GENERATION_DEFAULT_KEYS.items() if values.get(key) is not None}
     if defaults:
         logger.info("Default sampling parameters from %s: %s (--generation-config vllm ignores them)", path, defaults)

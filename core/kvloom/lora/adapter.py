@@ -18,7 +18,6 @@ resolvers that want one (``_same_model`` says what matches).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvloom.utils import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,9 @@ def read_adapter_config(path: str | Path, name: str | None = None) -> dict[str, 
     if not config_file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {label}: {config_file} does not exist")
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoRAAdapterError(f"LoRA adapter {label}: {config_file} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise LoRAAdapterError(f"LoRA adapter {label}: {config_file} must hold a JSON object")
-    return config
+        return read_json_object(config_file)
+    except ValueError as exc:
+        raise LoRAAdapterError(f"LoRA adapter {label}: {exc}") from None
 
 
 def _target_names(target_modules: Any) -> list[str] | None:

@@ -33,10 +33,12 @@ from kvloom.layers.fused_moe import FusedMoE
 from kvloom.layers.layernorm import RMSNorm
 from kvloom.layers.linear import Linear, MergedLinear
 from kvloom.layers.rotary import RotaryEmbedding, deepseek_softmax_scale, get_rope_parameters
-from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.layers.vocab_embedding import VocabEmbedding
+from kvloom.models.causal_lm import CausalLM
 from kvloom.models.interface import HiddenStateTaps
 from kvloom.models.llama import LlamaDecoderLayer, LlamaModel
 from kvloom.models.weights import load_checkpoint_weights
+from kvloom.utils import join_prefix
 
 #: (merged module, checkpoint module, shard): gate/up of the dense MLPs and shared experts.
 DEEPSEEK_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -45,19 +47,15 @@ DEEPSEEK_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 class DeepseekMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` with gate and up merged."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, prefix: str) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj")
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=join_prefix(prefix, "gate_up_proj")
         )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, prefix=_join(prefix, "down_proj"))
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, prefix=join_prefix(prefix, "down_proj"))
         self.act_fn = get_gated_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,12 +104,12 @@ class DeepseekMoE(nn.Module):
             num_expert_group=hf.n_group if grouped else None,
             topk_group=hf.topk_group if grouped else None,
             routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
-            prefix=_join(prefix, "experts"),
+            prefix=join_prefix(prefix, "experts"),
         )
         shared = getattr(hf, "n_shared_experts", None) or 0
         self.shared_experts = (
             DeepseekMLP(hf.hidden_size, hf.moe_intermediate_size * shared, hf.hidden_act, False,
-                        _join(prefix, "shared_experts"))
+                        join_prefix(prefix, "shared_experts"))
             if shared else None
         )  # fmt: skip
 
@@ -144,17 +142,17 @@ class DeepseekV2DecoderLayer(nn.Module):
             prefill_backend=prefill_backend,
             # V2 rotates interleaved pairs; V3 when rope_interleave (its default).
             rope_interleaved=bool(getattr(hf, "rope_interleave", True)),
-            prefix=_join(prefix, "self_attn"),
+            prefix=join_prefix(prefix, "self_attn"),
             kv_cache_dtype=config.cache.cache_dtype,
             bias=bool(getattr(hf, "attention_bias", False)),
         )
         first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
         if layer_idx >= first_dense and getattr(hf, "n_routed_experts", None):
-            self.mlp: nn.Module = DeepseekMoE(config, _join(prefix, "mlp"))
+            self.mlp: nn.Module = DeepseekMoE(config, join_prefix(prefix, "mlp"))
         else:
             self.mlp = DeepseekMLP(
                 hf.hidden_size, hf.intermediate_size, hf.hidden_act, bool(getattr(hf, "mlp_bias", False)),
-                _join(prefix, "mlp"),
+                join_prefix(prefix, "mlp"),
             )  # fmt: skip
         self.input_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
@@ -169,9 +167,9 @@ class DeepseekV2Model(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"))
+        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=join_prefix(prefix, "embed_tokens"))
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, _join(prefix, f"layers.{i}")) for i in range(hf.num_hidden_layers)
+            DeepseekV2DecoderLayer(config, i, join_prefix(prefix, f"layers.{i}")) for i in range(hf.num_hidden_layers)
         )
         self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         # LlamaModel.forward's stage attributes: DeepSeek is never pipeline-split (every layer here).
@@ -188,7 +186,7 @@ class DeepseekV2Model(nn.Module):
     forward = LlamaModel.forward
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """kvloom's model contract (see ``LlamaForCausalLM``) for DeepSeek-V2/V3."""
 
     stacked_params = DEEPSEEK_STACKED_PARAMS
@@ -202,17 +200,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         hf = config.model.hf_config
-        self.model = DeepseekV2Model(config, _join(prefix, "model"))
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        self.model = DeepseekV2Model(config, join_prefix(prefix, "model"))
+        self.add_lm_head(hf, prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; those of the MTP layer (``model.layers.{num_hidden_layers}``
@@ -220,9 +209,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         hf: Any = self.config.model.hf_config
         n = hf.num_hidden_layers
         mtp = tuple(f"model.layers.{i}." for i in range(n, n + (getattr(hf, "num_nextn_predict_layers", 0) or 0)))
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
         kept = ((_kvloom_name(name), t) for name, t in weights if not (mtp and name.startswith(mtp)))
-        return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=tied)
+        return load_checkpoint_weights(self, kept, self.stacked_params, tied_names=self.tied_weight_names)
 
 
 #: HF keeps V3's correction bias on the router; kvloom's FusedMoE owns it.

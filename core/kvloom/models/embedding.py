@@ -21,6 +21,7 @@ from kvloom.models.llama import LlamaForCausalLM, LlamaModel
 from kvloom.models.qwen2 import Qwen2ForCausalLM
 from kvloom.models.qwen3 import Qwen3ForCausalLM
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
+from kvloom.utils import join_prefix
 
 
 class LlamaEmbeddingModel(nn.Module):
@@ -41,7 +42,7 @@ class LlamaEmbeddingModel(nn.Module):
         hf = config.model.hf_config
         attention_kwargs = self.causal_lm_cls.attention_kwargs(hf)
         self.model = LlamaModel(
-            config, f"{prefix}.model" if prefix else "model", attention_kwargs, self.causal_lm_cls.mlp_block
+            config, join_prefix(prefix, "model"), attention_kwargs, self.causal_lm_cls.mlp_block
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ plugin stays the example of an out-of-tree model (Gemma 1), built on the same la
 from __future__ import annotations
 
 from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -40,13 +41,11 @@ from kvloom.config import EngineConfig
 from kvloom.kv_cache.spec import layer_type_of
 from kvloom.layers.layernorm import GemmaRMSNorm
 from kvloom.layers.rotary import RotaryEmbedding, get_rope_parameters
-from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
+from kvloom.layers.vocab_embedding import VocabEmbedding
+from kvloom.models.causal_lm import CausalLM
 from kvloom.models.llama import LlamaAttention, LlamaMLP
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+from kvloom.utils import join_prefix
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -63,11 +62,11 @@ class GemmaDecoderLayer(nn.Module):
         bias = bool(getattr(hf, "attention_bias", False))
         self.layer_type = layer_type_of(hf, layer_idx)
         self.self_attn = LlamaAttention(
-            config, layer_idx, _join(prefix, "self_attn"), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
+            config, layer_idx, join_prefix(prefix, "self_attn"), qkv_bias=bias, o_bias=bias, qk_norm=qk_norm,
             scale=float(hf.query_pre_attn_scalar) ** -0.5, norm=GemmaRMSNorm,
             logits_soft_cap=getattr(hf, "attn_logit_softcapping", None),
         )  # fmt: skip
-        self.mlp = LlamaMLP(config, _join(prefix, "mlp"), hidden_act=hf.hidden_activation)
+        self.mlp = LlamaMLP(config, join_prefix(prefix, "mlp"), hidden_act=hf.hidden_activation)
         eps = hf.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hf.hidden_size, eps=eps)
         self.post_attention_layernorm = GemmaRMSNorm(hf.hidden_size, eps=eps)
@@ -88,10 +87,11 @@ class GemmaModel(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str, qk_norm: bool) -> None:
         super().__init__()
         hf = config.model.text_config
-        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"),
+        self.embed_tokens = VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=join_prefix(prefix, "embed_tokens"),
                                            parallel=True)  # fmt: skip
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), qk_norm) for i in range(hf.num_hidden_layers)
+            GemmaDecoderLayer(config, i, join_prefix(prefix, f"layers.{i}"), qk_norm)
+            for i in range(hf.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         kinds = sorted({layer.layer_type for layer in self.layers})
@@ -116,7 +116,7 @@ class GemmaModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(CausalLM):
     """kvloom's model contract over ``GemmaModel`` (see the module docstring)."""
 
     stacked_params = LLAMA_STACKED_PARAMS
@@ -129,15 +129,9 @@ class Gemma2ForCausalLM(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         hf = config.model.text_config
-        self.model = GemmaModel(config, _join(prefix, "model"), self.qk_norm)
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"), parallel=True)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = GemmaModel(config, join_prefix(prefix, "model"), self.qk_norm)
+        self.add_lm_head(hf, prefix, tied_by_default=True, parallel=True)
         self.final_logit_softcapping = getattr(hf, "final_logit_softcapping", None)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return soft_cap(self.lm_head(hidden_states), self.final_logit_softcapping)
@@ -147,10 +141,9 @@ class Gemma2ForCausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
         renamed = ((self.checkpoint_name(name), tensor) for name, tensor in weights)
         return load_checkpoint_weights(self, ((n, t) for n, t in renamed if n is not None), self.stacked_params,
-                                       tied_names=tied)  # fmt: skip
+                                       tied_names=self.tied_weight_names)  # fmt: skip
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.config import EngineConfig
-from kvloom.layers.fused_moe import FusedMoE
+from kvloom.layers.fused_moe import FusedMoE, expert_groups
 from kvloom.layers.linear import Linear
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
 from kvloom.models.llama import LlamaForCausalLM
@@ -178,18 +178,7 @@ class GptOssExperts(FusedMoE):
         """Each expert with tokens on its rows (the group sizes are read on the host), the
         weighted outputs added in expert order, as HF's loop."""
         out = torch.zeros_like(hidden)
-        num_tokens = ids.shape[0]
-        flat = ids.t().reshape(-1).long()  # slot-major, HF's order
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens, slots = order % num_tokens, order // num_tokens
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = tokens[start : start + count]
-            w = weights[rows, slots[start : start + count]]
-            start += count
+        for expert, rows, w in expert_groups(weights, ids, self.num_experts):
             out.index_add_(0, rows, (self._expert(expert, hidden[rows]) * w[:, None]).to(out.dtype))
         return out
 

@@ -45,10 +45,7 @@ from kvloom.layers.vocab_embedding import LMHead, VocabEmbedding
 from kvloom.loader.lazy_tensor import materialize
 from kvloom.models.interface import HiddenStateTaps
 from kvloom.models.weights import LLAMA_STACKED_PARAMS, load_checkpoint_weights, packed_modules_mapping
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+from kvloom.utils import join_prefix
 
 
 class LlamaAttention(nn.Module):
@@ -83,7 +80,7 @@ class LlamaAttention(nn.Module):
         # ``input_size``: the QKV projection's input when it is not hidden_size (EAGLE-3's 2 x).
         self.qkv_proj = QKVLinear(
             input_size or hf.hidden_size, self.head_dim, config.model.num_heads, config.model.num_kv_heads, bias=qkv_bias,
-            prefix=_join(prefix, "qkv_proj"), parallel=True,
+            prefix=join_prefix(prefix, "qkv_proj"), parallel=True,
         )
         # This rank's head counts (the whole model's at tensor-parallel size 1).
         self.num_heads = self.qkv_proj.num_heads
@@ -91,7 +88,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = Linear(
-            config.model.num_heads * self.head_dim, hf.hidden_size, bias=o_bias, prefix=_join(prefix, "o_proj"),
+            config.model.num_heads * self.head_dim, hf.hidden_size, bias=o_bias, prefix=join_prefix(prefix, "o_proj"),
             parallel="row",
         )
         if qk_norm:
@@ -109,7 +106,7 @@ class LlamaAttention(nn.Module):
             scale=self.head_dim**-0.5 if scale is None else scale,
             num_kv_heads=self.num_kv_heads,
             backend=config.attention.backend,
-            prefix=_join(prefix, "attn"),
+            prefix=join_prefix(prefix, "attn"),
             kv_cache_dtype=config.cache.cache_dtype,
             sliding_window=sliding_window_of(hf, layer_idx, config.model.max_model_len),
             logits_soft_cap=logits_soft_cap,
@@ -159,11 +156,11 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf, "mlp_bias", False))
         # Tensor parallelism: column-parallel gate/up, row-parallel down_proj.
         self.gate_up_proj = MergedLinear(
-            hf.hidden_size, [hf.intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj"),
+            hf.hidden_size, [hf.intermediate_size] * 2, bias=bias, prefix=join_prefix(prefix, "gate_up_proj"),
             parallel="column",
         )
         self.down_proj = Linear(
-            hf.intermediate_size, hf.hidden_size, bias=bias, prefix=_join(prefix, "down_proj"), parallel="row"
+            hf.intermediate_size, hf.hidden_size, bias=bias, prefix=join_prefix(prefix, "down_proj"), parallel="row"
         )
         self.act_fn = get_gated_activation(hidden_act or hf.hidden_act)
 
@@ -179,7 +176,7 @@ MLPFactory = Callable[[EngineConfig, int, str], tuple[str, nn.Module]]
 
 def llama_mlp(config: EngineConfig, layer_idx: int, prefix: str) -> tuple[str, nn.Module]:
     """The dense ``LlamaMLP`` of every layer, named ``mlp``."""
-    return "mlp", LlamaMLP(config, _join(prefix, "mlp"))
+    return "mlp", LlamaMLP(config, join_prefix(prefix, "mlp"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,7 +197,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.model.hf_config
-        self.self_attn = LlamaAttention(config, layer_idx, _join(prefix, "self_attn"), **attention_kwargs)
+        self.self_attn = LlamaAttention(config, layer_idx, join_prefix(prefix, "self_attn"), **attention_kwargs)
         self.mlp_name, mlp = mlp_factory(config, layer_idx, prefix)
         self.add_module(self.mlp_name, mlp)
         self.input_layernorm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
@@ -241,11 +238,11 @@ class LlamaModel(nn.Module):
         self.start_layer, self.end_layer = stage_layer_range(hf.num_hidden_layers, stage, num_stages)
         self.is_first_stage, self.is_last_stage = stage == 0, stage == num_stages - 1
         self.embed_tokens: nn.Module = (
-            VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "embed_tokens"), parallel=True)
+            VocabEmbedding(hf.vocab_size, hf.hidden_size, prefix=join_prefix(prefix, "embed_tokens"), parallel=True)
             if self.is_first_stage else PPMissingLayer()
         )  # fmt: skip
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, _join(prefix, f"layers.{i}"), attention_kwargs, mlp_factory)
+            LlamaDecoderLayer(config, i, join_prefix(prefix, f"layers.{i}"), attention_kwargs, mlp_factory)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf.num_hidden_layers)
         )  # fmt: skip
@@ -314,11 +311,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         hf = config.model.hf_config
-        self.model = LlamaModel(config, _join(prefix, "model"), self.attention_kwargs(hf), self.mlp_block)
+        self.model = LlamaModel(config, join_prefix(prefix, "model"), self.attention_kwargs(hf), self.mlp_block)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head: nn.Module = PPMissingLayer()
         if self.model.is_last_stage:
-            self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"), parallel=True)
+            self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=join_prefix(prefix, "lm_head"), parallel=True)
             # A last stage without the embedding loads the tied weight into its own head.
             if self.tie_word_embeddings and self.model.is_first_stage:
                 self.lm_head.tie_to(self.model.embed_tokens)

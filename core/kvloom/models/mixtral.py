@@ -11,6 +11,7 @@ from torch import nn
 from kvloom.config import EngineConfig
 from kvloom.models.llama import LlamaForCausalLM
 from kvloom.models.qwen3_moe import SparseMoeBlock, check_silu
+from kvloom.utils import join_prefix
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -25,6 +26,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
         name = "block_sparse_moe"
         block = SparseMoeBlock(
             hf.hidden_size, hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size,
-            f"{prefix}.{name}" if prefix else name, renormalize=True, expert_weight_names=("w1", "w3", "w2"),
+            join_prefix(prefix, name), renormalize=True, expert_weight_names=("w1", "w3", "w2"),
         )  # fmt: skip
         return name, block

@@ -21,10 +21,7 @@ from kvloom.layers.fused_moe import FusedMoE
 from kvloom.layers.linear import Linear
 from kvloom.models.llama import llama_mlp
 from kvloom.models.qwen3 import Qwen3ForCausalLM
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+from kvloom.utils import join_prefix
 
 
 def check_silu(hf_config: Any) -> None:
@@ -54,9 +51,9 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         # Routers stay in the model dtype in quantized checkpoints (fp8, compressed-tensors).
-        self.gate = Linear(hidden_size, num_experts, bias=False, prefix=_join(prefix, "gate"), quantizable=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False, prefix=join_prefix(prefix, "gate"), quantizable=False)
         self.experts = FusedMoE(
-            num_experts, top_k, hidden_size, intermediate_size, prefix=_join(prefix, "experts"), parallel=True,
+            num_experts, top_k, hidden_size, intermediate_size, prefix=join_prefix(prefix, "experts"), parallel=True,
             **fused_moe_kwargs,
         )
 
@@ -88,7 +85,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return llama_mlp(config, layer_idx, prefix)
         check_silu(hf)
         block = SparseMoeBlock(
-            hf.hidden_size, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, _join(prefix, "mlp"),
-            renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+            hf.hidden_size, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+            join_prefix(prefix, "mlp"), renormalize=bool(getattr(hf, "norm_topk_prob", False)),
         )  # fmt: skip
         return "mlp", block

@@ -46,15 +46,12 @@ import torch
 from torch import nn
 
 from kvloom.loader.lazy_tensor import CheckpointTensor, materialize
+from kvloom.utils import cdiv
 
 if TYPE_CHECKING:
     from kvloom.layers.fused_moe import FusedMoE
     from kvloom.layers.linear import LinearBase
     from kvloom.layers.vocab_embedding import VocabEmbedding
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

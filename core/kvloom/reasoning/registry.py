@@ -21,10 +21,9 @@ def available_reasoning_parsers() -> dict[str, type[ReasoningParser]]:
 
 
 def get_reasoning_parser_cls(name: str) -> type[ReasoningParser]:
-    parsers = available_reasoning_parsers()
-    if name not in parsers:
-        raise ValueError(f"--reasoning-parser: unknown parser {name!r} (available: {', '.join(sorted(parsers))})")
-    return parsers[name]
+    from kvloom import plugins
+
+    return plugins.pick_by_name(available_reasoning_parsers(), name, "--reasoning-parser", "parser")
 
 
 def reasoning_parser_for(config: Any, tokenizer: Any) -> ReasoningParser | None:

@@ -19,12 +19,9 @@ def available_backends() -> dict[str, type[StructuredOutputBackend]]:
 
 
 def get_backend_cls(name: str) -> type[StructuredOutputBackend]:
-    backends = available_backends()
-    if name not in backends:
-        raise ValueError(
-            f"structured_outputs_backend: unknown backend {name!r} (available: {', '.join(sorted(backends))})"
-        )
-    return backends[name]
+    from kvloom import plugins
+
+    return plugins.pick_by_name(available_backends(), name, "structured_outputs_backend", "backend")
 
 
 def validate_structured_outputs(params: StructuredOutputsParams, backend: str = DEFAULT_BACKEND) -> None:

@@ -18,8 +18,7 @@ def available_tool_parsers() -> dict[str, type[ToolParser]]:
 
 
 def get_tool_parser_cls(name: str) -> type[ToolParser]:
-    parsers = available_tool_parsers()
-    if name not in parsers:
-        raise ValueError(f"--tool-call-parser: unknown parser {name!r} (available: {', '.join(sorted(parsers))})")
-    return parsers[name]
+    from kvloom import plugins
+
+    return plugins.pick_by_name(available_tool_parsers(), name, "--tool-call-parser", "parser")
 

@@ -7,7 +7,7 @@ is imported only when a Gemma checkpoint is loaded.
 
 from __future__ import annotations
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 
 def register() -> None:

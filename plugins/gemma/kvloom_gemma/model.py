@@ -21,9 +21,9 @@ from torch import nn
 from kvloom.interfaces import EngineConfig
 from kvloom.interfaces.models import (
     LLAMA_STACKED_PARAMS,
+    CausalLM,
     Linear,
     LlamaAttention,
-    LMHead,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -112,7 +112,7 @@ class GemmaModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLM):
     """kvloom's model contract: ``forward(input_ids, positions) -> hidden``,
     ``compute_logits(hidden) -> logits`` (model dtype), ``load_weights`` by HF names."""
 
@@ -123,19 +123,9 @@ class GemmaForCausalLM(nn.Module):
         super().__init__()
         hf = config.model.hf_config
         self.model = GemmaModel(config, _join(prefix, "model"))
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
         # Gemma's checkpoints tie the head; one that sets tie_word_embeddings false carries
         # its own lm_head.weight, which must be loaded, not dropped.
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        self.add_lm_head(hf, prefix, tied_by_default=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=tied)
+        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=self.tied_weight_names)

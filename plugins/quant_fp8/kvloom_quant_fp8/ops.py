@@ -18,14 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
+from kvloom.interfaces import cdiv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 #: The smallest amax a scale is computed from (an all-zero row would divide by zero).
 MIN_AMAX = 1e-12
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.interfaces import ParamLayout
+from kvloom.interfaces import ParamLayout, cdiv
 from kvloom_quant_int4.packing import (
     PACK,
     SYMMETRIC_ZERO,
     Unpacked,
-    cdiv,
     pack_int32,
     quantize_int4,
     unpack_int32,

@@ -11,7 +11,7 @@
   capture it) and each program multiplies ``BLOCK_M`` pairs of one expert by that
   expert's dequantized tile.
 
-The dequantization of a ``BLOCK_K x BLOCK_N`` tile (``_w4_tile``) reads ``BLOCK_N / 8``
+The dequantization of a ``BLOCK_K x BLOCK_N`` tile (``_w4_dot_tile``) reads ``BLOCK_N / 8``
 words per row, expands each to its eight nibbles, and forms ``(q - zero) * scale``
 (integers) or ``e2m1(q) * scale`` (MXFP4) in float32, rounded to the activation dtype
 for the dot. Act-order weights gather the activation's columns through ``perm`` and the
@@ -36,7 +36,11 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _w4_tile(
+def _w4_dot_tile(
+    acc,
+    x_rows,
+    row_ok,
+    perm_ptr,
     qw_ptr,
     s_ptr,
     z_ptr,
@@ -50,17 +54,26 @@ def _w4_tile(
     stride_sg,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
-    HAS_GIDX: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     E2M1: tl.constexpr,
     SCALE_ROW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """float32 ``[BLOCK_K, BLOCK_N]``: weight rows ``k0 ..`` (of the sorted K), columns
-    ``offs_n`` (starting on a multiple of BLOCK_N, itself a multiple of 8); rows and
-    columns out of range are zero."""
+    """``acc`` plus one K tile of the product: the activations at the row pointers
+    ``x_rows`` (rows ``row_ok``), columns ``perm[k0 ..]`` (act-order) or ``k0 ..``, times
+    the dequantized float32 ``[BLOCK_K, BLOCK_N]`` weight tile of rows ``k0 ..`` (of the
+    sorted K) and columns ``offs_n`` (starting on a multiple of BLOCK_N, itself a multiple
+    of 8); rows and columns out of range are zero."""
     rows = k0 + tl.arange(0, BLOCK_K)
     k_ok = rows < K
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + rows, mask=k_ok, other=0)
+    else:
+        cols = rows
+    a = tl.load(x_rows[:, None] + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     words_n = offs_n // 8
     word_ok = words_n < (N + 7) // 8
     words = tl.load(qw_ptr + rows[:, None] * stride_qk + words_n[None, :], mask=k_ok[:, None] & word_ok[None, :],
@@ -72,7 +85,7 @@ def _w4_tile(
         if HAS_ZEROS:
             zero = tl.load(z_ptr + group * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)[None, :]
     else:
-        if HAS_GIDX:
+        if HAS_PERM:  # act-order: each row's group from gidx
             group = tl.load(gidx_ptr + rows, mask=k_ok, other=0)
         else:
             group = rows // GROUP
@@ -91,7 +104,12 @@ def _w4_tile(
         value = q.to(tl.float32) - zero
     else:
         value = q.to(tl.float32) - 8.0
-    return value * scale
+    w = value * scale
+    if INTERPRET:
+        acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -134,23 +152,13 @@ def _w4_gemm_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + offs_m * stride_xm
     K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     for i in range((K_TILES + SPLIT_K - 1) // SPLIT_K):
         k0 = (i * SPLIT_K + pid_k) * BLOCK_K
-        rows = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rows < K
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + rows, mask=k_ok, other=0)
-        else:
-            cols = rows
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        w = _w4_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, n_ok, N, K, stride_qk, stride_sg,
-                     GROUP, HAS_ZEROS, HAS_PERM, E2M1, SCALE_ROW, BLOCK_K, BLOCK_N)  # fmt: skip
-        if INTERPRET:
-            acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        acc = _w4_dot_tile(acc, x_rows, m_ok, perm_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, n_ok, N, K,
+                           stride_qk, stride_sg, GROUP, HAS_ZEROS, HAS_PERM, E2M1, SCALE_ROW, DOT_PRECISION,
+                           BLOCK_K, BLOCK_N, INTERPRET)  # fmt: skip
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(OUT_DTYPE), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -214,21 +222,11 @@ def _w4_moe_kernel(
     perm = perm_ptr + expert * stride_pe
     gidx = gidx_ptr + expert * stride_pe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = a_ptr + a_rows * stride_am
     for k0 in range(0, K, BLOCK_K):
-        rows = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rows < K
-        if HAS_PERM:
-            cols = tl.load(perm + rows, mask=k_ok, other=0)
-        else:
-            cols = rows
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        w = _w4_tile(qw, scales, zeros, gidx, k0, offs_n, n_ok, N, K, stride_qk, stride_sg,
-                     GROUP, HAS_ZEROS, HAS_PERM, E2M1, SCALE_ROW, BLOCK_K, BLOCK_N)  # fmt: skip
-        if INTERPRET:
-            acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        acc = _w4_dot_tile(acc, x_rows, row_ok, perm, qw, scales, zeros, gidx, k0, offs_n, n_ok, N, K,
+                           stride_qk, stride_sg, GROUP, HAS_ZEROS, HAS_PERM, E2M1, SCALE_ROW, DOT_PRECISION,
+                           BLOCK_K, BLOCK_N, INTERPRET)  # fmt: skip
     if MUL_WEIGHT:
         acc = acc * tl.load(w_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     c = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]

@@ -21,16 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.interfaces import cdiv
+
 #: Values per int32 word.
 PACK = 8
 #: The zero point of symmetric integer formats (values 0..15 stand for -8..7).
 SYMMETRIC_ZERO = 8
 #: The magnitudes of the e2m1 codes 0..7 (code 8..15: the same, negative).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def unpack_int32(packed: torch.Tensor, dim: int, count: int, order: tuple[int, ...] | None = None) -> torch.Tensor:

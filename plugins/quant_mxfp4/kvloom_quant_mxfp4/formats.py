@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 from kvloom_quant_int4.formats import Geometry, ParamSpec, exact_16_bit
-from kvloom_quant_int4.packing import Unpacked, cdiv, pack_bytes, quantize_mxfp4, unpack_bytes
+from kvloom_quant_int4.packing import Unpacked, pack_bytes, quantize_mxfp4, unpack_bytes
 
-from kvloom.interfaces import ParamLayout
+from kvloom.interfaces import ParamLayout, cdiv
 
 #: Input features per scale.
 BLOCK = 32

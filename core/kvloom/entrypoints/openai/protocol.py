@@ -112,6 +112,21 @@ class OpenAIResponse(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def unix_time() -> int:
+    """Now, in whole seconds since the epoch: the ``created`` of OpenAI's objects."""
+    return int(time.time())
+
+
+class ResponseHead(OpenAIResponse):
+    """The fields a response object opens with, in OpenAI's order: ``id``, ``object`` (each
+    response narrows it to its own literal), ``created`` and ``model``."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=unix_time)
+    model: str
+
+
 # ----------------------------------------------------------------- errors and shared parts
 
 
@@ -405,11 +420,8 @@ class CompletionResponseChoice(OpenAIResponse):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIResponse):
-    id: str
+class CompletionResponse(ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
@@ -417,11 +429,8 @@ class CompletionResponse(OpenAIResponse):
     the decode instance."""
 
 
-class CompletionStreamResponse(OpenAIResponse):
-    id: str
+class CompletionStreamResponse(ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
 
@@ -640,11 +649,8 @@ class ChatCompletionResponseChoice(OpenAIResponse):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIResponse):
-    id: str
+class ChatCompletionResponse(ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
@@ -668,11 +674,8 @@ class ChatCompletionResponseStreamChoice(OpenAIResponse):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIResponse):
-    id: str
+class ChatCompletionStreamResponse(ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
@@ -683,7 +686,7 @@ class ChatCompletionStreamResponse(OpenAIResponse):
 class ModelCard(OpenAIResponse):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=unix_time)
     owned_by: str = "kvloom"
     root: str | None = None
     parent: str | None = None
@@ -783,11 +786,8 @@ class EmbeddingData(OpenAIResponse):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(OpenAIResponse):
-    id: str
+class EmbeddingResponse(ResponseHead):
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[EmbeddingData]
     usage: UsageInfo
 
@@ -798,11 +798,8 @@ class PoolingData(OpenAIResponse):
     data: list[float] | str
 
 
-class PoolingResponse(OpenAIResponse):
-    id: str
+class PoolingResponse(ResponseHead):
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[PoolingData]
     usage: UsageInfo
 
@@ -818,5 +815,5 @@ class IOProcessorRequest(OpenAIRequest):
 
 class IOProcessorResponse(OpenAIResponse):
     request_id: str | None = None
-    created_at: int = Field(default_factory=lambda: int(time.time()))
+    created_at: int = Field(default_factory=unix_time)
     data: Any

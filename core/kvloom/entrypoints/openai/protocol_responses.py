@@ -3,12 +3,11 @@ the request, its ``input`` items turned into chat messages, and the response obj
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import Field
 
-from kvloom.entrypoints.openai.protocol import FunctionDefinition, OpenAIRequest, OpenAIResponse
+from kvloom.entrypoints.openai.protocol import FunctionDefinition, OpenAIRequest, OpenAIResponse, unix_time
 
 #: The most input items one request may hold.
 MAX_INPUT_ITEMS = 2048
@@ -174,7 +173,7 @@ class ResponseUsage(OpenAIResponse):
 class ResponseObject(OpenAIResponse):
     id: str
     object: Literal["response"] = "response"
-    created_at: int = Field(default_factory=lambda: int(time.time()))
+    created_at: int = Field(default_factory=unix_time)
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     model: str
     output: list[dict[str, Any]]

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import Field
 
-from kvloom.entrypoints.openai.protocol import OpenAIRequest, OpenAIResponse, UsageInfo
+from kvloom.entrypoints.openai.protocol import OpenAIRequest, OpenAIResponse, ResponseHead, UsageInfo
 
 #: A text of a score or rerank request.
 Text = str
@@ -48,11 +47,8 @@ class ScoreData(OpenAIResponse):
     score: float
 
 
-class ScoreResponse(OpenAIResponse):
-    id: str
+class ScoreResponse(ResponseHead):
     object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ScoreData]
     usage: UsageInfo
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvloom.interfaces import ModelRegistry
 
-KVLOOM_PLUGIN_API = "1.0"
+KVLOOM_PLUGIN_API = "1.1"
 
 
 def register() -> None:

@@ -17,10 +17,10 @@ from torch import nn
 from kvloom.interfaces.models import (
     LLAMA_STACKED_PARAMS,
     Attention,
+    CausalLM,
     EngineConfig,
     Linear,
     LlamaMLP,
-    LMHead,
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -104,7 +104,7 @@ class GraniteModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class GraniteForCausalLM(nn.Module):
+class GraniteForCausalLM(CausalLM):
     # HF's q/k/v_proj and gate/up_proj load into the merged qkv_proj and gate_up_proj.
     stacked_params = LLAMA_STACKED_PARAMS
     packed_modules_mapping = packed_modules_mapping(LLAMA_STACKED_PARAMS)  # for LoRA
@@ -114,17 +114,11 @@ class GraniteForCausalLM(nn.Module):
         hf = config.model.hf_config
         self.logits_scaling = hf.logits_scaling
         self.model = GraniteModel(config, _join(prefix, "model"))
-        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size, prefix=_join(prefix, "lm_head"))
-        self.tied = bool(getattr(hf, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [N] token ids, [N] positions -> [N, hidden]
+        self.add_lm_head(hf, prefix)  # lm_head, tied to embed_tokens if the checkpoint says so
+        # forward (from CausalLM): [N] token ids, [N] positions -> self.model -> [N, hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states) / self.logits_scaling  # [M, vocab], model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tied else ()
-        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=tied)
+        return load_checkpoint_weights(self, weights, self.stacked_params, tied_names=self.tied_weight_names)
