@@ -102,6 +102,25 @@ def test_metric_math_matches_hand_computed_values_on_a_scripted_stream() -> None
         assert line in report
 
 
+def test_chat_stream_times_the_first_token_not_the_role_event() -> None:
+    """A chat stream opens with the assistant role and empty content before any token is
+    computed: TTFT is the first content's time, and the text is collected."""
+    clock = Clock()
+
+    def delta(**fields: Any) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": fields, "finish_reason": fields.pop("finish", None)}]}
+
+    async def one() -> bench_serve.RequestResult:
+        events = [(0.01, delta(role="assistant", content="")), (0.4, delta(content="Hel")),
+                  (0.5, delta(content="lo", finish="length")), (0.6, usage(9, 2)), (0.6, "[DONE]")]  # fmt: skip
+        async with scripted(clock, events) as client:
+            return await bench_serve.send_request(client, {"messages": []}, clock=clock, path="/v1/chat/completions")
+
+    result = asyncio.run(one())
+    assert result.ok and result.text == "Hello"
+    assert (result.ttft, result.e2e, *result.itl) == pytest.approx((0.4, 0.5, 0.1))
+
+
 def test_prefix_cache_hit_rate_from_each_servers_counters() -> None:
     kvloom = ('kvloom:prefix_cache_queries_total{{engine="0",model_name="m"}} {q}\n'
               'kvloom:prefix_cache_queries_total{{engine="1",model_name="m"}} {q}\n'

@@ -209,17 +209,33 @@ async def make_prompts(args: argparse.Namespace, tokenizer: Tokenizer, rng: rand
     return list(await asyncio.gather(*(as_text(p) for p in ids)))
 
 
+def _stream_text(choice: dict[str, Any]) -> str | None:
+    """The text a stream event's choice carries (a completion's ``text``, a chat delta's
+    ``content``); None for chat's opening ``{"role": "assistant", "content": ""}``, sent
+    before any token is computed (not a first token)."""
+    if "delta" not in choice:
+        return str(choice.get("text") or "")
+    delta = choice["delta"] or {}
+    if "role" in delta and not delta.get("content") and choice.get("finish_reason") is None:
+        return None
+    return str(delta.get("content") or "")
+
+
 async def send_request(
-    client: httpx.AsyncClient, body: dict[str, Any], clock: Callable[[], float] = time.perf_counter
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    clock: Callable[[], float] = time.perf_counter,
+    path: str = "/v1/completions",
 ) -> RequestResult:
-    """Stream one completion; times as ``bench_serve_metrics`` defines them."""
+    """Stream one completion (or, with ``path="/v1/chat/completions"``, a chat completion);
+    times as ``bench_serve_metrics`` defines them, the streamed text in ``result.text``."""
     import httpx
 
     result = RequestResult()
     result.start = start = last = clock()
     first = True
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
                 return result
@@ -233,8 +249,9 @@ async def send_request(
                 if chunk.get("usage"):
                     result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
                     result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                if not chunk.get("choices"):
+                if not chunk.get("choices") or (piece := _stream_text(chunk["choices"][0])) is None:
                     continue
+                result.text += piece
                 now = clock()
                 if first:
                     result.ttft, first = now - start, False

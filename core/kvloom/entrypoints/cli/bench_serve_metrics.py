@@ -1,9 +1,10 @@
 """The numbers ``kvloom bench serve`` reports, defined as ``vllm bench serve`` defines them,
 and the server's prefix-cache hit rate read from its ``/metrics``.
 
-Per request (streamed ``/v1/completions``, times from sending it):
+Per request (streamed ``/v1/completions``, or ``/v1/chat/completions``, times from sending it):
 
-* TTFT: until the first stream event that carries a choice;
+* TTFT: until the first stream event that carries a choice (chat's opening event, the
+  assistant role with empty content, sent before any token is computed, does not count);
 * ITL: the gaps between successive such events of one stream (one per token when the
   server sends one token per event; an event carrying several tokens is one gap);
 * E2E latency: until the last event that carries a choice (the usage event and
@@ -47,6 +48,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""  # the streamed output text
 
     @property
     def tpot(self) -> float | None:
