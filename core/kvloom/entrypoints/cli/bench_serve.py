@@ -170,7 +170,7 @@ class Tokenizer:
         return sorted(set(await self.encode(text)))
 
 
-async def _text_of(tokenizer: Tokenizer, ids: list[int], vocab: list[int], rng: random.Random) -> tuple[str, int]:
+async def text_of_length(tokenizer: Tokenizer, ids: list[int], vocab: list[int], rng: random.Random) -> tuple[str, int]:
     """A text of ``len(ids)`` tokens made from ``ids``: decoded, re-tokenized and cut or
     topped up until its length holds (a few rounds; else the nearest, with its length)."""
     target, length = len(ids), 0
@@ -203,7 +203,7 @@ async def make_prompts(args: argparse.Namespace, tokenizer: Tokenizer, rng: rand
 
     async def as_text(p: list[int]) -> dict[str, Any]:
         async with semaphore:
-            text, _ = await _text_of(tokenizer, p, vocab, rng)
+            text, _ = await text_of_length(tokenizer, p, vocab, rng)
         return {"prompt": text, "output_len": args.output_len}
 
     return list(await asyncio.gather(*(as_text(p) for p in ids)))
