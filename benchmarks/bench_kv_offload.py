@@ -118,7 +118,7 @@ def model_and_flags(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[str
             shutil.copy(f, model / f.name)
         flags = ["--load-format", "dummy", "--dtype", "bfloat16", *flags]
     note = None
-    if "--chat-template" not in flags and not getattr(AutoTokenizer.from_pretrained(model), "chat_template", None):
+    if not any(f.split("=")[0] == "--chat-template" for f in flags) and not getattr(AutoTokenizer.from_pretrained(model), "chat_template", None):
         flags += ["--chat-template", PLAIN_CHAT_TEMPLATE]
         note = "the tokenizer has no chat template: the script's plain one (role: content lines)"
     return model, flags, note
