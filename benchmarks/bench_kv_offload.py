@@ -73,7 +73,7 @@ TEMPLATE_TOKENS_PER_MESSAGE = 16  # room the chat template's markup may take aro
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="A model directory (default: the Llama-3-8B shape, dummy weights, --tokenizer's files).")
+    p.add_argument("--model", help="A model directory (else the Llama-3-8B shape: dummy weights, --tokenizer's files).")
     p.add_argument("--tokenizer", help="Tokenizer files for the Llama-3-8B shape (e.g. .benchtok).")
     p.add_argument("--kv-cache-memory", default="16GiB", help="The device KV pool of both servers (default 16GiB).")
     p.add_argument("--kv-offloading-size", type=float, default=80.0, help="Host tier, GiB (default 80).")
@@ -118,7 +118,8 @@ def model_and_flags(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[str
             shutil.copy(f, model / f.name)
         flags = ["--load-format", "dummy", "--dtype", "bfloat16", *flags]
     note = None
-    if not any(f.split("=")[0] == "--chat-template" for f in flags) and not getattr(AutoTokenizer.from_pretrained(model), "chat_template", None):
+    has_template = getattr(AutoTokenizer.from_pretrained(model), "chat_template", None)
+    if not has_template and not any(f.split("=")[0] == "--chat-template" for f in flags):
         flags += ["--chat-template", PLAIN_CHAT_TEMPLATE]
         note = "the tokenizer has no chat template: the script's plain one (role: content lines)"
     return model, flags, note
@@ -161,12 +162,15 @@ def connector_delta(before: str, after: str) -> dict[str, Any]:
         first = by_label(before, name, label)
         return {k: v - first.get(k, 0.0) for k, v in by_label(after, name, label).items()}
 
-    blocks, nbytes = delta("kvloom:kv_offload_total_blocks", "transfer_type"), delta("kvloom:kv_offload_total_bytes", "transfer_type")
+    blocks = delta("kvloom:kv_offload_total_blocks", "transfer_type")
+    nbytes = delta("kvloom:kv_offload_total_bytes", "transfer_type")
     seconds = delta("kvloom:kv_offload_total_time", "transfer_type")
-    transfers = {kind: {"blocks": int(blocks[kind]), "bytes": int(nbytes.get(kind, 0)), "seconds": seconds.get(kind, 0.0),
-                        "GB_per_s": nbytes.get(kind, 0) / seconds[kind] / 1e9 if seconds.get(kind) else None,
-                        "bytes_per_block": nbytes.get(kind, 0) / blocks[kind] if blocks[kind] else None}
-                 for kind in blocks}  # fmt: skip
+    transfers = {}
+    for kind, count in blocks.items():
+        size, took = nbytes.get(kind, 0.0), seconds.get(kind, 0.0)
+        transfers[kind] = {"blocks": int(count), "bytes": int(size), "seconds": took,
+                           "GB_per_s": size / took / 1e9 if took else None,
+                           "bytes_per_block": size / count if count else None}  # fmt: skip
     return {"hits_by_tier": delta("kvloom:kv_connector_hits", "tier"), "transfers": transfers}
 
 
@@ -213,7 +217,8 @@ async def run_workload(url: str, model: str, workload: dict[str, Any], args: arg
                     await done[c][turn - 1]
                 user = {"role": "user", "content": workload["users"][c][turn]}
                 body = {"model": model, "messages": [*histories[c], user], "max_tokens": args.output_len,
-                        "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                        "temperature": 0, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}  # fmt: skip
                 result = await send_request(client, body, path="/v1/chat/completions")
                 histories[c] += [user, {"role": "assistant", "content": result.text}]
                 results.append((turn, result))
@@ -264,12 +269,13 @@ def compare(runs: dict[str, dict[str, Any]], pcie_gbps: float) -> dict[str, Any]
     base, off = runs["no offload"], runs["offload"]
     later = base["ttft_ms_later_turns"]["median"], off["ttft_ms_later_turns"]["median"]
     speedup = later[0] / later[1] if later[1] > 0 else None
-    bandwidth = {kind: {"GB_per_s": t["GB_per_s"], "fraction_of_pcie": t["GB_per_s"] / pcie_gbps if t["GB_per_s"] else None,
-                        "bytes_per_block": t["bytes_per_block"]}
+    bandwidth = {kind: {"GB_per_s": t["GB_per_s"], "bytes_per_block": t["bytes_per_block"],
+                        "fraction_of_pcie": t["GB_per_s"] / pcie_gbps if t["GB_per_s"] else None}
                  for kind, t in off["connector"]["transfers"].items()}  # fmt: skip
+    throughput = off["output_throughput"] / base["output_throughput"] if base["output_throughput"] else None
     return {"ttft_p50_later_turns_speedup": speedup, "target": TARGET_TTFT_SPEEDUP,
             "target_met": speedup is not None and speedup >= TARGET_TTFT_SPEEDUP,
-            "output_throughput_ratio": off["output_throughput"] / base["output_throughput"] if base["output_throughput"] else None,
+            "output_throughput_ratio": throughput,
             "pcie_gbps": pcie_gbps, "bandwidth": bandwidth}  # fmt: skip
 
 
@@ -297,9 +303,10 @@ def to_markdown(result: dict[str, Any]) -> str:
     for label, r in result["runs"].items():
         first, later, rate = r["ttft_ms_first_turns"], r["ttft_ms_later_turns"], r["prefix_cache"].get("hit_rate")
         tiers = ", ".join(f"{t} {int(n)}" for t, n in sorted(r["connector"]["hits_by_tier"].items())) or "-"
-        lines.append(f"| {label} | {r['completed']} ({r['failed']} failed) | {first['median']:.1f} / {first['p90']:.1f} | "
-                     f"{later['median']:.1f} / {later['p90']:.1f} | {r['request_throughput']:.2f} | "
-                     f"{r['output_throughput']:.1f} | {'n/a' if rate is None else f'{100 * rate:.1f}%'} | {tiers} |")  # fmt: skip
+        hit_rate = "n/a" if rate is None else f"{100 * rate:.1f}%"
+        lines.append(f"| {label} | {r['completed']} ({r['failed']} failed) | {first['median']:.1f} / "
+                     f"{first['p90']:.1f} | {later['median']:.1f} / {later['p90']:.1f} | {r['request_throughput']:.2f} "
+                     f"| {r['output_throughput']:.1f} | {hit_rate} | {tiers} |")  # fmt: skip
     speedup = cmp["ttft_p50_later_turns_speedup"]
     ratio = f"**{speedup:.2f}x**" if speedup else "n/a (no later turn completed)"
     lines += ["", (f"Later turns' TTFT p50, without / with offloading: {ratio} (target >= {cmp['target']:.0f}x: "
@@ -311,8 +318,9 @@ def to_markdown(result: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|"]  # fmt: skip
     for kind, t in sorted(result["runs"]["offload"]["connector"]["transfers"].items()):
         frac = cmp["bandwidth"][kind]["fraction_of_pcie"]
+        share = "-" if frac is None else f"{100 * frac:.1f}%"
         lines.append(f"| {kind} | {t['blocks']} | {t['bytes_per_block'] or 0:.0f} | {t['bytes'] / 1e9:.3f} | "
-                     f"{t['seconds']:.3f} | {t['GB_per_s'] or 0:.2f} | {'-' if frac is None else f'{100 * frac:.1f}%'} |")  # fmt: skip
+                     f"{t['seconds']:.3f} | {t['GB_per_s'] or 0:.2f} | {share} |")  # fmt: skip
     errors = [f"- {label}: {e}" for label, r in result["runs"].items() for e in r["errors"]]
     return "\n".join(lines + (["", "Errors:", *errors] if errors else [])) + "\n"
 
@@ -327,14 +335,16 @@ def main() -> int:
         model, flags, note = model_and_flags(args, Path(tmp))
         pool = ["--kv-cache-memory", args.kv_cache_memory]
         runs["no offload"] = serve_and_run("no offload", model, [*flags, *pool], args, Path(tmp), state)
-        runs["offload"] = serve_and_run("offload", model, [*flags, *pool, "--kv-offloading-size",
-                                                           str(args.kv_offloading_size)], args, Path(tmp), state)  # fmt: skip
+        host = ["--kv-offloading-size", str(args.kv_offloading_size)]
+        runs["offload"] = serve_and_run("offload", model, [*flags, *pool, *host], args, Path(tmp), state)
     result = {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine_description(),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "config": {**{k: v for k, v in vars(args).items() if k not in ("json_path", "markdown", "out")},
-                   "model": args.model or "Llama-3-8B shape, dummy weights", "flags": flags, "chat_template_note": note},
-        "pool_tokens": state["pool_tokens"], "pool_source": state["pool_source"], "prefix_len": state["workload"]["prefix_len"],
+                   "model": args.model or "Llama-3-8B shape, dummy weights", "flags": flags,
+                   "chat_template_note": note},
+        "pool_tokens": state["pool_tokens"], "pool_source": state["pool_source"],
+        "prefix_len": state["workload"]["prefix_len"],
         "runs": runs, "comparison": compare(runs, args.pcie_gbps),
     }  # fmt: skip
     report = to_markdown(result)

@@ -23,12 +23,12 @@ BLOCK_BYTES = 8192  # the tiny Llama's block: 2 layers x K and V x 16 tokens x 4
 @pytest.mark.slow
 def test_offloading_brings_evicted_prefixes_back(tmp_path: Path) -> None:
     result_path, markdown = tmp_path / "result.json", tmp_path / "result.md"
+    engine_args = f"--block-size {BLOCK} --max-model-len 256 --dtype float32"
     cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--kv-cache-memory", "256KiB",
-           "--kv-offloading-size", str(8 / 1024), "--engine-args", f"--block-size {BLOCK} --max-model-len 256 "
-           "--dtype float32", "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--user-len", "8",
+           "--kv-offloading-size", str(8 / 1024), "--engine-args", engine_args, "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--user-len", "8",
            "--output-len", "4", "--max-concurrency", "2", "--out", str(tmp_path), "--json", str(result_path),
            "--markdown", str(markdown)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(result_path.read_text())
     assert result["pool_tokens"] == 512 and result["pool_source"] == "kvloom:cache_config_info"
