@@ -54,7 +54,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import start_server
+from bench_serving import start_server, with_tokenizer
 
 from kvloom.entrypoints.cli.bench_serve import Tokenizer, send_request, text_of_length
 from kvloom.entrypoints.cli.bench_serve_metrics import (
@@ -105,17 +105,12 @@ def parse_args() -> argparse.Namespace:
 def model_and_flags(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[str], str | None]:
     """The model directory, the flags both servers share, and a note when the script
     supplied the chat template."""
+    from bench_decode_roofline import write_llama3_config
     from transformers import AutoTokenizer
 
     flags = shlex.split(args.engine_args)
-    if args.model is not None:
-        model = Path(args.model)
-    else:
-        from bench_decode_roofline import write_llama3_config
-
-        model = write_llama3_config(tmp / "llama3-8b-shape")
-        for f in Path(args.tokenizer).iterdir():
-            shutil.copy(f, model / f.name)
+    model = Path(args.model) if args.model else with_tokenizer(write_llama3_config(tmp / "8b-shape"), args.tokenizer)
+    if args.model is None:
         flags = ["--load-format", "dummy", "--dtype", "bfloat16", *flags]
     note = None
     has_template = getattr(AutoTokenizer.from_pretrained(model), "chat_template", None)

@@ -67,6 +67,14 @@ def offline(model_dir: Path, engine_args: list[str], num_prompts: int, args: arg
     return result
 
 
+def with_tokenizer(model_dir: Path, tokenizer_dir: str | Path) -> Path:
+    """``model_dir`` (a config written for dummy weights) with the tokenizer files of
+    ``tokenizer_dir`` copied in."""
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, model_dir / f.name)
+    return model_dir
+
+
 def start_server(model_dir: Path, engine_args: list[str], serve_args: list[str], workdir: Path,
                  profile: Path | None) -> KvloomServer:  # fmt: skip
     """``kvloom serve`` on a free port, healthy (``kvloom.testing.install.KvloomServer``),
@@ -140,9 +148,7 @@ def main() -> int:
         if args.model is not None:
             model_dir = Path(args.model)
         else:
-            model_dir = write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape")
-            for f in Path(args.tokenizer).iterdir():
-                shutil.copy(f, model_dir / f.name)
+            model_dir = with_tokenizer(write_qwen3_config(Path(tmp) / "qwen3-0.6b-shape"), args.tokenizer)
         batch_sizes = sorted({args.num_prompts, *(int(c) for c in concurrencies if not math.isinf(c))})
         for n in batch_sizes:
             result["offline"][n] = offline(model_dir, engine_args, n, args, work)
