@@ -19,7 +19,6 @@ Usage: ``python benchmarks/bench_gguf_cpu.py [--model X.gguf] [--threads 2] [--m
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvloom.entrypoints.cli.bench_throughput import _hf_model, machine_description, make_prompts
+from kvloom.entrypoints.cli.bench_throughput import _hf_model, make_prompts, report_header
 
 #: (name, prompts, input tokens, output tokens)
 WORKLOADS = (
@@ -150,11 +149,7 @@ def main() -> int:
 
 def to_markdown(results: dict[str, dict[str, dict[str, float]]], model: str, threads: int) -> str:
     lines = [
-        f"## {model}, {threads} threads",
-        "",
-        f"- Date: {datetime.date.today().isoformat()}",
-        f"- Machine: {machine_description()}",
-        f"- Command: `python {' '.join(sys.argv)}`",
+        *report_header(f"{model}, {threads} threads", f"python {' '.join(sys.argv)}"),
         "",
         "| engine | decode batch 1 (tok/s) | decode batch 16 (tok/s) | prefill 512 (tok/s) | offline 64 (tok/s) |",
         "|---|---|---|---|---|",

@@ -16,7 +16,6 @@ Usage: ``python benchmarks/gguf_agreement.py [--model X.gguf] [--tokens 1000] [-
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from kvloom import LLM, SamplingParams
-from kvloom.entrypoints.cli.bench_throughput import machine_description
+from kvloom.entrypoints.cli.bench_throughput import report_header
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map in a bottle."
 
@@ -95,11 +94,7 @@ def main() -> int:
 
 def to_markdown(rows: dict[str, dict[str, float]], model: str, tokens: int) -> str:
     lines = [
-        f"## Greedy agreement with the float32 dequantized model: {model}, {tokens} tokens",
-        "",
-        f"- Date: {datetime.date.today().isoformat()}",
-        f"- Machine: {machine_description()}",
-        f"- Command: `python {' '.join(sys.argv)}`",
+        *report_header(f"Greedy agreement with the float32 dequantized model: {model}, {tokens} tokens", f"python {' '.join(sys.argv)}"),
         f"- Prompt: the chat template around {PROMPT!r}; EOS ignored",
         "",
         "| candidate | teacher-forced top-1 agreement | free-running: first divergence | free-running: equal tokens |",

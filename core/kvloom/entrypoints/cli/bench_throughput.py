@@ -203,14 +203,18 @@ def _ranges(cpus: list[int]) -> str:
     return ",".join(parts)
 
 
+def report_header(title: str, command: str) -> list[str]:
+    """The opening lines of a benchmark's markdown report (docs/benchmarks/): its title,
+    today's date, this machine and the command that measured it."""
+    return [f"## {title}", "", f"- Date: {datetime.date.today().isoformat()}", f"- Machine: {machine_description()}",
+            f"- Command: `{command}`"]  # fmt: skip
+
+
 def to_markdown(result: dict[str, Any], command: str) -> str:
     k = result["kvloom"]
+    title = f"Offline throughput: {result['model']} ({result['dtype']}, {result['platform']}, {result['attention_backend']})"
     lines = [
-        f"## Offline throughput: {result['model']} ({result['dtype']}, {result['platform']}, {result['attention_backend']})",
-        "",
-        f"- Date: {datetime.date.today().isoformat()}",
-        f"- Machine: {machine_description()}",
-        f"- Command: `{command}`",
+        *report_header(title, command),
         f"- Workload: {result['num_prompts']} prompts x {result['input_len']} random tokens in, "
         f"{result['output_len']} tokens out (greedy, EOS ignored)",
         *(f"- Conditions, {name}: {describe_conditions(result[key]['conditions'])}"
