@@ -69,7 +69,8 @@
 #   hybrid       issue 38: tests/gpu/test_hybrid_gpu.py (tiny random Gemma 2 / Gemma 3 / gpt-oss built with
 #                transformers: fp32 greedy tokens equal HF's on the GPU, graphs / eager / chunked prefill, on each
 #                fp32 backend declaring the features), the TRITON_ATTN GPU tests and the conformance kit of
-#                TRITON_ATTN and FLEX_ATTENTION (its sliding-window, sinks and soft-cap scenarios run where declared).
+#                TRITON_ATTN, FLEX_ATTENTION and FLASHINFER (its sliding-window, sinks and soft-cap scenarios run
+#                where declared).
 #   spec         speculative decoding (issue 39; needs stage gguf): tests/gpu/test_spec_decode_gpu.py (fp32 greedy
 #                tokens with ngram and draft_model on SmolLM2, draft_model and EAGLE-3 on a tiny random Llama, equal
 #                those without speculation, CUDA graphs on), then benchmarks/bench_spec_decode.py (SmolLM2 bf16,
@@ -354,7 +355,8 @@ for i in "${!stages[@]}"; do
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     hybrid) run_pytest hybrid tests/gpu/test_hybrid_gpu.py backends/triton/tests/test_triton_backend_gpu.py \
         "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[TRITON_ATTN]" \
-        "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLEX_ATTENTION]" ;;
+        "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLEX_ATTENTION]" \
+        "tests/gpu/test_conformance_gpu.py::test_conformance_on_cuda[FLASHINFER]" ;;
     fa-start) fa_start || log "fa-start failed" ;;
     fa-wait) fa_wait || { log "fa-wait: flash_attn not importable; stopping, skipped: ${stages[*]:i+1}"; exit 1; } ;;
     fa-export)

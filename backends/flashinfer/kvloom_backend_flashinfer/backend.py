@@ -47,6 +47,9 @@ class FlashInferBackend(AttentionBackend):
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     required_modules: ClassVar[dict[str, str]] = {"flashinfer": "flashinfer-python"}
+    # plan(window_left=, logits_soft_cap=); attention sinks (gpt-oss) are not in its FA2 kernels.
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -105,13 +105,18 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             common.seq_lens_cpu[: common.num_reqs],
             self.spec.block_size,
             common.block_table.shape[1],
+            self.spec.sliding_window,
         )
 
     def _plan_kwargs(self) -> dict[str, Any]:
+        window = self.spec.sliding_window
         return {
             "sm_scale": self.spec.scale,
             "q_data_type": self.spec.dtype,
             "kv_data_type": self.spec.kv_cache_dtype,
+            # FlashInfer's window counts the keys left of the query's own: W - 1.
+            "window_left": -1 if window is None else window - 1,
+            "logits_soft_cap": self.spec.logits_soft_cap,
         }
 
     def _paged_kv_args(self, plan: PagedKVPlan, common: CommonAttentionMetadata) -> tuple[Any, ...]:
@@ -137,7 +142,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_query_rows=num_query_rows,
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping,
-            sm_scale=self.spec.scale,
+            layer_features=(self.spec.scale, self.spec.sliding_window, self.spec.logits_soft_cap),
             is_decode=is_decode,
         )
 

@@ -15,6 +15,10 @@ from kvloom_backend_flashinfer.metadata import FlashInferMetadata
 
 
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
+    # Both are plan() arguments: the builder plans them from its KV-cache group's spec.
+    impl_supports_sliding_window = True
+    impl_supports_logits_soft_cap = True
+
     def forward(
         self,
         query: torch.Tensor,
@@ -24,10 +28,11 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         attn_metadata: FlashInferMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        if attn_metadata.sm_scale != self.scale:
+        features = (self.scale, self.sliding_window, self.logits_soft_cap)
+        if attn_metadata.layer_features != features:
             raise ValueError(
-                f"layer scale {self.scale} differs from the scale the step was planned with "
-                f"({attn_metadata.sm_scale}); FLASHINFER plans one scale for all layers"
+                f"layer (scale, sliding_window, logits_soft_cap) {features} differs from the step's plan "
+                f"{attn_metadata.layer_features}; FLASHINFER plans these once for a KV-cache group's layers"
             )
         slot_mapping = attn_metadata.slot_mapping
         (write_kv_triton if kv_cache.is_cuda else write_kv_nhd_paired)(kv_cache, key, value, slot_mapping)

@@ -19,6 +19,7 @@ class FlashInferMetadata:
     num_query_rows: int
     num_actual_tokens: int
     slot_mapping: torch.Tensor
-    #: Softmax scale the wrapper was planned with (checked against each layer's scale).
-    sm_scale: float
+    #: ``(scale, sliding_window, logits_soft_cap)`` the wrapper was planned with: a step
+    #: plans once for a KV-cache group, whose layers must all have these.
+    layer_features: tuple[float, int | None, float | None]
     is_decode: bool

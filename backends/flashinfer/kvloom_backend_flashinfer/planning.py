@@ -8,6 +8,11 @@ FlashInfer describes a batch's paged KV cache in CSR form instead of a block tab
   (``1..page_size``; ``0`` only for an empty sequence);
 - ``qo_indptr`` ``[B + 1]`` (prefill only): the query rows of each request.
 
+With a sliding window ``W`` a request's pages wholly before its first query's window
+(positions ``< first_query_pos - W + 1``) are left out: FlashInfer never reads them (the
+hybrid KV cache may have freed them) and, as its causal mask is aligned bottom-right, the
+distances between queries and the keys kept are unchanged.
+
 Everything here is computed on the CPU from ``seq_lens_cpu`` and ``query_start_loc_cpu``
 (no device synchronisation). The block table itself lives on the device, so instead of
 the page ids we compute ``kv_gather_index``: flat positions ``i * W + k`` into the
@@ -47,11 +52,13 @@ def plan_paged_kv(
     seq_lens_cpu: torch.Tensor,
     block_size: int,
     block_table_width: int,
+    sliding_window: int | None = None,
 ) -> PagedKVPlan:
     """CSR page arrays for ``B = len(seq_lens_cpu)`` requests.
 
-    ``block_table_width`` is the number of columns ``W`` of the device block table; a
-    request needing more pages than that is a bad batch and raises ``ValueError``.
+    ``block_table_width`` is the number of columns of the device block table; a request
+    needing more pages than that is a bad batch and raises ``ValueError``.
+    ``sliding_window``: leave out the pages before each request's first window.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -74,15 +81,22 @@ def plan_paged_kv(
             f"{block_table_width} columns"
         )
 
+    first_page = torch.zeros_like(pages)
+    if sliding_window is not None:
+        query_lens = (query_start_loc_cpu[1 : num_reqs + 1] - query_start_loc_cpu[:num_reqs]).to(torch.int64)
+        window_start = (seq_lens - query_lens - sliding_window + 1).clamp(min=0)
+        first_page = torch.minimum(window_start // block_size, (pages - 1).clamp(min=0))
+    kept = pages - first_page
+
     kv_indptr = torch.zeros(num_reqs + 1, dtype=torch.int64)
-    torch.cumsum(pages, dim=0, out=kv_indptr[1:])
+    torch.cumsum(kept, dim=0, out=kv_indptr[1:])
     total_pages = int(kv_indptr[-1])
 
     # Tokens in the last page: seq_len - (pages - 1) * block_size, i.e. 1..block_size.
     last_page_len = torch.where(pages > 0, seq_lens - (pages - 1) * block_size, 0)
 
-    req_of_page = torch.repeat_interleave(torch.arange(num_reqs), pages, output_size=total_pages)
-    page_in_req = torch.arange(total_pages) - kv_indptr[:-1][req_of_page]
+    req_of_page = torch.repeat_interleave(torch.arange(num_reqs), kept, output_size=total_pages)
+    page_in_req = torch.arange(total_pages) - kv_indptr[:-1][req_of_page] + first_page[req_of_page]
     gather = req_of_page * block_table_width + page_in_req
 
     return PagedKVPlan(

@@ -218,9 +218,12 @@ def _find_spec_without(name: str):
     return find_spec
 
 
-def _standin_paged_attention(q, qo_indptr, kv_cache, kv_indptr, kv_indices, last_page_len, scale, causal):
+def _standin_paged_attention(q, qo_indptr, kv_cache, kv_indptr, kv_indices, last_page_len, scale, causal,
+                             window_left=-1, logits_soft_cap=None):
     """The stand-in's kernel: FlashInfer's paged-attention semantics in float64 (NHD
-    single-tensor cache), from the planned CSR arrays alone."""
+    single-tensor cache), from the planned CSR arrays alone: the causal mask and the window
+    (``window_left`` keys left of the query's own) aligned bottom-right, the soft cap
+    ``cap * tanh(s / cap)`` before the mask."""
     page = kv_cache.shape[2]
     heads_q, heads_kv = q.shape[1], kv_cache.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -234,9 +237,14 @@ def _standin_paged_attention(q, qo_indptr, kv_cache, kv_indptr, kv_indices, last
         k = k.repeat_interleave(heads_q // heads_kv, dim=1)
         v = v.repeat_interleave(heads_q // heads_kv, dim=1)
         s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if logits_soft_cap:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        qpos = torch.arange(qi.shape[0])[:, None] + (kv_len - qi.shape[0])
+        kpos = torch.arange(kv_len)[None, :]
         if causal:
-            qpos = torch.arange(qi.shape[0])[:, None] + (kv_len - qi.shape[0])
-            s = s.masked_fill(torch.arange(kv_len)[None, :] > qpos, float("-inf"))
+            s = s.masked_fill(kpos > qpos, float("-inf"))
+        if window_left >= 0:
+            s = s.masked_fill(kpos < qpos - window_left, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
     return out
 
@@ -247,7 +255,7 @@ class _FakeWrapper:
     causal = False
 
     def _store(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-               page_size, sm_scale, q_data_type, kv_data_type):
+               page_size, sm_scale, q_data_type, kv_data_type, window_left, logits_soft_cap):
         assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
         assert len(indptr) == len(last_page_len) + 1 and int(indptr[-1]) == len(indices)
         assert num_qo_heads % num_kv_heads == 0
@@ -263,7 +271,8 @@ class _FakeWrapper:
             )
         self.qo_indptr = qo_indptr.clone()
         self.planned = dict(heads=(num_qo_heads, num_kv_heads), head_dim=head_dim, page_size=page_size,
-                            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+                            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                            window_left=window_left, logits_soft_cap=logits_soft_cap)
         self.plan_calls += 1
 
     def run(self, q, paged_kv_cache, *, out=None):
@@ -273,7 +282,8 @@ class _FakeWrapper:
         batch = len(self.last_page_len_buf)
         result = _standin_paged_attention(
             q, self.qo_indptr, paged_kv_cache, self.indptr_buf[: batch + 1], self.indices_buf,
-            self.last_page_len_buf, self.planned["sm_scale"], self.causal,
+            self.last_page_len_buf, self.planned["sm_scale"], self.causal, self.planned["window_left"],
+            self.planned["logits_soft_cap"],
         )
         if out is None:
             return result.to(q.dtype)
@@ -289,10 +299,11 @@ class _FakePrefillWrapper(_FakeWrapper):
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, *, causal=False, sm_scale=None, q_data_type="float16",
-             kv_data_type=None):
+             kv_data_type=None, window_left=-1, logits_soft_cap=None):
         self.causal = causal
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                    num_kv_heads, head_dim_qk, page_size, sm_scale, q_data_type, kv_data_type)
+                    num_kv_heads, head_dim_qk, page_size, sm_scale, q_data_type, kv_data_type, window_left,
+                    logits_soft_cap)
 
 
 class _FakeDecodeWrapper(_FakeWrapper):
@@ -308,11 +319,13 @@ class _FakeDecodeWrapper(_FakeWrapper):
             self.last_page_len_buf = paged_kv_last_page_len_buffer
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16", kv_data_type=None):
+             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16", kv_data_type=None, window_left=-1,
+             logits_soft_cap=None):
         assert pos_encoding_mode == "NONE"
         batch = len(last_page_len)
         self._store(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
-                    num_kv_heads, head_dim, page_size, sm_scale, q_data_type, kv_data_type)
+                    num_kv_heads, head_dim, page_size, sm_scale, q_data_type, kv_data_type, window_left,
+                    logits_soft_cap)
 
 
 def _install_fake_flashinfer(monkeypatch) -> types.ModuleType:
@@ -332,20 +345,21 @@ SCALE = 1 / math.sqrt(DIM)
 MAX_NUM_SEQS, MAX_MODEL_LEN = 8, 256
 
 
-def _spec(dtype=torch.float32) -> AttentionLayerSpec:
+def _spec(dtype=torch.float32, **features) -> AttentionLayerSpec:
     return AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=dtype,
                               kv_cache_dtype=dtype, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS,
-                              max_model_len=MAX_MODEL_LEN, scale=SCALE)
+                              max_model_len=MAX_MODEL_LEN, scale=SCALE, **features)
 
 
-def _case(requests, *, seed: int, pad_reqs: int = 0, fill: str = "nan") -> PagedCase:
+def _case(requests, *, seed: int, pad_reqs: int = 0, fill: str = "nan", **features) -> PagedCase:
     """One step of ``(context_len, query_len)`` requests on shuffled blocks of a fresh
     cache (float32, which the stand-in computes in float64), with ``pad_reqs`` CUDA-graph
-    filler requests; slots no request owns hold ``fill``."""
+    filler requests; slots no request owns (and, with a window, the blocks wholly before
+    it) hold ``fill``. ``features``: ``sliding_window`` / ``logits_soft_cap``."""
     return make_paged_case(
         FlashInferBackend, [q for _, q in requests], [c + q for c, q in requests], num_heads=HEADS,
         num_kv_heads=KV_HEADS, head_size=DIM, block_size=BLOCK, dtype=torch.float32, seed=seed,
-        pad_reqs=pad_reqs, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, fill=fill,
+        pad_reqs=pad_reqs, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, fill=fill, **features,
     )
 
 
@@ -443,20 +457,56 @@ def test_cudagraph_capture_refuses_non_decode_batches(backend_parts):
         builder.build_for_cudagraph_capture(_case([], pad_reqs=9, seed=1).common)
 
 
-def test_forward_refuses_a_layer_scale_different_from_the_plan(backend_parts):
+@pytest.mark.parametrize(
+    ("requests", "window"),
+    [
+        ([(0, 37)], 8),  # a prefill longer than the window
+        ([(70, 1), (0, 9), (33, 1), (45, 20)], 20),  # decodes with pages wholly before their window
+        ([(100, 1), (64, 1), (17, 1)], 16),  # a decode step: the decode wrapper
+        ([(20, 7), (48, 16)], 200),  # a window longer than every sequence
+    ],
+)
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_sliding_window_and_soft_cap_match_reference(monkeypatch, requests, window, cap):
+    """The blocks wholly before a window hold NaN: a plan that still listed them would
+    spread NaN into the output, so matching the reference also shows they are not read."""
+    _install_fake_flashinfer(monkeypatch)
+    features = dict(sliding_window=window, logits_soft_cap=cap)
+    builder = FlashInferBackend.get_builder_cls()(_spec(**features), torch.device("cpu"), max_num_blocks=64)
+    impl = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS,
+                                            **features)
+    case = _case(requests, seed=window, **features)
+    run = run_paged_case(case, builder=builder, impl=impl)
+    planned = run.metadata.wrapper.planned
+    assert (planned["window_left"], planned["logits_soft_cap"]) == (window - 1, cap)
+    _check(case, run)
+
+
+def test_plan_paged_kv_leaves_out_the_pages_before_each_window():
+    # seq_len 70 (query 1: position 69) with window 20 sees positions 50..69: pages 3, 4 of 16.
+    # seq_len 45 with query 20 (positions 25..44) sees from 6 on: pages 0..2. seq_len 9: page 0.
+    qsl = torch.tensor([0, 1, 21, 30], dtype=torch.int32)
+    plan = plan_paged_kv(qsl, torch.tensor([70, 45, 9], dtype=torch.int32), 16, 5, sliding_window=20)
+    assert plan.kv_indptr.tolist() == [0, 2, 5, 6]
+    assert plan.kv_gather_index.tolist() == [3, 4, 5, 6, 7, 10]
+    assert plan.kv_last_page_len.tolist() == [6, 13, 9]
+
+
+def test_forward_refuses_a_layer_unlike_the_plan(backend_parts):
     fake, builder, impl = backend_parts
-    other = FlashInferBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=0.5, num_kv_heads=KV_HEADS)
+    impl_cls = FlashInferBackend.get_impl_cls()
     case = _case([(0, 3)], seed=2)
     meta = builder.build(case.common)
-    with pytest.raises(ValueError, match="differs from the scale the step was planned with"):
-        other.forward(case.query, case.key, case.value, case.kv_cache, meta, torch.empty_like(case.query))
+    for other in (impl_cls(num_heads=HEADS, head_size=DIM, scale=0.5, num_kv_heads=KV_HEADS),
+                  impl_cls(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS, sliding_window=4),
+                  impl_cls(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS, logits_soft_cap=3.0)):
+        with pytest.raises(ValueError, match=r"\(scale, sliding_window, logits_soft_cap\) .* differs from the step's plan"):
+            other.forward(case.query, case.key, case.value, case.kv_cache, meta, torch.empty_like(case.query))
 
 
 def test_impl_rejects_unsupported_features():
     impl_cls = FlashInferBackend.get_impl_cls()
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, sliding_window=128)
-    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
-        impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, logits_soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match="attention sinks not supported"):
+        impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, sinks=torch.zeros(8))
     with pytest.raises(NotImplementedError, match=r"attn_type encoder_only not supported \(supports decoder\)"):
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, attn_type=AttentionType.ENCODER_ONLY)
