@@ -25,7 +25,7 @@ def test_offloading_brings_evicted_prefixes_back(tmp_path: Path) -> None:
     result_path, markdown = tmp_path / "result.json", tmp_path / "result.md"
     engine_args = f"--block-size {BLOCK} --max-model-len 256 --dtype float32"
     cmd = [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--kv-cache-memory", "256KiB",
-           "--kv-offloading-size", str(8 / 1024), "--engine-args", engine_args, "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--user-len", "8",
+           "--kv-offloading-size", str(8 / 1024), "--engine-args", engine_args, "--prefix-ratio", "4", "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--user-len", "8",
            "--output-len", "4", "--max-concurrency", "2", "--out", str(tmp_path), "--json", str(result_path),
            "--markdown", str(markdown)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)

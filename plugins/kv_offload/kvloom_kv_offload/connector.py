@@ -86,6 +86,18 @@ class OffloadMetadata(KVConnectorMetadata):
     writes: list[StoreJob | SpillJob] = field(default_factory=list)
 
 
+def host_memory_available() -> int | None:
+    """The host's ``MemAvailable`` in bytes (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _host_slots(config: Any) -> tuple[int, int]:
     """(host slots, disk blocks) the extra config asks for."""
     extra = config.kv_transfer.kv_connector_extra_config
@@ -114,6 +126,12 @@ class OffloadingConnector(KVConnectorBase):
         if slots < 1:
             reasons.append(f"kv_connector_extra_config.cpu_bytes_to_use: holds no KV-cache block of "
                            f"{kv_cache_bytes_per_block(config)} bytes (set cpu_bytes_to_use or --kv-offloading-size)")  # fmt: skip
+        available, host_bytes = host_memory_available(), slots * kv_cache_bytes_per_block(config)
+        if available is not None and host_bytes > available:
+            # Checked before the engine starts: past this the kernel's OOM killer ends it with no word.
+            reasons.append(f"kv_connector_extra_config.cpu_bytes_to_use (--kv-offloading-size): the host tier "
+                           f"needs {host_bytes / 2**30:.1f} GiB, the host has {available / 2**30:.1f} GiB available "
+                           "(allowed: at most that, less what the engine itself takes)")  # fmt: skip
         if extra.get("block_size", config.cache.block_size) != config.cache.block_size:
             reasons.append(f"kv_connector_extra_config.block_size: kvloom offloads the engine's blocks "
                            f"({config.cache.block_size} tokens), got {extra['block_size']}")  # fmt: skip

@@ -1,6 +1,7 @@
 """The worker side's copies between the device KV cache and the host tier.
 
-The host tier is one buffer per layer, ``[num_slots, *block_shape]``, pinned on CUDA. A
+The host tier is one buffer per layer, ``[num_slots, *block_shape]``, pinned on CUDA at its
+exact size (``pinned_empty``). A
 transfer moves blocks between device block ids (anywhere in the cache) and host slots:
 the device side is gathered or scattered on the device (``KVLayerCache``, one indexed
 copy per layer through a staging buffer), the host side is copied in runs of consecutive
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,24 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((row, slot, 1))
     return runs
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor page-locked at exactly its own size (unregistered when it is freed).
+
+    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
+    rounds each block up to the next power of two: an 80 GiB tier of 32 layers (2.5 GiB
+    each) asked for 128 GiB of pinned memory and the engine was killed on the H200's
+    128 GiB host (2026-11-29). Pageable memory registered with ``cudaHostRegister`` is
+    pinned as it is, and the copy engines read it as they read pinned memory."""
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.untyped_storage().nbytes()
+    if nbytes == 0:
+        return tensor
+    cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
+    torch.cuda.check_error(cudart.cudaHostRegister(ptr, nbytes, 0))
+    weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+    return tensor
 
 
 @dataclass
@@ -63,7 +83,7 @@ class HostTier:
         self.device = first.tensor.device
         self.cuda = self.device.type == "cuda"
         self.buffers = {
-            name: torch.empty((num_slots, *c.block_shape), dtype=c.tensor.dtype, pin_memory=self.cuda)
+            name: (pinned_empty if self.cuda else torch.empty)((num_slots, *c.block_shape), dtype=c.tensor.dtype)
             for name, c in layers.items()
         }
         self.block_nbytes = sum(c.block_nbytes for c in layers.values())

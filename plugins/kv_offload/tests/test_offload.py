@@ -51,6 +51,50 @@ def test_bad_options_are_refused() -> None:
                             "kv_connector_extra_config": {"cpu_bytes_to_use": 100}})  # fmt: skip
 
 
+def test_a_host_tier_beyond_the_hosts_available_memory_is_refused(monkeypatch) -> None:
+    from kvloom_kv_offload import connector
+
+    monkeypatch.setattr(connector, "host_memory_available", lambda: 10 * BLOCK_BYTES)
+    with pytest.raises(ValueError, match=r"--kv-offloading-size\): the host tier needs 0\.0 GiB, the host has "
+                                         r"0\.0 GiB available"):  # fmt: skip
+        check_kv_connector(_offload(11))
+    assert check_kv_connector(_offload(10)) == []
+    assert connector.host_memory_available() is None or connector.host_memory_available() > 0
+
+
+class _FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls (success: 0)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinned_empty_registers_exactly_its_bytes_and_unregisters_when_freed(monkeypatch) -> None:
+    """Not torch's pin_memory=True (rounded up to a power of two): 3 MiB + 8 bytes stay that."""
+    import gc
+
+    from kvloom_kv_offload.transfers import pinned_empty
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None if res == 0 else pytest.fail(f"error {res}"))
+    t = pinned_empty((3 * 2**20 + 8,), torch.uint8)
+    ptr = t.data_ptr()
+    assert fake.registered == {ptr: 3 * 2**20 + 8} and fake.unregistered == []
+    del t
+    gc.collect()
+    assert fake.unregistered == [ptr]
+
+
 def _llm(**kwargs: Any) -> Any:
     with mock.patch.dict(os.environ, {"KVLOOM_ENABLE_MULTIPROCESSING": "0"}):
         return LLM(model=str(tiny_model_dir("llama")), dtype="float32", num_gpu_blocks_override=DEVICE_BLOCKS,
