@@ -40,10 +40,11 @@ def paged_causal_mask_mod(
     block_table: torch.Tensor,
     logical_of_page: torch.Tensor,
     block_size: int,
+    sliding_window: int | None = None,
 ) -> Callable:
     """``mask_mod(b, h, q_idx, kv_idx)``: True iff the slot's page belongs to the row's
     request and the slot's position is at or before the row's position (padding rows have
-    position -1 and see nothing)."""
+    position -1 and see nothing) and, with a window ``W``, after its position - ``W``."""
     width = block_table.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -54,7 +55,14 @@ def paged_causal_mask_mod(
         position = logical * block_size + kv_idx % block_size
         return (logical >= 0) & owned & (position <= pos_of_row[q_idx])
 
-    return mask_mod
+    if sliding_window is None:
+        return mask_mod
+
+    def windowed_mask_mod(b, h, q_idx, kv_idx):
+        position = logical_of_page[kv_idx // block_size] * block_size + kv_idx % block_size
+        return mask_mod(b, h, q_idx, kv_idx) & (position > pos_of_row[q_idx] - sliding_window)
+
+    return windowed_mask_mod
 
 
 def build_paged_block_mask(
@@ -62,6 +70,7 @@ def build_paged_block_mask(
     q_block_size: int,
     num_rows: int,
     req_of_qblock: torch.Tensor,
+    first_pages: torch.Tensor,
     full_pages: torch.Tensor,
     visible_pages: torch.Tensor,
     block_table: torch.Tensor,
@@ -70,17 +79,17 @@ def build_paged_block_mask(
     mask_mod: Callable,
     min_index_width: int = 0,
 ) -> BlockMask:
-    """Block lists per query block: its request's pages ``[0, full_pages)`` are full,
-    ``[full_pages, visible_pages)`` partial. All inputs are device tensors.
+    """Block lists per query block: its request's pages ``[first_pages, full_pages)`` are
+    full, ``[full_pages, visible_pages)`` partial. All inputs are device tensors.
 
     ``min_index_width`` pads the index lists with unused columns (flex's CPU kernel wants
     ``width * block_size >= kv_len``); entries past the counts are never read.
     """
     rows = block_table.index_select(0, req_of_qblock)  # [QB, W]: the requests' pages in order
     width = rows.shape[1]
-    shift = full_pages.long().unsqueeze(1) + torch.arange(width, device=rows.device)
-    partial = rows.gather(1, shift.clamp_(max=width - 1))
-    full = rows
+    columns = torch.arange(width, device=rows.device)
+    partial = rows.gather(1, (full_pages.long().unsqueeze(1) + columns).clamp_(max=width - 1))
+    full = rows.gather(1, (first_pages.long().unsqueeze(1) + columns).clamp_(max=width - 1))
     if min_index_width > width:
         pad = (0, min_index_width - width)
         partial = torch.nn.functional.pad(partial, pad)
@@ -88,7 +97,7 @@ def build_paged_block_mask(
     return BlockMask.from_kv_blocks(
         (visible_pages - full_pages).to(torch.int32)[None, None],
         partial.to(torch.int32)[None, None].contiguous(),
-        full_pages.to(torch.int32)[None, None],
+        (full_pages - first_pages).to(torch.int32)[None, None],
         full.to(torch.int32)[None, None].contiguous(),
         BLOCK_SIZE=(q_block_size, block_size),
         mask_mod=mask_mod,

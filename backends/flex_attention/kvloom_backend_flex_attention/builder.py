@@ -22,7 +22,8 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
         block_size = self.spec.block_size
         seq_lens = common.seq_lens_cpu[:num_reqs]
         block_table = common.block_table[:num_reqs]
-        plans = plan_query_groups(common.query_start_loc_cpu[: num_reqs + 1], seq_lens, block_size)
+        window = self.spec.sliding_window
+        plans = plan_query_groups(common.query_start_loc_cpu[: num_reqs + 1], seq_lens, block_size, window)
         ownership = plan_page_ownership(seq_lens, block_size, block_table.shape[1])
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,7 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
                 req_of_row=to_device(p.req_of_row),
                 pos_of_row=to_device(p.pos_of_row),
                 req_of_qblock=to_device(p.req_of_qblock),
+                first_pages=to_device(p.first_pages),
                 full_pages=to_device(p.full_pages),
                 visible_pages=to_device(p.visible_pages),
             )
@@ -49,4 +51,5 @@ class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadat
             block_size=block_size,
             slot_mapping=common.slot_mapping,
             num_actual_tokens=common.num_actual_tokens,
+            sliding_window=window,
         )

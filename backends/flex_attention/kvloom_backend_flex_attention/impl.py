@@ -57,11 +57,25 @@ def cuda_kernel_options(q_block_size: int, block_size: int, head_size: int, dtyp
     return options
 
 
+def soft_cap_score_mod(cap: float) -> Callable:
+    """``score_mod``: Gemma 2's logit soft cap, ``cap * tanh(score / cap)`` of the scaled score."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
 class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
+    # The window is in the step's mask (planned per KV-cache group), the cap a score_mod.
+    impl_supports_sliding_window = True
+    impl_supports_logits_soft_cap = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: The flex function; tests may swap in the uncompiled reference.
         self.flex_fn: Callable = compiled_flex_attention()
+        self.score_mod = None if self.logits_soft_cap is None else soft_cap_score_mod(self.logits_soft_cap)
 
     def forward(
         self,
@@ -72,6 +86,11 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
         attn_metadata: FlexAttentionMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
+        if attn_metadata.sliding_window != self.sliding_window:
+            raise ValueError(
+                f"layer sliding_window {self.sliding_window} differs from the step's plan "
+                f"({attn_metadata.sliding_window}); FLEX_ATTENTION plans one window for a KV-cache group's layers"
+            )
         write_kv_default_layout(kv_cache, key, value, attn_metadata.slot_mapping)
 
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -87,6 +106,7 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 q_rows.unsqueeze(0).transpose(1, 2),
                 k,
                 v,
+                score_mod=self.score_mod,
                 block_mask=block_mask,
                 scale=self.scale,
                 enable_gqa=self.num_heads != num_kv_heads,

@@ -26,6 +26,7 @@ class FlexQueryGroup:
     req_of_row: torch.Tensor
     pos_of_row: torch.Tensor
     req_of_qblock: torch.Tensor
+    first_pages: torch.Tensor
     full_pages: torch.Tensor
     visible_pages: torch.Tensor
 
@@ -38,6 +39,8 @@ class FlexAttentionMetadata:
     block_size: int
     slot_mapping: torch.Tensor
     num_actual_tokens: int
+    #: The KV-cache group's sliding window (each layer checks that it has this one).
+    sliding_window: int | None = None
     #: Block masks by cache size, built on the first layer's forward (the number of cache
     #: blocks is a property of the KV tensor the layers receive) and shared by the rest.
     _block_masks: dict[int, list[BlockMask]] = field(default_factory=dict, repr=False)
@@ -53,13 +56,15 @@ class FlexAttentionMetadata:
                     q_block_size=g.q_block_size,
                     num_rows=g.num_rows,
                     req_of_qblock=g.req_of_qblock,
+                    first_pages=g.first_pages,
                     full_pages=g.full_pages,
                     visible_pages=g.visible_pages,
                     block_table=self.block_table,
                     block_size=self.block_size,
                     num_blocks=num_blocks,
                     mask_mod=paged_causal_mask_mod(
-                        g.req_of_row, g.pos_of_row, self.block_table, logical_of_page, self.block_size
+                        g.req_of_row, g.pos_of_row, self.block_table, logical_of_page, self.block_size,
+                        self.sliding_window,
                     ),
                     min_index_width=min_width,
                 )

@@ -12,6 +12,10 @@ How a step maps onto one ``flex_attention`` call (per query group, see below):
   up to the page holding the block's last position are "partial" blocks, masked by
   ``mask_mod`` (ownership + causal order, see ``block_mask.py``).
 
+With a sliding window ``W`` a query block's list starts at the page holding the window start
+of its first row (the pages wholly before it are never read: the hybrid KV cache may have
+given them back) and every listed page is partial (``mask_mod`` also applies the window).
+
 Query groups: requests with fewer than ``LONG_QUERY_BLOCK`` query tokens (decodes, short
 chunks) use 16-row query blocks, longer ones 64-row blocks, each group one flex call. A
 single block size would either pad every decode to 64 rows or run long prefills with
@@ -44,9 +48,10 @@ class QueryGroupPlan:
     req_of_row: torch.Tensor  # int64 [R]
     #: Sequence position of each padded row's token; -1 for padding rows.
     pos_of_row: torch.Tensor  # int64 [R]
-    #: Request of each query block, and how many of its pages are fully visible to the
-    #: block (``full_pages``) or visible at all (``visible_pages``).
+    #: Request of each query block; its pages ``[first_pages, full_pages)`` are fully
+    #: visible to every row of the block, ``[full_pages, visible_pages)`` partly.
     req_of_qblock: torch.Tensor  # int64 [QB]
+    first_pages: torch.Tensor  # int32 [QB]
     full_pages: torch.Tensor  # int32 [QB]
     visible_pages: torch.Tensor  # int32 [QB]
 
@@ -70,6 +75,7 @@ def plan_query_group(
     seq_lens_cpu: torch.Tensor,
     block_size: int,
     q_block_size: int,
+    sliding_window: int | None = None,
 ) -> QueryGroupPlan:
     """Plan the requests ``req_ids`` (int64, batch order; each with query_len >= 1)."""
     qsl = query_start_loc_cpu.to(torch.int64)
@@ -106,6 +112,10 @@ def plan_query_group(
     # Page k is fully visible to every row iff its last slot (k+1)*bs - 1 <= first_pos.
     full_pages = (first_pos + 1) // block_size
     visible_pages = last_pos // block_size + 1
+    first_pages = torch.zeros_like(full_pages)
+    if sliding_window is not None:  # every page from the first row's window start on is partial
+        first_pages = (first_pos - sliding_window + 1).clamp(min=0) // block_size
+        full_pages = first_pages
 
     return QueryGroupPlan(
         q_block_size=q_block_size,
@@ -114,13 +124,14 @@ def plan_query_group(
         req_of_row=req_ids[row_req],
         pos_of_row=pos_of_row,
         req_of_qblock=req_ids[blk_req],
+        first_pages=first_pages.to(torch.int32),
         full_pages=full_pages.to(torch.int32),
         visible_pages=visible_pages.to(torch.int32),
     )
 
 
 def plan_query_groups(
-    query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, block_size: int
+    query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, block_size: int, sliding_window: int | None = None
 ) -> list[QueryGroupPlan]:
     """Split the step's requests into the short- and long-query groups (skipping empty
     groups and requests without query tokens) and plan each."""
@@ -133,7 +144,9 @@ def plan_query_groups(
     ):
         req_ids = torch.nonzero(selected).flatten()
         if req_ids.numel():
-            groups.append(plan_query_group(req_ids, query_start_loc_cpu, seq_lens_cpu, block_size, q_block))
+            groups.append(
+                plan_query_group(req_ids, query_start_loc_cpu, seq_lens_cpu, block_size, q_block, sliding_window)
+            )
     return groups
 
 

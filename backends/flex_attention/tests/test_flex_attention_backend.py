@@ -158,16 +158,22 @@ def _spec(heads, kv_heads, dim, dtype, block_size=BLOCK) -> AttentionLayerSpec:
                               scale=dim**-0.5)
 
 
-def _case(requests, *, heads, kv_heads, dim, dtype, seed, block_size=BLOCK) -> PagedCase:
+def _case(requests, *, heads, kv_heads, dim, dtype, seed, block_size=BLOCK, **features) -> PagedCase:
     """One step of ``(context_len, query_len)`` requests on shuffled blocks of a fresh
     cache. flex_attention reads whole pages, so the slots no request owns must be finite:
-    they hold large random values (a mask letting one through shows in the output)."""
+    they hold large random values (a mask letting one through shows in the output).
+    ``features``: ``sliding_window`` / ``logits_soft_cap``; the blocks wholly before a
+    window, which the reference poisons with NaN, get 1e4 instead: the uncompiled flex reads
+    every page (the compiled kernels read only the listed ones, checked below)."""
     spec = _spec(heads, kv_heads, dim, dtype, block_size)
-    return make_paged_case(
+    case = make_paged_case(
         FlexAttentionBackend, [q for _, q in requests], [c + q for c, q in requests], num_heads=heads,
         num_kv_heads=kv_heads, head_size=dim, block_size=block_size, dtype=dtype, seed=seed,
-        max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, fill="random",
+        max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len, fill="random", **features,
     )
+    for cache in (case.kv_cache, case.cache.expected_key_cache, case.cache.expected_value_cache):
+        cache.nan_to_num_(nan=1e4)
+    return case
 
 
 def _run(case: PagedCase) -> PagedRun:
@@ -208,6 +214,28 @@ def test_half_precision_and_block_size_32(dtype, tol):
     _check(step, _run(step), tol)
 
 
+@pytest.mark.parametrize("cap", [None, 5.0])
+@pytest.mark.parametrize("window", [20, 1, 300])
+def test_sliding_window_and_soft_cap_match_float64_reference(window, cap):
+    step = _case(CASES["mixed_interleaved"], heads=8, kv_heads=2, dim=32, dtype=torch.float32, seed=window,
+                 sliding_window=window, logits_soft_cap=cap)
+    _check(step, _run(step), 1e-5)
+
+
+def test_soft_cap_alone_matches_float64_reference():
+    step = _case(CASES["chunked_prefill_with_context"], heads=4, kv_heads=4, dim=32, dtype=torch.float32, seed=3,
+                 logits_soft_cap=2.0)
+    _check(step, _run(step), 1e-5)
+
+
+def test_forward_refuses_a_layer_window_unlike_the_plan():
+    step = _case([(40, 1)], heads=8, kv_heads=2, dim=32, dtype=torch.float32, seed=1, sliding_window=8)
+    meta = step.cache.make_builder(step.common.block_table.shape[1]).build(step.common)
+    impl = FlexAttentionBackend.get_impl_cls()(num_heads=8, head_size=32, scale=0.1, num_kv_heads=2)
+    with pytest.raises(ValueError, match="layer sliding_window None differs from the step's plan \\(8\\)"):
+        impl.forward(step.query, step.key, step.value, step.kv_cache, meta, torch.empty_like(step.query))
+
+
 def test_prefix_shared_page():
     """Request 1 reuses request 0's first page (same tokens there, as prefix caching would)."""
     gen = torch.Generator().manual_seed(9)
@@ -231,11 +259,13 @@ def test_slot_minus_one_is_not_written():
     assert torch.equal(k_cache.reshape(-1, 2, 32)[skipped], before[0].reshape(-1, 2, 32)[skipped])
 
 
-def test_block_lists_cover_exactly_what_the_mask_allows():
+@pytest.mark.parametrize("window", [None, 20])
+def test_block_lists_cover_exactly_what_the_mask_allows(window):
     """What the compiled kernels rely on: for every query block, every slot the mask allows
-    lies in a listed page, full pages are allowed for every real row, lists are disjoint."""
+    lies in a listed page, full pages are allowed for every real row, lists are disjoint;
+    with a window no page wholly before the block's first row's window is listed."""
     step = _case([(40, 1), (0, 9), (17, 1), (31, 80), (64, 1), (5, 70)], heads=8, kv_heads=2, dim=32,
-                 dtype=torch.float32, seed=12)
+                 dtype=torch.float32, seed=12, sliding_window=window)
     block_table = step.common.block_table
     num_blocks, width = step.cache.num_blocks, block_table.shape[1]
     meta = step.cache.make_builder(width).build(step.common)
@@ -255,6 +285,10 @@ def test_block_lists_cover_exactly_what_the_mask_allows():
                     p = int(page_of[r, j])
                     n_valid = min(BLOCK, int(pos[r]) - j * BLOCK + 1)
                     expected[r, p * BLOCK : p * BLOCK + n_valid] = True
+                    if window is not None:  # positions <= pos - window fall out
+                        first = max(0, int(pos[r]) - window + 1)
+                        for position in range(j * BLOCK, min(first, (j + 1) * BLOCK)):
+                            expected[r, p * BLOCK + position - j * BLOCK] = False
         assert torch.equal(allowed, expected), "mask_mod disagrees with the block table"
 
         qb = group.q_block_size
@@ -269,3 +303,8 @@ def test_block_lists_cover_exactly_what_the_mask_allows():
             for p in full:
                 assert bool(block_allowed[real][:, p * BLOCK : (p + 1) * BLOCK].all()), "a full page is not fully allowed"
             assert set(partial) <= pages_allowed, "a listed partial page is never allowed"
+            if window is not None:
+                first_row_pos = int(group.pos_of_row[b * qb])
+                request_pages = block_table[group.req_of_row[b * qb]].tolist()
+                before = request_pages[: max(0, first_row_pos - window + 1) // BLOCK]
+                assert not set(before) & set(partial + full), "a page wholly before the window is listed"
