@@ -78,7 +78,8 @@ def _pip_download(args: list[str], into: str, stubs: Path) -> None:
         missing = _MISSING.search(done.stdout + done.stderr)
         if missing is None or not in_cuda_stack(missing.group(1)):
             break
-        _stub_wheel(stubs, missing.group(1), missing.group(2))
+        # A pin may be a prefix ("==13.0.85.*"): the stub takes the version it names.
+        _stub_wheel(stubs, missing.group(1), missing.group(2).removesuffix(".*"))
     raise SystemExit(f"pip download {' '.join(args)[:300]} failed for CPython 3.12 on manylinux x86-64:\n"
                      f"{(done.stdout + done.stderr)[-4000:]}")  # fmt: skip
 
