@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvloom import LLM, SamplingParams
+from kvloom import LLM, EngineArgs, SamplingParams
+from kvloom.engine.config_builder import create_engine_config
+from kvloom.engine.core_lifecycle import prestart_engine_core_server
 from kvloom.profiling import CPROFILE_DIR_ENV, cprofile_if_asked
 from tests.helpers.model_fixtures import tiny_model_dir
 
@@ -39,7 +41,10 @@ def test_a_directory_that_does_not_exist_is_an_error(tmp_path: Path, monkeypatch
 
 def test_the_engine_core_process_writes_its_busy_loop_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = str(tiny_model_dir("llama"))
-    # The engine core sees the variable as it is when the engine starts.
+    # The fork server of the engine cores (on the CPU) already runs, started before the
+    # variable was set (as by an earlier engine of this process): the engine core still
+    # sees the variable, as it is when the engine starts.
+    prestart_engine_core_server(create_engine_config(EngineArgs(model=model, dtype="float32")))
     monkeypatch.setenv(CPROFILE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("KVLOOM_ENABLE_MULTIPROCESSING", "1")
     llm = LLM(model, dtype="float32", kv_cache_memory="16MiB", disable_log_stats=True)

@@ -123,7 +123,8 @@ def test_dummy_weights_load_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def engine_core_and_ranks(llm: LLM) -> tuple[psutil.Process, list[psutil.Process]]:
-    """The engine core process of ``llm`` (this process's child: forked on the CPU) and its two rank processes, its children."""
+    """The engine core process of ``llm`` (under this process: its child when spawned, its
+    grandchild through the fork server on the CPU) and its two rank processes, its children."""
     core = psutil.Process(llm.llm_engine.engine_core.engine.pid)
     assert core in psutil.Process().children(recursive=True)
     ranks = [p for p in core.children() if "spawn_main" in " ".join(p.cmdline())]

@@ -92,7 +92,9 @@ def child_pids(pid: int) -> list[int]:
 
 
 def descendant_pids(pid: int) -> list[int]:
-    """The live processes under ``pid``: its children, theirs, and so on."""
+    """The live processes under ``pid``: its children, theirs, and so on (an engine core
+    forked from multiprocessing's fork server is a child of that server, not of the
+    process that asked for it)."""
     found, frontier = [], [pid]
     while frontier:
         children = [c for p in frontier for c in child_pids(p)]

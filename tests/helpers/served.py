@@ -38,7 +38,7 @@ def pids_in_log(server: KvloomServer, role: str) -> dict[int, int]:
 
 def engine_core_pid(server: KvloomServer, index: int = 0) -> int:
     """Engine core ``index``'s process (found by its log lines), checked to run under the
-    server: its child (spawned, or forked on the CPU)."""
+    server: its child when spawned, its grandchild when forked from the fork server."""
     pid = pids_in_log(server, "EngineCore").get(index)
     assert pid is not None, f"no log line of engine core {index} in the server's log"
     under = descendant_pids(server.process.pid)

@@ -61,6 +61,8 @@ class AsyncLLM:
         API server ``client_index`` of several) instead of starting one."""
         self.config = config
         self.log_stats = log_stats and not config.observability.disable_log_stats
+        if client_addresses is None:
+            EngineCoreClient.prepare(config)  # overlaps the tokenizer's load
         self.frontend = Frontend(config, log_stats=self.log_stats)
         self.tokenizer = self.frontend.tokenizer
         self.engine_core: ThreadedClient | AsyncMPClient

@@ -56,6 +56,7 @@ from kvloom.engine.core_lifecycle import (
     EngineCoreProcessHandle,
     MPClientResources,
     notify_engine_death,
+    prestart_engine_core_server,
     wait_for_engines,
 )
 from kvloom.engine.core_proc import call_utility, engine_identity, make_socket
@@ -106,6 +107,13 @@ class EngineCoreClient(ABC):
 
     #: Why the engine core is dead (None while it lives).
     dead_error: BaseException | None = None
+
+    @staticmethod
+    def prepare(config: EngineConfig) -> None:
+        """Begin what ``make_client`` will wait for, so the caller's own start overlaps it:
+        the fork server of the engine core processes (on the CPU) starts importing."""
+        if multiprocessing_enabled():
+            prestart_engine_core_server(config)
 
     @staticmethod
     def make_client(config: EngineConfig, log_stats: bool, asyncio_mode: bool) -> "EngineCoreClient":

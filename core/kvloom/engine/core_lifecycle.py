@@ -17,13 +17,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
+import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -51,39 +51,72 @@ logger = logging.getLogger(__name__)
 #: How long shutdown waits for the engine core process to exit before terminating it.
 SHUTDOWN_TIMEOUT_S = 10.0
 
+#: What the fork server imports once, so that an engine core forked from it starts with
+#: them loaded: torch and the engine (through ``core_proc`` and ``core``), and the part of
+#: transformers that unpickling the model's config needs (every model config class of
+#: transformers 5 imports ``type_validators``, which pulls in ``torch.distributed.tensor``:
+#: about a second on the CPU). A module that a transformers version lacks is skipped.
+FORKSERVER_PRELOAD = [
+    "kvloom.engine.core_proc",
+    "kvloom.engine.core",
+    "kvloom.worker.model_runner",
+    "transformers.configuration_utils",
+    "transformers.utils.type_validators",
+]
+
+
 def forks_engine_cores(config: EngineConfig) -> bool:
-    """Whether engine core processes are forked from this one (``fork``: everything it
-    imported is there at once, about 0.5 s of start instead of a second interpreter's
-    seconds of imports on a small CPU): on the CPU, one replica, POSIX. Elsewhere they are
-    spawned, a fresh interpreter each: a GPU process must not inherit anything that touched
-    the device, and a data-parallel replica's environment is set before it imports torch.
-    Where forking is unsafe now (``fork_hazard``) the process is spawned after all."""
+    """Whether engine core processes fork from the fork server (``multiprocessing``'s
+    ``forkserver``, its imports done once): on the CPU, one replica, POSIX. Elsewhere they
+    are spawned, a fresh interpreter each: a GPU process must not inherit anything that
+    touched the device, and a data-parallel replica's environment is set before it
+    imports torch."""
     return (
         config.device.platform.device_type == "cpu"
         and config.parallel.data_parallel_size == 1
-        and "fork" in multiprocessing.get_all_start_methods()
+        and "forkserver" in multiprocessing.get_all_start_methods()
     )
 
 
-def fork_hazard() -> str | None:
-    """Why forking this process now could hang the child, or None: threads of its own (a
-    lock one of them holds stays held in the child), or a Ray driver (its connections do
-    not survive a fork; vLLM spawns then too)."""
-    if threading.active_count() > 1:
-        return f"{threading.active_count()} Python threads run in this process"
-    ray = sys.modules.get("ray")
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        return "Ray is initialized in this process"
-    return None
+def _serialize_exit_status_reads(process: multiprocessing.process.BaseProcess) -> None:
+    """One thread at a time reads ``process``'s exit status. A fork-server child's status
+    arrives as bytes on its sentinel, read once: when the engine's monitor thread and
+    another thread (a caller joining the process) poll together, one reads the status
+    and the other meets end-of-file, which ``multiprocessing`` reports as exit code 255,
+    possibly overwriting the true code. Spawned processes (``waitpid``) need no lock, but
+    it costs nothing there."""
+    popen = getattr(process, "_popen", None)
+    if popen is None:
+        return
+    lock = threading.Lock()
+    unlocked_poll = popen.poll
+
+    def poll(*args: Any, **kwargs: Any) -> int | None:
+        with lock:
+            return unlocked_poll(*args, **kwargs)
+
+    popen.poll = poll
+
+
+def prestart_engine_core_server(config: EngineConfig) -> None:
+    """Start the fork server now where ``config``'s engine cores fork from it, so that its
+    imports (``FORKSERVER_PRELOAD``: a second interpreter importing torch, seconds on a
+    small CPU) overlap the rest of this process's start (the tokenizer) instead of
+    following it. Idempotent."""
+    if not forks_engine_cores(config):
+        return
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    with main_module_not_reimported():
+        multiprocessing.forkserver.ensure_running()
 
 
 def process_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
     """The ``multiprocessing`` context an engine core process starts from."""
     if forks_engine_cores(config):
-        hazard = fork_hazard()
-        if hazard is None:
-            return multiprocessing.get_context("fork")
-        logger.info("The engine core process is spawned, not forked (a start of seconds more): %s", hazard)
+        prestart_engine_core_server(config)
+        return multiprocessing.get_context("forkserver")
     return multiprocessing.get_context("spawn")
 
 
@@ -127,6 +160,10 @@ class EngineCoreProcessHandle:
         self.identity = engine_identity(engine_index)
         replicas = config.parallel.data_parallel_size
         env = config.device.platform.data_parallel_env(engine_index, replicas) if replicas > 1 else {}
+        # A fork-server child inherits the fork server's environment, as it was when the
+        # server started (perhaps by an earlier engine of this process): it is given this
+        # process's, as a spawned process would have it.
+        environ = dict(os.environ) if context.get_start_method() == "forkserver" else None
         self.process = context.Process(
             target=run_engine_core,
             name=f"kvloom-engine-core-{engine_index}",
@@ -137,12 +174,10 @@ class EngineCoreProcessHandle:
                 output_addresses=[c.output for c in clients],
                 engine_index=engine_index,
                 death_pipe=death_reader,
-                # A forked child holds a copy of the writing end too: it closes it, or the
-                # pipe would never report this process's death.
-                inherited_death_writer=self._death_writer if context.get_start_method() == "fork" else None,
                 log_level=level,
                 log_format=fmt,
                 env=env,
+                environ=environ,
             ),  # fmt: skip
             # A daemonic process may not start processes: with tensor-parallel worker
             # processes the core is not daemonic and ends through its death pipe instead.
@@ -150,6 +185,7 @@ class EngineCoreProcessHandle:
         )
         with main_module_not_reimported():
             self.process.start()
+        _serialize_exit_status_reads(self.process)
         death_reader.close()
         self._stop_reader, self._stop_writer = multiprocessing.Pipe(duplex=False)
         self._monitor: threading.Thread | None = None

@@ -430,15 +430,16 @@ def run_engine_core(
     log_level: int | None = None,
     log_format: str | None = None,
     env: dict[str, str] | None = None,
-    inherited_death_writer: Any = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """The engine core process's target: build the core, handshake, run the busy loop.
-    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure. ``env``: variables set
-    before the core is built (a data-parallel replica's device,
-    ``Platform.data_parallel_env``). ``inherited_death_writer``: the parent's end of
-    ``death_pipe``, which a forked child holds a copy of: closed here."""
-    if inherited_death_writer is not None:
-        inherited_death_writer.close()
+    Exits 0 after a SHUTDOWN frame or SIGTERM, 1 after a failure. ``environ``: the whole
+    environment to take (the starting process's, for a fork-server child); ``env``:
+    variables set on top before the core is built (a data-parallel replica's device,
+    ``Platform.data_parallel_env``)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(env or {})
     _setup_logging(log_level, log_format, engine_index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

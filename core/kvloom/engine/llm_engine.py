@@ -34,6 +34,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.log_stats = log_stats = not config.observability.disable_log_stats
+        EngineCoreClient.prepare(config)  # overlaps the tokenizer's load
         self.frontend = Frontend(config, log_stats=log_stats)
         self.tokenizer = self.frontend.tokenizer
         client = EngineCoreClient.make_client(config, log_stats, asyncio_mode=False)

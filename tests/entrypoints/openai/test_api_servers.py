@@ -225,7 +225,7 @@ def test_killed_api_server_stops_everything(own_server: KvloomServer) -> None:
 def test_sigterm_stops_every_process_cleanly(own_server: KvloomServer) -> None:
     server = own_server
     children = descendant_pids(server.process.pid)
-    # The engine core and two API servers (and a resource tracker).
+    # The engine core (under the fork server on the CPU) and two API servers (and a resource tracker).
     assert engine_core_pid(server) in children and set(api_server_pids(server).values()) <= set(children)
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3}).status_code == 200
     server.process.send_signal(signal.SIGTERM)

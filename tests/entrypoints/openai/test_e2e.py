@@ -40,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[
     args = ["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--log-stats-interval", "1"]
     srv = KvloomServer(args, work, [site], KVLOOM_STATS_JSONL=str(records))
     with srv:
-        # The engine core process (and a resource tracker).
+        # The engine core process (under the fork server on the CPU, and a resource tracker).
         children = descendant_pids(srv.process.pid)
         yield srv
     # Ctrl-C is a clean, graceful shutdown, which stops the engine core process too.
