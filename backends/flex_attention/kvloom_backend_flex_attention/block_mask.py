@@ -53,16 +53,12 @@ def paged_causal_mask_mod(
         req = req_of_row[q_idx]
         owned = block_table[req, logical.clamp(0, width - 1)] == page
         position = logical * block_size + kv_idx % block_size
-        return (logical >= 0) & owned & (position <= pos_of_row[q_idx])
+        visible = (logical >= 0) & owned & (position <= pos_of_row[q_idx])
+        if sliding_window is not None:  # a constant of the closure: traced as one mask or the other
+            visible = visible & (position > pos_of_row[q_idx] - sliding_window)
+        return visible
 
-    if sliding_window is None:
-        return mask_mod
-
-    def windowed_mask_mod(b, h, q_idx, kv_idx):
-        position = logical_of_page[kv_idx // block_size] * block_size + kv_idx % block_size
-        return mask_mod(b, h, q_idx, kv_idx) & (position > pos_of_row[q_idx] - sliding_window)
-
-    return windowed_mask_mod
+    return mask_mod
 
 
 def build_paged_block_mask(
