@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,19 @@ def join_prefix(prefix: str, name: str) -> str:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of ``b`` hold ``a`` items."""
     return -(-a // b)
+
+
+def available_host_memory() -> int:
+    """Bytes of memory available to new allocations (``MemAvailable`` of /proc/meminfo,
+    else the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -70,7 +70,9 @@ example packages):
   ``KVConnectorStep``, ``ScheduledKVRequest``, ``KVConnectorOutput``, ``KVCacheGroupSpec``,
   ``KVTransferConfig``, the counts they report (``KVTransferStats``, ``KVTransferCounts``);
   moving blocks: ``KVLayerCache``, ``block_key``, ``KVBlockFiles``, ``KVBlockFileError``,
-  ``kv_layout_fingerprint``, ``kv_cache_bytes_per_block``, ``device_label``.
+  ``kv_layout_fingerprint``, ``kv_cache_bytes_per_block``, ``device_label``; sizing a
+  host-memory store: ``available_host_memory`` (also what the CPU platform sizes its KV
+  cache by).
 
 ``PLUGIN_API_VERSION`` is the plugin API this kvloom provides. A plugin module does not
 import it (``from kvloom.interfaces import *`` does not define ``KVLOOM_PLUGIN_API``): it
@@ -203,7 +205,7 @@ from kvloom.spec_decode.proposer import (
 )
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
-from kvloom.utils import cdiv, kvloom_cache_dir
+from kvloom.utils import available_host_memory, cdiv, kvloom_cache_dir
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -336,6 +338,7 @@ __all__ = [
     "device_label",
     "kv_cache_bytes_per_block",
     "kv_layout_fingerprint",
+    "available_host_memory",
 ]
 
 # Docstrings of the re-exported values, for the API reference (scripts/build-api-docs.sh):

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from kvloom.interfaces import Worker
+from kvloom.interfaces import Worker, available_host_memory
 
 KVLOOM_PLUGIN_API = "1.0"
 
@@ -72,19 +72,6 @@ def _load_average() -> float:
         return os.getloadavg()[0]
     except OSError:
         return 0.0
-
-
-def available_host_memory() -> int:
-    """Bytes of memory available to new allocations (``MemAvailable`` of /proc/meminfo,
-    else the free physical pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class CpuWorker(Worker):

@@ -35,6 +35,7 @@ from kvloom.interfaces import (
     KVConnectorStep,
     KVLayerCache,
     KVTransferStats,
+    available_host_memory,
     block_key,
     device_label,
     kv_cache_bytes_per_block,
@@ -86,18 +87,6 @@ class OffloadMetadata(KVConnectorMetadata):
     writes: list[StoreJob | SpillJob] = field(default_factory=list)
 
 
-def host_memory_available() -> int | None:
-    """The host's ``MemAvailable`` in bytes (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _host_slots(config: Any) -> tuple[int, int]:
     """(host slots, disk blocks) the extra config asks for."""
     extra = config.kv_transfer.kv_connector_extra_config
@@ -126,8 +115,8 @@ class OffloadingConnector(KVConnectorBase):
         if slots < 1:
             reasons.append(f"kv_connector_extra_config.cpu_bytes_to_use: holds no KV-cache block of "
                            f"{kv_cache_bytes_per_block(config)} bytes (set cpu_bytes_to_use or --kv-offloading-size)")  # fmt: skip
-        available, host_bytes = host_memory_available(), slots * kv_cache_bytes_per_block(config)
-        if available is not None and host_bytes > available:
+        available, host_bytes = available_host_memory(), slots * kv_cache_bytes_per_block(config)
+        if host_bytes > available:
             # Checked before the engine starts: past this the kernel's OOM killer ends it with no word.
             reasons.append(f"kv_connector_extra_config.cpu_bytes_to_use (--kv-offloading-size): the host tier "
                            f"needs {host_bytes / 2**30:.1f} GiB, the host has {available / 2**30:.1f} GiB available "
