@@ -70,11 +70,11 @@ class _FakeCudart:
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
 
-    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
         self.registered[ptr] = nbytes
         return 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, ptr: int) -> int:
         self.unregistered.append(ptr)
         return 0
 
