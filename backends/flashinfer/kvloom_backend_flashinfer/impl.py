@@ -7,6 +7,8 @@ keys and values through the slot mapping (one Triton kernel on CUDA) and calls
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvloom.interfaces import AttentionImpl
@@ -19,6 +21,11 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     impl_supports_sliding_window = True
     impl_supports_logits_soft_cap = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: What the step's plan must have been made for (checked in every forward).
+        self.plan_features = (self.scale, self.sliding_window, self.logits_soft_cap)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -28,10 +35,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         attn_metadata: FlashInferMetadata,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        features = (self.scale, self.sliding_window, self.logits_soft_cap)
-        if attn_metadata.layer_features != features:
+        if attn_metadata.layer_features != self.plan_features:
             raise ValueError(
-                f"layer (scale, sliding_window, logits_soft_cap) {features} differs from the step's plan "
+                f"layer (scale, sliding_window, logits_soft_cap) {self.plan_features} differs from the step's plan "
                 f"{attn_metadata.layer_features}; FLASHINFER plans these once for a KV-cache group's layers"
             )
         slot_mapping = attn_metadata.slot_mapping
