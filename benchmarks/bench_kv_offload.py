@@ -3,7 +3,7 @@
 run, with the same device KV pool, first without a host tier, then with one.
 
     python benchmarks/bench_kv_offload.py --tokenizer TOKENIZER_DIR --kv-cache-memory 16GiB \\
-        --kv-offloading-size 48 [--conversations 64 --turns 3 --prefix-ratio 2.5] [--engine-args "..."]
+        --kv-offloading-size 80 [--conversations 96 --turns 3 --prefix-ratio 4] [--engine-args "..."]
 
 The model: ``--model DIR``, or the Llama-3-8B shape with dummy bf16 weights and the tokenizer
 files of ``--tokenizer`` (128 KiB of KV cache per token). Each server is ``kvloom serve`` with
@@ -77,12 +77,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", help="A model directory (else the Llama-3-8B shape: dummy weights, --tokenizer's files).")
     p.add_argument("--tokenizer", help="Tokenizer files for the Llama-3-8B shape (e.g. .benchtok).")
     p.add_argument("--kv-cache-memory", default="16GiB", help="The device KV pool of both servers (default 16GiB).")
-    p.add_argument("--kv-offloading-size", type=float, default=48.0, help="Host tier, GiB (default 48).")
+    p.add_argument("--kv-offloading-size", type=float, default=80.0, help="Host tier, GiB (default 80).")
     p.add_argument("--engine-args", default="", help="More kvloom serve flags, for both servers.")
-    p.add_argument("--conversations", type=int, default=64)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--prefix-ratio", type=float, default=2.5,
-                   help="Distinct prefixes / pool tokens (default 2.5).")
+    p.add_argument("--conversations", type=int, default=96)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--prefix-ratio", type=float, default=4.0,
+                   help="Distinct prefixes / pool tokens (default 4).")
     p.add_argument("--user-len", type=int, default=32, help="Tokens of each new user message (default 32).")
     p.add_argument("--output-len", type=int, default=64, help="Tokens of each reply (default 64).")
     p.add_argument("--max-concurrency", type=int, default=8)

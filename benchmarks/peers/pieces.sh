@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Pieces of a peer engine's wheels, small enough for one device call's carry each.
 #   bash benchmarks/peers/pieces.sh pack NAME VERSION   (CPU machine, repository root): .NAME/wheels -> one tar
-#        split into .NAME/p0 ... .NAME/pN of at most PIECE_MIB MiB (default 58: a piece and the ~3 MiB working tree fit
-#        one call's 64 MiB carry), each with `manifest` (pieces, the tar's sha256, the version); prints the sizes.
+#        split into .NAME/p0 ... .NAME/pN of at most PIECE_MIB MiB (default 56: a piece and the ~6 MiB working tree fit
+#        one call's 64 MiB; 58 no longer did on 2026-11-29), each with `manifest` (pieces, the tar's sha256, the version); prints the sizes.
 #   bash benchmarks/peers/pieces.sh stash NAME SITE CHECK  (GPU machine, repository root, once per call that carries
 #        pieces): copies each carried .NAME/pN into /tmp/NAME-stash (carried folders do not outlive the call; /tmp
 #        does, on a warm machine); once every piece is there and the sha256 matches, installs every wheel into SITE and
-#        runs CHECK (a Python snippet) with PYTHONPATH=SITE alone. Idempotent. Exit status 0 when installed or still
+#        adds the stand-ins of benchmarks/peers/NAME/standins/ for modules the fetch left out (a module the site
+#        already has is never replaced), and runs CHECK (a Python snippet) with PYTHONPATH=SITE alone. Idempotent. Exit status 0 when installed or still
 #        waiting for pieces, 1 on a broken piece, a failed install or a failed CHECK.
 set -uo pipefail
 cmd=$1 name=$2
 case $cmd in
   pack)
-    version=$3 piece_mib=${PIECE_MIB:-58}
+    version=$3 piece_mib=${PIECE_MIB:-56}
     grep -qx "/.$name/" .gitignore || { echo "pieces: /.$name/ must be in .gitignore" >&2; exit 1; }
     cd ".$name" || exit 1
     rm -rf p[0-9]*
@@ -49,6 +50,11 @@ case $cmd in
     rm -rf "$site"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/wheels/*.whl \
       || { echo "$name stash: pip install into $site failed"; exit 1; }
+    for standin in benchmarks/peers/"$name"/standins/*/; do
+      [ -d "$standin" ] || continue
+      module=$(basename "$standin")
+      [ -e "$site/$module" ] || { cp -r "$standin" "$site/" && echo "$name stash: stand-in for $module (not fetched)"; }
+    done
     PYTHONPATH=$site python3 -c "$check" || { echo "$name stash: the check failed with PYTHONPATH=$site"; exit 1; }
     echo "$sha" > "$site/.installed"
     rm -rf "$wheels" "$stash"/part.* ;;

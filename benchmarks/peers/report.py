@@ -2,7 +2,8 @@
 """The peers side by side as markdown, lease by lease: reads every result JSON of ``tests/gpu/run.sh peers``
 (``ENGINE_WORKLOAD.json`` for engines vllm, sglang and kvloom and workloads offline, decode and serving, kvloom
 variants ``kvloom-LABEL_WORKLOAD.json``, ``kvloom_decode_steps.json``) from one or more directories and writes one
-page, ``docs/benchmarks/peers_h200.md``.
+page, ``docs/benchmarks/peers_h200.md``; a directory's ``notes.md`` (hand-written: where the time goes, what did not
+run) is shown under its name.
 
 A lease is one machine from its start to its return (``engines.lease_id``: the host and its boot id; a result without
 one counts as a lease of its own directory). Numbers are grouped by lease and every ratio divides numbers of the same
@@ -212,7 +213,16 @@ def leases_section(leases: Leases, labels: dict[str, str]) -> list[str]:
     return lines + [""]
 
 
-def render(leases: Leases) -> str:
+def notes_section(notes: dict[Path, str]) -> list[str]:
+    """The hand-written ``notes.md`` of each results directory (what the tables cannot say: where an engine's time
+    goes, what was not run), under a heading naming the directory."""
+    lines: list[str] = []
+    for d, text in notes.items():
+        lines += [f"## Notes on `{d.name}`", "", text.strip(), ""]
+    return lines
+
+
+def render(leases: Leases, notes: dict[Path, str] | None = None) -> str:
     if not leases:
         raise SystemExit("no peer results found (expected ENGINE_WORKLOAD.json files from tests/gpu/run.sh peers)")
     labels = _label(leases)
@@ -224,7 +234,7 @@ def render(leases: Leases) -> str:
              "each peer beside a kvloom run in the same lease, and a ratio only ever divides numbers of one lease "
              "(the lease column; the leases are listed at the end).", ""]  # fmt: skip
     lines += offline_section(leases, labels) + serving_section(leases, labels) + decode_section(leases, labels)
-    lines += startup_section(leases, labels) + leases_section(leases, labels)
+    lines += startup_section(leases, labels) + notes_section(notes or {}) + leases_section(leases, labels)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -235,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=Path(__file__).resolve().parents[2] / "docs/benchmarks/peers_h200.md")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.out.write_text(render(load(args.dirs)))
+    notes = {d: (d / "notes.md").read_text() for d in args.dirs if (d / "notes.md").is_file()}
+    args.out.write_text(render(load(args.dirs), notes))
     log.info("wrote %s", args.out)
     return 0
 

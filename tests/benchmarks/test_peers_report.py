@@ -157,6 +157,12 @@ def test_main_writes_the_markdown(two_leases: list[Path], tmp_path: Path) -> Non
     out = tmp_path / "peers.md"
     assert report.main([str(d) for d in two_leases] + ["--out", str(out)]) == 0
     assert out.read_text().startswith("# kvloom and its peers side by side on the H200")
+    assert "## Notes on" not in out.read_text()
+    (two_leases[1] / "notes.md").write_text("The TTFT gap is the front end.\n")
+    assert report.main([str(d) for d in two_leases] + ["--out", str(out)]) == 0
+    text = out.read_text()
+    assert f"## Notes on `{two_leases[1].name}`\n\nThe TTFT gap is the front end.\n" in text
+    assert text.index("## Notes on") < text.index("## Leases and commands")
 
 
 def test_vllm_clients_results_in_kvloom_bench_serve_keys() -> None:

@@ -11,12 +11,12 @@
 #                transfer bandwidth -> $OUT/kv_offload.jsonl. Tiny random Llama, well under 2 minutes.
 #   offload-bench  issue 41's H200 benchmark, benchmarks/bench_kv_offload.py: the Llama-3-8B shape (dummy bf16
 #                weights, .benchtok's tokenizer: needs that carried folder) served twice, one after the other, with
-#                --kv-cache-memory 16GiB (131,072 tokens), the second server also --kv-offloading-size 48 (GiB of
-#                pinned host memory); 64 chats whose 5,120-token system prefixes add up to 2.5x the pool, 3 turns
+#                --kv-cache-memory 16GiB (131,072 tokens), the second server also --kv-offloading-size 80 (GiB of
+#                pinned host memory); 96 chats whose 5,462-token system prefixes add up to 4x the pool, 3 turns
 #                each round robin (32 in / 64 out per turn, concurrency 8), so each prefix has left the device pool
 #                when its chat comes back -> $OUT/kv_offload_bench.{md,json} (TTFT p50/p90 of first and later
 #                turns, throughput, hits from the host tier, CPU_to_GPU / GPU_to_CPU GB/s and bytes per block
-#                against 55 GB/s of PCIe) and the servers' logs in $OUT/offload_bench/. ~3.5 min on the H200 (two
+#                against 55 GB/s of PCIe) and the servers' logs in $OUT/offload_bench/. ~4.5 min on the H200 (two
 #                server starts); OFFLOAD_BENCH_ARGS adds flags (later ones win).
 #   peers-stash  stash the pieces of the peers this call carries (.vllm/pN and .sglang/pN, made on the CPU machine
 #                by benchmarks/peers/{vllm,sglang}/fetch.sh) in /tmp; once all pieces of one are there, install it
@@ -349,8 +349,8 @@ for i in "${!stages[@]}"; do
     tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn and not spec_decode and not hybrid" ;;
     offload) run_pytest offload plugins/kv_offload/tests/test_offload.py ;;
     offload-bench)
-      python3 benchmarks/bench_kv_offload.py --tokenizer .benchtok --kv-cache-memory 16GiB --kv-offloading-size 48 \
-        --prefix-ratio 2.5 --conversations 64 --turns 3 --out "$OUT/offload_bench" --json "$OUT/kv_offload_bench.json" \
+      python3 benchmarks/bench_kv_offload.py --tokenizer .benchtok --kv-cache-memory 16GiB --kv-offloading-size 80 \
+        --prefix-ratio 4 --conversations 96 --turns 3 --out "$OUT/offload_bench" --json "$OUT/kv_offload_bench.json" \
         --markdown "$OUT/kv_offload_bench.md" ${OFFLOAD_BENCH_ARGS:-} 2>&1 | tail -40 ;;
     e2e) run_pytest e2e tests/gpu/test_e2e_gpu.py ${E2E_K:+-k "$E2E_K"} ;;
     hybrid) run_pytest hybrid tests/gpu/test_hybrid_gpu.py backends/triton/tests/test_triton_backend_gpu.py \

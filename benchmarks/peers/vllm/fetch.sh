@@ -12,8 +12,9 @@ VLLM_VERSION=${VLLM_VERSION:-0.26.0}
 cd "$(dirname "$0")/../../.."
 grep -qx '/.vllm/' .gitignore || { echo "fetch.sh: /.vllm/ must be in .gitignore" >&2; exit 1; }
 rm -rf .vllm && mkdir -p .vllm/wheels
-# llguidance >= 1.7 (the `guidance` structured-output backend, imported only when a request asks for it) is not on
-# every index yet: VLLM_WITHOUT="llguidance" leaves it out where pip finds none.
+# llguidance >= 1.7 (the `guidance` structured-output backend) is not on every index yet: VLLM_WITHOUT="llguidance"
+# leaves it out where pip finds none, and the stash puts vllm/standins/llguidance in its place (vLLM's server module
+# does not import without it; the benchmarks never use it).
 python3 benchmarks/peers/fetch_closure.py --out .vllm/wheels ${VLLM_WITHOUT:+--without $VLLM_WITHOUT} \
   "vllm==$VLLM_VERSION"
 bash benchmarks/peers/pieces.sh pack vllm "$VLLM_VERSION"
