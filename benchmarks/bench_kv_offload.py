@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import logging
 import math
 import os
 import random
@@ -52,11 +51,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import start_server, with_tokenizer
 
+from kvloom.entrypoints.cli.bench_http import BenchHTTPClient
 from kvloom.entrypoints.cli.bench_serve import Tokenizer, send_request, text_of_length
 from kvloom.entrypoints.cli.bench_serve_metrics import (
     RequestResult,
@@ -205,8 +203,7 @@ async def run_workload(url: str, model: str, workload: dict[str, Any], args: arg
     done = [[asyncio.get_running_loop().create_future() for _ in range(turns)] for _ in range(n)]
     order = iter([(t, c) for t in range(turns) for c in range(n)])
     results: list[tuple[int, RequestResult]] = []
-    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    async with BenchHTTPClient(url, timeout=args.timeout) as client:
 
         async def worker() -> None:
             for turn, c in order:
@@ -324,7 +321,6 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     args = parse_args()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
     state: dict[str, Any] = {}

@@ -1,5 +1,5 @@
 """``kvloom bench serve``: vLLM's metric definitions checked by hand on a scripted stream
-(``httpx.MockTransport``, a fake clock), the prefix-cache counters of kvloom, vLLM and
+(a scripted stand-in for its HTTP client, a fake clock), the prefix-cache counters of kvloom, vLLM and
 SGLang, and whole runs against the in-process fake server: independent random prompts
 (a fresh seed per run, printed), a shared prefix only when asked, token-id prompts."""
 
@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from kvloom.entrypoints.cli import bench_serve
+from kvloom.entrypoints.cli.bench_http import Response
 from kvloom.entrypoints.cli.bench_serve_metrics import format_report, prefix_cache_delta, summarize
 from kvloom.entrypoints.cli.main import main
 from kvloom.entrypoints.openai.api_server import build_app
@@ -43,20 +45,22 @@ class Clock:
         return self.now
 
 
-def scripted(clock: Clock, events: list[tuple[float, dict[str, Any] | str]]) -> httpx.AsyncClient:
-    """A client whose /v1/completions streams ``events`` (time, SSE payload), the clock set
-    to each event's time as it arrives."""
+class Scripted:
+    """A stand-in for the benchmark's HTTP client whose streamed POSTs answer ``events``
+    (time, SSE payload), the clock set to each event's time as it arrives."""
 
-    async def body():
-        for at, payload in events:
-            clock.now = at
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            yield f"data: {data}\n\n".encode()
+    def __init__(self, clock: Clock, events: list[tuple[float, dict[str, Any] | str]]) -> None:
+        self.clock, self.events = clock, events
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+    @asynccontextmanager
+    async def stream(self, path: str, body: Any) -> AsyncIterator[tuple[Response, AsyncIterator[str]]]:
+        async def lines() -> AsyncIterator[str]:
+            for at, payload in self.events:
+                self.clock.now = at
+                yield f"data: {payload if isinstance(payload, str) else json.dumps(payload)}"
+                yield ""
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://scripted")
+        yield Response(200, {"content-type": "text/event-stream"}), lines()
 
 
 def choice(text: str, finish: str | None = None) -> dict[str, Any]:
@@ -74,8 +78,7 @@ def test_metric_math_matches_hand_computed_values_on_a_scripted_stream() -> None
 
     async def one(start: float, events: list) -> bench_serve.RequestResult:
         clock.now = start
-        async with scripted(clock, events) as client:
-            return await bench_serve.send_request(client, {"prompt": "x"}, clock=clock)
+        return await bench_serve.send_request(Scripted(clock, events), {"prompt": "x"}, clock=clock)  # type: ignore[arg-type]
 
     a = asyncio.run(one(10.0, [(10.5, choice("a")), (10.7, choice("b")), (11.0, choice("cd")),
                                (11.1, choice("", "length")), (11.3, usage(4, 5)), (11.4, "[DONE]")]))  # fmt: skip
@@ -113,8 +116,8 @@ def test_chat_stream_times_the_first_token_not_the_role_event() -> None:
     async def one() -> bench_serve.RequestResult:
         events = [(0.01, delta(role="assistant", content="")), (0.4, delta(content="Hel")),
                   (0.5, delta(content="lo", finish="length")), (0.6, usage(9, 2)), (0.6, "[DONE]")]  # fmt: skip
-        async with scripted(clock, events) as client:
-            return await bench_serve.send_request(client, {"messages": []}, clock=clock, path="/v1/chat/completions")
+        return await bench_serve.send_request(Scripted(clock, events), {"messages": []}, clock=clock,  # type: ignore[arg-type]
+                                              path="/v1/chat/completions")
 
     result = asyncio.run(one())
     assert result.ok and result.text == "Hello"

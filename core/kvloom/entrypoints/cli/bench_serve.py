@@ -29,17 +29,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import math
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # httpx loads when the benchmark runs: `kvloom generate` builds this parser too
-    import httpx
-
+from kvloom.entrypoints.cli.bench_http import BenchHTTPClient, HTTPError
 from kvloom.entrypoints.cli.bench_serve_metrics import (
     RequestResult,
     format_report,
@@ -118,7 +115,6 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     results = asyncio.run(benchmark(args))
     print(format_report(results))
     print(f"Seed: {args.seed} (--seed {args.seed} sends the same prompts again)")
@@ -142,21 +138,21 @@ class Tokenizer:
     """Token ids <-> text for the prompts: a local HF tokenizer, or the server's
     ``/tokenize`` and ``/detokenize`` (kvloom's and vLLM's)."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str, local: Any = None) -> None:
+    def __init__(self, client: BenchHTTPClient, model: str, local: Any = None) -> None:
         self.client, self.model, self.local = client, model, local
 
     async def encode(self, text: str) -> list[int]:
         if self.local is not None:
             return list(self.local.encode(text, add_special_tokens=False))
-        response = await self.client.post("/tokenize", json={"model": self.model, "prompt": text,
-                                                              "add_special_tokens": False})  # fmt: skip
+        response = await self.client.post("/tokenize", {"model": self.model, "prompt": text,
+                                                         "add_special_tokens": False})  # fmt: skip
         response.raise_for_status()
         return list(response.json()["tokens"])
 
     async def decode(self, ids: list[int]) -> str:
         if self.local is not None:
             return str(self.local.decode(ids))
-        response = await self.client.post("/detokenize", json={"model": self.model, "tokens": ids})
+        response = await self.client.post("/detokenize", {"model": self.model, "tokens": ids})
         response.raise_for_status()
         return str(response.json()["prompt"])
 
@@ -222,24 +218,22 @@ def _stream_text(choice: dict[str, Any]) -> str | None:
 
 
 async def send_request(
-    client: httpx.AsyncClient,
+    client: BenchHTTPClient,
     body: dict[str, Any],
     clock: Callable[[], float] = time.perf_counter,
     path: str = "/v1/completions",
 ) -> RequestResult:
     """Stream one completion (or, with ``path="/v1/chat/completions"``, a chat completion);
     times as ``bench_serve_metrics`` defines them, the streamed text in ``result.text``."""
-    import httpx
-
     result = RequestResult()
     result.start = start = last = clock()
     first = True
     try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
+        async with client.stream(path, body) as (response, lines):
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {''.join([line async for line in lines])[:200]}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in lines:
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data:") :])
@@ -263,24 +257,20 @@ async def send_request(
         if not result.ok:
             result.error = ("no token in the stream" if first else
                             "no usage in the stream (the server must support stream_options.include_usage)")  # fmt: skip
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
 
-async def _metrics_text(client: httpx.AsyncClient) -> str | None:
-    import httpx
-
+async def _metrics_text(client: BenchHTTPClient) -> str | None:
     try:
         response = await client.get("/metrics")
-    except httpx.HTTPError:
+    except HTTPError:
         return None
-    return response.text if response.status_code == 200 else None
+    return response.text if response.status == 200 else None
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import httpx
-
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or args.num_prompts
@@ -290,12 +280,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         local = AutoTokenizer.from_pretrained(args.tokenizer)
-    async with httpx.AsyncClient(
-        base_url=base_url,
-        headers=headers,
-        timeout=httpx.Timeout(args.timeout),
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-    ) as client:
+    async with BenchHTTPClient(base_url, headers=headers, timeout=args.timeout) as client:
         model = args.model
         if model is None:
             response = await client.get("/v1/models")
