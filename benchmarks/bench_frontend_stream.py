@@ -62,6 +62,10 @@ def serve(port: int, steps_per_read: int, step_delay: float) -> None:
                                                log_level="warning", access_log=False))  # fmt: skip
         await server.serve()
 
+    try:  # the server's own event loop (uvloop where installed); a tree from before 2026-11-29 ran asyncio's
+        from kvloom.entrypoints.openai.event_loop import run
+    except ImportError:
+        run = asyncio.run
     profile = os.environ.get("BENCH_PROFILE")  # a file: the server process's cProfile stats
     if profile:
         import cProfile
@@ -69,33 +73,34 @@ def serve(port: int, steps_per_read: int, step_delay: float) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
         try:
-            asyncio.run(main())
+            run(main())
         finally:
             profiler.disable()
             profiler.dump_stats(profile)
     else:
-        asyncio.run(main())
+        run(main())
 
 
 async def stream_all(url: str, concurrency: int, tokens: int) -> tuple[int, int, float]:
-    """(tokens, events, seconds) of ``concurrency`` streams started at once."""
-    import httpx
+    """(tokens, events, seconds) of ``concurrency`` streams started at once, read by
+    ``kvloom bench serve``'s client (it costs the shared cores less than httpx's)."""
+    from kvloom.entrypoints.cli.bench_http import BenchHTTPClient
 
     body = {"prompt": [5, 6, 7, 8], "max_tokens": tokens, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     counts = [0, 0]  # tokens (the usage events'), events with a choice
 
-    async def one(client: httpx.AsyncClient) -> None:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
+    async def one(client: BenchHTTPClient) -> None:
+        async with client.stream("/v1/completions", body) as (_, lines):
+            async for line in lines:
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
                     if chunk["choices"]:
                         counts[1] += 1
                     if chunk.get("usage"):
                         counts[0] += chunk["usage"]["completion_tokens"]
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+    async with BenchHTTPClient(url, timeout=600) as client:
         start = time.perf_counter()
         await asyncio.gather(*(one(client) for _ in range(concurrency)))
         return counts[0], counts[1], time.perf_counter() - start

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -195,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, engine_args: EngineArgs, limits: ServerLimits, frontend: FrontendOptions,
            sock: socket.socket) -> int:  # fmt: skip
+    from kvloom.entrypoints.openai import event_loop
     from kvloom.entrypoints.openai.api_server import serve_http
 
     if args.api_server_count > 1:
@@ -216,7 +216,7 @@ def _serve(args: argparse.Namespace, engine_args: EngineArgs, limits: ServerLimi
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         with cprofile_if_asked("api_server", 0):
-            status = asyncio.run(
+            status = event_loop.run(
                 serve_http(
                     engine_args,
                     host=args.host,

@@ -28,7 +28,6 @@ The serving process becomes a launcher (vLLM's API server scale-out):
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import logging
@@ -52,6 +51,7 @@ from kvloom.config import EngineConfig
 from kvloom.engine.arg_utils import EngineArgs
 from kvloom.engine.config_builder import create_engine_config
 from kvloom.engine.core_lifecycle import ClientAddresses, EngineCoreProcessHandle, notify_engine_death
+from kvloom.entrypoints.openai import event_loop
 from kvloom.entrypoints.openai.limits import ServerLimits
 from kvloom.entrypoints.openai.server_options import FrontendOptions
 from kvloom.logger import parent_logging, setup_child_logging
@@ -163,7 +163,7 @@ def run_api_server(
     status = 1
     try:
         with cprofile_if_asked("api_server", index):
-            status = asyncio.run(serve())
+            status = event_loop.run(serve())
     except Exception:
         logger.exception("API server %d failed", index)
     sys.exit(status)

@@ -18,9 +18,11 @@ from kvloom.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     UsageInfo,
+    unix_time,
 )
 from kvloom.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    ChunkTemplate,
     EventStream,
     OpenAIServing,
     Prompt,
@@ -187,8 +189,16 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         n = request.n
         model = self.models.response_name(request.model)
+        created = unix_time()  # one for every chunk of the stream, as vLLM
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
+        templates: dict[int, ChunkTemplate] = {}  # a text-only chunk's JSON, per choice
+
+        def text_only(index: int) -> ChunkTemplate:
+            choice = CompletionResponseChoice(index=index, text=ChunkTemplate.TEXT)
+            chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+            return templates.setdefault(index, ChunkTemplate(chunk))
+
         try:
             async with aclosing(outputs):
                 async for p, output in outputs:
@@ -196,10 +206,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         choice = choices[index]
                         text, logprobs = self._delta(request, prompts[p], choice, completion, prompt_logprobs[p])
                         finished = completion.finish_reason is not None
-                        if not text and not finished and not (logprobs and logprobs.tokens):
+                        if not finished and logprobs is None:
+                            if text:  # the common chunk: its template, filled
+                                yield (templates.get(index) or text_only(index)).sse(text)
                             continue  # nothing to tell the client yet
+                        if not text and not finished and not logprobs.tokens:
+                            continue
                         chunk = CompletionStreamResponse(
                             id=request_id,
+                            created=created,
                             model=model,
                             choices=[
                                 CompletionResponseChoice(
@@ -214,7 +229,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(chunk.model_dump_json())
             if request.stream_options is not None and request.stream_options.include_usage:
                 usage = self._usage(prompts, choices)
-                final = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+                final = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
                 yield sse(final.model_dump_json())
         except APIError as error:
             yield sse(json.dumps(error.body()))

@@ -1,0 +1,51 @@
+"""``ChunkTemplate``: a streamed text chunk filled into pydantic's own JSON of the chunk model
+is the JSON pydantic writes for that text (any text: quotes, escapes, non-ASCII, control
+characters), and a template without exactly one placeholder is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvloom.entrypoints.openai.protocol import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+)
+from kvloom.entrypoints.openai.serving_engine import ChunkTemplate, sse
+
+TEXTS = ["tok", " a \"quoted\" word", "back\\slash", "new\nline\ttab", "żółw 🐢 漢字", "\x00\x1f\x7f", "", "</script>"]
+
+
+def completion(text: str) -> CompletionStreamResponse:
+    return CompletionStreamResponse(id="cmpl-7", created=1700000000, model="org/m \"x\"",
+                                    choices=[CompletionResponseChoice(index=3, text=text)])  # fmt: skip
+
+
+def chat(text: str) -> ChatCompletionStreamResponse:
+    return ChatCompletionStreamResponse(id="chatcmpl-7", created=1700000000, model="m",
+                                        choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(
+                                            content=text))])  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [completion, chat])
+@pytest.mark.parametrize("text", TEXTS)
+def test_filled_template_is_the_models_json(make, text: str) -> None:
+    filled = ChunkTemplate(make(ChunkTemplate.TEXT)).sse(text)
+    expected = sse(make(text).model_dump_json())
+    assert filled.startswith("data: ") and filled.endswith("\n\n")
+    assert json.loads(filled[6:]) == json.loads(expected[6:])
+    if text.isascii() and text.isprintable():
+        assert filled == expected  # byte for byte where both write the text the same way
+
+
+def test_a_template_needs_the_placeholder_exactly_once() -> None:
+    with pytest.raises(ValueError, match="exactly once"):
+        ChunkTemplate(completion("no placeholder"))
+    twice = CompletionStreamResponse(id=ChunkTemplate.TEXT, created=1, model="m",
+                                     choices=[CompletionResponseChoice(index=0, text=ChunkTemplate.TEXT)])  # fmt: skip
+    with pytest.raises(ValueError, match="exactly once"):
+        ChunkTemplate(twice)
