@@ -28,9 +28,11 @@ from kvloom.entrypoints.openai.protocol import (
     DeltaMessage,
     NamedToolChoice,
     UsageInfo,
+    unix_time,
 )
 from kvloom.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    ChunkTemplate,
     EventStream,
     OpenAIServing,
     Prompt,
@@ -267,9 +269,18 @@ class OpenAIServingChat(OpenAIServing):
         return json.dumps(data)
 
     async def _stream(self, run: "ChatRun") -> AsyncIterator[str]:
+        templates: dict[int, ChunkTemplate] = {}  # a content-only chunk's JSON, per choice
         try:
             async for chunk in self.stream_chunks(run):
-                yield sse(self.chunk_json(chunk))
+                content = _content_only(chunk)
+                if content is None:
+                    yield sse(self.chunk_json(chunk))
+                    continue
+                index = chunk.choices[0].index
+                if index not in templates:
+                    chunk.choices[0].delta.content = ChunkTemplate.TEXT
+                    templates[index] = ChunkTemplate(self.chunk_json(chunk))
+                yield templates[index].sse(content)
         except APIError as error:
             yield sse(json.dumps(error.body()))
         except Exception:  # a failure formatting the stream: the client learns no detail
@@ -283,8 +294,10 @@ class OpenAIServingChat(OpenAIServing):
         request, request_id, prompt, outputs, mode = run.request, run.request_id, run.prompt, run.outputs, run.mode
         model = self.models.response_name(request.model)
 
+        created = unix_time()  # one for every chunk of the stream, as vLLM
+
         def chunk(choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
+            return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
 
         choices = [_Choice() for _ in range(request.n)]
         named = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
@@ -326,8 +339,21 @@ class OpenAIServingChat(OpenAIServing):
                         stop_reason=choice.stop_reason if finished else None,
                     ))  # fmt: skip
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
+            yield ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                usage=self._usage(prompt, choices))  # fmt: skip
+
+
+def _content_only(chunk: ChatCompletionStreamResponse) -> str | None:
+    """The content of a chunk that carries nothing else (one choice, not finished, no role,
+    reasoning, tool calls or logprobs): the chunk of almost every streamed token."""
+    if len(chunk.choices) != 1 or chunk.usage is not None:
+        return None
+    choice = chunk.choices[0]
+    delta = choice.delta
+    if (choice.finish_reason is not None or choice.logprobs is not None or delta.content is None or delta.role
+            or delta.reasoning is not None or delta.reasoning_content is not None or delta.tool_calls is not None):  # fmt: skip
+        return None
+    return delta.content
 
 
 @dataclass

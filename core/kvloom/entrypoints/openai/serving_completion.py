@@ -197,7 +197,7 @@ class OpenAIServingCompletion(OpenAIServing):
         def text_only(index: int) -> ChunkTemplate:
             choice = CompletionResponseChoice(index=index, text=ChunkTemplate.TEXT)
             chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
-            return templates.setdefault(index, ChunkTemplate(chunk))
+            return templates.setdefault(index, ChunkTemplate(chunk.model_dump_json()))
 
         try:
             async with aclosing(outputs):

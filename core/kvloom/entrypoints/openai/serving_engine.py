@@ -31,7 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from kvloom.engine.core_client import EngineDeadError
 from kvloom.engine.errors import RequestFailedError
@@ -84,15 +84,15 @@ class ChunkTemplate:
 
     TEXT: ClassVar[str] = "kvloom-chunk-text-placeholder"
 
-    def __init__(self, chunk: BaseModel) -> None:
-        """``chunk``: the response model with ``ChunkTemplate.TEXT`` as its text."""
-        head, found, tail = chunk.model_dump_json().partition(json.dumps(self.TEXT))
+    def __init__(self, chunk_json: str) -> None:
+        """``chunk_json``: the chunk's JSON as the stream sends it, ``ChunkTemplate.TEXT`` as its text."""
+        head, found, tail = chunk_json.partition(json.dumps(self.TEXT))
         if not found or self.TEXT in tail:
             raise ValueError("the chunk must hold ChunkTemplate.TEXT exactly once")
         self.head, self.tail = "data: " + head, tail + "\n\n"
 
     def sse(self, text: str) -> str:
-        """``sse(chunk_with(text).model_dump_json())``, without building the model."""
+        """The chunk's event with ``text`` in place of the placeholder, without building a model."""
         return self.head + json.dumps(text, ensure_ascii=False) + self.tail
 
 #: (prompt index, RequestOutput) pairs as the engine produces them.
