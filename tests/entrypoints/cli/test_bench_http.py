@@ -19,21 +19,28 @@ def chunked(*pieces: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
 
 
-async def serve(answer: Answer, work: Callable[[BenchHTTPClient, list[bytes]], Awaitable[None]]) -> int:
+async def serve(answer: Answer, work: Callable[[BenchHTTPClient, list[bytes]], Awaitable[None]],
+                requests_per_connection: int = 0) -> int:  # fmt: skip
     """Runs ``work`` against a server that reads one request at a time and lets ``answer``
-    write the response; returns how many connections the client opened."""
+    write the response; returns how many connections the client opened. With
+    ``requests_per_connection`` N, a connection's request N+1 is read and left unanswered
+    (the connection closed), as a server closes an idle keep-alive connection."""
     requests: list[bytes] = []
     connections = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal connections
         connections += 1
+        served = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
                 request = head + await reader.readexactly(length)
+                if served == requests_per_connection > 0:
+                    break
+                served += 1
                 requests.append(request)
                 if not await answer(request, writer):
                     break
@@ -74,6 +81,20 @@ def test_streamed_lines_across_chunks_and_keep_alive() -> None:
         assert json.loads(body) == {"prompt": "x"}
 
     assert asyncio.run(serve(answer, work)) == 1
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced() -> None:
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return True
+
+    async def work(client: BenchHTTPClient, requests: list[bytes]) -> None:
+        for _ in range(3):  # the 2nd and 3rd find their pooled connection closed unanswered
+            assert (await client.get("/health")).text == "ok"
+        assert len(requests) == 3
+
+    assert asyncio.run(serve(answer, work, requests_per_connection=1)) == 3
 
 
 def test_content_length_error_status_and_connection_close() -> None:

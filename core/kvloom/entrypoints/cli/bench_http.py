@@ -114,18 +114,15 @@ class BenchHTTPClient:
     async def _exchange(self, method: str, path: str, body: Any) -> AsyncIterator[tuple[Response, _Connection]]:
         """Send one request on an idle or new connection and read the response head; the
         connection goes back to the pool only when its body was read to the end."""
-        conn = self._idle.pop() if self._idle else None
+        payload = b"" if body is None else json.dumps(body).encode()
+        head = [f"{method} {self.prefix}{path} HTTP/1.1", *(f"{k}: {v}" for k, v in self.headers.items())]
+        if body is not None:
+            head += ["content-type: application/json", f"content-length: {len(payload)}"]
+        request = ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+        conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout):
-                payload = b"" if body is None else json.dumps(body).encode()
-                head = [f"{method} {self.prefix}{path} HTTP/1.1", *(f"{k}: {v}" for k, v in self.headers.items())]
-                if body is not None:
-                    head += ["content-type: application/json", f"content-length: {len(payload)}"]
-                with _protocol_errors():
-                    if conn is None or conn.reader.at_eof():
-                        conn = _Connection(*await asyncio.open_connection(self.host, self.port, ssl=self.ssl))
-                    conn.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-                    response = await self._head(conn)
+                response, conn = await self._send(request)
                 yield response, conn
         except TimeoutError as exc:
             raise HTTPError(f"no complete answer within {self.timeout:g} s") from exc
@@ -136,6 +133,30 @@ class BenchHTTPClient:
                     self._idle.append(conn)
                 else:
                     conn.writer.close()
+
+    async def _send(self, request: bytes) -> tuple[Response, _Connection]:
+        """``request`` on an idle connection, or a new one; the response's head. A server
+        may close an idle keep-alive connection at any time (uvicorn after 5 s): a reused
+        connection that fails before answering is closed and the request sent once more on a
+        new one, as httpx does."""
+        while True:
+            conn = self._idle.pop() if self._idle else None
+            reused = conn is not None and not conn.reader.at_eof()
+            with _protocol_errors():
+                if not reused:
+                    if conn is not None:
+                        conn.writer.close()
+                    conn = _Connection(*await asyncio.open_connection(self.host, self.port, ssl=self.ssl))
+                assert conn is not None
+                try:
+                    conn.writer.write(request)
+                    return await self._head(conn), conn
+                except BaseException as exc:
+                    conn.writer.close()
+                    unanswered = isinstance(exc, ConnectionError) or (
+                        isinstance(exc, asyncio.IncompleteReadError) and not exc.partial)
+                    if not (reused and unanswered):
+                        raise
 
     @staticmethod
     async def _head(conn: _Connection) -> Response:
