@@ -5,7 +5,8 @@
 server process of its own here, on a scripted engine core (``tests/helpers/scripted_core.py``:
 every step gives each running request its next token at once, ``--steps-per-read`` steps
 ready together, as when the engine runs ahead of the front end). The client (this
-process) streams ``/v1/completions`` for C requests at once (each ``--tokens`` tokens,
+process) streams ``/v1/completions`` (``--endpoint chat``: ``/v1/chat/completions``) for
+C requests at once (each ``--tokens`` tokens,
 token-id prompts) for each C of ``--concurrency``, and reads the server process's CPU
 time before and after: its CPU microseconds per token are the front end's per-token cost
 (the engine's share is nil). Also reported: tokens per stream event (1.0: one token per
@@ -81,17 +82,24 @@ def serve(port: int, steps_per_read: int, step_delay: float) -> None:
         run(main())
 
 
-async def stream_all(url: str, concurrency: int, tokens: int) -> tuple[int, int, float]:
-    """(tokens, events, seconds) of ``concurrency`` streams started at once, read by
-    ``kvloom bench serve``'s client (it costs the shared cores less than httpx's)."""
+async def stream_all(url: str, concurrency: int, tokens: int, endpoint: str = "completions") -> tuple[int, int, float]:
+    """(tokens, events, seconds) of ``concurrency`` streams of ``/v1/completions`` or
+    ``/v1/chat/completions`` started at once, read by ``kvloom bench serve``'s client (it
+    costs the shared cores less than httpx's). A chat stream's opening role event counts as
+    an event."""
     from kvloom.entrypoints.cli.bench_http import BenchHTTPClient
 
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {"max_tokens": tokens, "stream": True, "ignore_eos": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "Hello there"}]
+    else:
+        body["prompt"] = [5, 6, 7, 8]
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     counts = [0, 0]  # tokens (the usage events'), events with a choice
 
     async def one(client: BenchHTTPClient) -> None:
-        async with client.stream("/v1/completions", body) as (_, lines):
+        async with client.stream(path, body) as (_, lines):
             async for line in lines:
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
@@ -118,6 +126,8 @@ def main() -> None:
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the server process's port
     parser.add_argument("--concurrency", default="1,64,256", help="comma-separated streams at once")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions (default) or /v1/chat/completions")  # fmt: skip
     parser.add_argument("--steps-per-read", type=int, default=2, help="engine steps ready together")
     parser.add_argument("--step-delay", type=float, default=0.0,
                         help="seconds per batch of engine steps (0: the engine is never the bottleneck)")  # fmt: skip
@@ -146,13 +156,13 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        asyncio.run(stream_all(url, 8, 16))  # warm-up
+        asyncio.run(stream_all(url, 8, 16, args.endpoint))  # warm-up
         runs: list[dict[str, Any]] = []
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             samples = []
             for _ in range(args.repeat):
                 before = cpu_seconds(server.pid)
-                tokens, events, seconds = asyncio.run(stream_all(url, concurrency, args.tokens))
+                tokens, events, seconds = asyncio.run(stream_all(url, concurrency, args.tokens, args.endpoint))
                 cpu = cpu_seconds(server.pid) - before
                 samples.append({"tokens": tokens, "events": events, "wall_s": seconds, "server_cpu_s": cpu,
                                 "server_cpu_us_per_token": 1e6 * cpu / tokens, "tokens_per_event": tokens / events,
@@ -170,6 +180,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},  # fmt: skip
+        "endpoint": args.endpoint,
         "tokens_per_stream": args.tokens,
         "steps_per_read": args.steps_per_read,
         "step_delay_s": args.step_delay,
