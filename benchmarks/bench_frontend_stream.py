@@ -5,9 +5,9 @@
 server process of its own here, on a scripted engine core (``tests/helpers/scripted_core.py``:
 every step gives each running request its next token at once, ``--steps-per-read`` steps
 ready together, as when the engine runs ahead of the front end). The client (this
-process) streams ``/v1/completions`` (``--endpoint chat``: ``/v1/chat/completions``) for
-C requests at once (each ``--tokens`` tokens,
-token-id prompts) for each C of ``--concurrency``, and reads the server process's CPU
+process) streams ``/v1/completions`` with token-id prompts (``--endpoint chat``:
+``/v1/chat/completions`` with one user message) for C requests at once, each ``--tokens``
+tokens, for each C of ``--concurrency``, and reads the server process's CPU
 time before and after: its CPU microseconds per token are the front end's per-token cost
 (the engine's share is nil). Also reported: tokens per stream event (1.0: one token per
 SSE event) and the wall-clock token rate (client and server share the machine's cores).

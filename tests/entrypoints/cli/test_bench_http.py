@@ -15,6 +15,17 @@ from kvloom.entrypoints.cli.bench_http import BenchHTTPClient, HTTPError
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # request head+body -> keep the connection?
 
 
+def replying(reply: bytes) -> Answer:
+    """An answer that writes ``reply`` to every request and keeps the connection."""
+
+    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(reply)
+        await writer.drain()
+        return True
+
+    return answer
+
+
 def chunked(*pieces: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
 
@@ -62,11 +73,8 @@ def test_streamed_lines_across_chunks_and_keep_alive() -> None:
     # split at awkward places: inside a line, between "\r" and "\n" of nothing, one byte pieces
     pieces = [stream[:7], stream[7:8], stream[8:30], stream[30:31], stream[31:]]
 
-    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                     + chunked(*pieces))  # fmt: skip
-        await writer.drain()
-        return True
+    answer = replying(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                      + chunked(*pieces))  # fmt: skip
 
     async def work(client: BenchHTTPClient, requests: list[bytes]) -> None:
         for _ in range(3):  # one connection serves all three
@@ -84,17 +92,13 @@ def test_streamed_lines_across_chunks_and_keep_alive() -> None:
 
 
 def test_a_kept_alive_connection_the_server_closed_is_replaced() -> None:
-    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-        await writer.drain()
-        return True
-
     async def work(client: BenchHTTPClient, requests: list[bytes]) -> None:
         for _ in range(3):  # the 2nd and 3rd find their pooled connection closed unanswered
             assert (await client.get("/health")).text == "ok"
         assert len(requests) == 3
 
-    assert asyncio.run(serve(answer, work, requests_per_connection=1)) == 3
+    ok = replying(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    assert asyncio.run(serve(ok, work, requests_per_connection=1)) == 3
 
 
 def test_content_length_error_status_and_connection_close() -> None:
@@ -153,18 +157,13 @@ def test_broken_answers_are_named_errors(reply: bytes | None, match: str) -> Non
 
 
 def test_a_callers_error_passes_through_and_the_url_is_checked() -> None:
-    async def answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno")
-        await writer.drain()
-        return True
-
     async def work(client: BenchHTTPClient, requests: list[bytes]) -> None:
         with pytest.raises(json.JSONDecodeError):  # the caller's own ValueError, not an HTTPError
             async with client.stream("/v1/completions", {}) as (_, lines):
                 async for line in lines:
                     json.loads(line)
 
-    asyncio.run(serve(answer, work))
+    asyncio.run(serve(replying(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno"), work))
     with pytest.raises(ValueError, match="expected http://HOST"):
         BenchHTTPClient("localhost:8000")
     assert BenchHTTPClient("https://example.com").port == 443

@@ -197,7 +197,7 @@ class OpenAIServingCompletion(OpenAIServing):
         def text_only(index: int) -> ChunkTemplate:
             choice = CompletionResponseChoice(index=index, text=ChunkTemplate.TEXT)
             chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
-            return templates.setdefault(index, ChunkTemplate(chunk.model_dump_json()))
+            return ChunkTemplate(chunk.model_dump_json())
 
         try:
             async with aclosing(outputs):
@@ -208,7 +208,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         finished = completion.finish_reason is not None
                         if not finished and logprobs is None:
                             if text:  # the common chunk: its template, filled
-                                yield (templates.get(index) or text_only(index)).sse(text)
+                                if index not in templates:
+                                    templates[index] = text_only(index)
+                                yield templates[index].sse(text)
                             continue  # nothing to tell the client yet
                         if not text and not finished and not logprobs.tokens:
                             continue

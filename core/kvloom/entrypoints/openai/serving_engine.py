@@ -73,6 +73,7 @@ def sse(data: str) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+
 class ChunkTemplate:
     """The JSON of a stream's most common chunk (text alone: no logprobs, not finished),
     written once by pydantic around a placeholder text and then filled per token.
@@ -94,6 +95,7 @@ class ChunkTemplate:
     def sse(self, text: str) -> str:
         """The chunk's event with ``text`` in place of the placeholder, without building a model."""
         return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
 
 #: (prompt index, RequestOutput) pairs as the engine produces them.
 PromptOutputs = AsyncIterator[tuple[int, RequestOutput]]
