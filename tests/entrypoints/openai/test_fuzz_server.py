@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -48,6 +49,7 @@ MAX_SEQUENCES = 16
 EXAMPLES = int(os.environ.get("KVLOOM_FUZZ_EXAMPLES", "0")) or None
 SEED = int(os.environ.get("KVLOOM_FUZZ_SEED", "20260101"))
 MIN_REQUESTS = 2000
+MAX_BATCH = 8  # requests sent at once by one example
 
 #: What the suite sent and got: status codes, requests, failures (kept for the summary).
 STATS: Counter[str] = Counter()
@@ -64,11 +66,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvloomServer]:
         yield srv
 
 
+@contextmanager
+def batch_clients(url: str) -> Iterator[list[httpx.Client]]:
+    """One keep-alive client per request of a batch (``run_batch``): no two threads share a
+    connection pool. httpcore's pool, shared by threads, can close an idle connection that
+    another thread has just been handed (encode/httpcore#1110); that thread's read then
+    fails with EBADF on its own side of the socket, which is no answer of the server's."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S)) for _ in range(MAX_BATCH)]
+
+
 @pytest.fixture(scope="module")
-def http(server: KvloomServer) -> Iterator[httpx.Client]:
-    limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
-    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        yield client
+def clients(server: KvloomServer) -> Iterator[list[httpx.Client]]:
+    with batch_clients(server.url) as opened:
+        yield opened
 
 
 # ----------------------------------------------------------------- strategies
@@ -386,9 +397,10 @@ def send(client: httpx.Client, path: str, body: Any, content_type: str | None = 
     check_response(path, body, response, data if is_stream else None)
 
 
-def run_batch(client: httpx.Client, batch: list[tuple]) -> None:
+def run_batch(clients: list[httpx.Client], batch: list[tuple]) -> None:
+    pairs = zip(clients[: len(batch)], batch, strict=True)
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
-        for future in [pool.submit(send, client, *item) for item in batch]:
+        for future in [pool.submit(send, client, *item) for client, item in pairs]:
             future.result()
 
 
@@ -402,24 +414,26 @@ def fuzz_settings(examples: int) -> Any:
 
 @seed(SEED)
 @fuzz_settings(examples=700)
-@given(batch=st.lists(schema_request, min_size=1, max_size=8), disconnects=st.lists(st.booleans(), min_size=8,
-                                                                                  max_size=8))  # fmt: skip
-def test_schema_requests_never_5xx(http: httpx.Client, batch: list, disconnects: list[bool]) -> None:
-    run_batch(http, [(path, body, "application/json", drop and body.get("stream") is True)
+@given(
+    batch=st.lists(schema_request, min_size=1, max_size=MAX_BATCH),
+    disconnects=st.lists(st.booleans(), min_size=MAX_BATCH, max_size=MAX_BATCH),
+)
+def test_schema_requests_never_5xx(clients: list[httpx.Client], batch: list, disconnects: list[bool]) -> None:
+    run_batch(clients, [(path, body, "application/json", drop and body.get("stream") is True)
                      for (path, body), drop in zip(batch, disconnects)])  # fmt: skip
 
 
 @seed(SEED + 1)
 @fuzz_settings(examples=150)
 @given(batch=st.lists(hostile_request, min_size=1, max_size=6))
-def test_hostile_bodies_never_5xx(http: httpx.Client, batch: list) -> None:
-    run_batch(http, batch)
+def test_hostile_bodies_never_5xx(clients: list[httpx.Client], batch: list) -> None:
+    run_batch(clients, batch)
 
 
 @seed(SEED + 2)
 @fuzz_settings(examples=100)
-@given(batch=st.lists(schema_request, min_size=4, max_size=8))
-def test_valid_streams_with_disconnects(http: httpx.Client, batch: list) -> None:
+@given(batch=st.lists(schema_request, min_size=4, max_size=MAX_BATCH))
+def test_valid_streams_with_disconnects(clients: list[httpx.Client], batch: list) -> None:
     """Streams that are valid enough to run, half of them abandoned after the first chunk."""
     sent = []
     for i, (path, body) in enumerate(batch):
@@ -431,7 +445,7 @@ def test_valid_streams_with_disconnects(http: httpx.Client, batch: list) -> None
                 body["messages"] = [{"role": "user", "content": "Hello"}]
             body.update(stream=True, max_tokens=8, n=1, temperature=1.0)
         sent.append((path, body, "application/json", i % 2 == 0))
-    run_batch(http, sent)
+    run_batch(clients, sent)
 
 
 def metric_values(server: KvloomServer) -> dict[str, float]:
@@ -440,9 +454,10 @@ def metric_values(server: KvloomServer) -> dict[str, float]:
             if s.name.startswith("kvloom:")}  # fmt: skip
 
 
-def test_nothing_left_behind(server: KvloomServer, http: httpx.Client) -> None:
+def test_nothing_left_behind(server: KvloomServer, clients: list[httpx.Client]) -> None:
     """After the fuzzing: the engine is healthy and idle, every KV block is free, and no
     error went unhandled. (Runs last in this module.)"""
+    http = clients[0]
     names = ("kvloom:num_requests_running", "kvloom:num_requests_waiting", "kvloom:kv_cache_usage_perc")
     deadline = time.monotonic() + 60
     while True:

@@ -27,7 +27,14 @@ from hypothesis import strategies as st
 from kvloom import LLM, SamplingParams
 from kvloom.testing.install import KvloomServer
 from kvloom.testing.models import random_prompts, tiny_model_dir
-from tests.entrypoints.openai.test_fuzz_server import chat, completion, fuzz_settings, hostile_body, run_batch
+from tests.entrypoints.openai.test_fuzz_server import (
+    batch_clients,
+    chat,
+    completion,
+    fuzz_settings,
+    hostile_body,
+    run_batch,
+)
 from tests.helpers.served import metric, metrics
 
 BLOCK = 16
@@ -125,9 +132,8 @@ def test_an_instances_400_comes_through(servers: tuple) -> None:
 def test_hostile_requests_through_the_router_never_5xx(servers: tuple, batch: list) -> None:
     """The server's fuzz strategies, through the router: every answer a 4xx in OpenAI's
     shape or a well-formed 200, none a 5xx, none late (``run_batch`` checks)."""
-    router = servers[2]
-    with httpx.Client(base_url=router.url, timeout=60) as client:
-        run_batch(client, batch)
+    with batch_clients(servers[2].url) as clients:
+        run_batch(clients, batch)
 
 
 def test_decode_gone_is_a_503_naming_it(servers: tuple) -> None:
