@@ -23,6 +23,7 @@
  * kvloom_quant_gguf/kernels.py holds the same arithmetic in torch (the reference).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #ifdef __AVX2__
@@ -399,24 +400,65 @@ static void tile(int fmt, int bits, int mr, int64_t B, int64_t K, const void *qx
 
 #define ROW_CHUNK 32 /* activation rows one work item covers */
 #define PARALLEL_MIN_MACS (1 << 17)
+#define MAX_SEGMENTS 8
 
-/* out[m, n] (row stride ldo) = sum_k x[m, k] * w[n, k], with x quantized by kvq_quantize to `bits`. */
-void kvq_gemm(int fmt, int bits, int64_t M, int64_t N, int64_t K, const void *qx, const float *dx, const float *sx,
-              const uint8_t *wc, const float *wp, float *out, int64_t ldo, int nthreads)
+/* The activations' buffer of the calling thread: grown as needed and kept for the next
+ * call (a layer's forward runs on one thread at a time; each thread has its own). */
+static __thread uint8_t *scratch;
+static __thread int64_t scratch_bytes;
+
+static uint8_t *thread_scratch(int64_t bytes)
 {
-    const int64_t qbytes = bits / 8;
-    const int64_t B = K / 32, T = (N + 7) / 8, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-    const int64_t cbytes = CODE_BYTES[fmt] * B, pfloats = PARAM_FLOATS[fmt] * B;
+    if (bytes > scratch_bytes) {
+        uint8_t *grown = (uint8_t *)realloc(scratch, (size_t)bytes);
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_bytes = bytes;
+    }
+    return scratch;
+}
+
+/* One linear layer: out[m, n] (row stride ldo) = sum_k x[m, k] * w[n, k] for the weight rows
+ * of `nseg` segments: segment s is rows[s] rows in format fmts[s] (codes[s], params[s]),
+ * written to the output columns from starts[s]. x [M, K] (row stride ldx) is quantized to
+ * `bits` once (kvq_quantize), then every (segment, tile of 8 rows, chunk of activation rows)
+ * is a work item of one parallel loop. Returns 0, or -1 when nseg is out of range or the
+ * activations' buffer cannot be allocated. */
+int kvq_linear(int bits, int64_t M, int64_t K, const float *x, int64_t ldx, int nseg, const int *fmts,
+               const int64_t *starts, const int64_t *rows, const uint8_t *const *codes, const float *const *params,
+               float *out, int64_t ldo, int nthreads)
+{
+    const int64_t B = K / 32, qbytes = bits / 8, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+    if (nseg < 1 || nseg > MAX_SEGMENTS) return -1;
+    uint8_t *qx = thread_scratch(M * K * qbytes + M * B * 12);
+    if (qx == NULL) return -1;
+    float *dx = (float *)(qx + M * K * qbytes), *sx = dx + M * B;
+    kvq_quantize(bits, M, K, x, ldx, qx, dx, sx, nthreads);
+
+    int64_t first_tile[MAX_SEGMENTS + 1], N = 0;
+    first_tile[0] = 0;
+    for (int s = 0; s < nseg; s++) {
+        N += rows[s];
+        first_tile[s + 1] = first_tile[s] + (rows[s] + 7) / 8;
+    }
+    const int64_t T = first_tile[nseg];
     /* Threads cost a few microseconds to wake: small products run on the calling one. */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N * K >= PARALLEL_MIN_MACS)
     for (int64_t item = 0; item < chunks * T; item++) {
-        const int64_t t = item % T, m0 = (item / T) * ROW_CHUNK;
+        const int64_t tile_index = item % T, m0 = (item / T) * ROW_CHUNK;
+        int s = 0;
+        while (tile_index >= first_tile[s + 1]) s++;
+        const int fmt = fmts[s];
+        const int64_t t = tile_index - first_tile[s];
         const int64_t m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
-        const int ncols = N - t * 8 < 8 ? (int)(N - t * 8) : 8;
+        const int ncols = rows[s] - t * 8 < 8 ? (int)(rows[s] - t * 8) : 8;
+        const uint8_t *wc = codes[s] + t * CODE_BYTES[fmt] * B;
+        const float *wp = params[s] + t * PARAM_FLOATS[fmt] * B;
         for (int64_t m = m0; m < m1; m += MR) {
             const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-            tile(fmt, bits, mr, B, K, (const char *)qx + m * K * qbytes, dx + m * B, sx + m * 2 * B, wc + t * cbytes,
-                 wp + t * pfloats, out + m * ldo + t * 8, ldo, ncols);
+            tile(fmt, bits, mr, B, K, (const char *)qx + m * K * qbytes, dx + m * B, sx + m * 2 * B, wc, wp,
+                 out + m * ldo + starts[s] + t * 8, ldo, ncols);
         }
     }
+    return 0;
 }

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 #: Activation quantization block (features per int8 scale).
 ACT_BLOCK = 32
+#: Kernel segments one layer may have (kernels.c's MAX_SEGMENTS).
+MAX_SEGMENTS = 8
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
@@ -97,40 +99,47 @@ def library() -> ctypes.CDLL:
     if not path.is_file():
         _build(path)
     lib = ctypes.CDLL(str(path))
-    lib.kvq_quantize.argtypes = [_INT, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
-    lib.kvq_gemm.argtypes = [_INT, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
+    lib.kvq_linear.argtypes = [_INT, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
+    lib.kvq_linear.restype = _INT
     lib.kvq_rows.argtypes = [_INT, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
-    for fn in (lib.kvq_quantize, lib.kvq_gemm, lib.kvq_rows):
-        fn.restype = None
+    lib.kvq_rows.restype = None
     lib.kvq_code_bytes.argtypes = lib.kvq_param_floats.argtypes = [_INT]
     lib.kvq_code_bytes.restype = lib.kvq_param_floats.restype = _I64
     return lib
 
 
-class QuantizedActivations:
-    """``x [M, K]`` (float32, contiguous) quantized for the GEMMs: int8 or int16 codes
-    (``bits``), a scale per 32 features and ``scale * sum(codes)`` per 16, in one buffer."""
+class LinearKernel:
+    """A layer's kernel segments as ``kvq_linear`` takes them: ctypes arrays of their formats,
+    output columns and weight pointers, built once (``matmul`` rebuilds it when a weight moves)."""
 
-    __slots__ = ("bits", "buffer", "cols", "dx", "qx", "rows", "sx")
+    __slots__ = ("codes", "count", "fmts", "params", "pointers", "rows", "starts", "weights")
 
-    def __init__(self, x: torch.Tensor, bits: int) -> None:
-        rows, cols = x.shape
-        blocks = cols // ACT_BLOCK
-        self.bits, self.rows, self.cols = bits, rows, cols
-        self.buffer = torch.empty(rows * cols * (bits // 8) + rows * blocks * 12, dtype=torch.uint8)
-        self.qx = self.buffer.data_ptr()
-        self.dx = self.qx + rows * cols * (bits // 8)
-        self.sx = self.dx + rows * blocks * 4
-        library().kvq_quantize(bits, rows, cols, x.data_ptr(), cols, self.qx, self.dx, self.sx,
-                               torch.get_num_threads())  # fmt: skip
+    def __init__(self, segments: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """``segments``: ``(fmt, start column, rows, codes, params)`` of each kernel segment."""
+        if not 1 <= len(segments) <= MAX_SEGMENTS:
+            raise ValueError(f"a GGUF layer has 1 to {MAX_SEGMENTS} kernel segments, not {len(segments)}")
+        self.count = len(segments)
+        self.weights = [(codes, params) for *_, codes, params in segments]  # keeps the pointers valid
+        self.pointers = pointers(segments)
+        self.fmts = (_INT * self.count)(*(seg[0] for seg in segments))
+        self.starts = (_I64 * self.count)(*(seg[1] for seg in segments))
+        self.rows = (_I64 * self.count)(*(seg[2] for seg in segments))
+        self.codes = (_PTR * self.count)(*(seg[3].data_ptr() for seg in segments))
+        self.params = (_PTR * self.count)(*(seg[4].data_ptr() for seg in segments))
+
+    def __call__(self, bits: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[:, seg columns] = x @ w_seg.T`` for every segment: ``x`` float32 ``[M, K]`` with
+        contiguous rows, quantized to ``bits`` once; ``out`` float32 ``[M, n]`` (rows may be strided)."""
+        done = library().kvq_linear(bits, x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), self.count, self.fmts,
+                                    self.starts, self.rows, self.codes, self.params, out.data_ptr(), out.stride(0),
+                                    torch.get_num_threads())  # fmt: skip
+        if done != 0:
+            raise MemoryError(f"GGUF kernels: no memory for the int{bits} activations of a {tuple(x.shape)} input")
 
 
-def gemm(fmt: int, acts: QuantizedActivations, codes: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = x @ w.T`` for the ``n``-row weight ``(codes, params)`` of format ``fmt``;
-    ``out`` is a float32 ``[M, n]`` view whose rows may be strided (a shard's columns)."""
-    library().kvq_gemm(fmt, acts.bits, acts.rows, out.shape[1], acts.cols, acts.qx, acts.dx, acts.sx,
-                       codes.data_ptr(), params.data_ptr(), out.data_ptr(), out.stride(0),
-                       torch.get_num_threads())  # fmt: skip
+def pointers(segments: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+    """The weight pointers a ``LinearKernel`` of ``segments`` holds (to see whether it is current)."""
+    return tuple(t.data_ptr() for *_, codes, params in segments for t in (codes, params))
 
 
 def rows(fmt: int, ids: torch.Tensor, cols: int, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,9 @@ Repacking is cached per layer under ``KVLOOM_CACHE_DIR/gguf-repacked/<file conte
 layer's tensors and the layout version; a later load reads the segments from there
 without touching the file's weights.
 
-Forward (``apply``): the input is quantized to int8 once (``kernels.QuantizedActivations``)
-and each segment's GEMM writes its columns of the output; float segments compute with the
-input itself.
+Forward (``apply``): one call of the C kernels (``kernels.LinearKernel``) quantizes the
+input once and computes every kernel segment's columns of the output; float segments
+compute with the input itself.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class _GGUFWeights:
         self.writer_type = writer_type
         self.bits = activation_bits
         self.segments: list[Segment] = []
+        self.kernel: kernels.LinearKernel | None = None  # the kernel segments, as the C entry takes them
 
     # ------------------------------------------------------------ construction, loading
     def create_weights(self, layer: Any) -> None:
@@ -173,19 +174,22 @@ class _GGUFWeights:
     def matmul(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """``x [..., cols] @ W.T`` in float32 (``[..., rows]``)."""
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
+        if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.float().contiguous()
         params = layer._parameters
-        out = torch.empty(x2.shape[0], self.segments[-1].start + self.segments[-1].rows)
-        acts = None
+        last = self.segments[-1]
+        out = torch.empty(x2.shape[0], last.start + last.rows)
+        kernel_segments = []
         for index, seg in enumerate(self.segments):
-            target = out if len(self.segments) == 1 else out[:, seg.start : seg.start + seg.rows]
             if seg.fmt == FLOAT:
-                target.copy_(torch.mm(x2, params[f"gguf_weight_{index}"].t()))
-                continue
-            if acts is None:
-                acts = kernels.QuantizedActivations(x2, self.bits)
-            kernels.gemm(seg.fmt, acts, params[f"gguf_codes_{index}"], params[f"gguf_params_{index}"], target)
+                out[:, seg.start : seg.start + seg.rows] = torch.mm(x2, params[f"gguf_weight_{index}"].t())
+            else:
+                kernel_segments.append((seg.fmt, seg.start, seg.rows, params[f"gguf_codes_{index}"],
+                                        params[f"gguf_params_{index}"]))  # fmt: skip
+        if kernel_segments:
+            if self.kernel is None or self.kernel.pointers != kernels.pointers(kernel_segments):
+                self.kernel = kernels.LinearKernel(kernel_segments)
+            self.kernel(self.bits, x2, out)
         return out.reshape(*x.shape[:-1], out.shape[1])
 
     def dequantize_rows(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:

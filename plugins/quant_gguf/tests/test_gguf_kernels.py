@@ -66,9 +66,36 @@ def test_kernels_match_a_float64_reference(ggml_type: Q, bits: int) -> None:
         x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
         x[0, :32] = 0.0  # an all-zero activation block (scale 0)
         full = torch.full((m, rows + 3), float("nan"))
-        out = full[:, 1 : rows + 1]  # strided rows, as a shard's columns of a merged output
-        kernels.gemm(decoded.fmt, kernels.QuantizedActivations(x, bits), codes, params, out)
+        out = full[:, 1 : rows + 1]  # a segment's columns of a merged output (from column 1)
+        kernels.LinearKernel([(decoded.fmt, 1, rows, codes, params)])(bits, x, full)
         assert full[:, 0].isnan().all() and full[:, rows + 1 :].isnan().all()  # nothing written past the shard
         expected = kernels.fake_quantize(x, bits).double() @ weight64.T
         error = (out.double() - expected).norm() / expected.norm()
         assert error < 2e-6, f"{ggml_type.name} ({FORMAT_NAMES[decoded.fmt]}) int{bits} M={m}: {error:.2e}"
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_one_call_computes_every_segment(bits: int) -> None:
+    """A merged layer's segments of three formats in one ``kvq_linear`` call, each written to
+    its own columns (a gap between two, as a float segment leaves), against float64."""
+    problem = kernels.problem()
+    if problem:
+        pytest.skip(problem)
+    rng = np.random.default_rng(7 + bits)
+    cols, parts = 256, [(Q.Q4_K, 24), (Q.Q6_K, 13), (Q.Q8_0, 16)]
+    segments, weights, start = [], [], 0
+    for ggml_type, rows in parts:
+        decoded = decode(_random_raw(ggml_type, rows, cols, rng), ggml_type, cols)
+        segments.append((decoded.fmt, start, rows, *pack(decoded)))
+        weights.append((start, torch.from_numpy(decoded.dequantize()).double()))
+        start += rows + 5  # five columns no segment writes
+    for m in (1, 3, 40):  # 40: two chunks of activation rows
+        x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
+        out = torch.full((m, start), float("nan"))
+        kernels.LinearKernel(segments)(bits, x, out)
+        x64 = kernels.fake_quantize(x, bits).double()
+        for begin, weight in weights:
+            expected = x64 @ weight.T
+            got = out[:, begin : begin + weight.shape[0]].double()
+            assert ((got - expected).norm() / expected.norm()) < 2e-6
+            assert out[:, begin + weight.shape[0] : begin + weight.shape[0] + 5].isnan().all()
