@@ -1,11 +1,9 @@
 """The C kernels (``kernels.c``), built once per machine, and their torch reference.
 
 ``kernels.c`` is plain C with OpenMP (AVX2 intrinsics where the CPU has AVX2, portable C
-otherwise), compiled with the system C compiler (``$CC``, else ``cc``) on first use into
-``KVLOOM_CACHE_DIR/gguf-kernels/`` (a file named by the source, flags and compiler, so a
-change rebuilds it; about two seconds) and loaded with ``ctypes``. OpenMP is the runtime
-torch already loaded (``libgomp.so.1``), so the kernels and torch share one thread pool;
-they run on ``torch.get_num_threads()`` threads.
+otherwise), built on first use into ``KVLOOM_CACHE_DIR`` and loaded with ``ctypes`` by
+``kvloom.interfaces.load_c_library`` (about two seconds, once per machine); the kernels
+and torch share one OpenMP thread pool and run on ``torch.get_num_threads()`` threads.
 
 ``fake_quantize`` is the activation quantization the kernels apply (per row and 32
 features: ``d = max|x| / 127``, ``q = round(x / d)``), in torch: the method's
@@ -16,19 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kvloom.interfaces import kvloom_cache_dir
-
-logger = logging.getLogger(__name__)
+from kvloom.interfaces import c_build_problem, cpu_simd, load_c_library
 
 SOURCE = Path(__file__).with_name("kernels.c")
 #: Activation quantization block (features per int8 scale).
@@ -39,66 +29,21 @@ MAX_SEGMENTS = 8
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-def compiler() -> str | None:
-    """The C compiler the kernels are built with (``$CC`` or ``cc``), or None."""
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
 def simd() -> str:
     """``"avx2"`` where torch finds AVX2 (or AVX-512) on this CPU, else ``"portable"``."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "avx2" if capability in ("AVX2", "AVX512") else "portable"
-
-
-def _flags() -> list[str]:
-    vector = ["-mavx2", "-mfma", "-mf16c"] if simd() == "avx2" else []
-    # No FMA contraction of the scalar code: the reference (kvq_rows) is scale * code + min,
-    # two roundings, as torch computes it.
-    return ["-O3", *vector, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-
-
-@functools.cache
-def library_path() -> Path:
-    """Where the built library is cached for this source, these flags and this compiler."""
-    cc = compiler() or "cc"
-    try:
-        version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + version.encode()).hexdigest()[:16]
-    return kvloom_cache_dir() / "gguf-kernels" / f"kvloom_gguf_{simd()}_{key}.so"
+    return cpu_simd()
 
 
 def problem() -> str | None:
     """Why the kernels cannot be built here (no C compiler and no built library), or None."""
-    if compiler() is None and not library_path().is_file():
-        return (f"no C compiler to build the GGUF kernels ({os.environ.get('CC', 'cc')} not found; install gcc, "
-                "or run with --quantization none)")  # fmt: skip
-    return None
-
-
-def _build(target: Path) -> None:
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError(problem())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    logger.info("Building the GGUF CPU kernels (%s, once) into %s", simd(), target)
-    done = subprocess.run([cc, *_flags(), str(SOURCE), "-o", tmp, "-lm"], check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building the GGUF kernels with {cc} failed:\n{done.stderr[-4000:]}")
-    os.replace(tmp, target)  # atomic: a concurrent build ends with one complete file
+    reason = c_build_problem(SOURCE)
+    return None if reason is None else f"{reason}, or run with --quantization none"
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The kernels, built on first use (see the module docstring)."""
-    path = library_path()
-    if not path.is_file():
-        _build(path)
-    lib = ctypes.CDLL(str(path))
+    """The kernels, built on first use (``kvloom.interfaces.load_c_library``)."""
+    lib = load_c_library(SOURCE)
     lib.kvq_linear.argtypes = [_INT, _I64, _I64, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT]
     lib.kvq_linear.restype = _INT
     lib.kvq_rows.argtypes = [_INT, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT]

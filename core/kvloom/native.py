@@ -1,0 +1,96 @@
+"""C kernels of kvloom's CPU plugins, built once per machine and loaded with ``ctypes``.
+
+A plugin ships its kernels as one C source file (plain C with OpenMP; AVX2 intrinsics
+behind ``#ifdef __AVX2__``). ``load_c_library(source)`` compiles it with the system C
+compiler (``$CC``, else ``cc``) on first use into ``KVLOOM_CACHE_DIR/c-kernels/`` (a file
+named by the source, the flags and the compiler's version, so that any change rebuilds it;
+a second or two) and loads it. OpenMP is the runtime torch already loaded
+(``libgomp.so.1``), so kernels and torch share one thread pool; callers pass
+``torch.get_num_threads()``. ``c_build_problem(source)`` says why a library cannot be had
+here (no compiler and nothing built), for a plugin's validation to report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvloom.utils import kvloom_cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+def c_compiler() -> str | None:
+    """The C compiler kernels are built with (``$CC`` or ``cc``), or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def cpu_simd() -> str:
+    """``"avx2"`` where torch finds AVX2 (or AVX-512) on this CPU, else ``"portable"``."""
+    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "portable"
+
+
+def c_flags() -> list[str]:
+    vector = ["-mavx2", "-mfma", "-mf16c"] if cpu_simd() == "avx2" else []
+    # No FMA contraction of scalar code: kernels that must round as torch does (two
+    # roundings for a * b + c) get them.
+    return ["-O3", *vector, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+@functools.cache
+def c_library_path(source: Path) -> Path:
+    """Where the library built from ``source`` is cached for these flags and this compiler."""
+    cc = c_compiler() or "cc"
+    try:
+        version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(source.read_bytes() + " ".join(c_flags()).encode() + version.encode()).hexdigest()[:16]
+    return kvloom_cache_dir() / "c-kernels" / f"{source.stem}_{cpu_simd()}_{key}.so"
+
+
+def c_build_problem(source: Path) -> str | None:
+    """Why the kernels of ``source`` cannot be had here (no C compiler, none built), or None."""
+    if c_compiler() is None and not c_library_path(source).is_file():
+        return (f"no C compiler to build the CPU kernels of {source.name} ({os.environ.get('CC', 'cc')} not found; "
+                "install gcc)")  # fmt: skip
+    return None
+
+
+def _build(source: Path, target: Path) -> None:
+    problem = c_build_problem(source)
+    cc = c_compiler()
+    if cc is None:
+        raise RuntimeError(problem)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    logger.info("Building the CPU kernels of %s (%s, once) into %s", source.name, cpu_simd(), target)
+    done = subprocess.run([cc, *c_flags(), str(source), "-o", tmp, "-lm"], check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {source.name} with {cc} failed:\n{done.stderr[-4000:]}")
+    os.replace(tmp, target)  # atomic: a concurrent build ends with one complete file
+
+
+def load_c_library(source: Path) -> ctypes.CDLL:
+    """The kernels of the C file ``source``, built on first use (see the module docstring),
+    loaded once per process. The caller declares each function's ``argtypes`` and ``restype``."""
+    return _load(Path(source).resolve())
+
+
+@functools.cache
+def _load(source: Path) -> ctypes.CDLL:
+    path = c_library_path(source)
+    if not path.is_file():
+        _build(source, path)
+    return ctypes.CDLL(str(path))
