@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,6 +84,16 @@ class DecodeBatch:
     #: The cache is not zero-filled, so they may hold NaN; the mask alone would not hide
     #: it (NaN + -inf and 0 * NaN are NaN), so they are zeroed after the gather.
     pad_rows: torch.Tensor
+    #: What the decode kernel (``decode_kernel``) reads instead of a gather, int64 and
+    #: contiguous: ``[num_reqs, blocks]`` block ids from each request's first gathered
+    #: block on, the first position of that block, the first position each query sees
+    #: (its window's start) and the sequence lengths (``[num_reqs]`` each).
+    block_table: torch.Tensor
+    first_pos: torch.Tensor
+    key_start: torch.Tensor
+    seq_lens: torch.Tensor
+    #: The kernel's struct of the above, made by the first layer that calls it (``impl``).
+    kernel_args: Any = None
 
 
 @dataclass
@@ -244,6 +255,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             kv_rows=kv_rows.reshape(-1),
             key_mask=key_mask,
             pad_rows=pad_rows,
+            block_table=table.contiguous(),
+            first_pos=(first_block * block_size).contiguous(),
+            key_start=window_start.contiguous(),
+            seq_lens=dec_seq_lens.contiguous(),
         )
 
     def _plan_prefill(

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 import torch
-from kvloom_backend_cpu import CPUAttentionBackend
+from kvloom_backend_cpu import CPUAttentionBackend, decode_kernel
 from kvloom_backend_cpu.builder import CPUAttentionMetadataBuilder
 from kvloom_backend_cpu.impl import CPUAttentionImpl
 
@@ -155,17 +155,19 @@ def test_decodes_of_spread_lengths_are_grouped_by_length() -> None:
 
 
 def test_workspace_is_shared_by_layers_and_reused_across_steps() -> None:
+    """bfloat16: the decodes gather into the workspace (float32 ones read the cache in place)."""
     torch.manual_seed(0)
     builder = _builder()
     impl = CPUAttentionImpl(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2)
-    caches = [torch.randn(CPUAttentionBackend.get_kv_cache_shape(64, 16, 2, 64)) for _ in range(2)]
+    bf16 = torch.bfloat16
+    caches = [torch.randn(CPUAttentionBackend.get_kv_cache_shape(64, 16, 2, 64), dtype=bf16) for _ in range(2)]
     pointers = set()
     for seq in (100, 101):  # two decode steps
         common, _ = _common([1] * 4, [seq] * 4, 16)
         md = builder.build(common)
         for cache in caches:  # two layers
-            q, k, v = torch.randn(4, 8, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64)
-            impl.forward(q, k, v, cache, md, torch.empty(4, 8, 64))
+            q, k, v = (torch.randn(4, heads, 64, dtype=bf16) for heads in (8, 2, 2))
+            impl.forward(q, k, v, cache, md, torch.empty(4, 8, 64, dtype=bf16))
             pointers.add(md.workspace._buffer.data_ptr())
     assert len(pointers) == 1
 
@@ -220,3 +222,21 @@ def test_fp8_kv_cache_against_the_float64_reference(kv_cache_dtype: str, dtype: 
     assert error < tolerance
     # The quantization is visible: against the unquantized K/V the error is far larger.
     assert relative_error(output[: case.num_actual_tokens], case.expected_output) > 3 * error
+
+
+@pytest.mark.parametrize(("name", "dtype", "kernel"), [
+    ("decode", torch.float32, True), ("sliding_window_long_decode", torch.float32, True),
+    ("mixed", torch.float32, True), ("soft_cap", torch.float32, False), ("decode", torch.bfloat16, False),
+])  # fmt: skip
+def test_decode_kernel_attends_float32_layers_without_cap_or_sinks(
+    name: str, dtype: torch.dtype, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C decode kernel computes float32 decodes (checked against the float64 reference
+    by the case); soft caps and half precision keep the SDPA path."""
+    calls = []
+    real = decode_kernel.decode_attention
+    monkeypatch.setattr(decode_kernel, "decode_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    label = f"{name}[{str(dtype).removeprefix('torch.')},h8/kv2,d64,bs16]"
+    case = next(c for c in conformance_cases(CPUAttentionBackend) if str(c) == label)
+    check_case(CPUAttentionBackend, case)
+    assert bool(calls) is kernel

@@ -1,0 +1,147 @@
+/* CPU_ATTN's decode attention: one query token per request over a paged float32 KV cache.
+ *
+ * Work item = (request, KV head): its G = num_heads / num_kv_heads query heads read each
+ * of the request's key and value rows once, straight from the cache blocks (no gather, no
+ * padding), in float32: per query head the scores, their max m, e = exp(score - m) and
+ * l = sum(e), then out = sum(e * v) / l.
+ *
+ * Positions key_start[r] .. seq_len[r] - 1 are attended (key_start > 0 under a sliding
+ * window); block_table[r, c] holds positions first_pos[r] + c * block_size onwards.
+ * kvloom_backend_cpu/impl.py calls it for float32 layers without soft cap or sinks; the
+ * float64 reference in kvloom.testing checks it (backends/cpu/tests).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define MAX_GROUP 64 /* query heads per KV head */
+#define MAX_HEAD 256 /* head size */
+
+static inline float dot(const float *a, const float *b, int64_t n)
+{
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    s = _mm_cvtss_f32(h);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* acc += p * v */
+static inline void axpy(float *acc, float p, const float *v, int64_t n)
+{
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 vp = _mm256_set1_ps(p);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+    for (; i < n; i++) acc[i] += p * v[i];
+}
+
+/* The scores of the calling thread: grown as needed, kept for the next call. */
+static __thread float *scratch;
+static __thread int64_t scratch_floats;
+
+static float *thread_scratch(int64_t floats)
+{
+    if (floats > scratch_floats) {
+        float *grown = (float *)realloc(scratch, (size_t)floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_floats = floats;
+    }
+    return scratch;
+}
+
+/* One (request, KV head): the G query heads at qh over positions key_start .. seq_len - 1.
+ * Each key row is read once for all G heads' scores, then per head e = exp(score - max)
+ * and l = sum(e), then each value row once for all G heads' sums of e * v; out = sum / l.
+ * Returns 0, or -1 without memory for the scores. */
+static int attend(int64_t group, int64_t head_size, float scale, const float *qh, float *oh, const float *key_cache,
+                  const float *value_cache, int64_t block_stride, int64_t pos_stride, int64_t block_size,
+                  const int64_t *table, int64_t first_pos, int64_t key_start, int64_t seq_len)
+{
+    const int64_t n = seq_len - key_start;
+    float *scores = thread_scratch(group * (n > 0 ? n : 1)); /* [n][group] */
+    if (scores == NULL) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = key_start + i;
+        const float *k = key_cache + table[(p - first_pos) / block_size] * block_stride + (p % block_size) * pos_stride;
+        for (int64_t g = 0; g < group; g++) scores[i * group + g] = dot(qh + g * head_size, k, head_size) * scale;
+    }
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < group; g++) m[g] = scores[i * group + g] > m[g] ? scores[i * group + g] : m[g];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const float e = expf(scores[i * group + g] - m[g]);
+            scores[i * group + g] = e;
+            l[g] += e;
+        }
+    for (int64_t d = 0; d < group * head_size; d++) oh[d] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = key_start + i;
+        const float *v = value_cache + table[(p - first_pos) / block_size] * block_stride + (p % block_size) * pos_stride;
+        for (int64_t g = 0; g < group; g++) axpy(oh + g * head_size, scores[i * group + g], v, head_size);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t d = 0; d < head_size; d++) oh[g * head_size + d] *= inv;
+    }
+    return 0;
+}
+
+/* A layer (built once per layer and cache): heads, scale, the K and V caches and their
+ * strides in floats (a block, a position, a KV head; the head size's own stride is 1). */
+typedef struct {
+    int64_t num_heads, num_kv_heads, head_size;
+    float scale;
+    const float *key_cache, *value_cache;
+    int64_t block_stride, pos_stride, head_stride, block_size;
+} layer_args;
+
+/* A step's decode requests (built once per step, read by every layer): query/output row of
+ * request r = rows ? rows[r] : first_row + r; block_table [num_reqs, width] from position first_pos[r]
+ * on; positions key_start[r] .. seq_len[r] - 1 attended. */
+typedef struct {
+    int64_t num_reqs, first_row;
+    const int64_t *rows, *block_table;
+    int64_t width;
+    const int64_t *first_pos, *key_start, *seq_len;
+} batch_args;
+
+/* q, out: token rows of num_heads * head_size floats (row strides q_stride, out_stride).
+ * Returns 0, or -1 for heads it does not take or without memory for the scores. */
+int cpu_decode_attention(const layer_args *layer, const batch_args *batch, const float *q, int64_t q_stride, float *out,
+                         int64_t out_stride, int nthreads)
+{
+    const int64_t kv_heads = layer->num_kv_heads, head_size = layer->head_size;
+    const int64_t group = layer->num_heads / kv_heads, items = batch->num_reqs * kv_heads;
+    if (group < 1 || group > MAX_GROUP || head_size > MAX_HEAD || layer->num_heads % kv_heads) return -1;
+    int64_t work = 0;
+    for (int64_t r = 0; r < batch->num_reqs; r++) work += (batch->seq_len[r] - batch->key_start[r]) * kv_heads;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (items > 1 && work * head_size * group >= 65536) reduction(| : failed)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t r = item / kv_heads, h = item % kv_heads, row = batch->rows ? batch->rows[r] : batch->first_row + r;
+        failed |= attend(group, head_size, layer->scale, q + row * q_stride + h * group * head_size,
+                         out + row * out_stride + h * group * head_size, layer->key_cache + h * layer->head_stride,
+                         layer->value_cache + h * layer->head_stride, layer->block_stride, layer->pos_stride,
+                         layer->block_size, batch->block_table + r * batch->width, batch->first_pos[r],
+                         batch->key_start[r], batch->seq_len[r]);
+    }
+    return failed ? -1 : 0;
+}
