@@ -4,9 +4,10 @@ The builder plans a step once on the host; every layer reuses the plan:
 
 - KV write: the slots of the step's keys/values (``-1`` slots, the padding, are dropped).
 - Decode requests (query_len == 1), in a few groups of similar length
-  (``DecodeBatch``): for each, the cache rows to gather into a padded ``[B, Hkv, L, D]``
-  workspace, ordered for SDPA, and a key mask that hides the padding past each request's
-  ``seq_len``.
+  (``DecodeBatch``): for each, the requests' block tables and positions (what the decode
+  kernel reads in place) and, planned when a layer first asks, the cache rows to gather
+  into a padded ``[B, Hkv, L, D]`` workspace, ordered for SDPA, and a key mask that hides
+  the padding past each request's ``seq_len``.
 - Prefill requests (query_len > 1), one ``PrefillRequest`` each: with context
   (prefix-cache hits, earlier chunks), its blocks and a causal mask shifted by the
   context length.
@@ -23,7 +24,7 @@ The builder also owns the ``Workspace`` that every layer gathers K/V into.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,7 +61,12 @@ class Workspace:
 
 @dataclass
 class DecodeBatch:
-    """Requests with query_len == 1, attended in one batched call."""
+    """Requests with query_len == 1, attended in one batched call.
+
+    The decode kernel reads the requests' blocks in place (``block_table`` and the
+    positions); the SDPA path gathers them into a padded ``[B, Hkv, L, D]`` workspace
+    (``kv_rows``, ``key_mask``, ``pad_rows``: planned on first use, so a step whose layers
+    all run the kernel never plans a gather)."""
 
     num_reqs: int
     #: Token rows of the decode queries; ``None`` when they are the contiguous rows
@@ -71,29 +77,51 @@ class DecodeBatch:
     #: up to whole blocks).
     padded_len: int
     num_kv_heads: int
-    #: int64 ``[num_reqs * num_kv_heads * padded_len]``: rows of the cache viewed as
-    #: ``[slots * num_kv_heads, head_size]``, ordered (request, kv head, position), so the
-    #: gather lands directly in the ``[B, Hkv, L, D]`` layout SDPA reads fastest.
-    #: Positions past a request's last block read block 0 (masked out). With a sliding
-    #: window a request's gather starts at the block of its window's first position.
-    kv_rows: torch.Tensor
-    #: bool ``[num_reqs, 1, 1, padded_len]``: True = the key position is in the request's
-    #: sequence (and window).
-    key_mask: torch.Tensor
-    #: int64: the gathered rows (indices into ``kv_rows``) past each request's seq_len.
-    #: The cache is not zero-filled, so they may hold NaN; the mask alone would not hide
-    #: it (NaN + -inf and 0 * NaN are NaN), so they are zeroed after the gather.
-    pad_rows: torch.Tensor
-    #: What the decode kernel (``decode_kernel``) reads instead of a gather, int64 and
-    #: contiguous: ``[num_reqs, blocks]`` block ids from each request's first gathered
-    #: block on, the first position of that block, the first position each query sees
-    #: (its window's start) and the sequence lengths (``[num_reqs]`` each).
+    block_size: int
+    #: int64, contiguous: ``[num_reqs, blocks]`` block ids from each request's first needed
+    #: block on (its window's first block under a sliding window; entries past its last
+    #: block read block 0), the first position of that block, the first position each
+    #: query sees (its window's start) and the sequence lengths (``[num_reqs]`` each).
     block_table: torch.Tensor
     first_pos: torch.Tensor
     key_start: torch.Tensor
     seq_lens: torch.Tensor
     #: The kernel's struct of the above, made by the first layer that calls it (``impl``).
     kernel_args: Any = None
+    _gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def kv_rows(self) -> torch.Tensor:
+        """int64 ``[num_reqs * num_kv_heads * padded_len]``: rows of the cache viewed as
+        ``[slots * num_kv_heads, head_size]``, ordered (request, kv head, position), so the
+        gather lands directly in the ``[B, Hkv, L, D]`` layout SDPA reads fastest."""
+        return self._gather_plan()[0]
+
+    @property
+    def key_mask(self) -> torch.Tensor:
+        """bool ``[num_reqs, 1, 1, padded_len]``: True = the key position is in the
+        request's sequence (and window)."""
+        return self._gather_plan()[1]
+
+    @property
+    def pad_rows(self) -> torch.Tensor:
+        """int64: the gathered rows (indices into ``kv_rows``) outside each request's
+        sequence or window. The cache is not zero-filled, so they may hold NaN; the mask
+        alone would not hide it (NaN + -inf and 0 * NaN are NaN), so they are zeroed after
+        the gather."""
+        return self._gather_plan()[2]
+
+    def _gather_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._gather is None:
+            size, kv_heads, num = self.block_size, self.num_kv_heads, self.num_reqs
+            offsets = torch.arange(self.padded_len)
+            slots = self.block_table[:, offsets // size] * size + offsets % size  # [B, L]
+            kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
+            positions = self.first_pos[:, None] + offsets[None, :]  # [B, L]
+            valid = (positions < self.seq_lens[:, None]) & (positions >= self.key_start[:, None])
+            pad_rows = (~valid)[:, None, :].expand(num, kv_heads, -1).reshape(-1).nonzero().squeeze(1)
+            self._gather = (kv_rows.reshape(-1), valid.view(num, 1, 1, -1), pad_rows)
+        return self._gather
 
 
 @dataclass
@@ -238,23 +266,13 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
         # (always a valid index); the key mask hides what they contain.
         in_use = torch.arange(blocks_per_req)[None, :] < blocks_needed[:, None]
         table = torch.where(in_use, table, torch.zeros_like(table))
-        offsets = torch.arange(blocks_per_req * block_size)
-        slots = table[:, offsets // block_size] * block_size + offsets % block_size  # [B, L]
-        kv_heads = self.spec.num_kv_heads
-        kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
-        positions = first_block[:, None] * block_size + offsets[None, :]  # [B, L]
-        valid = (positions < dec_seq_lens[:, None]) & (positions >= window_start[:, None])
-        key_mask = valid.view(num, 1, 1, -1)
-        pad_rows = (~valid)[:, None, :].expand(num, kv_heads, -1).reshape(-1).nonzero().squeeze(1)
         return DecodeBatch(
             num_reqs=num,
             token_rows=None if contiguous else rows,
             token_start=token_start,
-            padded_len=offsets.numel(),
-            num_kv_heads=kv_heads,
-            kv_rows=kv_rows.reshape(-1),
-            key_mask=key_mask,
-            pad_rows=pad_rows,
+            padded_len=blocks_per_req * block_size,
+            num_kv_heads=self.spec.num_kv_heads,
+            block_size=block_size,
             block_table=table.contiguous(),
             first_pos=(first_block * block_size).contiguous(),
             key_start=window_start.contiguous(),

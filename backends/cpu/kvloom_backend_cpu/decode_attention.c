@@ -73,10 +73,14 @@ static int attend(int64_t group, int64_t head_size, float scale, const float *qh
     const int64_t n = seq_len - key_start;
     float *scores = thread_scratch(group * (n > 0 ? n : 1)); /* [n][group] */
     if (scores == NULL) return -1;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t p = key_start + i;
-        const float *k = key_cache + table[(p - first_pos) / block_size] * block_stride + (p % block_size) * pos_stride;
-        for (int64_t g = 0; g < group; g++) scores[i * group + g] = dot(qh + g * head_size, k, head_size) * scale;
+    /* Block by block (no division per position): column c holds positions first_pos + c * block_size on. */
+    const int64_t first_col = (key_start - first_pos) / block_size, end_col = (seq_len - first_pos + block_size - 1) / block_size;
+    for (int64_t c = first_col, i = 0; c < end_col; c++) {
+        const int64_t base = first_pos + c * block_size;
+        const int64_t p0 = base > key_start ? base : key_start, p1 = base + block_size < seq_len ? base + block_size : seq_len;
+        const float *k = key_cache + table[c] * block_stride + (p0 - base) * pos_stride;
+        for (int64_t p = p0; p < p1; p++, i++, k += pos_stride)
+            for (int64_t g = 0; g < group; g++) scores[i * group + g] = dot(qh + g * head_size, k, head_size) * scale;
     }
     float m[MAX_GROUP], l[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
@@ -92,10 +96,12 @@ static int attend(int64_t group, int64_t head_size, float scale, const float *qh
             l[g] += e;
         }
     for (int64_t d = 0; d < group * head_size; d++) oh[d] = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t p = key_start + i;
-        const float *v = value_cache + table[(p - first_pos) / block_size] * block_stride + (p % block_size) * pos_stride;
-        for (int64_t g = 0; g < group; g++) axpy(oh + g * head_size, scores[i * group + g], v, head_size);
+    for (int64_t c = first_col, i = 0; c < end_col; c++) {
+        const int64_t base = first_pos + c * block_size;
+        const int64_t p0 = base > key_start ? base : key_start, p1 = base + block_size < seq_len ? base + block_size : seq_len;
+        const float *v = value_cache + table[c] * block_stride + (p0 - base) * pos_stride;
+        for (int64_t p = p0; p < p1; p++, i++, v += pos_stride)
+            for (int64_t g = 0; g < group; g++) axpy(oh + g * head_size, scores[i * group + g], v, head_size);
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
