@@ -36,7 +36,8 @@ example packages):
   ``AttentionConfig``, ``LoadConfig``, ``CompilationConfig``, ``LoRAConfig``,
   ``ObservabilityConfig``, ``DeviceConfig`` (each field documented, with what platforms
   and hooks may change), ``CUDAGraphMode``, ``effective_decode_graphs``; the custom layer ops a platform may
-  replace: ``CUSTOM_OP_SIGNATURES``, and ``LoRAMapping`` for the ``lora_delta`` op;
+  replace: ``CUSTOM_OP_SIGNATURES`` (the torch code of each: ``custom_op_reference``, for
+  inputs an op does not take), and ``LoRAMapping`` for the ``lora_delta`` op;
 - general plugins: ``hookimpl`` and the registries the hooks receive
   (``ModelRegistry``, ``LoRAResolverRegistry``);
 - structured-output backends: ``StructuredOutputBackend``, ``StructuredOutputGrammar``,
@@ -168,6 +169,7 @@ from kvloom.kv_transfer.blocks import (
 )
 from kvloom.kv_transfer.config import KVTransferConfig
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
+from kvloom.layers.custom_ops import custom_op_reference
 from kvloom.layers.fused_moe import fused_moe_torch
 from kvloom.loader.gguf_file import GGUFTensor
 from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
@@ -233,6 +235,7 @@ __all__ = [
     "BlockSizeSpec",
     "CUDAGraphMode",
     "CUSTOM_OP_SIGNATURES",
+    "custom_op_reference",
     "CacheConfig",
     "CommonAttentionMetadata",
     "CompilationConfig",

@@ -8,10 +8,11 @@ eagerly (``cudagraph_mode`` NONE, logged when the user had asked for another mod
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
-from kvloom.interfaces import BackendCandidate, DeviceCapability, Platform, WorkerBase
+from kvloom.interfaces import BackendCandidate, DeviceCapability, EngineConfig, Platform, WorkerBase
 from kvloom_platform_cpu.worker import THREADS_ENV
 
 KVLOOM_PLUGIN_API = "1.0"
@@ -61,6 +62,18 @@ class CpuPlatform(Platform):
             BackendCandidate("CPU_ATTN", "kvloom-backend-cpu"),
             BackendCandidate("FLEX_ATTENTION", "kvloom-backend-flex-attention"),
         ]
+
+    @classmethod
+    def custom_ops(cls, config: EngineConfig) -> dict[str, Callable[..., object]]:
+        """For float32 models, C kernels (``layer_ops``) of ``rms_norm``,
+        ``fused_add_rms_norm`` and ``rotary_qk``: one call each instead of a chain of small
+        torch ops, which is most of a small model's decode step. Half-precision models keep
+        the torch code."""
+        if config.model.dtype != torch.float32:
+            return {}
+        from kvloom_platform_cpu import layer_ops
+
+        return layer_ops.ops()
 
     @classmethod
     def get_worker_cls(cls) -> type[WorkerBase]:
