@@ -1,8 +1,9 @@
 """The per-layer attention implementation of CPU_ATTN.
 
-- KV write: ``index_copy_`` of the step's keys/values to the slots the builder kept.
+- KV write: the C kernel (``kernels``) for a float32 cache, else ``index_copy_`` of the
+  step's keys/values to the slots the builder kept.
 - Decode requests of float32 layers without soft cap or sinks run through the C kernel
-  of ``decode_kernel`` (each request's keys and values read in place from its blocks);
+  of ``kernels`` (each request's keys and values read in place from its blocks);
   the others run as one batch per length group: their K/V rows are gathered into
   the workspace and a single ``scaled_dot_product_attention`` call treats the
   ``num_heads // num_kv_heads`` query heads that share a KV head as that KV head's
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.interfaces import AttentionImpl, dequantize_kv, is_fp8_kv_cache, quantize_kv
-from kvloom_backend_cpu import decode_kernel
+from kvloom_backend_cpu import kernels
 from kvloom_backend_cpu.builder import CPUAttentionMetadata, DecodeBatch, PrefillRequest
 
 
@@ -73,18 +74,21 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
     def _explicit(self) -> bool:
         return self.logits_soft_cap is not None or self.sinks is not None
 
-    def _kernel_layer(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> decode_kernel.LayerArgs:
+    def _kernel_layer(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> kernels.LayerArgs:
         """The decode kernel's struct of this layer and cache (made again if the cache moves)."""
         made = self.__dict__.get("_kernel_args")
         if made is None or made[0] != key_cache.data_ptr():
-            made = (key_cache.data_ptr(), decode_kernel.layer_args(self.num_heads, self.scale, key_cache, value_cache))
+            made = (key_cache.data_ptr(), kernels.layer_args(self.num_heads, self.scale, key_cache, value_cache))
             self.__dict__["_kernel_args"] = made
         return made[1]
 
     def _kernel_decodes(self, query: torch.Tensor, key_cache: torch.Tensor, output: torch.Tensor) -> bool:
         """Whether the decode kernel attends this layer's decodes (float32, no soft cap or sinks)."""
-        return (not self._explicit() and decode_kernel.rows_contiguous(query) and decode_kernel.rows_contiguous(output)
-                and decode_kernel.covers(self.num_heads, self.num_kv_heads, self.head_size, query.dtype, key_cache))  # fmt: skip
+        return (not self._explicit() and kernels.rows_contiguous(query) and kernels.rows_contiguous(output)
+                and query.dtype == torch.float32 and self._kernel_covers(key_cache))  # fmt: skip
+
+    def _kernel_covers(self, key_cache: torch.Tensor) -> bool:
+        return kernels.covers(self.num_heads, self.num_kv_heads, self.head_size, torch.float32, key_cache)
 
     def forward(
         self,
@@ -114,6 +118,12 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
     ) -> None:
         count = md.write_slots.numel()
         if count == 0:
+            return
+        slots = md.write_slots
+        if (md.write_rows is None and slots.dtype == torch.int64 and slots.is_contiguous()
+                and kernels.rows_contiguous(key) and kernels.rows_contiguous(value) and key.dtype == torch.float32
+                and value.dtype == torch.float32 and self._kernel_covers(key_cache)):  # fmt: skip
+            kernels.write_kv(self._kernel_layer(key_cache, value_cache), slots, key, value)
             return
         if md.write_rows is None:
             new_keys, new_values = key[:count], value[:count]
@@ -171,9 +181,9 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
             )
         if self._kernel_decodes(query, key_cache, output):
             if batch.kernel_args is None:
-                batch.kernel_args = decode_kernel.batch_args(batch.token_start, batch.token_rows, batch.block_table,
+                batch.kernel_args = kernels.batch_args(batch.token_start, batch.token_rows, batch.block_table,
                                                              batch.first_pos, batch.key_start, batch.seq_lens)  # fmt: skip
-            decode_kernel.decode_attention(self._kernel_layer(key_cache, value_cache), batch.kernel_args, query, output)
+            kernels.decode_attention(self._kernel_layer(key_cache, value_cache), batch.kernel_args, query, output)
             return
         buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), _bytes(key_cache).dtype)
         torch.index_select(_bytes(key_cache).view(-1, self.head_size), 0, batch.kv_rows, out=buffer[0])

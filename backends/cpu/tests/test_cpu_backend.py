@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 import torch
-from kvloom_backend_cpu import CPUAttentionBackend, decode_kernel
+from kvloom_backend_cpu import CPUAttentionBackend, kernels
 from kvloom_backend_cpu.builder import CPUAttentionMetadataBuilder
 from kvloom_backend_cpu.impl import CPUAttentionImpl
 
@@ -228,15 +228,33 @@ def test_fp8_kv_cache_against_the_float64_reference(kv_cache_dtype: str, dtype: 
     ("decode", torch.float32, True), ("sliding_window_long_decode", torch.float32, True),
     ("mixed", torch.float32, True), ("soft_cap", torch.float32, False), ("decode", torch.bfloat16, False),
 ])  # fmt: skip
-def test_decode_kernel_attends_float32_layers_without_cap_or_sinks(
+def test_kernels_attends_float32_layers_without_cap_or_sinks(
     name: str, dtype: torch.dtype, kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The C decode kernel computes float32 decodes (checked against the float64 reference
     by the case); soft caps and half precision keep the SDPA path."""
     calls = []
-    real = decode_kernel.decode_attention
-    monkeypatch.setattr(decode_kernel, "decode_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     label = f"{name}[{str(dtype).removeprefix('torch.')},h8/kv2,d64,bs16]"
     case = next(c for c in conformance_cases(CPUAttentionBackend) if str(c) == label)
     check_case(CPUAttentionBackend, case)
     assert bool(calls) is kernel
+
+
+def test_kv_write_kernel_stores_float32_rows_where_index_copy_would() -> None:
+    """The C KV write against ``index_copy_`` of the same rows: strided key rows (a view of a
+    fused projection), slots in several blocks, one layer's two caches."""
+    torch.manual_seed(3)
+    impl = CPUAttentionImpl(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2)
+    builder = _builder()
+    common, _ = _common([3, 1], [20, 40], 16)
+    md = builder.build(common)
+    fused = torch.randn(4, 5, 2, 64)
+    key, value = fused[:, 0], fused[:, 3]
+    cache = torch.randn(CPUAttentionBackend.get_kv_cache_shape(8, 16, 2, 64))
+    expected = cache.clone()
+    expected[0].view(-1, 2, 64).index_copy_(0, md.write_slots, key)
+    expected[1].view(-1, 2, 64).index_copy_(0, md.write_slots, value)
+    impl._write_kv(key, value, cache[0], cache[1], md)
+    assert torch.equal(cache, expected)

@@ -12,6 +12,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -150,4 +151,21 @@ int cpu_decode_attention(const layer_args *layer, const batch_args *batch, const
                          batch->key_start[r], batch->seq_len[r]);
     }
     return failed ? -1 : 0;
+}
+
+/* The KV write: key/value row i (kv_heads * head_size floats, row strides key_stride,
+ * value_stride) to cache slot slots[i] (slot = block * block_size + position in block). */
+void cpu_write_kv(const layer_args *layer, int64_t count, const int64_t *slots, const float *key, int64_t key_stride,
+                  const float *value, int64_t value_stride)
+{
+    const int64_t kv_heads = layer->num_kv_heads, size = layer->head_size;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t block = slots[i] / layer->block_size, offset = slots[i] % layer->block_size;
+        const int64_t at = block * layer->block_stride + offset * layer->pos_stride;
+        float *kc = (float *)layer->key_cache + at, *vc = (float *)layer->value_cache + at;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            memcpy(kc + h * layer->head_stride, key + i * key_stride + h * size, (size_t)size * sizeof(float));
+            memcpy(vc + h * layer->head_stride, value + i * value_stride + h * size, (size_t)size * sizeof(float));
+        }
+    }
 }

@@ -1,6 +1,7 @@
-"""CPU_ATTN's decode kernel (``decode_attention.c``): one query token per request, read
-straight from the paged float32 cache, for the layers it covers (``covers``); the others
-(half-precision or fp8 caches, soft caps, sinks) attend through torch's SDPA as before.
+"""CPU_ATTN's C kernels (``attention_kernels.c``) for float32 layers (``covers``): the KV
+write, and decode attention (one query token per request) read straight from the paged
+cache; the others (half-precision or fp8 caches, soft caps, sinks) write with
+``index_copy_`` and attend through torch's SDPA.
 
 The C file is built once per machine (``kvloom.interfaces.load_c_library``); without a C
 compiler the backend says so once and every layer takes the SDPA path. A call takes two
@@ -22,15 +23,15 @@ from kvloom.interfaces import c_build_problem, load_c_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
-#: decode_attention.c's limits: query heads per KV head, head size.
+SOURCE = Path(__file__).with_name("attention_kernels.c")
+#: attention_kernels.c's limits: query heads per KV head, head size.
 MAX_GROUP, MAX_HEAD = 64, 256
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class LayerArgs(ctypes.Structure):
-    """decode_attention.c's ``layer_args``: a layer's heads and its K/V caches."""
+    """attention_kernels.c's ``layer_args``: a layer's heads and its K/V caches."""
 
     _fields_ = [("num_heads", _I64), ("num_kv_heads", _I64), ("head_size", _I64), ("scale", _F32),
                 ("key_cache", _PTR), ("value_cache", _PTR), ("block_stride", _I64), ("pos_stride", _I64),
@@ -38,7 +39,7 @@ class LayerArgs(ctypes.Structure):
 
 
 class BatchArgs(ctypes.Structure):
-    """decode_attention.c's ``batch_args``: a step's decode requests (pointers into the
+    """attention_kernels.c's ``batch_args``: a step's decode requests (pointers into the
     ``DecodeBatch``'s tensors, which must outlive it)."""
 
     _fields_ = [("num_reqs", _I64), ("first_row", _I64), ("rows", _PTR), ("block_table", _PTR), ("width", _I64), ("first_pos", _PTR),
@@ -56,6 +57,8 @@ def library() -> ctypes.CDLL | None:
     lib.cpu_decode_attention.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(BatchArgs), _PTR, _I64, _PTR,
                                          _I64, _INT]  # fmt: skip
     lib.cpu_decode_attention.restype = _INT
+    lib.cpu_write_kv.argtypes = [ctypes.POINTER(LayerArgs), _I64, _PTR, _PTR, _I64, _PTR, _I64]
+    lib.cpu_write_kv.restype = None
     return lib
 
 
@@ -108,3 +111,12 @@ def decode_attention(layer: LayerArgs, batch: BatchArgs, query: torch.Tensor, ou
                                     out.data_ptr(), out.stride(0), torch.get_num_threads())  # fmt: skip
     if done != 0:
         raise MemoryError("CPU_ATTN decode kernel: no memory for the attention scores")
+
+
+def write_kv(layer: LayerArgs, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Key and value row ``i`` (``rows_contiguous``, float32) to cache slot ``slots[i]``
+    (int64, contiguous, every slot valid) of the layer's caches."""
+    lib = library()
+    assert lib is not None, "write_kv called where covers() is False"
+    lib.cpu_write_kv(ctypes.byref(layer), slots.numel(), slots.data_ptr(), key.data_ptr(), key.stride(0),
+                     value.data_ptr(), value.stride(0))  # fmt: skip
