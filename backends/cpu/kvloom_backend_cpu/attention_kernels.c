@@ -37,6 +37,72 @@ static inline float dot(const float *a, const float *b, int64_t n)
     return s;
 }
 
+#ifdef __AVX2__
+/* The sums of a[0..7]'s lanes, in order. */
+static inline __m256 sum8(const __m256 *a)
+{
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* out[0..7] = q . k_j for the eight rows k + j * stride (n a multiple of 8). */
+static inline void dot8(const float *q, const float *k, int64_t stride, int64_t n, float scale, float *out)
+{
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), acc[j]);
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+}
+
+/* exp(x) of eight floats (x <= 0 here: scores minus their max), Cody-Waite reduction to
+ * x = n ln2 + r, |r| <= ln2 / 2, and a degree-6 polynomial for exp(r); about 1 ulp. */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* exp(-87) ~ 1.6e-38: still a normal float */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
+/* scores[i] = exp(scores[i] - m) for i < n; returns their sum. */
+static inline float exp_shifted(float *scores, int64_t n, float m)
+{
+    int64_t i = 0;
+    float l = 0.0f;
+#ifdef __AVX2__
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), mv));
+        _mm256_storeu_ps(scores + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    for (int j = 0; j < 8; j++) l += lanes[j];
+#endif
+    for (; i < n; i++) {
+        scores[i] = expf(scores[i] - m);
+        l += scores[i];
+    }
+    return l;
+}
+
 /* acc += p * v */
 static inline void axpy(float *acc, float p, const float *v, int64_t n)
 {
@@ -72,37 +138,39 @@ static int attend(int64_t group, int64_t head_size, float scale, const float *qh
                   const int64_t *table, int64_t first_pos, int64_t key_start, int64_t seq_len)
 {
     const int64_t n = seq_len - key_start;
-    float *scores = thread_scratch(group * (n > 0 ? n : 1)); /* [n][group] */
+    float *scores = thread_scratch(group * (n > 0 ? n : 1)); /* [group][n] */
     if (scores == NULL) return -1;
     /* Block by block (no division per position): column c holds positions first_pos + c * block_size on. */
-    const int64_t first_col = (key_start - first_pos) / block_size, end_col = (seq_len - first_pos + block_size - 1) / block_size;
+    const int64_t first_col = (key_start - first_pos) / block_size;
+    const int64_t end_col = (seq_len - first_pos + block_size - 1) / block_size;
     for (int64_t c = first_col, i = 0; c < end_col; c++) {
         const int64_t base = first_pos + c * block_size;
-        const int64_t p0 = base > key_start ? base : key_start, p1 = base + block_size < seq_len ? base + block_size : seq_len;
+        const int64_t p0 = base > key_start ? base : key_start;
+        const int64_t p1 = base + block_size < seq_len ? base + block_size : seq_len;
         const float *k = key_cache + table[c] * block_stride + (p0 - base) * pos_stride;
-        for (int64_t p = p0; p < p1; p++, i++, k += pos_stride)
-            for (int64_t g = 0; g < group; g++) scores[i * group + g] = dot(qh + g * head_size, k, head_size) * scale;
+        int64_t p = p0;
+#ifdef __AVX2__
+        if (head_size % 8 == 0)
+            for (; p + 8 <= p1; p += 8, i += 8, k += 8 * pos_stride)
+                for (int64_t g = 0; g < group; g++) dot8(qh + g * head_size, k, pos_stride, head_size, scale, scores + g * n + i);
+#endif
+        for (; p < p1; p++, i++, k += pos_stride)
+            for (int64_t g = 0; g < group; g++) scores[g * n + i] = dot(qh + g * head_size, k, head_size) * scale;
     }
-    float m[MAX_GROUP], l[MAX_GROUP];
+    float l[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+        float *sg = scores + g * n, m = -INFINITY;
+        for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
+        l[g] = exp_shifted(sg, n, m);
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t g = 0; g < group; g++) m[g] = scores[i * group + g] > m[g] ? scores[i * group + g] : m[g];
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t g = 0; g < group; g++) {
-            const float e = expf(scores[i * group + g] - m[g]);
-            scores[i * group + g] = e;
-            l[g] += e;
-        }
     for (int64_t d = 0; d < group * head_size; d++) oh[d] = 0.0f;
     for (int64_t c = first_col, i = 0; c < end_col; c++) {
         const int64_t base = first_pos + c * block_size;
-        const int64_t p0 = base > key_start ? base : key_start, p1 = base + block_size < seq_len ? base + block_size : seq_len;
+        const int64_t p0 = base > key_start ? base : key_start;
+        const int64_t p1 = base + block_size < seq_len ? base + block_size : seq_len;
         const float *v = value_cache + table[c] * block_stride + (p0 - base) * pos_stride;
         for (int64_t p = p0; p < p1; p++, i++, v += pos_stride)
-            for (int64_t g = 0; g < group; g++) axpy(oh + g * head_size, scores[i * group + g], v, head_size);
+            for (int64_t g = 0; g < group; g++) axpy(oh + g * head_size, scores[g * n + i], v, head_size);
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;

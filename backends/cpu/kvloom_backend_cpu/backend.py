@@ -1,4 +1,4 @@
-"""CPU_ATTN: paged attention on the CPU in plain torch.
+"""CPU_ATTN: paged attention on the CPU, in torch and (float32 layers) C kernels.
 
 KV-cache layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``: K and V of one
 token at one head are ``head_size`` contiguous elements, and one block of one cache is one
@@ -6,7 +6,9 @@ contiguous chunk, so gathering a request's context is a block-granular ``index_s
 
 The builder (``builder.py``) plans each step once for all layers; the impl (``impl.py``)
 writes K/V and runs torch's ``scaled_dot_product_attention`` per decode group and per
-prefill request. Sliding windows, attention sinks (gpt-oss) and logit soft-capping
+prefill request, except that float32 layers without soft cap or sinks write K/V and
+attend their decodes through the C kernels of ``kernels.py`` (``attention_kernels.c``,
+built once per machine; no compiler: the torch path, logged once). Sliding windows, attention sinks (gpt-oss) and logit soft-capping
 (Gemma 2) are supported. An fp8 KV cache (``--kv-cache-dtype fp8``) stores the quantized
 keys and values and upcasts them (times the layer's scale) as it reads them.
 """
@@ -23,7 +25,7 @@ KVLOOM_PLUGIN_API = "1.0"
 
 
 class CPUAttentionBackend(AttentionBackend):
-    """Paged attention for the CPU in plain torch (any block size, head sizes 1..256)."""
+    """Paged attention for the CPU in torch and C (any block size, head sizes 1..256)."""
 
     NAME = "CPU_ATTN"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
