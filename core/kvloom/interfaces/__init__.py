@@ -169,7 +169,7 @@ from kvloom.kv_transfer.blocks import (
 )
 from kvloom.kv_transfer.config import KVTransferConfig
 from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
-from kvloom.layers.custom_ops import custom_op_reference
+from kvloom.layers.custom_op_reference import custom_op_reference
 from kvloom.layers.fused_moe import fused_moe_torch
 from kvloom.loader.gguf_file import GGUFTensor
 from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow

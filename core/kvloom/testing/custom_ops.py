@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvloom.layers.custom_ops import custom_op_reference
+from kvloom.layers.custom_op_reference import custom_op_reference
 
 
 # ---------------------------------------------------------------------------- LoRA
