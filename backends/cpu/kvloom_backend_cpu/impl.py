@@ -182,7 +182,7 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
         if self._kernel_decodes(query, key_cache, output):
             if batch.kernel_args is None:
                 batch.kernel_args = kernels.batch_args(batch.token_start, batch.token_rows, batch.block_table,
-                                                             batch.first_pos, batch.key_start, batch.seq_lens)  # fmt: skip
+                                                       batch.first_pos, batch.key_start, batch.seq_lens)  # fmt: skip
             kernels.decode_attention(self._kernel_layer(key_cache, value_cache), batch.kernel_args, query, output)
             return
         buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), _bytes(key_cache).dtype)
