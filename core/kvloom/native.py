@@ -67,10 +67,9 @@ def c_build_problem(source: Path) -> str | None:
 
 
 def _build(source: Path, target: Path) -> None:
-    problem = c_build_problem(source)
     cc = c_compiler()
     if cc is None:
-        raise RuntimeError(problem)
+        raise RuntimeError(c_build_problem(source))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)

@@ -23,13 +23,14 @@ The builder also owns the ``Workspace`` that every layer gathers K/V into.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from kvloom.interfaces import AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvloom_backend_cpu import kernels
 
 #: Decode requests are split into at most this many length groups, each at least this big.
 MAX_DECODE_GROUPS = 4
@@ -73,9 +74,6 @@ class DecodeBatch:
     #: ``token_start : token_start + num_reqs`` (the common case; avoids a gather).
     token_rows: torch.Tensor | None
     token_start: int
-    #: Key positions gathered per request (the longest decode sequence, or window, rounded
-    #: up to whole blocks).
-    padded_len: int
     num_kv_heads: int
     block_size: int
     #: int64, contiguous: ``[num_reqs, blocks]`` block ids from each request's first needed
@@ -86,22 +84,31 @@ class DecodeBatch:
     first_pos: torch.Tensor
     key_start: torch.Tensor
     seq_lens: torch.Tensor
-    #: The kernel's struct of the above, made by the first layer that calls it (``impl``).
-    kernel_args: Any = None
-    _gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def padded_len(self) -> int:
+        """Key positions gathered per request (the longest decode sequence, or window,
+        rounded up to whole blocks)."""
+        return self.block_table.shape[1] * self.block_size
+
+    @functools.cached_property
+    def kernel_args(self) -> kernels.BatchArgs:
+        """The decode kernel's struct of the requests (made by the first layer that asks)."""
+        return kernels.batch_args(self.token_start, self.token_rows, self.block_table, self.first_pos, self.key_start,
+                                  self.seq_lens)  # fmt: skip
 
     @property
     def kv_rows(self) -> torch.Tensor:
         """int64 ``[num_reqs * num_kv_heads * padded_len]``: rows of the cache viewed as
         ``[slots * num_kv_heads, head_size]``, ordered (request, kv head, position), so the
         gather lands directly in the ``[B, Hkv, L, D]`` layout SDPA reads fastest."""
-        return self._gather_plan()[0]
+        return self._gather_plan[0]
 
     @property
     def key_mask(self) -> torch.Tensor:
         """bool ``[num_reqs, 1, 1, padded_len]``: True = the key position is in the
         request's sequence (and window)."""
-        return self._gather_plan()[1]
+        return self._gather_plan[1]
 
     @property
     def pad_rows(self) -> torch.Tensor:
@@ -109,19 +116,18 @@ class DecodeBatch:
         sequence or window. The cache is not zero-filled, so they may hold NaN; the mask
         alone would not hide it (NaN + -inf and 0 * NaN are NaN), so they are zeroed after
         the gather."""
-        return self._gather_plan()[2]
+        return self._gather_plan[2]
 
+    @functools.cached_property
     def _gather_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._gather is None:
-            size, kv_heads, num = self.block_size, self.num_kv_heads, self.num_reqs
-            offsets = torch.arange(self.padded_len)
-            slots = self.block_table[:, offsets // size] * size + offsets % size  # [B, L]
-            kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
-            positions = self.first_pos[:, None] + offsets[None, :]  # [B, L]
-            valid = (positions < self.seq_lens[:, None]) & (positions >= self.key_start[:, None])
-            pad_rows = (~valid)[:, None, :].expand(num, kv_heads, -1).reshape(-1).nonzero().squeeze(1)
-            self._gather = (kv_rows.reshape(-1), valid.view(num, 1, 1, -1), pad_rows)
-        return self._gather
+        size, kv_heads, num = self.block_size, self.num_kv_heads, self.num_reqs
+        offsets = torch.arange(self.padded_len)
+        slots = self.block_table[:, offsets // size] * size + offsets % size  # [B, L]
+        kv_rows = slots[:, None, :] * kv_heads + torch.arange(kv_heads)[None, :, None]
+        positions = self.first_pos[:, None] + offsets[None, :]  # [B, L]
+        valid = (positions < self.seq_lens[:, None]) & (positions >= self.key_start[:, None])
+        pad_rows = (~valid)[:, None, :].expand(num, kv_heads, -1).reshape(-1).nonzero().squeeze(1)
+        return kv_rows.reshape(-1), valid.view(num, 1, 1, -1), pad_rows
 
 
 @dataclass
@@ -270,7 +276,6 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
             num_reqs=num,
             token_rows=None if contiguous else rows,
             token_start=token_start,
-            padded_len=blocks_per_req * block_size,
             num_kv_heads=self.spec.num_kv_heads,
             block_size=block_size,
             block_table=table.contiguous(),

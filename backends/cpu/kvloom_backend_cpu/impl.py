@@ -88,7 +88,7 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
                 and query.dtype == torch.float32 and self._kernel_covers(key_cache))  # fmt: skip
 
     def _kernel_covers(self, key_cache: torch.Tensor) -> bool:
-        return kernels.covers(self.num_heads, self.num_kv_heads, self.head_size, torch.float32, key_cache)
+        return kernels.covers(self.num_heads, self.num_kv_heads, self.head_size, key_cache)
 
     def forward(
         self,
@@ -180,9 +180,6 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
                 f"num_kv_heads: the metadata was planned for {batch.num_kv_heads} KV heads, this layer has {kv_heads}"
             )
         if self._kernel_decodes(query, key_cache, output):
-            if batch.kernel_args is None:
-                batch.kernel_args = kernels.batch_args(batch.token_start, batch.token_rows, batch.block_table,
-                                                       batch.first_pos, batch.key_start, batch.seq_lens)  # fmt: skip
             kernels.decode_attention(self._kernel_layer(key_cache, value_cache), batch.kernel_args, query, output)
             return
         buffer = md.workspace.get((2, num * kv_heads * length, self.head_size), _bytes(key_cache).dtype)

@@ -62,11 +62,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def covers(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, cache: torch.Tensor) -> bool:
-    """Whether the kernel computes a layer of these heads, query ``dtype`` and ``cache``
-    (one of K/V: ``[blocks, block_size, kv_heads, head_size]``); soft caps and sinks are the
-    caller's to rule out."""
-    return (dtype == torch.float32 and cache.dtype == torch.float32 and cache.stride(-1) == 1
+def covers(num_heads: int, num_kv_heads: int, head_size: int, cache: torch.Tensor) -> bool:
+    """Whether the kernels compute a layer of these heads over ``cache`` (one of K/V:
+    ``[blocks, block_size, kv_heads, head_size]``, float32); the inputs' dtype, soft caps
+    and sinks are the caller's to rule out."""
+    return (cache.dtype == torch.float32 and cache.stride(-1) == 1
             and num_heads // num_kv_heads <= MAX_GROUP and head_size <= MAX_HEAD
             and library() is not None)  # fmt: skip
 

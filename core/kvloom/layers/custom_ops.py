@@ -75,4 +75,3 @@ def set_custom_ops(ops: Mapping[str, Callable[..., object]]) -> None:
 def get_custom_op(name: str) -> Callable[..., object] | None:
     """The active replacement for ``name``, or None (use the torch code)."""
     return _active.get(name)
-

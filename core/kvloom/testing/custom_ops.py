@@ -92,8 +92,6 @@ NORM_MAX_ULP = 2
 NORM_FP32_MAX_REL = 1e-5
 
 
-
-
 def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
     """16-bit floats as integers ordered like their values (adjacent floats differ by 1)."""
     i = t.contiguous().view(torch.int16).to(torch.int32)

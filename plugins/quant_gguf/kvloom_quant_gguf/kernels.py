@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvloom.interfaces import c_build_problem, cpu_simd, load_c_library
+from kvloom.interfaces import c_build_problem, load_c_library
 
 SOURCE = Path(__file__).with_name("kernels.c")
 #: Activation quantization block (features per int8 scale).
@@ -27,11 +27,6 @@ ACT_BLOCK = 32
 MAX_SEGMENTS = 8
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-
-
-def simd() -> str:
-    """``"avx2"`` where torch finds AVX2 (or AVX-512) on this CPU, else ``"portable"``."""
-    return cpu_simd()
 
 
 def problem() -> str | None:

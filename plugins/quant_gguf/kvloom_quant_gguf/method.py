@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 
-from kvloom.interfaces import LayerInfo, LayerKind, LayerQuantMethod, QuantizationMethod, QuantizationSelectorConfig
+from kvloom.interfaces import (
+    LayerInfo,
+    LayerKind,
+    LayerQuantMethod,
+    QuantizationMethod,
+    QuantizationSelectorConfig,
+    cpu_simd,
+)
 from kvloom_quant_gguf import kernels
 from kvloom_quant_gguf.layers import GgufEmbeddingMethod, GgufLinearMethod
 from kvloom_quant_gguf.writer import WRITABLE
@@ -76,5 +83,5 @@ class GgufMethod(QuantizationMethod):
 
     def describe(self) -> str:
         return (f"gguf: the file's block types as stored, int{self.activation_bits} activations per 32 features, "
-                f"{kernels.simd()} CPU "
+                f"{cpu_simd()} CPU "
                 "kernels (the default for GGUF files; --quantization none runs them dequantized to float)")  # fmt: skip
