@@ -232,18 +232,26 @@ def compile_forward(
     forward: Callable[..., Any], backend: Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 ) -> Callable[..., Any]:
     """``torch.compile`` a model's ``forward`` through ``backend`` (a ``PiecewiseBackend``)
-    as the model runner does.
+    as the model runner does: one compile serves every token count (``_keep_guards``)."""
+    return torch.compile(forward, backend=backend, fullgraph=True, options={"guard_filter_fn": _keep_guards})
 
-    Dynamo checks its guards before every call of the compiled forward; for a model most
-    of them (5,458 for a 32-layer Llama) guard module attributes: hooks, parameter
-    identities and metadata. They are dropped (``skip_guard_on_all_nn_modules_unsafe``):
-    a kvloom model's modules do not change once loaded (weights are updated in place),
-    and one compiled forward serves one model, as Dynamo keys its cache entries by
-    backend and every model runner has its own. The guards on the inputs and on the
-    symbolic sizes (the 1-token specialisation) stay. On the CPU this cuts Dynamo's
-    entry from ~180 to ~35 us per forward (``benchmarks/bench_piecewise_cpu.py``)."""
-    return torch.compile(forward, backend=backend, fullgraph=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})  # fmt: skip
+
+def _keep_guards(entries: Sequence[Any]) -> list[bool]:
+    """Which of Dynamo's guards stay checked before each call of the compiled forward.
+
+    Dropped: the guards on module attributes (5,458 for a 32-layer Llama: hooks, parameter
+    identities and metadata; a kvloom model's modules do not change once loaded, weights
+    are updated in place, and one compiled forward serves one model, as Dynamo keys its
+    cache entries by backend and every model runner has its own) -- on the CPU this cuts
+    Dynamo's entry from ~180 to ~35 us per forward (``benchmarks/bench_piecewise_cpu.py``);
+    and the symbolic-size guard (``SHAPE_ENV``). Dynamo specialises sizes 0 and 1, so the
+    graph compiled at the profile run's 16,384 tokens guards ``2 <= num_tokens`` and the
+    first 1-token step compiled the whole model again (11.2 s of an H200's start-up).
+    The graph holds no operation whose meaning changes at one token (no broadcasting over
+    the token dimension), and the piecewise backend picks its pieces by size itself; vLLM
+    drops every guard for the same reason. The guards on the inputs' dtypes, devices and
+    ranks stay."""
+    return [not (e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type == "SHAPE_ENV") for e in entries]
 
 
 class _CompilePieces(fx.Interpreter):
