@@ -13,15 +13,16 @@
 #include <stdint.h>
 #include <math.h>
 
-/* out = w * (x * (1 / sqrt(variance + eps))) per row: the rest of the torch code after its
- * variance (x^2 averaged by torch itself, whose summation order a C loop would not repeat),
- * rounded as torch rounds each step. x [M, N] (row stride ldx), variance [M], out contiguous. */
-void cpu_rms_norm_scale(int64_t M, int64_t N, const float *x, int64_t ldx, const float *variance, const float *w,
+/* out = w * (x * (1 / sqrt(variance + eps))) per row, variance = sum_sq / N: the rest of the
+ * torch code after its sum of the squares (summed by torch itself, whose summation order a C
+ * loop would not repeat; torch's mean is that sum divided by N, in float32), rounded as
+ * torch rounds each step. x [M, N] (row stride ldx), sum_sq [M], out contiguous. */
+void cpu_rms_norm_scale(int64_t M, int64_t N, const float *x, int64_t ldx, const float *sum_sq, const float *w,
                         float eps, float *out, int nthreads)
 {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N >= 262144)
     for (int64_t m = 0; m < M; m++) {
-        const float r = 1.0f / sqrtf(variance[m] + eps);
+        const float r = 1.0f / sqrtf(sum_sq[m] / (float)N + eps);
         const float *xr = x + m * ldx;
         float *o = out + m * N;
         for (int64_t j = 0; j < N; j++) o[j] = w[j] * (xr[j] * r);

@@ -1,6 +1,6 @@
 """The CPU platform's custom layer ops for float32 models (``layer_ops.c``, built once per
 machine by ``kvloom.interfaces.load_c_library``): ``rms_norm`` and ``fused_add_rms_norm``
-(torch's own mean of the squares, then one C call instead of five more ops) and
+(torch's own sum of the squares, then one C call for the division and the five ops after it) and
 ``rotary_qk`` (one call instead of seven), each bit-identical to its torch code.
 
 ``ops()`` is what ``CpuPlatform.custom_ops`` returns for a float32 model: these three where
@@ -64,10 +64,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _float32(x, weight):
         return custom_op_reference("rms_norm")(x, weight, eps)
     rows, weight = _rows(x), weight.contiguous()
-    # torch's own mean of the squares (its summation order), then one call for the rest.
-    variance = rows.pow(2).mean(-1)
+    # torch's own sum of the squares (its summation order), then one call for the rest
+    # (torch's mean divides that sum by N: the call does, saving an op of ~10 us a norm).
+    sum_sq = rows.pow(2).sum(-1)
     out = torch.empty(x.shape)
-    _lib().cpu_rms_norm_scale(rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0), variance.data_ptr(),
+    _lib().cpu_rms_norm_scale(rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0), sum_sq.data_ptr(),
                               weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())  # fmt: skip
     return out
 

@@ -50,36 +50,40 @@ def library() -> ctypes.CDLL:
 
 class LinearKernel:
     """A layer's kernel segments as ``kvq_linear`` takes them: ctypes arrays of their formats,
-    output columns and weight pointers, built once (``matmul`` rebuilds it when a weight moves)."""
+    output columns and weight pointers, built once; ``holds`` says whether the layer's
+    parameters are still where they were (``matmul`` builds a new one when a weight moved)."""
 
-    __slots__ = ("codes", "count", "fmts", "params", "pointers", "rows", "starts", "weights")
+    __slots__ = ("codes", "count", "entry", "fmts", "params", "pointers", "rows", "starts")
 
-    def __init__(self, segments: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> None:
-        """``segments``: ``(fmt, start column, rows, codes, params)`` of each kernel segment."""
-        if not 1 <= len(segments) <= MAX_SEGMENTS:
-            raise ValueError(f"a GGUF layer has 1 to {MAX_SEGMENTS} kernel segments, not {len(segments)}")
+    def __init__(self, segments: list[tuple[int, int, int, str, str]], tensors: dict[str, torch.Tensor]) -> None:
+        """``segments``: ``(fmt, start column, rows, codes name, params name)`` of each kernel
+        segment (none: a layer of float segments only), the names keys of ``tensors``."""
+        if len(segments) > MAX_SEGMENTS:
+            raise ValueError(f"a GGUF layer has at most {MAX_SEGMENTS} kernel segments, not {len(segments)}")
         self.count = len(segments)
-        self.weights = [(codes, params) for *_, codes, params in segments]  # keeps the pointers valid
-        self.pointers = pointers(segments)
+        self.pointers = tuple((name, tensors[name].data_ptr()) for *_, codes, params in segments
+                              for name in (codes, params))  # fmt: skip
         self.fmts = (_INT * self.count)(*(seg[0] for seg in segments))
         self.starts = (_I64 * self.count)(*(seg[1] for seg in segments))
         self.rows = (_I64 * self.count)(*(seg[2] for seg in segments))
-        self.codes = (_PTR * self.count)(*(seg[3].data_ptr() for seg in segments))
-        self.params = (_PTR * self.count)(*(seg[4].data_ptr() for seg in segments))
+        self.codes = (_PTR * self.count)(*(tensors[seg[3]].data_ptr() for seg in segments))
+        self.params = (_PTR * self.count)(*(tensors[seg[4]].data_ptr() for seg in segments))
+        self.entry = library().kvq_linear if segments else None
+
+    def holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` (the layer's parameters) are the memory this kernel reads."""
+        for name, pointer in self.pointers:
+            if tensors[name].data_ptr() != pointer:
+                return False
+        return True
 
     def __call__(self, bits: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[:, seg columns] = x @ w_seg.T`` for every segment: ``x`` float32 ``[M, K]`` with
         contiguous rows, quantized to ``bits`` once; ``out`` float32 ``[M, n]`` (rows may be strided)."""
-        done = library().kvq_linear(bits, x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), self.count, self.fmts,
-                                    self.starts, self.rows, self.codes, self.params, out.data_ptr(), out.stride(0),
-                                    torch.get_num_threads())  # fmt: skip
+        done = self.entry(bits, x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), self.count, self.fmts, self.starts,
+                          self.rows, self.codes, self.params, out.data_ptr(), out.stride(0), torch.get_num_threads())  # fmt: skip
         if done != 0:
             raise MemoryError(f"GGUF kernels: no memory for the int{bits} activations of a {tuple(x.shape)} input")
-
-
-def pointers(segments: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
-    """The weight pointers a ``LinearKernel`` of ``segments`` holds (to see whether it is current)."""
-    return tuple(t.data_ptr() for *_, codes, params in segments for t in (codes, params))
 
 
 def rows(fmt: int, ids: torch.Tensor, cols: int, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

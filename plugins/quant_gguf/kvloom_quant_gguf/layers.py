@@ -131,6 +131,7 @@ class _GGUFWeights:
             if cache_file is not None:
                 _write_cache(cache_file, key, tensors)
         self.segments = [Segment(*map(int, row)) for row in tensors.pop("segments").tolist()]
+        self.kernel = None
         remove_quantized_parameter(layer, "weight")
         for name, tensor in tensors.items():
             add_quantized_parameter(layer, name, tensor, _NO_LAYOUT)
@@ -172,25 +173,28 @@ class _GGUFWeights:
 
     # ------------------------------------------------------------ forward, reference
     def matmul(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., cols] @ W.T`` in float32 (``[..., rows]``)."""
+        """``x [..., cols] @ W.T`` in float32 (``[..., rows]``). At batch 1 this wrapper costs as
+        much as a small layer's GEMM, so it does only what every call needs: the kernel's
+        arguments are built once (again only when the weights moved)."""
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.float().contiguous()
         params = layer._parameters
         last = self.segments[-1]
         out = torch.empty(x2.shape[0], last.start + last.rows)
-        kernel_segments = []
         for index, seg in enumerate(self.segments):
             if seg.fmt == FLOAT:
                 out[:, seg.start : seg.start + seg.rows] = torch.mm(x2, params[f"gguf_weight_{index}"].t())
-            else:
-                kernel_segments.append((seg.fmt, seg.start, seg.rows, params[f"gguf_codes_{index}"],
-                                        params[f"gguf_params_{index}"]))  # fmt: skip
-        if kernel_segments:
-            if self.kernel is None or self.kernel.pointers != kernels.pointers(kernel_segments):
-                self.kernel = kernels.LinearKernel(kernel_segments)
-            self.kernel(self.bits, x2, out)
-        return out.reshape(*x.shape[:-1], out.shape[1])
+        kernel = self.kernel
+        if kernel is None or not kernel.holds(params):
+            kernel = self.kernel = self._build_kernel(params)
+        if kernel.count:
+            kernel(self.bits, x2, out)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[1])
+
+    def _build_kernel(self, params: dict[str, torch.Tensor]) -> kernels.LinearKernel:
+        return kernels.LinearKernel([(seg.fmt, seg.start, seg.rows, f"gguf_codes_{index}", f"gguf_params_{index}")
+                                     for index, seg in enumerate(self.segments) if seg.fmt != FLOAT], params)  # fmt: skip
 
     def dequantize_rows(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` of the weight."""

@@ -67,7 +67,8 @@ def test_kernels_match_a_float64_reference(ggml_type: Q, bits: int) -> None:
         x[0, :32] = 0.0  # an all-zero activation block (scale 0)
         full = torch.full((m, rows + 3), float("nan"))
         out = full[:, 1 : rows + 1]  # a segment's columns of a merged output (from column 1)
-        kernels.LinearKernel([(decoded.fmt, 1, rows, codes, params)])(bits, x, full)
+        kernels.LinearKernel([(decoded.fmt, 1, rows, "codes", "params")], {"codes": codes, "params": params})(
+            bits, x, full)
         assert full[:, 0].isnan().all() and full[:, rows + 1 :].isnan().all()  # nothing written past the shard
         expected = kernels.fake_quantize(x, bits).double() @ weight64.T
         error = (out.double() - expected).norm() / expected.norm()
@@ -83,19 +84,36 @@ def test_one_call_computes_every_segment(bits: int) -> None:
         pytest.skip(problem)
     rng = np.random.default_rng(7 + bits)
     cols, parts = 256, [(Q.Q4_K, 24), (Q.Q6_K, 13), (Q.Q8_0, 16)]
-    segments, weights, start = [], [], 0
-    for ggml_type, rows in parts:
+    segments, tensors, weights, start = [], {}, [], 0
+    for index, (ggml_type, rows) in enumerate(parts):
         decoded = decode(_random_raw(ggml_type, rows, cols, rng), ggml_type, cols)
-        segments.append((decoded.fmt, start, rows, *pack(decoded)))
+        tensors[f"codes{index}"], tensors[f"params{index}"] = pack(decoded)
+        segments.append((decoded.fmt, start, rows, f"codes{index}", f"params{index}"))
         weights.append((start, torch.from_numpy(decoded.dequantize()).double()))
         start += rows + 5  # five columns no segment writes
     for m in (1, 3, 40):  # 40: two chunks of activation rows
         x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
         out = torch.full((m, start), float("nan"))
-        kernels.LinearKernel(segments)(bits, x, out)
+        kernels.LinearKernel(segments, tensors)(bits, x, out)
         x64 = kernels.fake_quantize(x, bits).double()
         for begin, weight in weights:
             expected = x64 @ weight.T
             got = out[:, begin : begin + weight.shape[0]].double()
             assert ((got - expected).norm() / expected.norm()) < 2e-6
             assert out[:, begin + weight.shape[0] : begin + weight.shape[0] + 5].isnan().all()
+
+
+def test_a_kernel_knows_when_its_weights_moved() -> None:
+    """``matmul`` builds a layer's kernel arguments once and again only when a parameter no
+    longer lies where the kernel reads (``holds``)."""
+    problem = kernels.problem()
+    if problem:
+        pytest.skip(problem)
+    decoded = decode(_random_raw(Q.Q4_0, 8, 64, np.random.default_rng(3)), Q.Q4_0, 64)
+    codes, params = pack(decoded)
+    tensors = {"codes": codes, "params": params}
+    kernel = kernels.LinearKernel([(decoded.fmt, 0, 8, "codes", "params")], tensors)
+    assert kernel.holds(tensors)
+    tensors["params"].data = params.clone()  # the same parameter, new memory
+    assert not kernel.holds(tensors)
+    assert kernels.LinearKernel([], tensors).count == 0  # a layer of float segments only
