@@ -36,9 +36,6 @@ enum { KVQ_U4 = 0, KVQ_U8 = 1, KVQ_S8 = 2 };
 static const int64_t CODE_BYTES[3] = {128, 256, 256};
 static const int64_t PARAM_FLOATS[3] = {16, 32, 8};
 
-int64_t kvq_code_bytes(int fmt) { return CODE_BYTES[fmt]; }
-int64_t kvq_param_floats(int fmt) { return PARAM_FLOATS[fmt]; }
-
 /* ------------------------------------------------------------------ activations */
 
 /* qx: int8 (bits 8) or int16 (bits 16) [M, K]; dx [M, K / 32]; sx [M, K / 16]. */

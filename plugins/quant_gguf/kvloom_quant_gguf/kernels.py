@@ -43,8 +43,6 @@ def library() -> ctypes.CDLL:
     lib.kvq_linear.restype = _INT
     lib.kvq_rows.argtypes = [_INT, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT]
     lib.kvq_rows.restype = None
-    lib.kvq_code_bytes.argtypes = lib.kvq_param_floats.argtypes = [_INT]
-    lib.kvq_code_bytes.restype = lib.kvq_param_floats.restype = _I64
     return lib
 
 
