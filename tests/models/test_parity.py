@@ -112,12 +112,8 @@ def test_llama_rope_scaling_matches_hf(tmp_path, rope_parameters):
     assert_logits_close(out["long"], hf_logits(hf, PROMPTS["long"]))
 
 
-def test_bfloat16_close_to_hf_bfloat16(arch_setup, request):
-    arch, _, _, _ = arch_setup
-    if arch == "gemma3":
-        # Open (issue 38): fp32 matches HF, bf16 is 1-3% off per position (6% at one) where
-        # the other models stay under 5%; the rounding order of Gemma 3's norms is suspect.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="gemma3 bf16 rounding differs from HF's"))
+def test_bfloat16_close_to_hf_bfloat16(arch_setup):
+    arch, _, _, hf_fp32 = arch_setup
     model_dir = tiny_model_dir(arch)
     config = make_test_engine_config(model_dir, dtype=torch.bfloat16, block_size=8)
     model = get_model(config, "cpu")
@@ -128,6 +124,20 @@ def test_bfloat16_close_to_hf_bfloat16(arch_setup, request):
     expected = hf_logits(hf, PROMPTS["long"])
     scale = expected.abs().max().item()
     per_position = (out - expected).abs().max(dim=-1).values
+    if arch == "gemma3":
+        # This tiny Gemma 3's bf16 is far from its own fp32 (q and k normalised per head
+        # in bf16, then scores rounded to bf16 by HF's eager attention): HF's bf16 logits
+        # are up to ~9% of the largest logit off HF's fp32 ones, ours ~8%, so the two bf16
+        # runs differ by their rounding (~6%), not by a formula. The check: kvloom's bf16
+        # is no further from the fp32 logits than HF's own bf16 (with 10% to spare).
+        reference = hf_logits(hf_fp32, PROMPTS["long"]).double()
+        ours = (out.double() - reference).abs().max(dim=-1).values
+        theirs = (expected.double() - reference).abs().max(dim=-1).values
+        assert ours.max() <= 1.1 * theirs.max() and ours.mean() <= 1.1 * theirs.mean(), (ours, theirs)
+        top1 = reference.argmax(-1)
+        # Greedy picks: as many of the fp32 model's as HF's bf16 keeps (0.89 vs 0.90 here), give or take 5%.
+        assert (out.argmax(-1) == top1).float().mean() >= (expected.argmax(-1) == top1).float().mean() - 0.05
+        return
     if arch in MOE_ARCHITECTURES:
         # A router near-tie rounds differently in bf16 and picks another expert at a few
         # positions (the tiny Mixtral: 2 of 61, where HF's own bf16 is ~1.0 off its fp32):
