@@ -67,6 +67,9 @@ class FlashAttentionBackend(AttentionBackend):
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     required_modules: ClassVar[dict[str, str]] = {"flash_attn": "flash-attn"}
+    # window_size=(W - 1, 0) and softcap= of both kernels; attention sinks are not in flash-attn 2.
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -14,6 +14,11 @@ measurement checked, plus ``softmax_scale``:
   causal=True)``; the step's keys/values were written by ``write_kv_default_layout`` first, so no
   ``k``/``v`` are passed.
 
+Both take the layer's sliding window as ``window_size=(W - 1, 0)`` (a query sees itself and
+the ``W - 1`` keys before it, as HF's windows) and its logit soft cap as ``softcap``. With a
+window the kernels start each query block at the tile holding its window's first key, so
+the blocks the hybrid KV cache freed (wholly before the window) are never read.
+
 Both return a new tensor, which is copied into ``output`` (the public API of the released
 library takes no output buffer).
 """
@@ -41,6 +46,9 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     batch-dependent comes from the builder, so it is safe inside a captured CUDA graph.
     """
 
+    impl_supports_sliding_window = True
+    impl_supports_logits_soft_cap = True
+
     def forward(
         self,
         query: torch.Tensor,
@@ -51,6 +59,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         output: torch.Tensor,
     ) -> torch.Tensor:
         md = attn_metadata
+        window = (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+        softcap = self.logits_soft_cap or 0.0
         write_kv_default_layout(kv_cache, key, value, md.slot_mapping)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         rows = md.num_query_rows
@@ -63,6 +73,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 block_table=md.block_table,
                 softmax_scale=self.scale,
                 causal=True,
+                window_size=window,
+                softcap=softcap,
             )
             output[:rows].copy_(out.reshape(rows, self.num_heads, self.head_size))
         else:
@@ -76,6 +88,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
                 md.max_seq_len,
                 softmax_scale=self.scale,
                 causal=md.causal,
+                window_size=window,
+                softcap=softcap,
                 block_table=md.block_table,
             )
             output[:rows].copy_(out)

@@ -4,7 +4,10 @@ It exposes the two functions the backend calls, with flash-attn 2.8.3's public
 signatures, and computes what the real kernels compute (paged causal attention, the
 causal mask aligned bottom-right, GQA by head groups) in float64 from the arguments
 alone: each request's keys come through ``block_table`` and the lengths through
-``cu_seqlens_k`` / ``cache_seqlens``, exactly the data the real kernels read. It also
+``cu_seqlens_k`` / ``cache_seqlens``, exactly the data the real kernels read; with a window
+(``window_size=(left, 0)``) the pages wholly before the first query's window are not read
+(the real kernels start each query block at its window's first tile), and ``softcap``
+caps the scaled scores as ``softcap * tanh(s / softcap)``. It also
 enforces the library's documented argument rules (int32 index tensors, contiguous last
 dimensions, head size a multiple of 8 up to 256, paged block size a multiple of 256,
 ``max_seqlen_*`` upper bounds, ``B + 1`` cumulative lengths), so a call the real library
@@ -58,24 +61,39 @@ def _check_common(q: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float |
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
-            scale: float, causal: bool) -> torch.Tensor:
-    """float64 attention of ``q [n, H, D]`` over the first ``seq_len`` paged positions."""
+            scale: float, causal: bool, window_left: int = -1, softcap: float = 0.0) -> torch.Tensor:
+    """float64 attention of ``q [n, H, D]`` over the first ``seq_len`` paged positions (the
+    last ``window_left + 1`` of each query's when ``window_left >= 0``)."""
     page = k_cache.shape[1]
     num_pages = -(-seq_len // page)
     assert num_pages <= blocks.shape[0], "sequence longer than its block-table row"
-    pages = blocks[:num_pages].long()
-    keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:seq_len].double()
-    values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:seq_len].double()
+    n = q.shape[0]
+    first_key = max(0, seq_len - n - window_left) if window_left >= 0 else 0
+    first_page = first_key // page  # pages before it are never read
+    pages = blocks[first_page:num_pages].long()
+    start = first_page * page
+    keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[: seq_len - start].double()
+    values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[: seq_len - start].double()
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
-    if causal:
-        n = q.shape[0]
-        visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_pos, query_pos = torch.arange(start, seq_len)[None, :], torch.arange(seq_len - n, seq_len)[:, None]
+    visible = key_pos <= query_pos if causal else torch.ones_like(key_pos <= query_pos)
+    if window_left >= 0:
+        visible = visible & (key_pos >= query_pos - window_left)
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0, as flash-attn
     return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def _check_window(window_size: tuple[int, int], causal: bool) -> int:
+    """The left extent of a causal window (-1: none); the stand-in implements those only."""
+    left, right = window_size
+    assert (left, right) == (-1, -1) or (left >= 0 and right == 0 and causal), "causal left windows only"
+    return left
 
 
 def flash_attn_varlen_func(
@@ -87,8 +105,8 @@ def flash_attn_varlen_func(
     _check_paged_cache(k, v, block_table)
     scale = _check_common(q, k, softmax_scale)
     assert q.dim() == 3, "q must be (total_q, H, D)"
-    assert dropout_p == 0.0 and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
-    assert not return_attn_probs
+    assert dropout_p == 0.0 and alibi_slopes is None and not return_attn_probs
+    window_left = _check_window(window_size, causal)
     batch = block_table.shape[0]
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         assert cu.dtype == torch.int32 and cu.is_contiguous(), f"{name} must be contiguous int32"
@@ -101,11 +119,13 @@ def flash_attn_varlen_func(
     assert q.shape[0] == int(cu_seqlens_q[-1]), "q rows must match cu_seqlens_q"
     module = sys.modules[__name__]
     module.calls.append(dict(kernel="varlen", max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                             softmax_scale=scale, causal=causal, block_table=block_table, batch=batch))
+                             softmax_scale=scale, causal=causal, block_table=block_table, batch=batch,
+                             window_size=window_size, softcap=softcap))
     out = torch.empty(q.shape, dtype=q.dtype)
     for i in range(batch):
         rows = slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]))
-        out[rows] = _attend(q[rows].cpu(), k.cpu(), v.cpu(), block_table[i].cpu(), k_lens[i], scale, causal).to(q.dtype)
+        out[rows] = _attend(q[rows].cpu(), k.cpu(), v.cpu(), block_table[i].cpu(), k_lens[i], scale, causal,
+                            window_left, softcap).to(q.dtype)
     return out.to(q.device)
 
 
@@ -120,17 +140,18 @@ def flash_attn_with_kvcache(
     scale = _check_common(q, k_cache, softmax_scale)
     assert q.dim() == 4, "q must be (batch, seqlen_q, H, D)"
     assert k is None and v is None and rotary_cos is None and cache_batch_idx is None and cache_leftpad is None
-    assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and not return_softmax_lse
+    assert alibi_slopes is None and not return_softmax_lse
+    window_left = _check_window(window_size, causal)
     batch = q.shape[0]
     assert isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
     assert cache_seqlens.shape == (batch,) and block_table.shape[0] == batch, "batch sizes must agree"
     module = sys.modules[__name__]
     module.calls.append(dict(kernel="kvcache", softmax_scale=scale, causal=causal, block_table=block_table,
-                             batch=batch, num_splits=num_splits))
+                             batch=batch, num_splits=num_splits, window_size=window_size, softcap=softcap))
     out = torch.empty(q.shape, dtype=q.dtype)
     for i in range(batch):
         out[i] = _attend(q[i].cpu(), k_cache.cpu(), v_cache.cpu(), block_table[i].cpu(), int(cache_seqlens[i]),
-                         scale, causal).to(q.dtype)
+                         scale, causal, window_left, softcap).to(q.dtype)
     return out.to(q.device)
 
 

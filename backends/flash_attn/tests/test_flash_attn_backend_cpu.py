@@ -89,10 +89,10 @@ def test_declarations():
         "mla": False,
         "attention_types": ["decoder"],
         "cudagraph_support": "UNIFORM_BATCH",
-        # The impl passes neither window_size nor softcap to flash-attn, and has no sinks.
-        "sliding_window": False,
+        # window_size and softcap of both kernels; flash-attn 2 has no sinks.
+        "sliding_window": True,
         "sinks": False,
-        "logits_soft_cap": False,
+        "logits_soft_cap": True,
     }
     # Block-size negotiation: the engine's default 16 is refused, so 256 is preferred.
     assert b.preferred_block_size(16) == 256
@@ -304,6 +304,8 @@ def test_conformance_suite_through_the_standin(fake_flash_attn, monkeypatch):
     report = run_conformance(FlashAttentionBackend, device="cpu", seed=1234)
     assert report.passed, report.format()
     assert {c.params["block_size"] for c in report.ran} == {256, 512}
+    # The declared window and soft cap ran (NaN in the blocks before each window).
+    assert {"sliding_window", "sliding_window_long_decode", "soft_cap"} <= {c.params["scenario"] for c in report.ran}
     kernels = {call["kernel"] for call in standin.calls}
     assert kernels == {"varlen", "kvcache"}
 
@@ -341,6 +343,23 @@ def test_impl_forward_matches_reference(fake_flash_attn, kernel, requests):
         assert call["max_seqlen_k"] == max(c + q for c, q in requests)
 
 
+@pytest.mark.parametrize("kernel", ["kvcache", "varlen"])
+def test_window_and_soft_cap_reach_the_kernels(fake_flash_attn, kernel):
+    """A layer's window W is flash-attn's ``window_size=(W - 1, 0)`` and its cap ``softcap``,
+    for both kernels; the conformance suite (above) checks the results against float64."""
+    spec = _spec(extra={DECODE_KERNEL_EXTRA_KEY: kernel})
+    gen = torch.Generator().manual_seed(9)
+    cache = PagedCache.allocate(FlashAttentionBackend, spec, NUM_BLOCKS, "cpu", gen)
+    builder = cache.make_builder(WIDTH)
+    impl = FlashAttentionBackend.get_impl_cls()(num_heads=HEADS, head_size=DIM, scale=SCALE, num_kv_heads=KV_HEADS,
+                                               sliding_window=300, logits_soft_cap=30.0)  # fmt: skip
+    step = cache.step(place_requests([1, 1], [700, 40], block_size=BLOCK, num_blocks=NUM_BLOCKS, generator=gen))
+    out = torch.empty_like(step.query)
+    impl.forward(step.query, step.key, step.value, cache.kv_cache, builder.build(step.common), out)
+    (call,) = standin.calls
+    assert call["kernel"] == kernel and call["window_size"] == (299, 0) and call["softcap"] == 30.0
+
+
 def test_impl_cudagraph_style_replay_with_fillers(fake_flash_attn):
     """A padded decode batch built for capture; then another step over the same cache
     copied into its tensors in place and built again (what the runner does before a
@@ -376,10 +395,8 @@ def test_impl_cudagraph_style_replay_with_fillers(fake_flash_attn):
 
 def test_impl_rejects_unsupported_features(fake_flash_attn):
     impl_cls = FlashAttentionBackend.get_impl_cls()
-    with pytest.raises(NotImplementedError, match="sliding_window=128 not supported"):
-        impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, sliding_window=128)
-    with pytest.raises(NotImplementedError, match="logits_soft_cap=30.0 not supported"):
-        impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, logits_soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match="attention sinks not supported"):
+        impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, sinks=torch.zeros(8))
     with pytest.raises(NotImplementedError, match="attn_type encoder_only not supported"):
         impl_cls(num_heads=8, head_size=64, scale=0.1, num_kv_heads=2, attn_type=AttentionType.ENCODER_ONLY)
     with pytest.raises(NotImplementedError, match="kv_cache_dtype fp8 not supported"):
