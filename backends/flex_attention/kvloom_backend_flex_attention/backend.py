@@ -62,9 +62,10 @@ class FlexAttentionBackend(AttentionBackend):
     min_compute_capability: ClassVar[DeviceCapability | None] = DeviceCapability(7, 0)
     supported_attn_types: ClassVar[tuple[AttentionType, ...]] = (AttentionType.DECODER,)
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-    # The window in the block mask, the soft cap a score_mod; sinks would need the softmax.
+    # The window in the block mask, the soft cap a score_mod, sinks a rescaling by the log-sum-exp.
     supports_sliding_window: ClassVar[bool] = True
     supports_logits_soft_cap: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -8,6 +8,11 @@ function serves every layer and step. Shapes are left to dynamo's automatic dyna
 with dynamic ones): on the CPU's inductor template, ``dynamic=True`` from the start
 produced C++ that failed to compile. Variants: one per query block size (two), dtype,
 head size and cache block size.
+
+Attention sinks (gpt-oss: a learned logit ``s_h`` per head in the softmax's denominator)
+rescale flex's output with the log-sum-exp it returns: with ``L`` the log-sum-exp of a
+row's scores, ``softmax`` over the scores and the sink gives the output times
+``e^L / (e^L + e^s_h) = sigmoid(L - s_h)``, exactly.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from kvloom.interfaces import AttentionImpl, write_kv_default_layout
 from kvloom_backend_flex_attention.metadata import FlexAttentionMetadata
@@ -67,9 +72,11 @@ def soft_cap_score_mod(cap: float) -> Callable:
 
 
 class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
-    # The window is in the step's mask (planned per KV-cache group), the cap a score_mod.
+    # The window is in the step's mask (planned per KV-cache group), the cap a score_mod,
+    # the sinks a rescaling by the returned log-sum-exp (module docstring).
     impl_supports_sliding_window = True
     impl_supports_logits_soft_cap = True
+    impl_supports_sinks = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -113,7 +120,12 @@ class FlexAttentionImpl(AttentionImpl[FlexAttentionMetadata]):
                 kernel_options=cuda_kernel_options(group.q_block_size, block_size, head_size, query.dtype)
                 if on_cuda
                 else None,
+                return_aux=None if self.sinks is None else AuxRequest(lse=True),
             )
+            if self.sinks is not None:
+                out, aux = out  # out [1, heads, rows, dim], aux.lse [1, heads, rows] (float32)
+                keep = torch.sigmoid(aux.lse - self.sinks.to(aux.lse.dtype)[None, :, None])
+                out = (out.float() * keep.unsqueeze(-1)).to(out.dtype)
             out_rows = out.transpose(1, 2)[0]  # [rows, heads, dim]
             output.index_copy_(0, group.token_index, out_rows.index_select(0, group.row_of_token).to(output.dtype))
         return output

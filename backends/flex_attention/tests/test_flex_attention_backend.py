@@ -222,6 +222,14 @@ def test_sliding_window_and_soft_cap_match_float64_reference(window, cap):
     _check(step, _run(step), 1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_sinks_match_float64_reference(window):
+    """gpt-oss's sinks (alone, and with a window as its windowed layers have them)."""
+    step = _case(CASES["mixed_interleaved"], heads=8, kv_heads=2, dim=32, dtype=torch.float32, seed=11,
+                 sliding_window=window, sinks=True)
+    _check(step, _run(step), 1e-5)
+
+
 def test_soft_cap_alone_matches_float64_reference():
     step = _case(CASES["chunked_prefill_with_context"], heads=4, kv_heads=4, dim=32, dtype=torch.float32, seed=3,
                  logits_soft_cap=2.0)
