@@ -28,6 +28,8 @@ products in fp32 for fp16/bf16 inputs, which is what we want for half dtypes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -70,6 +72,10 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
     impl_supports_logits_soft_cap = True
     impl_supports_sinks = True
     impl_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        kernels.prepare()
 
     def _explicit(self) -> bool:
         return self.logits_soft_cap is not None or self.sinks is not None

@@ -97,6 +97,7 @@ class _GGUFWeights:
 
     # ------------------------------------------------------------ construction, loading
     def create_weights(self, layer: Any) -> None:
+        kernels.prepare()
         # A placeholder, so that the model loader routes the checkpoint's "weight" here.
         add_quantized_parameter(layer, "weight", torch.empty(0, dtype=torch.uint8), _NO_LAYOUT)
         layer.__dict__["gguf_shards"] = {}
