@@ -70,9 +70,9 @@ def c_build_problem(source: Path) -> str | None:
     return None
 
 
-#: Builds started by ``prepare_c_library`` and not yet waited for: source -> (compiler, temp
-#: file), keyed by the process that started them (a forked child cannot wait for its
-#: parent's compiler: it builds again, and the atomic rename keeps one complete file).
+#: Builds started by ``prepare_c_library`` and not yet waited for: (pid of the process that
+#: started it, source) -> (compiler, temp file). A forked child cannot wait for its parent's
+#: compiler: it builds again, and the atomic rename keeps one complete file.
 _pending: dict[tuple[int, Path], tuple[subprocess.Popen, str]] = {}
 
 

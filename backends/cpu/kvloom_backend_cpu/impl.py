@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvloom.interfaces import AttentionImpl, dequantize_kv, is_fp8_kv_cache, quantize_kv
+from kvloom.interfaces import AttentionImpl, dequantize_kv, is_fp8_kv_cache, prepare_c_library, quantize_kv
 from kvloom_backend_cpu import kernels
 from kvloom_backend_cpu.builder import CPUAttentionMetadata, DecodeBatch, PrefillRequest
 
@@ -75,7 +75,7 @@ class CPUAttentionImpl(AttentionImpl[CPUAttentionMetadata]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        kernels.prepare()
+        prepare_c_library(kernels.SOURCE)  # compiled while the model loads, not at the first decode
 
     def _explicit(self) -> bool:
         return self.logits_soft_cap is not None or self.sinks is not None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvloom.interfaces import c_build_problem, load_c_library, prepare_c_library
+from kvloom.interfaces import c_build_problem, load_c_library
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ class BatchArgs(ctypes.Structure):
 
     _fields_ = [("num_reqs", _I64), ("first_row", _I64), ("rows", _PTR), ("block_table", _PTR), ("width", _I64), ("first_pos", _PTR),
                 ("key_start", _PTR), ("seq_len", _PTR)]  # fmt: skip
-
-
-def prepare() -> None:
-    """Start building the kernels in the background (``kvloom.interfaces.prepare_c_library``):
-    the impl does when a layer is made, so a cold start compiles them while the model loads."""
-    prepare_c_library(SOURCE)
 
 
 @functools.cache

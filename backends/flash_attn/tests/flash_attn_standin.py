@@ -81,9 +81,11 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     key_pos, query_pos = torch.arange(start, seq_len)[None, :], torch.arange(seq_len - n, seq_len)[:, None]
-    visible = key_pos <= query_pos if causal else torch.ones_like(key_pos <= query_pos)
+    visible = torch.ones(n, seq_len - start, dtype=torch.bool)
+    if causal:
+        visible &= key_pos <= query_pos
     if window_left >= 0:
-        visible = visible & (key_pos >= query_pos - window_left)
+        visible &= key_pos >= query_pos - window_left
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0, as flash-attn
     return torch.einsum("hqk,khd->qhd", probs, values)

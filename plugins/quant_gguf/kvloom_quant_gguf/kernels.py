@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvloom.interfaces import c_build_problem, load_c_library, prepare_c_library
+from kvloom.interfaces import c_build_problem, load_c_library
 
 SOURCE = Path(__file__).with_name("kernels.c")
 #: Activation quantization block (features per int8 scale).
@@ -33,13 +33,6 @@ def problem() -> str | None:
     """Why the kernels cannot be built here (no C compiler and no built library), or None."""
     reason = c_build_problem(SOURCE)
     return None if reason is None else f"{reason}, or run with --quantization none"
-
-
-def prepare() -> None:
-    """Start building the kernels in the background (``kvloom.interfaces.prepare_c_library``):
-    the method does when a layer's weights are made, so a cold start compiles them (~2-3 s)
-    while the weights load."""
-    prepare_c_library(SOURCE)
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from kvloom.interfaces import (
     ParamLayout,
     add_quantized_parameter,
     kvloom_cache_dir,
+    prepare_c_library,
     remove_quantized_parameter,
 )
 from kvloom_quant_gguf import kernels
@@ -97,7 +98,7 @@ class _GGUFWeights:
 
     # ------------------------------------------------------------ construction, loading
     def create_weights(self, layer: Any) -> None:
-        kernels.prepare()
+        prepare_c_library(kernels.SOURCE)  # ~2-3 s of compiling, while the weights load
         # A placeholder, so that the model loader routes the checkpoint's "weight" here.
         add_quantized_parameter(layer, "weight", torch.empty(0, dtype=torch.uint8), _NO_LAYOUT)
         layer.__dict__["gguf_shards"] = {}
