@@ -47,7 +47,9 @@ V, H, I, L, NH, NKV, HD = 128256, 4096, 14336, 32, 32, 8, 128
 CONTEXT = 1024
 
 
-def write_llama3_config(path: Path) -> Path:
+def write_llama3_config(path: Path, quantization_config: dict[str, Any] | None = None) -> Path:
+    """The Llama-3-8B config in ``path`` (dummy weights are made from it); ``quantization_config``, when
+    given, declares a quantized checkpoint of that method, as a published one's config.json does."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -73,14 +75,19 @@ def write_llama3_config(path: Path) -> Path:
     cfg.eos_token_id = None
     cfg.bos_token_id = None
     cfg.dtype = "bfloat16"
+    if quantization_config is not None:
+        cfg.quantization_config = quantization_config
     cfg.save_pretrained(path)
     return path
 
 
-def bytes_per_step(batch: int, context: float) -> dict[str, float]:
+def bytes_per_step(batch: int, context: float, linear_bytes: float = 2.0, kv_elem_bytes: float = 2.0) -> dict[str, float]:
+    """Bytes one decode step reads: the decoder's linear layers at ``linear_bytes`` per weight (a quantized
+    checkpoint's, its scales included), the LM head and norms in bf16 (quantized checkpoints keep them so),
+    and the KV cache at ``kv_elem_bytes`` per value; the embedding is only gathered (B rows) and ignored."""
     per_layer = H * (NH * HD) + 2 * H * (NKV * HD) + (NH * HD) * H + 3 * H * I  # qkv, o, gate+up, down
-    weights = 2 * (L * per_layer + V * H + L * 2 * H + H)  # + LM head and norms; embedding gather ignored
-    kv = batch * context * L * NKV * HD * 2 * 2
+    weights = linear_bytes * L * per_layer + 2 * (V * H + L * 2 * H + H)
+    kv = batch * context * L * NKV * HD * 2 * kv_elem_bytes
     return {"weight_bytes": weights, "kv_bytes": kv, "total_bytes": weights + kv}
 
 

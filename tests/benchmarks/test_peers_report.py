@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -218,3 +219,49 @@ def test_serving_runs_parse() -> None:
     cmd = serving.server_command("sglang", Path("/m"), 5, ["--enable-metrics"], 2048)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--context-length" in cmd and "--enable-metrics" in cmd
     assert "--attention-backend" not in serving.server_command("kvloom", Path("/m"), 5, [], 2048)
+
+
+quant_report = _module("quant_report")
+
+
+def _quant(quantization: str, steps: dict[int, float], lease: str = "gpu-a-1111", engine: str = "kvloom",
+           kv: str = "auto", linear_bytes: float = 2.0) -> dict:  # fmt: skip
+    spec = {"model": "Llama-3-8B shape, dummy weights", "context": 1024, "short": 16, "long": 80, "repeats": 3,
+            "mean_context": 1072, "quantization": quantization, "kv_cache_dtype": kv}  # fmt: skip
+    decode = _module("bench_decode")
+    rows = [{"batch": b, "step_s": s, "tok_s": b / s,
+             **decode.bytes_per_step(b, 1072, linear_bytes, decode.KV_DTYPES[kv])} for b, s in steps.items()]  # fmt: skip
+    return {**_header(engine, "decode", lease), "method": "generate-difference", "spec": spec, "rows": rows}
+
+
+def test_quant_report_divides_by_the_bf16_step_of_the_same_engine_and_lease(tmp_path: Path) -> None:
+    decode = _module("bench_decode")
+    fp8_bytes = decode.CHECKPOINTS["fp8"][1]
+    results = {
+        "kvloom_none": _quant("none", {1: 0.004, 64: 0.008}),
+        "kvloom_fp8": _quant("fp8", {1: 0.0025, 64: 0.0064}, linear_bytes=fp8_bytes),
+        "vllm_fp8": _quant("fp8", {1: 0.003}, engine="vllm", linear_bytes=fp8_bytes),
+        "kvloom_awq_other_lease": _quant("awq", {1: 0.001}, lease="gpu-b-2222", linear_bytes=0.52),
+    }
+    for name, data in results.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    lines = quant_report.table(quant_report.load(tmp_path))
+    # The AWQ row has no bf16 row in its lease, vLLM none at all: neither is divided.
+    assert [(x["engine"], x["batch"], x["quantization"]) for x in lines] == [("kvloom", 1, "fp8"), ("kvloom", 64, "fp8")]
+    one, sixty_four = lines
+    assert one["speedup"] == pytest.approx(1.6) and one["vs_vllm"] == pytest.approx(1.2)
+    assert sixty_four["speedup"] == pytest.approx(1.25) and sixty_four["vs_vllm"] is None
+    # Byte ceilings of the Llama-3-8B shape: the LM head stays bf16, the KV cache grows with the batch.
+    assert one["ceiling"] == pytest.approx(1.85, abs=0.01) and sixty_four["ceiling"] == pytest.approx(1.41, abs=0.01)
+    assert "not measured" in quant_report.markdown(lines)
+
+
+def test_bench_decode_writes_each_checkpoint_config() -> None:
+    from transformers import AutoConfig
+
+    decode = _module("bench_decode")
+    for name, (config, _) in decode.CHECKPOINTS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = decode.write_llama3_config(Path(tmp) / "m", config)
+            saved = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+            assert (saved or None) == config, name

@@ -2,7 +2,7 @@
 # The one GPU entry point, run on the device machine from the repository root:
 #   bash tests/gpu/run.sh STAGE [STAGE...]
 # Stages: setup and gguf (always first; idempotent), tests, e2e, hybrid, offload, offload-bench, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
-# decode, offline, serving, select, select-nofi, tune, quant, moe, mla, compile, so, spec, tp, tp-bench, allreduce, allreduce-decode,
+# decode, offline, serving, select, select-nofi, tune, quant, quant-decode, quant-gemm, moe, mla, compile, so, spec, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers, defaults.
 #   offload      plugins/kv_offload/tests/test_offload.py on the GPU (issue 41): the KV-connector conformance kit over a
 #                CUDA cache (host tier pinned, copies on their own streams; host+disk tiers), then an engine with 24
@@ -46,6 +46,15 @@
 #                summary.json; prints output tok/s, TTFT p50, TPOT p50, ITL p50/p99 and start time
 #                (benchmarks/peers/defaults_summary.py). Needs .whl and the carried folder .benchtok;
 #                DEFAULTS_SERVING_ARGS adds flags to bench_serving.py.
+#   quant-decode issue 37's speed: benchmarks/peers/bench_decode.py (Llama-3-8B shape, dummy weights, the
+#                generate-difference step) for each engine of QUANT_ENGINES (default kvloom; "vllm kvloom" after
+#                peers-stash) and each checkpoint of QUANT_CONFIGS (default "none fp8 fp8-block awq") at batch 1 and
+#                64, context 1,024; then bf16 weights with a bf16 and an fp8 KV cache at batch 64, context 4,096
+#                (QUANT_KV, default "auto fp8") -> $OUT/quant/ENGINE_CONFIG.json and quant_decode.md
+#                (benchmarks/peers/quant_report.py: each against the same engine's bf16 step, its byte ceiling and
+#                vLLM where it ran). Each config is one engine start (~1 min).
+#   quant-gemm   benchmarks/bench_quant_gemm.py: the decode step's linear layers alone (Llama-3-8B shapes, 1-128
+#                rows), bf16 against the fp8 and int4 ops -> $OUT/quant_gemm.json; QUANT_GEMM_ARGS adds flags (--sweep).
 #   moe          the fused_moe kernel tests (platforms/cuda/tests/test_fused_moe_kernels.py, also in `tests`)
 #                and benchmarks/bench_fused_moe.py (Triton grouped GEMMs vs the per-expert torch loop,
 #                DeepSeek-V2-Lite's expert shape, 1/16/64/256 tokens) -> $OUT/fused_moe.json; MOE_ARGS adds flags.
@@ -287,6 +296,28 @@ peers() {  # PEERS_ARGS workloads x PEERS_ENGINES engines, one process each, res
   return $status
 }
 
+quant_decode() {  # issue 37: quantized and fp8-KV decode steps against bf16, results in $OUT/quant
+  local dir=$OUT/quant e q kv status=0 path
+  mkdir -p "$dir"
+  export VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+  for e in ${QUANT_ENGINES:-kvloom}; do
+    path=$PYTHONPATH; [ $e = vllm ] && path=/tmp/vsite
+    if [ $e = vllm ] && [ ! -f /tmp/vsite/.installed ]; then log "quant-decode: vllm not installed (peers-stash)"; status=1; continue; fi
+    for q in ${QUANT_CONFIGS:-none fp8 fp8-block awq}; do
+      log "quant-decode: $e $q"
+      PYTHONPATH=$path python3 benchmarks/peers/bench_decode.py --engine $e --quantization $q --batches 1,64 \
+        --out "$dir/${e}_$q.json" 2>&1 | tail -3 || status=1
+    done
+    for kv in ${QUANT_KV:-auto fp8}; do
+      log "quant-decode: $e kv-cache-dtype $kv, context 4096"
+      PYTHONPATH=$path python3 benchmarks/peers/bench_decode.py --engine $e --kv-cache-dtype $kv --batches 64 \
+        --context 4096 --out "$dir/${e}_kv-$kv.json" 2>&1 | tail -3 || status=1
+    done
+  done
+  python3 benchmarks/peers/quant_report.py "$dir" --markdown "$dir/quant_decode.md"
+  return $status
+}
+
 defaults() {  # issue 35: kvloom at its defaults, offline and served at concurrency 64, results in $OUT/defaults
   local dir=$OUT/defaults
   mkdir -p "$dir"
@@ -395,6 +426,8 @@ write_qwen3_config(Path('/tmp/tune-models/qwen3-0.6b-shape')); write_llama3_conf
         KVLOOM_CACHE_DIR=/tmp/kvloom-tune-cache kvloom backends --model /tmp/tune-models/$m --dtype bfloat16 | tail -12
       done ;;
     quant) run_pytest quant -m gpu plugins/quant_int4/tests plugins/quant_fp8/tests ;;
+    quant-decode) quant_decode ;;
+    quant-gemm) python3 benchmarks/bench_quant_gemm.py --out "$OUT/quant_gemm.json" ${QUANT_GEMM_ARGS:-} 2>&1 | tail -12 ;;
     moe)
       run_pytest moe platforms/cuda/tests/test_fused_moe_kernels.py
       python3 benchmarks/bench_fused_moe.py --out "$OUT/fused_moe.json" ${MOE_ARGS:-} 2>&1 | tail -40 ;;

@@ -61,3 +61,24 @@ def patch_bf16_rounding() -> None:
         return original(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+def patch_fp8_rounding() -> None:
+    """In the worker: make the interpreter's fp32 -> fp8 (e4m3) cast round as the GPU does
+    (its own drops the carry of a mantissa that rounds up into the next power of two:
+    124.3 -> 64 instead of 128). The conversion is torch's, round to nearest even."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            codes = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(codes, tl.float8e4nv)
+        return original(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp

@@ -10,11 +10,11 @@ Parameters (names = the checkpoint tensors' suffixes):
   merged layer's shards quantizes its input, as the kernels take one).
 
 Kernels (chosen once the weights are loaded): on CUDA with compute capability 8.9 or
-newer, per-tensor or per-channel weights with dynamic per-token or static per-tensor
-activations run ``torch._scaled_mm`` (rowwise scales: a static scale is given to every
-row), and block-wise weights with per-token-group activations the Triton block-scaled
-GEMM (``block_gemm``); weight-only fp8 (no activation quantization), experts, and every
-CPU run take the reference arithmetic in torch: the activation quantized and
+newer, linear layers with quantized activations run ``gemm.fp8_linear`` (one opaque torch
+op: a Triton activation quantizer, then the split-K Triton GEMM at decode sizes and for
+block-wise weights, ``torch._scaled_mm`` for many rows of per-tensor / per-channel
+weights); weight-only fp8 (no activation quantization), experts, and every CPU run take
+the reference arithmetic in torch: the activation quantized and
 dequantized (``ops.fake_quantize_activation``), the weight dequantized, a GEMM in the model
 dtype. Online quantization (``--quantization fp8`` of a float checkpoint) loads the float
 weight and quantizes it per channel after loading.
@@ -102,17 +102,15 @@ class Fp8Scheme:
         return tensors
 
 
-def gpu_kernel(scheme: Fp8Scheme, weight: torch.Tensor) -> str | None:
-    """The kernel a linear layer of ``scheme`` runs on its fp8 ``weight [N, K]``'s device (see
-    the module docstring): ``"scaled_mm"``, ``"block"``, or None (the torch reference)."""
+def gpu_kernel(scheme: Fp8Scheme, weight: torch.Tensor) -> bool:
+    """Whether a linear layer of ``scheme`` runs ``gemm.fp8_linear`` on its fp8 ``weight``'s
+    device (see the module docstring), else the torch reference."""
     if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) < SCALED_MM_CAPABILITY:
-        return None
-    if scheme.weights != "block" and scheme.activations in ("token", "tensor"):
-        # _scaled_mm needs both GEMM dimensions of the weight in multiples of 16.
-        return "scaled_mm" if weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 else None
-    if scheme.weights == "block" and scheme.activations == "group":
-        return "block"
-    return None
+        return False
+    if scheme.weights == "block":
+        return scheme.activations == "group"
+    # _scaled_mm (many rows) needs both GEMM dimensions of the weight in multiples of 16.
+    return scheme.activations in ("token", "tensor") and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
 class Fp8LinearMethod(LinearQuantMethod):
@@ -140,14 +138,19 @@ class Fp8LinearMethod(LinearQuantMethod):
             add_quantized_parameter(layer, "weight", q, ParamLayout(0, 1))
             add_quantized_parameter(layer, s.scale_name, scale, ParamLayout(output_dim=0))
         self.kernel = gpu_kernel(s, layer.weight)
-        if self.kernel == "scaled_mm":
-            # One float32 scale per output row, the rowwise layout _scaled_mm reads.
-            layer.__dict__["fp8_row_scales"] = self._row_scales(layer)
-        elif self.kernel == "block":
-            from kvloom_quant_fp8.block_gemm import row_block_scales
+        if not self.kernel:
+            return
+        if s.weights == "block":
+            from kvloom_quant_fp8.gemm import row_block_scales
 
             scale = getattr(layer, s.scale_name)
             layer.__dict__["fp8_row_scales"] = row_block_scales(scale, layer.output_sizes, s.block[0])  # type: ignore[index]
+        else:
+            # One float32 scale per output row, the rowwise layout the kernels read.
+            layer.__dict__["fp8_row_scales"] = self._row_scales(layer)
+        # A static activation scale: the largest of a merged layer's shards, one tensor kept.
+        static = layer.input_scale.float().max().reshape(1) if s.activations == "tensor" else None
+        layer.__dict__["fp8_static_scale"] = static
 
     def _row_scales(self, layer: Any) -> torch.Tensor:
         scale = getattr(layer, self.scheme.scale_name).float()
@@ -166,22 +169,12 @@ class Fp8LinearMethod(LinearQuantMethod):
         return self.scheme.fake_quantize(x, getattr(layer, "input_scale", None))
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernel = getattr(self, "kernel", None)
-        if kernel == "block":
-            from kvloom_quant_fp8.block_gemm import fp8_block_linear
+        if getattr(self, "kernel", False):
+            import kvloom_quant_fp8.gemm  # noqa: F401 - defines torch.ops.kvloom_quant_fp8.linear
 
-            out = fp8_block_linear(x, layer.weight, layer.fp8_row_scales, self.scheme.block[1])  # type: ignore[index]
-            return out if bias is None else out + bias
-        if kernel == "scaled_mm":
-            x2 = x.reshape(-1, x.shape[-1])
-            if self.scheme.activations == "tensor":
-                # _scaled_mm takes rowwise scales on both sides or none: the static one on every row.
-                static = layer.input_scale.float().max()
-                q, x_scale = ops.to_fp8(x2, static), static.expand(x2.shape[0], 1).contiguous()
-            else:
-                q, x_scale = ops.quantize_per_token(x2)
-            out = torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale, scale_b=layer.fp8_row_scales,
-                                   out_dtype=x.dtype, use_fast_accum=True)  # fmt: skip
+            group = self.scheme.block[1] if self.scheme.block else 0
+            out = torch.ops.kvloom_quant_fp8.linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.fp8_row_scales,
+                                                    group, layer.fp8_static_scale)  # fmt: skip
             out = out.reshape(*x.shape[:-1], -1)
             return out if bias is None else out + bias
         xq = self.reference_input(layer, x).to(x.dtype)

@@ -18,6 +18,13 @@ for the dot. Act-order weights gather the activation's columns through ``perm`` 
 scales through ``gidx``. Every launch parameter depends only on the shapes, so the ops
 replay in CUDA graphs. Under ``TRITON_INTERPRET=1`` (the CPU tests) the dots run in
 float32 (the interpreter multiplies bfloat16 as raw integers).
+
+The launches depend on the row count, so the layers call both through opaque torch ops
+(``torch.ops.kvloom_quant_int4.linear`` / ``.fused_moe``, a ``W4Tensors`` passed as its
+tensors and sizes): under ``torch.compile`` Dynamo records one node per call instead of
+tracing the dispatch with the first trace's row count (the profile run's thousands of
+tokens would fix the launch of every decode step), and each CUDA graph captures the
+kernels of its own size.
 """
 
 from __future__ import annotations
@@ -359,3 +366,49 @@ def w4_fused_moe(
     down = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _moe_gemm(act, w2, down, topk_weights.contiguous(), align, num_pairs, a_row_div=1)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+# --------------------------------------------------------------------------- opaque ops
+
+
+def _w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, perm: torch.Tensor | None,
+        gidx: torch.Tensor | None, sizes: list[int]) -> W4Tensors:  # fmt: skip
+    group_size, n, e2m1 = sizes
+    return W4Tensors(qweight, scales, zeros, perm, gidx, group_size=group_size, n=n, e2m1=bool(e2m1))
+
+
+def op_args(w: W4Tensors) -> tuple[object, ...]:
+    """``w`` as the arguments of the opaque ops: its five tensors (None where absent) and its sizes."""
+    return w.qweight, w.scales, w.zeros, w.perm, w.gidx, [w.group_size, w.n, int(w.e2m1)]
+
+
+@torch.library.custom_op("kvloom_quant_int4::linear", mutates_args=())
+def linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+              perm: torch.Tensor | None, gidx: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:  # fmt: skip
+    """``w4_linear`` of the ``W4Tensors`` given by ``op_args``."""
+    return w4_linear(x, _w4(qweight, scales, zeros, perm, gidx, sizes))
+
+
+@linear_op.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+      perm: torch.Tensor | None, gidx: torch.Tensor | None, sizes: list[int]) -> torch.Tensor:  # fmt: skip
+    return x.new_empty((x.shape[0], sizes[1]))
+
+
+@torch.library.custom_op("kvloom_quant_int4::fused_moe", mutates_args=())
+def fused_moe_op(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_qweight: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: torch.Tensor | None,
+    w13_perm: torch.Tensor | None, w13_gidx: torch.Tensor | None, w13_sizes: list[int],
+    w2_qweight: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None,
+    w2_perm: torch.Tensor | None, w2_gidx: torch.Tensor | None, w2_sizes: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """``w4_fused_moe`` of the two ``W4Tensors`` given by ``op_args``."""
+    w13 = _w4(w13_qweight, w13_scales, w13_zeros, w13_perm, w13_gidx, w13_sizes)
+    w2 = _w4(w2_qweight, w2_scales, w2_zeros, w2_perm, w2_gidx, w2_sizes)
+    return w4_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+@fused_moe_op.register_fake
+def _(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *w13_and_w2: object) -> torch.Tensor:
+    return torch.empty_like(hidden)

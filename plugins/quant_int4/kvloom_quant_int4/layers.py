@@ -136,9 +136,10 @@ class W4LinearMethod(LinearQuantMethod):
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.template is None:
             return F.linear(x, layer.weight, bias)
-        from kvloom_quant_int4.kernels import w4_linear
+        from kvloom_quant_int4.kernels import op_args
 
-        out = w4_linear(x.reshape(-1, x.shape[-1]), _kernel_layout(layer, "", self.template))
+        w = _kernel_layout(layer, "", self.template)
+        out = torch.ops.kvloom_quant_int4.linear(x.reshape(-1, x.shape[-1]), *op_args(w))
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
@@ -206,9 +207,10 @@ class W4MoEMethod(FusedMoEQuantMethod):
     ) -> torch.Tensor:
         if not self.templates:
             return fused_moe_torch(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        from kvloom_quant_int4.kernels import w4_fused_moe
+        from kvloom_quant_int4.kernels import op_args
 
-        return w4_fused_moe(hidden, *self._layouts(layer), topk_weights, topk_ids)
+        w13, w2 = self._layouts(layer)
+        return torch.ops.kvloom_quant_int4.fused_moe(hidden, topk_weights, topk_ids, *op_args(w13), *op_args(w2))
 
     def checkpoint_tensors(self, weight: torch.Tensor, input_absmax: float = 8.0) -> dict[str, torch.Tensor]:
         return write_on_host(self.fmt, weight)

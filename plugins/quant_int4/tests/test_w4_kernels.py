@@ -102,6 +102,37 @@ def moe_case(kernels, name: str, dtype: torch.dtype, device: str = "cpu") -> dic
     return {"error": relative_error(out.cpu(), ref), "dtype_ok": out.dtype == dtype}
 
 
+def compiled_ops_case(kernels) -> dict:  # type: ignore[no-untyped-def]
+    """Under torch.compile (dynamic sizes) the layers' ops are opaque nodes: each call picks
+    its launch from its own row count (the K tile: 64 above 16 rows, 128 at or below), and
+    the experts' op gives the kernel's result."""
+    seen: list[int] = []
+    original = kernels._block_k
+
+    def spy(w: W4Tensors, preferred: int) -> tuple[int, bool]:
+        seen.append(preferred)
+        return original(w, preferred)
+
+    kernels._block_k = spy
+    w = random_w4(64, 256, 128, True, False, False, seed=4)
+    linear = torch.compile(lambda x: torch.ops.kvloom_quant_int4.linear(x, *kernels.op_args(w)), dynamic=True,
+                           fullgraph=True)  # fmt: skip
+    for m in (40, 1):
+        linear(torch.randn(m, 256))
+    kernels._block_k = original
+    t, e, top_k, h, i = 9, 4, 2, 64, 32
+    w13 = stack_experts([random_w4(2 * i, h, 32, True, False, False, seed=10 + j) for j in range(e)])
+    w2 = stack_experts([random_w4(h, i, 32, True, False, False, seed=50 + j) for j in range(e)])
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(t, h, generator=gen)
+    weights, ids = select_experts(torch.randn(t, e, generator=gen), top_k, renormalize=True)
+    moe = torch.compile(lambda x, wt, i: torch.ops.kvloom_quant_int4.fused_moe(x, wt, i, *kernels.op_args(w13),
+                                                                              *kernels.op_args(w2)),
+                        dynamic=True, fullgraph=True)  # fmt: skip
+    same = bool(torch.equal(moe(x, weights, ids), kernels.w4_fused_moe(x, w13, w2, weights, ids)))
+    return {"error": None, "seen": seen, "moe_same": same}
+
+
 def _run_worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_bf16_rounding()
@@ -118,6 +149,7 @@ def _run_worker() -> None:
             record_case(
                 results, f"moe-{name}-{dtype}", functools.partial(moe_case, kernels, name, getattr(torch, dtype))
             )
+    record_case(results, "compiled-ops", functools.partial(compiled_ops_case, kernels))
     print_results(results)
 
 
@@ -140,6 +172,12 @@ def test_moe_kernel_in_the_interpreter(interpreter_results: dict, name: str, dty
     result = interpreter_results[f"moe-{name}-{dtype}"]
     assert "error" in result and isinstance(result["error"], float), result
     assert result["dtype_ok"] and result["error"] <= MOE_TOLERANCE[dtype], result
+
+
+def test_compiled_models_dispatch_by_each_calls_rows(interpreter_results: dict) -> None:
+    result = interpreter_results["compiled-ops"]
+    assert result.get("error") is None, result["error"]
+    assert result["seen"] == [64, 128] and result["moe_same"], result
 
 
 def test_cpu_tensors_are_refused_outside_the_interpreter() -> None:
