@@ -7,7 +7,8 @@ named by the source, the flags and the compiler's version, so that any change re
 a second or two) and loads it. OpenMP is the runtime torch already loaded
 (``libgomp.so.1``), so kernels and torch share one thread pool; callers pass
 ``torch.get_num_threads()``. ``c_build_problem(source)`` says why a library cannot be had
-here (no compiler and nothing built), for a plugin's validation to report.
+here (no compiler and nothing built), for a plugin's validation to report;
+``try_load_c_library(source, fallback)`` loads it or warns of that and returns None.
 ``prepare_c_library(source)`` starts a build in the background (a compiler process beside
 this one) for a plugin that knows it will need the library soon, e.g. while the model's
 weights load: ``load_c_library`` then finds it built or waits for that build (a cold start
@@ -16,6 +17,7 @@ of the default GGUF model compiles ~3 s of kernels; this way on the otherwise id
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -100,11 +102,35 @@ def _finish_build(source: Path, target: Path, build: tuple[subprocess.Popen, str
 def prepare_c_library(source: Path) -> None:
     """Start building the kernels of the C file ``source`` in the background unless they
     are built (or being built) already, or no compiler is here (``load_c_library`` then
-    says why). Returns at once; ``load_c_library`` waits for the build."""
+    says why). Returns at once; ``load_c_library`` waits for the build (a process that
+    never loads it finishes the build as it exits: no compiler left running, no temp file)."""
     source = Path(source).resolve()
     if (os.getpid(), source) in _pending or c_compiler() is None or c_library_path(source).is_file():
         return
     _pending[os.getpid(), source] = _start_build(source, c_library_path(source))
+
+
+@atexit.register
+def _finish_unloaded_builds() -> None:
+    """At exit: wait for this process's builds nobody loaded and keep them (the next start
+    finds them built); a failed one only removes its temp file (its error is the next
+    load's to report)."""
+    for key in [k for k in _pending if k[0] == os.getpid()]:
+        source = key[1]
+        try:
+            _finish_build(source, c_library_path(source), _pending.pop(key))
+        except RuntimeError:
+            pass
+
+
+def try_load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """``load_c_library(source)``, or None where it cannot be had here (no compiler, nothing
+    built), with one warning that names the problem and ``fallback``, what runs instead."""
+    problem = c_build_problem(source)
+    if problem is not None:
+        logger.warning("%s; %s", problem, fallback)
+        return None
+    return load_c_library(source)
 
 
 def load_c_library(source: Path) -> ctypes.CDLL:

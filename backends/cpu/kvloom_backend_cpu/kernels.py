@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from kvloom.interfaces import c_build_problem, load_c_library
-
-logger = logging.getLogger(__name__)
+from kvloom.interfaces import try_load_c_library
 
 SOURCE = Path(__file__).with_name("attention_kernels.c")
 #: attention_kernels.c's limits: query heads per KV head, head size.
@@ -49,11 +46,9 @@ class BatchArgs(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (logged once) where it cannot be built."""
-    problem = c_build_problem(SOURCE)
-    if problem is not None:
-        logger.warning("CPU_ATTN: %s; decode attention runs through torch's SDPA", problem)
+    lib = try_load_c_library(SOURCE, "CPU_ATTN's decode attention runs through torch's SDPA")
+    if lib is None:
         return None
-    lib = load_c_library(SOURCE)
     lib.cpu_decode_attention.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(BatchArgs), _PTR, _I64, _PTR,
                                          _I64, _INT]  # fmt: skip
     lib.cpu_decode_attention.restype = _INT

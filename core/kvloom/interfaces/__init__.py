@@ -64,7 +64,8 @@ example packages):
   root for what a method derives once (repacked weights, built kernels): ``kvloom_cache_dir``;
   C kernels of CPU plugins, built once per machine and loaded with ctypes: ``load_c_library``
   (``c_build_problem`` says why they cannot be built here, ``cpu_simd`` which vector code they get,
-  ``prepare_c_library`` starts a build in the background).
+  ``prepare_c_library`` starts a build in the background, ``try_load_c_library`` loads or warns and
+  returns None).
 - speculative-decoding proposers (``docs/speculative_decoding.md``): ``SpecDecodeProposer``
   (declarations, ``validate``) and its kinds ``HostProposer`` (drafts from token ids:
   ``ProposalRequest`` in, ``Proposals`` out) and ``ModelProposer`` (a ``DraftModel`` built
@@ -210,7 +211,7 @@ from kvloom.spec_decode.proposer import (
 )
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
-from kvloom.native import c_build_problem, cpu_simd, load_c_library, prepare_c_library
+from kvloom.native import c_build_problem, cpu_simd, load_c_library, prepare_c_library, try_load_c_library
 from kvloom.utils import available_host_memory, cdiv, kvloom_cache_dir
 
 __all__ = [
@@ -318,6 +319,7 @@ __all__ = [
     "kvloom_cache_dir",
     "load_c_library",
     "prepare_c_library",
+    "try_load_c_library",
     "c_build_problem",
     "cpu_simd",
     "remove_quantized_parameter",

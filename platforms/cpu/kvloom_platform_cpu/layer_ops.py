@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from kvloom.interfaces import c_build_problem, custom_op_reference, load_c_library
-
-logger = logging.getLogger(__name__)
+from kvloom.interfaces import c_build_problem, custom_op_reference, try_load_c_library
 
 SOURCE = Path(__file__).with_name("layer_ops.c")
 
@@ -32,11 +29,9 @@ _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built ops, or None (logged once) where they cannot be built."""
-    problem = c_build_problem(SOURCE)
-    if problem is not None:
-        logger.warning("CPU platform: %s; layer ops run their torch code", problem)
+    lib = try_load_c_library(SOURCE, "the CPU platform's layer ops run their torch code")
+    if lib is None:
         return None
-    lib = load_c_library(SOURCE)
     lib.cpu_rms_norm_scale.argtypes = [_I64, _I64, _PTR, _I64, _PTR, _PTR, _F32, _PTR, _INT]
     lib.cpu_rotary.argtypes = [_I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]
     lib.cpu_rms_norm_scale.restype = lib.cpu_rotary.restype = None
