@@ -15,8 +15,8 @@ op: a Triton activation quantizer, then the split-K Triton GEMM at decode sizes 
 block-wise weights, ``torch._scaled_mm`` for many rows of per-tensor / per-channel
 weights); weight-only fp8 (no activation quantization), experts, and every CPU run take
 the reference arithmetic in torch: the activation quantized and
-dequantized (``ops.fake_quantize_activation``), the weight dequantized, a GEMM in the model
-dtype. Online quantization (``--quantization fp8`` of a float checkpoint) loads the float
+dequantized (``ops.fake_quantize_activation``), the weight dequantized (on the CPU once at
+load, kept beside the fp8 weight), a GEMM in the model dtype. Online quantization (``--quantization fp8`` of a float checkpoint) loads the float
 weight and quantizes it per channel after loading.
 """
 
@@ -139,6 +139,11 @@ class Fp8LinearMethod(LinearQuantMethod):
             add_quantized_parameter(layer, s.scale_name, scale, ParamLayout(output_dim=0))
         self.kernel = gpu_kernel(s, layer.weight)
         if not self.kernel:
+            # The torch reference dequantizes the weight; on the CPU once, here, in the model
+            # dtype (a copy beside the fp8 weight: the CPU runs fp8 checkpoints for correctness,
+            # and a dequantization per call made a 135M model decode at ~1 token/s).
+            on_cpu = layer.weight.device.type == "cpu"
+            layer.__dict__["fp8_dequantized"] = self.dequantize(layer).to(layer.params_dtype) if on_cpu else None
             return
         if s.weights == "block":
             from kvloom_quant_fp8.gemm import row_block_scales
@@ -178,7 +183,8 @@ class Fp8LinearMethod(LinearQuantMethod):
             out = out.reshape(*x.shape[:-1], -1)
             return out if bias is None else out + bias
         xq = self.reference_input(layer, x).to(x.dtype)
-        return F.linear(xq, self.dequantize(layer).to(x.dtype), bias)
+        weight = layer.__dict__.get("fp8_dequantized")
+        return F.linear(xq, (weight if weight is not None else self.dequantize(layer)).to(x.dtype), bias)
 
     def checkpoint_tensors(self, weight: torch.Tensor, input_absmax: float = 8.0) -> dict[str, torch.Tensor]:
         return self.scheme.checkpoint_tensors(weight, input_absmax)
