@@ -14,10 +14,11 @@ newer, linear layers with quantized activations run ``gemm.fp8_linear`` (one opa
 op: a Triton activation quantizer, then the split-K Triton GEMM at decode sizes and for
 block-wise weights, ``torch._scaled_mm`` for many rows of per-tensor / per-channel
 weights); weight-only fp8 (no activation quantization), experts, and every CPU run take
-the reference arithmetic in torch: the activation quantized and
-dequantized (``ops.fake_quantize_activation``), the weight dequantized (on the CPU once at
-load, kept beside the fp8 weight), a GEMM in the model dtype. Online quantization (``--quantization fp8`` of a float checkpoint) loads the float
-weight and quantizes it per channel after loading.
+the reference arithmetic in torch: the activation quantized and dequantized
+(``ops.fake_quantize_activation``), the weight dequantized (on the CPU once at load, kept
+beside the fp8 weight), a GEMM in the model dtype. Online quantization (``--quantization
+fp8`` of a float checkpoint) loads the float weight and quantizes it per channel after
+loading.
 """
 
 from __future__ import annotations
@@ -145,9 +146,9 @@ class Fp8LinearMethod(LinearQuantMethod):
             on_cpu = layer.weight.device.type == "cpu"
             layer.__dict__["fp8_dequantized"] = self.dequantize(layer).to(layer.params_dtype) if on_cpu else None
             return
-        if s.weights == "block":
-            from kvloom_quant_fp8.gemm import row_block_scales
+        from kvloom_quant_fp8.gemm import row_block_scales  # also defines torch.ops.kvloom_quant_fp8.linear
 
+        if s.weights == "block":
             scale = getattr(layer, s.scale_name)
             layer.__dict__["fp8_row_scales"] = row_block_scales(scale, layer.output_sizes, s.block[0])  # type: ignore[index]
         else:
@@ -175,8 +176,6 @@ class Fp8LinearMethod(LinearQuantMethod):
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if getattr(self, "kernel", False):
-            import kvloom_quant_fp8.gemm  # noqa: F401 - defines torch.ops.kvloom_quant_fp8.linear
-
             group = self.scheme.block[1] if self.scheme.block else 0
             out = torch.ops.kvloom_quant_fp8.linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.fp8_row_scales,
                                                     group, layer.fp8_static_scale)  # fmt: skip
