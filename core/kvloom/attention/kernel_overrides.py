@@ -6,15 +6,19 @@ users retune them without code through an environment variable holding
 ``KVLOOM_TRITON_MLA_CONFIG``. One parser, so every backend reads the same syntax and
 reports the same errors. The rest of the skeleton such a dataclass needs is here too: the
 range checks of its fields (``check_launch_fields``), default-then-environment-then-explicit
-resolution (``resolve_kernel_config``) and ``next_power_of_2``.
+resolution (``resolve_kernel_config``), ``next_power_of_2``, and ``k_splits``, the split-K
+plan of a GEMM whose grid alone would not fill the GPU (decode-sized weight streams).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any, TypeVar
+
+import torch
 
 C = TypeVar("C")
 
@@ -45,6 +49,20 @@ def parse_kernel_overrides(text: str, config_cls: type, env_var: str) -> dict[st
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``): Triton block sizes."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def k_splits(tiles: int, k_tiles: int, device: torch.device, waves: int = 2) -> int:
+    """How many programs split the K loop of a GEMM with ``tiles`` output tiles and ``k_tiles``
+    K tiles so that the grid covers ``device``'s multiprocessors ``waves`` times (at least 1,
+    at most one K tile per split). A device that is not CUDA counts 8 (Triton's interpreter
+    running a kernel's CPU tests gets the split plans of a small GPU)."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
+    return max(1, min(k_tiles, -(-waves * sms // tiles)))
 
 
 def check_launch_fields(

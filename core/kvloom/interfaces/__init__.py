@@ -22,7 +22,8 @@ example packages):
   ``inverse_kv_scale`` (what a write kernel multiplies by); environment overrides of a kernel configuration
   dataclass (``NAME=INT,...``): ``parse_kernel_overrides``, with the range checks of its
   fields (``check_launch_fields``), its resolution (``resolve_kernel_config``),
-  ``next_power_of_2`` and ``cdiv`` (ceiling division, for grids); the shortest run a split-KV
+  ``next_power_of_2`` and ``cdiv`` (ceiling division, for grids), ``k_splits`` (a split-K plan that
+  fills the GPU); the shortest run a split-KV
   decode kernel may give a split (so CUDA graphs and eager steps agree): ``min_split_tiles``;
 - platforms: ``Platform``, ``BackendCandidate``, ``DeviceCapability``; the tensor-parallel
   all-reduce a platform may supply (``Platform.make_tp_communicator``): ``TPCommunicator``
@@ -106,6 +107,7 @@ from kvloom.attention.backend import (
 )
 from kvloom.attention.kernel_overrides import (
     check_launch_fields,
+    k_splits,
     next_power_of_2,
     parse_kernel_overrides,
     resolve_kernel_config,
@@ -298,6 +300,7 @@ __all__ = [
     "cdiv",
     "min_split_tiles",
     "next_power_of_2",
+    "k_splits",
     "parse_kernel_overrides",
     "read_adapter_config",
     "resolve_kernel_config",

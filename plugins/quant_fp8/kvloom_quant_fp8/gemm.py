@@ -20,13 +20,13 @@ trace's row count, and each CUDA graph captures the kernels of its own size.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kvloom.interfaces import k_splits
 from kvloom_quant_fp8 import ops
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -109,13 +109,6 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(OUT_DTYPE), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    if _INTERPRET or not torch.cuda.is_available():
-        return 8
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def quantize_activation(x: torch.Tensor, group: int, static_scale: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``x [M, K]`` -> ``(fp8 [M, K], float32 scales [M, G])``: per row (``group == 0``, G = 1;
@@ -171,9 +164,8 @@ def fp8_gemm(xq: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_s
     block_m, block_n, block_k, warps, stages, waves = config or gemm_config(m, grouped, group)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    device_index = xq.device.index if xq.device.type == "cuda" else 0
     # Split K until the grid covers the GPU `waves` times (a decode step's GEMMs have few tiles).
-    split = max(1, min(k_tiles, triton.cdiv(waves * _num_sms(device_index or 0), tiles))) if m <= 64 else 1
+    split = k_splits(tiles, k_tiles, xq.device, waves) if m <= 64 else 1
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out.unsqueeze(0)
     launch = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}

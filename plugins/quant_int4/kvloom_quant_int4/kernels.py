@@ -31,13 +31,13 @@ kernels of its own size.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kvloom.interfaces import k_splits
 from kvloom_quant_int4.layout import W4Tensors
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -248,13 +248,6 @@ def _w4_moe_kernel(
 # --------------------------------------------------------------------------- launch
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    if _INTERPRET or not torch.cuda.is_available():
-        return 8
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _block_k(w: W4Tensors, preferred: int) -> tuple[int, bool]:
     """``(BLOCK_K, SCALE_ROW)``: a tile within one group reads one scale row."""
     if w.gidx is None and w.group_size % preferred == 0:
@@ -302,8 +295,7 @@ def w4_linear(x: torch.Tensor, w: W4Tensors) -> torch.Tensor:
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(w.k, block_k)
     # Split K until the grid covers the GPU about twice (a decode step's GEMMs have few tiles).
-    device_index = x.device.index if x.device.type == "cuda" else 0
-    split = max(1, min(k_tiles, triton.cdiv(2 * _num_sms(device_index or 0), tiles))) if m <= 64 else 1
+    split = k_splits(tiles, k_tiles, x.device, waves=2) if m <= 64 else 1
     target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out.unsqueeze(0)
     zeros = w.zeros if w.zeros is not None else w.scales
     perm = w.perm if w.perm is not None else w.qweight
