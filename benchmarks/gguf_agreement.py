@@ -62,9 +62,7 @@ def main() -> int:
     base: dict[str, Any] = {"dtype": "float32"} | ({"model": ns.model} if ns.model else {})
     fp32 = LLM(quantization="none", **base)
     path = str(fp32.config.model.model)
-    tokenizer = fp32.get_tokenizer()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
-    prompt = tokenizer.encode(text, add_special_tokens=False)
+    prompt = chat_prompt(fp32.get_tokenizer())
     reference = kvloom_paths(fp32, prompt, ns.tokens, None)["free"]
     fp32.llm_engine.shutdown()
     del fp32
@@ -84,26 +82,35 @@ def main() -> int:
         top1 = llama.top1_along(prompt + reference)[len(prompt) - 1 : -1]
         rows["llama.cpp (llama-cpp-python)"] = compare(reference, {"free": free, "top1": top1})
         llama.close()
-    table = to_markdown(rows, Path(path).name, ns.tokens)
-    print(table)
-    if ns.markdown:
-        with open(ns.markdown, "a") as f:
-            f.write(table)
+    report(rows, f"Greedy agreement with the float32 dequantized model: {Path(path).name}, {ns.tokens} tokens",
+           ns.markdown)  # fmt: skip
     return 0
 
 
-def to_markdown(rows: dict[str, dict[str, float]], model: str, tokens: int) -> str:
+def chat_prompt(tokenizer: Any) -> list[int]:
+    """The token ids of ``PROMPT`` in the model's chat template, ready for the answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def report(rows: dict[str, dict[str, float]], title: str, markdown: str | None, column: str = "candidate",
+           setting: str = "") -> None:  # fmt: skip
+    """Print the table of ``rows`` (``compare``'s) under ``title``, and append it to ``markdown`` when given."""
     lines = [
-        *report_header(f"Greedy agreement with the float32 dequantized model: {model}, {tokens} tokens", f"python {' '.join(sys.argv)}"),
-        f"- Prompt: the chat template around {PROMPT!r}; EOS ignored",
+        *report_header(title, f"python {' '.join(sys.argv)}"),
+        f"- Prompt: the chat template around {PROMPT!r}; EOS ignored{setting}",
         "",
-        "| candidate | teacher-forced top-1 agreement | free-running: first divergence | free-running: equal tokens |",
+        f"| {column} | teacher-forced top-1 agreement | free-running: first divergence | free-running: equal tokens |",
         "|---|---|---|---|",
     ]
     for name, row in rows.items():
         forced = f"{row['teacher_forced']:.1%}" if "teacher_forced" in row else "-"
         lines.append(f"| {name} | {forced} | {row['first_divergence']} | {row['free_equal']:.1%} |")
-    return "\n".join(lines) + "\n\n"
+    table = "\n".join(lines) + "\n\n"
+    print(table)
+    if markdown:
+        with open(markdown, "a") as f:
+            f.write(table)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_agreement import PROMPT, compare, kvloom_paths
+from gguf_agreement import chat_prompt, compare, kvloom_paths, report
 
 from kvloom import LLM
-from kvloom.entrypoints.cli.bench_throughput import report_header
 
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (method, quantization_config)
@@ -50,9 +49,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (method, quant
 
 def float_checkpoint(gguf: Path, dst: Path) -> Path:
     """The GGUF dequantized by transformers, saved as a float32 HF checkpoint with its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model: the tensors and the config, written by hand.
@@ -88,11 +86,9 @@ def main() -> int:
 
     default = LLM(quantization="none", dtype="float32")
     gguf = Path(default.config.model.model)
-    tokenizer = default.get_tokenizer()
+    prompt = chat_prompt(default.get_tokenizer())
     default.llm_engine.shutdown()
     del default
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
-    prompt = tokenizer.encode(text, add_special_tokens=False)
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         source = float_checkpoint(gguf, Path(tmp) / "float")
@@ -103,21 +99,8 @@ def main() -> int:
             dst = Path(tmp) / method / str(len(rows))
             write_quantized_checkpoint(source, dst, quantization_methods()[method](config), config)
             rows[name] = compare(reference, run(dst, prompt, ns.tokens, reference))
-    lines = [
-        *report_header(f"Greedy agreement with the float32 model: {gguf.name} dequantized, {ns.tokens} tokens",
-                       f"python {' '.join(sys.argv)}"),  # fmt: skip
-        f"- Prompt: the chat template around {PROMPT!r}; EOS ignored; every run float32 on the CPU",
-        "",
-        "| checkpoint | teacher-forced top-1 agreement | free-running: first divergence | free-running: equal tokens |",
-        "|---|---|---|---|",
-        *(f"| {name} | {r['teacher_forced']:.1%} | {r['first_divergence']} | {r['free_equal']:.1%} |"
-          for name, r in rows.items()),  # fmt: skip
-    ]
-    table = "\n".join(lines) + "\n\n"
-    print(table)
-    if ns.markdown:
-        with open(ns.markdown, "a") as f:
-            f.write(table)
+    report(rows, f"Greedy agreement with the float32 model: {gguf.name} dequantized, {ns.tokens} tokens", ns.markdown,
+           column="checkpoint", setting="; every run float32 on the CPU")  # fmt: skip
     return 0
 
 
