@@ -4,6 +4,8 @@
 # Stages: setup and gguf (always first; idempotent), tests, e2e, hybrid, offload, offload-bench, fa-start, fa-wait, fa-export, fa-install, fa-tests, kernels,
 # decode, offline, serving, select, select-nofi, tune, quant, quant-decode, quant-gemm, moe, mla, compile, so, spec, tp, tp-bench, allreduce, allreduce-decode,
 # peers-stash, peers, defaults.
+#   tests        the GPU tests of the core, the Triton backend and the CUDA platform (tests/gpu/, less the e2e,
+#                flash_attn, spec_decode and hybrid ones: their own stages); TESTS_K="EXPR" narrows them by -k EXPR.
 #   offload      plugins/kv_offload/tests/test_offload.py on the GPU (issue 41): the KV-connector conformance kit over a
 #                CUDA cache (host tier pinned, copies on their own streams; host+disk tiers), then an engine with 24
 #                device blocks whose second pass over 8 prompts gets the prefixes the device evicted back from the host
@@ -377,7 +379,8 @@ for i in "${!stages[@]}"; do
   case $stage in
     setup) setup || { log "setup failed"; exit 1; } ;;
     gguf) gguf ;;
-    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ -k "not e2e and not flash_attn and not spec_decode and not hybrid" ;;
+    tests) run_pytest kernels backends/triton/tests/test_triton_backend_gpu.py platforms/cuda/tests tests/gpu/ \
+        -k "not e2e and not flash_attn and not spec_decode and not hybrid${TESTS_K:+ and ($TESTS_K)}" ;;
     offload) run_pytest offload plugins/kv_offload/tests/test_offload.py ;;
     offload-bench)
       python3 benchmarks/bench_kv_offload.py --tokenizer .benchtok --kv-cache-memory 16GiB --kv-offloading-size 80 \
