@@ -11,9 +11,9 @@ Parameters (names = the checkpoint tensors' suffixes):
 
 Kernels (chosen once the weights are loaded): on CUDA with compute capability 8.9 or
 newer, linear layers with quantized activations run ``gemm.fp8_linear`` (one opaque torch
-op: a Triton activation quantizer, then the split-K Triton GEMM at decode sizes and for
-block-wise weights, ``torch._scaled_mm`` for many rows of per-tensor / per-channel
-weights); weight-only fp8 (no activation quantization), experts, and every CPU run take
+op: at decode sizes one split-K Triton GEMM that quantizes its activation itself; for more
+rows the Triton activation quantizer, then that GEMM for block-wise weights or
+``torch._scaled_mm`` for per-tensor / per-channel ones); weight-only fp8 (no activation quantization), experts, and every CPU run take
 the reference arithmetic in torch: the activation quantized and dequantized
 (``ops.fake_quantize_activation``), the weight dequantized (on the CPU once at load, kept
 beside the fp8 weight), a GEMM in the model dtype. Online quantization (``--quantization
@@ -146,7 +146,11 @@ class Fp8LinearMethod(LinearQuantMethod):
             on_cpu = layer.weight.device.type == "cpu"
             layer.__dict__["fp8_dequantized"] = self.dequantize(layer).to(layer.params_dtype) if on_cpu else None
             return
+        from kvloom_platform_cuda.split_k import split_k_counters
+
         from kvloom_quant_fp8.gemm import row_block_scales  # also defines torch.ops.kvloom_quant_fp8.linear
+
+        split_k_counters(layer.weight.device)  # allocated now, before any CUDA graph captures a split launch
 
         if s.weights == "block":
             scale = getattr(layer, s.scale_name)

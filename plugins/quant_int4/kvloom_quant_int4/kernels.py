@@ -4,7 +4,7 @@
 * ``w4_linear(x [M, K], w) -> [M, N]``: a linear layer. A program computes a ``BLOCK_M x
   BLOCK_N`` tile over a slice of ``K``: at decode sizes (a few rows) the weight read is the
   whole cost, so ``K`` is split over ``SPLIT_K`` programs until the grid fills the GPU
-  (partial sums in float32, added once);
+  (partial sums in float32, added by each tile's last program: ``kvloom_platform_cuda.split_k``);
 * ``w4_fused_moe(hidden, w13, w2, topk_weights, topk_ids)``: the ``fused_moe`` op with
   4-bit experts. The (token, expert) pairs are grouped by expert on the device
   (``kvloom_platform_cuda.fused_moe.moe_align``, no host synchronisation: CUDA graphs
@@ -36,6 +36,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from kvloom_platform_cuda.split_k import split_k_buffers, store_split_k
 
 from kvloom.interfaces import k_splits
 from kvloom_quant_int4.layout import W4Tensors
@@ -133,12 +134,13 @@ def _w4_gemm_kernel(
     perm_ptr,
     gidx_ptr,
     out_ptr,
+    part_ptr,
+    counter_ptr,
     M,
     N,
     stride_xm,
     stride_qk,
     stride_sg,
-    stride_os,
     stride_om,
     K: tl.constexpr,
     GROUP: tl.constexpr,
@@ -147,15 +149,15 @@ def _w4_gemm_kernel(
     E2M1: tl.constexpr,
     SCALE_ROW: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): ``out[s, m, n] = sum over the
-    K tiles s, s + SPLIT_K, ... of x[m, perm[k]] * w[k, n]``."""
+    """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): ``out[m, n] = sum over k of
+    x[m, perm[k]] * w[k, n]``, split ``s`` summing the K tiles s, s + SPLIT_K, ...
+    (``store_split_k`` adds the splits)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -171,8 +173,7 @@ def _w4_gemm_kernel(
         acc = _w4_dot_tile(acc, x_rows, m_ok, perm_ptr, qw_ptr, s_ptr, z_ptr, gidx_ptr, k0, offs_n, n_ok, N, K,
                            stride_qk, stride_sg, GROUP, HAS_ZEROS, HAS_PERM, E2M1, SCALE_ROW, DOT_PRECISION,
                            BLOCK_K, BLOCK_N, INTERPRET)  # fmt: skip
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(OUT_DTYPE), mask=m_ok[:, None] & n_ok[None, :])
+    store_split_k(acc, out_ptr, part_ptr, counter_ptr, offs_m, offs_n, M, N, stride_om, SPLIT_K)
 
 
 @triton.jit
@@ -296,21 +297,18 @@ def w4_linear(x: torch.Tensor, w: W4Tensors) -> torch.Tensor:
     k_tiles = triton.cdiv(w.k, block_k)
     # Split K until the grid covers the GPU about twice (a decode step's GEMMs have few tiles).
     split = k_splits(tiles, k_tiles, x.device, waves=2) if m <= 64 else 1
-    target = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out.unsqueeze(0)
+    split, partials, counters = split_k_buffers(m, n, split, tiles, x.device)
     zeros = w.zeros if w.zeros is not None else w.scales
     perm = w.perm if w.perm is not None else w.qweight
     gidx = w.gidx if w.gidx is not None else w.qweight
     launch = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _w4_gemm_kernel[grid](
-        x, w.qweight, w.scales, zeros, perm, gidx, target, m, n,
-        x.stride(0), w.qweight.stride(0), w.scales.stride(0), target.stride(0), target.stride(1),
-        K=w.k, **_flags(w), SCALE_ROW=scale_row, SPLIT_K=split, OUT_DTYPE=_TL_DTYPES[target.dtype],
-        DOT_PRECISION=_dot_precision(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_INTERPRET,
+        x, w.qweight, w.scales, zeros, perm, gidx, out, partials, counters, m, n,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+        K=w.k, **_flags(w), SCALE_ROW=scale_row, SPLIT_K=split, DOT_PRECISION=_dot_precision(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_INTERPRET,
         **launch,
     )  # fmt: skip
-    if split > 1:
-        return target.sum(dim=0).to(x.dtype)
     return out
 
 

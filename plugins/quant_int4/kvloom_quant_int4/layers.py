@@ -123,8 +123,11 @@ class W4LinearMethod(LinearQuantMethod):
         for name in names:
             remove_quantized_parameter(layer, name)
         if kernels_run_on(device):
+            from kvloom_platform_cuda.split_k import split_k_counters
+
             self.template = to_kernel_layout(unpacked)
             _register_kernel_layout(layer, "", self.template)
+            split_k_counters(device)  # allocated now, before any CUDA graph captures a split launch
         else:
             add_quantized_parameter(layer, "weight", unpacked.dequantize().to(layer.params_dtype), ParamLayout(0, 1))
 
