@@ -1,15 +1,13 @@
 #!/usr/bin/env python3
 """The quantized GEMMs of one decode step alone (issue 37): each linear layer of the
-Llama-3-8B shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at 1, 4,
-16, 64 and 128 rows, bf16 (cuBLAS through F.linear) against the kernels of the quantization
+Llama-3-8B shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at 1, 16,
+64 and 128 rows (and 4), bf16 (cuBLAS through F.linear) against the kernels of the quantization
 plugins as their layers call them: fp8 per-channel and 128x128-block
-(``torch.ops.kvloom_quant_fp8.linear``: the split-K Triton GEMM quantizing a few rows itself,
-else the Triton quantizer and that GEMM or ``_scaled_mm``), AWQ int4 with groups of 128
-(``torch.ops.kvloom_quant_int4.linear``); for reference, the fp8 path before the Triton GEMM
-(torch's per-token quantization and ``_scaled_mm``) and, at up to 16 rows, the per-channel
-GEMM after the quantizer kernel (what ``gemm.FUSED_*_MAX_ROWS`` decide between). ``--sweep``
-also times other launch configs of the fp8 GEMM and ``_scaled_mm`` after the quantizer (the
-table behind ``gemm.gemm_config`` and ``SCALED_MM_MIN_ROWS``).
+(``torch.ops.kvloom_quant_fp8.linear``: activation quantizer + split-K Triton GEMM or
+``_scaled_mm``), AWQ int4 with groups of 128 (``torch.ops.kvloom_quant_int4.linear``), and, for
+reference, the fp8 path before the Triton GEMM (torch's per-token quantization and
+``_scaled_mm``). ``--sweep`` also times other launch configs of the fp8 GEMM and ``_scaled_mm`` after the
+Triton quantizer (the table that chose ``gemm.gemm_config`` and ``SCALED_MM_MIN_ROWS``).
 
 Each time is one call's share of a CUDA graph of 20 calls (no launch gaps), the median of
 triton.testing.do_bench_cudagraph; GB/s are the weight bytes it reads over that time, to set
@@ -103,12 +101,6 @@ def main() -> None:
                 "fp8-block": (lambda x=x, w=wb, s=sb_rows: torch.ops.kvloom_quant_fp8.linear(x, w, s, 128, None), 1.0),
                 "awq-int4": (lambda x=x, w=w4: torch.ops.kvloom_quant_int4.linear(x, *w), 0.5 + 2.5 / 128),
             }
-            if m <= fp8.FUSED_QUANT_MAX_ROWS:  # the GEMM quantizing its activation, against the quantizer first
-                def quantizer_first(x: torch.Tensor = x, wc: torch.Tensor = wc, sc: torch.Tensor = sc) -> torch.Tensor:
-                    q, s = fp8.quantize_activation(x, 0)
-                    return fp8.fp8_gemm(q, s, wc, sc.reshape(-1, 1), x.dtype, 0, fp8.X_GIVEN)
-
-                cases["fp8-channel-quantizer-first"] = (quantizer_first, 1.0)
             for config in SWEEP.get(m, []) if args.sweep else []:
                 tag = "x".join(map(str, config))
                 for name, (wq, scales, group) in {"channel": (wc, sc.reshape(-1, 1), 0),
@@ -117,11 +109,8 @@ def main() -> None:
                         continue
 
                     def swept(x: torch.Tensor = x, wq=wq, scales=scales, group=group, config=config):  # type: ignore[no-untyped-def]
-                        mode = fp8.activation_mode(x.shape[0], group, False)
-                        if mode != fp8.X_GIVEN:
-                            return fp8.fp8_gemm(x, scales, wq, scales, x.dtype, group, mode, config)
                         q, s = fp8.quantize_activation(x, group)
-                        return fp8.fp8_gemm(q, s, wq, scales, x.dtype, group, fp8.X_GIVEN, config)
+                        return fp8.fp8_gemm(q, s, wq, scales, x.dtype, group, config)
 
                     cases[f"fp8-{name}-sweep-{tag}"] = (swept, 1.0)
             if args.sweep and m >= 64:

@@ -1,6 +1,6 @@
-"""The fp8 W8A8 GEMM on CUDA: a Triton GEMM that quantizes a few rows of activations itself
-and splits K at decode sizes, or the Triton activation quantizer followed by the GEMM or by
-``torch._scaled_mm`` for many rows of per-tensor / per-channel weights.
+"""The fp8 W8A8 GEMM on CUDA: the activation quantized by a Triton kernel, then a Triton
+GEMM with split K at decode sizes, or ``torch._scaled_mm`` for many rows of per-tensor /
+per-channel weights.
 
 ``out[m, n] = sum_k xq[m, k] * wq[n, k] * x_scale[m, g(k)] * w_scale[n, g(k)]``, where the
 scales are per row (``group == 0``: per-token or static activations, per-tensor or
@@ -10,16 +10,17 @@ per-channel weights, one scale per row on each side) or per ``group`` features
 ``row_block_scales``). Each K tile of the grouped kernel is one group, so the fp8 product
 of a tile is exact in the float32 accumulator before the two scales multiply it.
 
-At decode sizes (a few rows) a step's GEMMs only stream their weights, and a linear layer
-is one launch: the GEMM quantizes its activation tiles with the quantizer's arithmetic
-(``activation_mode``), splits K over programs until the grid covers the GPU (which cuBLAS's
-fp8 kernels do not do for a handful of rows), and the last program of each output tile adds
-the float32 partial sums (``kvloom_platform_cuda.split_k``). A decode step of Llama-3-8B
-has 128 linear layers: the two launches this saves per layer were a third of the fp8
-step's time beyond its weight stream. The launch depends on the row count, so the whole
-GEMM is one opaque torch op (``torch.ops.kvloom_quant_fp8.linear``): under
-``torch.compile`` Dynamo records a node instead of tracing the dispatch with the first
-trace's row count, and each CUDA graph captures the kernels of its own size.
+At decode sizes (a few rows) a step's GEMMs only stream their weights: the kernel splits K
+over programs until the grid covers the GPU, which cuBLAS's fp8 kernels do not do for a
+handful of rows, and the last program of each output tile adds the float32 partial sums
+(``kvloom_platform_cuda.split_k``: no second kernel). Quantizing the activation inside the
+GEMM instead of in its own kernel was measured slower on an H200 (a per-token scale needs a
+first pass over the row; a quantized tile is divisions on every program's critical path:
+docs/benchmarks/quantization_h200.md), so the quantizer stays a kernel of its own. The
+launch depends on the row count, so the whole GEMM is one opaque torch op
+(``torch.ops.kvloom_quant_fp8.linear``): under ``torch.compile`` Dynamo records a node
+instead of tracing the dispatch with the first trace's row count, and each CUDA graph
+captures the kernels of its own size.
 """
 
 from __future__ import annotations
@@ -71,24 +72,10 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, n
     tl.store(s_ptr + m * num_groups + g, scale)
 
 
-#: Where the activation's fp8 codes come from (the GEMM's ``X_QUANT``): the quantizer kernel
-#: ran first (``GIVEN``: fp8 rows and their scales), or the GEMM quantizes the model-dtype rows
-#: itself, with the quantizer's arithmetic, per token over the whole row (``TOKEN``: a first
-#: pass over K finds each row's amax), by the static scale (``STATIC``), or per K tile, one
-#: group (``GROUP``).
-X_GIVEN, X_TOKEN, X_STATIC, X_GROUP = 0, 1, 2, 3
-
-
-@triton.jit
-def _quantize_rows(x, scale):
-    """fp8 codes of float32 rows ``x`` with one scale per row (the quantizer kernel's arithmetic)."""
-    return tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
-
-
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counter_ptr, M, N, num_groups, stride_xm, stride_wn, stride_om,
-    K: tl.constexpr, X_QUANT: tl.constexpr, GROUPED: tl.constexpr, SPLIT_K: tl.constexpr,
+    K: tl.constexpr, GROUPED: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): ``out[m, n]`` = the scaled product,
@@ -102,29 +89,13 @@ def _fp8_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    if X_QUANT == 1:  # X_TOKEN: each row's amax over all of K first (a few rows: an L2 read)
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for t in range(K_TILES):
-            k = t * BLOCK_K + rk
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        x_scale = tl.maximum(amax, 1e-12) / 448.0
-    elif X_QUANT == 2:  # X_STATIC
-        x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    K_TILES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     for i in range((K_TILES + SPLIT_K - 1) // SPLIT_K):
         k0 = (i * SPLIT_K + pid_k) * BLOCK_K
         k = k0 + rk
         k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if X_QUANT == 3:  # X_GROUP: this tile is the group
-            xf = x.to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 448.0
-            x = _quantize_rows(xf, x_scale)
-        elif X_QUANT != 0:
-            x = _quantize_rows(x.to(tl.float32), x_scale)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if INTERPRET:  # the interpreter has no fp8 dot
             part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -132,16 +103,13 @@ def _fp8_gemm_kernel(
             part = tl.dot(x, w, out_dtype=tl.float32)
         if GROUPED:
             kb = k0 // BLOCK_K
-            if X_QUANT == 0:
-                x_scale = tl.load(xs_ptr + rm * num_groups + kb, mask=m_ok & (k0 < K), other=0.0)
+            x_scale = tl.load(xs_ptr + rm * num_groups + kb, mask=m_ok & (k0 < K), other=0.0)
             w_scale = tl.load(ws_ptr + rn * num_groups + kb, mask=n_ok & (k0 < K), other=0.0)
             acc += part * x_scale[:, None] * w_scale[None, :]
         else:
             acc += part
     if not GROUPED:
-        if X_QUANT == 0:
-            x_scale = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
-        acc = acc * x_scale[:, None] * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None] * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     store_split_k(acc, out_ptr, part_ptr, counter_ptr, rm, rn, M, N, stride_om, SPLIT_K)
 
 
@@ -178,52 +146,27 @@ def gemm_config(m: int, grouped: bool, group: int) -> Config:
     return 64, 64, group if grouped else 128, 4, 4, 1
 
 
-def fp8_gemm(x: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
-             out_dtype: torch.dtype, group: int, x_quant: int = X_GIVEN, config: Config | None = None,
-             ) -> torch.Tensor:  # fmt: skip
-    """The Triton GEMM of the rows ``x [M, K]`` and the fp8 ``weight [N, K]`` (scales ``[N, G]``;
-    G = 1 when ``group == 0``) -> ``[M, N]`` in ``out_dtype``. ``x`` holds fp8 codes with their
-    scales ``x_scales [M, G]`` (``X_GIVEN``), or the model dtype's rows that the GEMM quantizes
-    (``X_TOKEN``, ``X_GROUP``; ``X_STATIC`` by the one scale ``x_scales``). ``config``
-    overrides ``gemm_config`` (benchmarks)."""
-    m, k = x.shape
+def fp8_gemm(xq: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor,
+             out_dtype: torch.dtype, group: int, config: Config | None = None) -> torch.Tensor:  # fmt: skip
+    """The Triton GEMM of quantized rows ``xq [M, K]`` (scales ``[M, G]``) and the fp8 ``weight
+    [N, K]`` (scales ``[N, G]``; G = 1 when ``group == 0``) -> ``[M, N]`` in ``out_dtype``;
+    ``config`` overrides ``gemm_config`` (benchmarks)."""
+    m, k = xq.shape
     n = weight.shape[0]
     grouped = group > 0
     block_m, block_n, block_k, warps, stages, waves = config or gemm_config(m, grouped, group)
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     # Split K until the grid covers the GPU `waves` times (a decode step's GEMMs have few tiles).
-    split = k_splits(grid_m * grid_n, triton.cdiv(k, block_k), x.device, waves) if m <= 64 else 1
-    split, partials, counters = split_k_buffers(m, n, split, grid_m * grid_n, x.device)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    split = k_splits(grid_m * grid_n, triton.cdiv(k, block_k), xq.device, waves) if m <= 64 else 1
+    split, partials, counters = split_k_buffers(m, n, split, grid_m * grid_n, xq.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     launch = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
     _fp8_gemm_kernel[(grid_m, grid_n, split)](
-        x, x_scales, weight, w_scales, out, partials, counters, m, n, w_scales.shape[1], x.stride(0),
-        weight.stride(0), out.stride(0), K=k, X_QUANT=x_quant, GROUPED=grouped, SPLIT_K=split, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_INTERPRET, **launch,
+        xq, x_scales, weight, w_scales, out, partials, counters, m, n, x_scales.shape[1], xq.stride(0),
+        weight.stride(0), out.stride(0), K=k, GROUPED=grouped, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, INTERPRET=_INTERPRET, **launch,
     )  # fmt: skip
     return out
-
-
-#: Up to this many rows the GEMM quantizes per-group and static activations itself (no
-#: quantizer launch); above it a quantized tile is a few hundred divisions per thread that
-#: every program along N would repeat, so the quantizer kernel runs once first.
-FUSED_QUANT_MAX_ROWS = 16
-#: Per-token activations need each row's amax over all of K before the first tile: the GEMM
-#: finds it in a first pass over the rows (read once per program, from L2), worth a launch
-#: only for a handful of rows.
-FUSED_TOKEN_MAX_ROWS = 4
-
-
-def activation_mode(m: int, group: int, static: bool) -> int:
-    """Who quantizes the activation of ``m`` rows: the GEMM (``X_GROUP`` / ``X_STATIC`` /
-    ``X_TOKEN``) or the quantizer kernel first (``X_GIVEN``)."""
-    if m > FUSED_QUANT_MAX_ROWS:
-        return X_GIVEN
-    if group:
-        return X_GROUP
-    if static:
-        return X_STATIC
-    return X_TOKEN if m <= FUSED_TOKEN_MAX_ROWS else X_GIVEN
 
 
 def _check(group: int) -> None:
@@ -240,16 +183,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, w_scales: torch.Tensor, gr
     ``x``'s dtype."""
     _check(group)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    w_scales = w_scales.reshape(weight.shape[0], -1)
-    mode = activation_mode(x.shape[0], group, static_scale is not None)
-    if mode != X_GIVEN:
-        x_scales = static_scale if mode == X_STATIC else w_scales  # (w_scales: an unread placeholder)
-        return fp8_gemm(x, x_scales, weight, w_scales, x.dtype, group, mode)  # type: ignore[arg-type]
     xq, x_scales = quantize_activation(x, group, static_scale)
     if group == 0 and x.shape[0] >= SCALED_MM_MIN_ROWS and not _INTERPRET:
         return torch._scaled_mm(xq, weight.t(), scale_a=x_scales, scale_b=w_scales.reshape(1, -1), out_dtype=x.dtype,
                                 use_fast_accum=True)  # fmt: skip
-    return fp8_gemm(xq, x_scales, weight, w_scales, x.dtype, group)
+    return fp8_gemm(xq, x_scales, weight, w_scales.reshape(weight.shape[0], -1), x.dtype, group)
 
 
 @fp8_linear.register_fake

@@ -11,9 +11,9 @@ Parameters (names = the checkpoint tensors' suffixes):
 
 Kernels (chosen once the weights are loaded): on CUDA with compute capability 8.9 or
 newer, linear layers with quantized activations run ``gemm.fp8_linear`` (one opaque torch
-op: at decode sizes one split-K Triton GEMM that quantizes its activation itself; for more
-rows the Triton activation quantizer, then that GEMM for block-wise weights or
-``torch._scaled_mm`` for per-tensor / per-channel ones); weight-only fp8 (no activation quantization), experts, and every CPU run take
+op: a Triton activation quantizer, then the split-K Triton GEMM at decode sizes and for
+block-wise weights, ``torch._scaled_mm`` for many rows of per-tensor / per-channel
+weights); weight-only fp8 (no activation quantization), experts, and every CPU run take
 the reference arithmetic in torch: the activation quantized and dequantized
 (``ops.fake_quantize_activation``), the weight dequantized (on the CPU once at load, kept
 beside the fp8 weight), a GEMM in the model dtype. Online quantization (``--quantization

@@ -93,10 +93,13 @@ def _w4_dot_tile(
     nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
     q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
     if SCALE_ROW:  # the whole tile is in one group (GROUP % BLOCK_K == 0, no act-order)
+        # A split's last tile may start past K (K tiles not a multiple of SPLIT_K): its scale row
+        # does not exist, and a scale read past the end times a zero activation can be NaN.
         group = k0 // GROUP
-        scale = tl.load(s_ptr + group * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        scale_ok = n_ok & (k0 < K)
+        scale = tl.load(s_ptr + group * stride_sg + offs_n, mask=scale_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_ZEROS:
-            zero = tl.load(z_ptr + group * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)[None, :]
+            zero = tl.load(z_ptr + group * stride_sg + offs_n, mask=scale_ok, other=0).to(tl.float32)[None, :]
     else:
         if HAS_PERM:  # act-order: each row's group from gidx
             group = tl.load(gidx_ptr + rows, mask=k_ok, other=0)

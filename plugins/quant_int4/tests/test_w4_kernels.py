@@ -14,6 +14,7 @@ replayed on new inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -133,6 +134,18 @@ def compiled_ops_case(kernels) -> dict:  # type: ignore[no-untyped-def]
     return {"error": None, "seen": seen, "moe_same": same}
 
 
+def split_tail_case(kernels) -> dict:  # type: ignore[no-untyped-def]
+    """17 K tiles over 16 splits: the last split's second tile starts past K. The scales are
+    followed in memory by NaN: a kernel reading that tile's scale row gives NaN."""
+    w = random_w4(64, 17 * 64, 64, True, False, False, seed=5)
+    padded = torch.full((w.scales.shape[0] + 2, w.scales.shape[1]), float("nan"), dtype=w.scales.dtype)
+    padded[: w.scales.shape[0]] = w.scales
+    tailed = dataclasses.replace(w, scales=padded[: w.scales.shape[0]])
+    x = torch.randn(1, 17 * 64, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ dequantize(w).double().T
+    return {"error": relative_error(kernels.w4_linear(x, tailed), ref), "dtype_ok": True}
+
+
 def _run_worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_bf16_rounding()
@@ -150,6 +163,7 @@ def _run_worker() -> None:
                 results, f"moe-{name}-{dtype}", functools.partial(moe_case, kernels, name, getattr(torch, dtype))
             )
     record_case(results, "compiled-ops", functools.partial(compiled_ops_case, kernels))
+    record_case(results, "split-tail", functools.partial(split_tail_case, kernels))
     print_results(results)
 
 
@@ -164,6 +178,11 @@ def test_linear_kernel_in_the_interpreter(interpreter_results: dict, name: str, 
     result = interpreter_results[f"linear-{name}-{dtype}"]
     assert "error" in result and isinstance(result["error"], float), result
     assert result["dtype_ok"] and result["error"] <= TOLERANCE[dtype], result
+
+
+def test_a_split_past_k_reads_no_scale_row_past_the_end(interpreter_results: dict) -> None:
+    result = interpreter_results["split-tail"]
+    assert isinstance(result["error"], float) and result["error"] <= TOLERANCE["float32"], result
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
