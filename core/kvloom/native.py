@@ -1,10 +1,12 @@
 """C kernels of kvloom's CPU plugins, built once per machine and loaded with ``ctypes``.
 
 A plugin ships its kernels as one C source file (plain C with OpenMP; AVX2 intrinsics
-behind ``#ifdef __AVX2__``). ``load_c_library(source)`` compiles it with the system C
-compiler (``$CC``, else ``cc``) on first use into ``KVLOOM_CACHE_DIR/c-kernels/`` (a file
-named by the source, the flags and the compiler's version, so that any change rebuilds it;
-a second or two) and loads it. OpenMP is the runtime torch already loaded
+behind ``#ifdef __AVX2__``), which may include ``kvloom_native.h`` (helpers that every
+kernel file would otherwise write again, e.g. ``thread_scratch``).
+``load_c_library(source)`` compiles it with the system C compiler (``$CC``, else ``cc``) on
+first use into ``KVLOOM_CACHE_DIR/c-kernels/`` (a file named by the source, the header, the
+flags and the compiler's version, so that any change rebuilds it; a second or two) and
+loads it. OpenMP is the runtime torch already loaded
 (``libgomp.so.1``), so kernels and torch share one thread pool; callers pass
 ``torch.get_num_threads()``. ``c_build_problem(source)`` says why a library cannot be had
 here (no compiler and nothing built), for a plugin's validation to report;
@@ -45,11 +47,15 @@ def cpu_simd() -> str:
     return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "portable"
 
 
+#: The header of helpers every plugin's C source may include (``#include "kvloom_native.h"``).
+NATIVE_HEADER = Path(__file__).with_name("kvloom_native.h")
+
+
 def c_flags() -> list[str]:
     vector = ["-mavx2", "-mfma", "-mf16c"] if cpu_simd() == "avx2" else []
     # No FMA contraction of scalar code: kernels that must round as torch does (two
     # roundings for a * b + c) get them.
-    return ["-O3", *vector, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    return ["-O3", *vector, "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", f"-I{NATIVE_HEADER.parent}"]
 
 
 @functools.cache
@@ -60,7 +66,8 @@ def c_library_path(source: Path) -> Path:
         version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256(source.read_bytes() + " ".join(c_flags()).encode() + version.encode()).hexdigest()[:16]
+    inputs = source.read_bytes() + NATIVE_HEADER.read_bytes() + " ".join(c_flags()).encode() + version.encode()
+    key = hashlib.sha256(inputs).hexdigest()[:16]
     return kvloom_cache_dir() / "c-kernels" / f"{source.stem}_{cpu_simd()}_{key}.so"
 
 

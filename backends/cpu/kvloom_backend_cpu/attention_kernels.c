@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+
+#include "kvloom_native.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -114,21 +116,6 @@ static inline void axpy(float *acc, float p, const float *v, int64_t n)
     for (; i < n; i++) acc[i] += p * v[i];
 }
 
-/* The scores of the calling thread: grown as needed, kept for the next call. */
-static __thread float *scratch;
-static __thread int64_t scratch_floats;
-
-static float *thread_scratch(int64_t floats)
-{
-    if (floats > scratch_floats) {
-        float *grown = (float *)realloc(scratch, (size_t)floats * sizeof(float));
-        if (grown == NULL) return NULL;
-        scratch = grown;
-        scratch_floats = floats;
-    }
-    return scratch;
-}
-
 /* One (request, KV head): the G query heads at qh over positions key_start .. seq_len - 1.
  * Each key row is read once for all G heads' scores, then per head e = exp(score - max)
  * and l = sum(e), then each value row once for all G heads' sums of e * v; out = sum / l.
@@ -138,7 +125,7 @@ static int attend(int64_t group, int64_t head_size, float scale, const float *qh
                   const int64_t *table, int64_t first_pos, int64_t key_start, int64_t seq_len)
 {
     const int64_t n = seq_len - key_start;
-    float *scores = thread_scratch(group * (n > 0 ? n : 1)); /* [group][n] */
+    float *scores = (float *)thread_scratch(group * (n > 0 ? n : 1) * (int64_t)sizeof(float)); /* [group][n] */
     if (scores == NULL) return -1;
     /* Block by block (no division per position): column c holds positions first_pos + c * block_size on. */
     const int64_t first_col = (key_start - first_pos) / block_size;

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+
+#include "kvloom_native.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -399,22 +401,6 @@ static void tile(int fmt, int bits, int mr, int64_t B, int64_t K, const void *qx
 #define PARALLEL_MIN_MACS (1 << 17)
 #define MAX_SEGMENTS 8
 
-/* The activations' buffer of the calling thread: grown as needed and kept for the next
- * call (a layer's forward runs on one thread at a time; each thread has its own). */
-static __thread uint8_t *scratch;
-static __thread int64_t scratch_bytes;
-
-static uint8_t *thread_scratch(int64_t bytes)
-{
-    if (bytes > scratch_bytes) {
-        uint8_t *grown = (uint8_t *)realloc(scratch, (size_t)bytes);
-        if (grown == NULL) return NULL;
-        scratch = grown;
-        scratch_bytes = bytes;
-    }
-    return scratch;
-}
-
 /* One linear layer: out[m, n] (row stride ldo) = sum_k x[m, k] * w[n, k] for the weight rows
  * of `nseg` segments: segment s is rows[s] rows in format fmts[s] (codes[s], params[s]),
  * written to the output columns from starts[s]. x [M, K] (row stride ldx) is quantized to
@@ -427,7 +413,7 @@ int kvq_linear(int bits, int64_t M, int64_t K, const float *x, int64_t ldx, int 
 {
     const int64_t B = K / 32, qbytes = bits / 8, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
     if (nseg < 1 || nseg > MAX_SEGMENTS) return -1;
-    uint8_t *qx = thread_scratch(M * K * qbytes + M * B * 12);
+    uint8_t *qx = (uint8_t *)thread_scratch(M * K * qbytes + M * B * 12); /* the activations, quantized */
     if (qx == NULL) return -1;
     float *dx = (float *)(qx + M * K * qbytes), *sx = dx + M * B;
     kvq_quantize(bits, M, K, x, ldx, qx, dx, sx, nthreads);
