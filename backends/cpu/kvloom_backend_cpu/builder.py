@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.interfaces import AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvloom.interfaces import AttentionLayerSpec, AttentionMetadataBuilder, CommonAttentionMetadata, window_start
 from kvloom_backend_cpu import kernels
 
 #: Decode requests are split into at most this many length groups, each at least this big.
@@ -313,7 +313,4 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder[CPUAttentionMetadata]
 
     def _window_start(self, query_positions: torch.Tensor) -> torch.Tensor:
         """The first position each query position sees (0 without a sliding window)."""
-        window = self.spec.sliding_window
-        if window is None:
-            return torch.zeros_like(query_positions)
-        return (query_positions - window + 1).clamp(min=0)
+        return window_start(query_positions, self.spec.sliding_window)

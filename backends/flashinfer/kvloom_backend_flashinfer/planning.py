@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.interfaces import window_start
+
 
 @dataclass(frozen=True)
 class PagedKVPlan:
@@ -84,8 +86,8 @@ def plan_paged_kv(
     first_page = torch.zeros_like(pages)
     if sliding_window is not None:
         query_lens = (query_start_loc_cpu[1 : num_reqs + 1] - query_start_loc_cpu[:num_reqs]).to(torch.int64)
-        window_start = (seq_lens - query_lens - sliding_window + 1).clamp(min=0)
-        first_page = torch.minimum(window_start // block_size, (pages - 1).clamp(min=0))
+        first_seen = window_start(seq_lens - query_lens, sliding_window)  # by the step's first query
+        first_page = torch.minimum(first_seen // block_size, (pages - 1).clamp(min=0))
     kept = pages - first_page
 
     kv_indptr = torch.zeros(num_reqs + 1, dtype=torch.int64)

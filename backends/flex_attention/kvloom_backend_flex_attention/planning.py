@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.interfaces import window_start
+
 SHORT_QUERY_BLOCK = 16
 LONG_QUERY_BLOCK = 64
 
@@ -114,7 +116,7 @@ def plan_query_group(
     visible_pages = last_pos // block_size + 1
     first_pages = torch.zeros_like(full_pages)
     if sliding_window is not None:  # every page from the first row's window start on is partial
-        first_pages = (first_pos - sliding_window + 1).clamp(min=0) // block_size
+        first_pages = window_start(first_pos, sliding_window) // block_size
         full_pages = first_pages
 
     return QueryGroupPlan(

@@ -94,6 +94,14 @@ def effective_decode_graphs(mode: CUDAGraphMode, support: AttentionCGSupport) ->
     return support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
+def window_start(query_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """The first position each query position ``p`` sees: ``p - W + 1``, at least 0, with a
+    sliding window ``W``; 0 without one (the module docstring's rule)."""
+    if sliding_window is None:
+        return torch.zeros_like(query_positions)
+    return (query_positions - sliding_window + 1).clamp(min=0)
+
+
 @dataclass(frozen=True)
 class MultipleOf:
     """A block-size declaration meaning "any positive multiple of ``base``"."""

@@ -15,7 +15,7 @@ example packages):
   ``AttentionImpl`` (one layer's forward), ``AttentionMetadataBuilder`` (per-step
   metadata), ``CommonAttentionMetadata``, ``AttentionLayerSpec``,
   ``AttentionSelectorConfig``, ``AttentionType``, ``AttentionCGSupport``, ``MultipleOf``,
-  ``BlockSizeSpec``;
+  ``BlockSizeSpec``; ``window_start`` (the first position a query sees in a sliding window);
   KV writes for backends without a write kernel: ``write_kv_default_layout``,
   ``copy_rows_skipping_invalid``; an fp8 KV cache (``AttentionImpl.k_scale`` / ``v_scale``):
   ``FP8_KV_CACHE_DTYPES``, ``is_fp8_kv_cache``, ``quantize_kv``, ``dequantize_kv``,
@@ -104,6 +104,7 @@ from kvloom.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
     effective_decode_graphs,
+    window_start,
 )
 from kvloom.attention.kernel_overrides import (
     check_launch_fields,
@@ -172,8 +173,8 @@ from kvloom.kv_transfer.blocks import (
     kv_layout_fingerprint,
 )
 from kvloom.kv_transfer.config import KVTransferConfig
-from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
 from kvloom.layers.custom_op_reference import custom_op_reference
+from kvloom.layers.custom_ops import OP_SIGNATURES as CUSTOM_OP_SIGNATURES
 from kvloom.layers.fused_moe import fused_moe_torch
 from kvloom.loader.gguf_file import GGUFTensor
 from kvloom.logits_processor import LogitsProcessor, LogitsProcessorRow
@@ -186,6 +187,7 @@ from kvloom.metrics.scheduler_stats import KVTransferCounts, KVTransferStats, Pr
 from kvloom.metrics.stat_logger_base import StatLoggerBase
 from kvloom.metrics.stats import FinishedRequestStats, IterationStats
 from kvloom.models.registry import ModelRegistry
+from kvloom.native import c_build_problem, cpu_simd, load_c_library, prepare_c_library, try_load_c_library
 from kvloom.outputs import PoolingRequestOutput
 from kvloom.platforms.interface import BackendCandidate, DeviceCapability, Platform
 from kvloom.platforms.worker import ModelRunnerProtocol, Worker, WorkerBase
@@ -213,7 +215,6 @@ from kvloom.spec_decode.proposer import (
 )
 from kvloom.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvloom.tool_parsers.base import ExtractedToolCalls, ParsedToolCall, ToolParser
-from kvloom.native import c_build_problem, cpu_simd, load_c_library, prepare_c_library, try_load_c_library
 from kvloom.utils import available_host_memory, cdiv, kvloom_cache_dir
 
 __all__ = [
@@ -296,6 +297,7 @@ __all__ = [
     "is_fp8_kv_cache",
     "quantize_kv",
     "effective_decode_graphs",
+    "window_start",
     "hookimpl",
     "cdiv",
     "min_split_tiles",
