@@ -2,15 +2,17 @@
 program of a tile to finish adds the tile's partials and writes the output.
 
 Decode-sized GEMMs (a few rows) split their K loop over programs so that the grid covers
-the GPU (``kvloom.interfaces.k_splits``). Adding the partials in a second kernel cost a
-launch and a round trip through memory per linear layer, and a decode step of Llama-3-8B
-has 128 linear layers. Here an arrival counter per output tile elects the program that
-adds them (CUTLASS's "serial split-K" semaphore, without any program waiting): a program
-stores its partial, the block synchronises, one thread increments the tile's counter with
-acquire-release semantics at GPU scope, and the program that sees ``SPLIT_K - 1`` arrivals
-before it reads every partial (bypassing L1), writes the output and resets the counter to
-zero for the next launch (so a CUDA graph replays it). The partials are added in split
-order whoever arrives last: the result does not depend on the order programs finish.
+the GPU (``kvloom.interfaces.k_splits``). Instead of a second kernel adding the partials
+(one more launch per linear layer; the int4 path used torch's sum and a cast, two), an
+arrival counter per output tile elects the program that adds them. In a CUDA graph on an
+H200 this measured the same as the separate sum kernel (docs/benchmarks/quantization_h200.md):
+the gain is one kernel fewer per layer and a sum that does not depend on launch order, not
+speed. The election is CUTLASS's "serial split-K" semaphore without any program waiting:
+a program stores its partial, the block synchronises, one thread increments the tile's
+counter with acquire-release semantics at GPU scope, and the program that sees
+``SPLIT_K - 1`` arrivals before it reads every partial (bypassing L1), writes the output
+and resets the counter to zero for the next launch (so a CUDA graph replays it). The
+partials are added in split order whoever arrives last.
 
 ``split_k_counters(device)`` is the one zeroed counter array of a device, allocated once
 (the layers allocate it at load, before any graph capture); kernels index it by tile.

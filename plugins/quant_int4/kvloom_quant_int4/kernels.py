@@ -309,8 +309,8 @@ def w4_linear(x: torch.Tensor, w: W4Tensors) -> torch.Tensor:
     _w4_gemm_kernel[grid](
         x, w.qweight, w.scales, zeros, perm, gidx, out, partials, counters, m, n,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        K=w.k, **_flags(w), SCALE_ROW=scale_row, SPLIT_K=split, DOT_PRECISION=_dot_precision(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_INTERPRET,
-        **launch,
+        K=w.k, **_flags(w), SCALE_ROW=scale_row, SPLIT_K=split, DOT_PRECISION=_dot_precision(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_INTERPRET, **launch,
     )  # fmt: skip
     return out
 
